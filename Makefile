@@ -1,0 +1,90 @@
+# One entry point per job. `make run` and `make test` are all a new machine needs.
+#
+#   make run        build everything, then run the main job (see README)
+#   make test       build everything, then run the test suite (what CI runs)
+#   make build      venv + patched llama.cpp + libspice, installed into the venv
+#   make lint       ruff + mypy
+#   make bench      pyspice bench on the largest synthetic model that is comfortable here
+#   make check-patches   prove patches/series applies to a clean upstream tree
+#   make patches-export  regenerate patches/ from commits in build/upstream/llama.cpp
+#   make cuda-check      compile the CUDA variant (needs nvcc; cuBLAS from the nvidia-cublas wheel)
+
+PYTHON     ?= python3
+VENV       ?= .venv
+BUILD_DIR  ?= build/cmake
+CMAKE_ARGS ?=
+JOBS       ?= $(shell nproc 2>/dev/null || echo 2)
+
+PY    := $(VENV)/bin/python
+CMAKE := $(VENV)/bin/cmake
+
+.PHONY: all venv upstream build test test-unit test-native lint format bench run \
+        check-patches patches-export cuda-check clean distclean
+
+all: build
+
+# ---- environment -----------------------------------------------------------
+
+$(VENV)/.pyspice-venv: pyproject.toml upstream.lock scripts/upstream.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "cmake>=3.21" ninja
+	@# llama-cpp-python from the verified pinned sdist, WITHOUT its native build:
+	@# our patched libraries are installed into its lib/ folder by `make build`.
+	CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" \
+	    $(PY) -m pip install --quiet "$$($(PY) scripts/upstream.py sdist-path)"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $@
+
+venv: $(VENV)/.pyspice-venv
+
+# ---- native build ----------------------------------------------------------
+
+upstream: venv
+	$(PY) scripts/upstream.py prepare
+
+build: upstream
+	$(CMAKE) -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=Release --log-level=WARNING -Wno-dev $(CMAKE_ARGS)
+	$(CMAKE) --build $(BUILD_DIR) -j $(JOBS)
+	$(PY) scripts/install-native.py --build-dir $(BUILD_DIR)
+
+check-patches: venv
+	$(PY) scripts/upstream.py check
+
+patches-export:
+	$(PYTHON) scripts/upstream.py export
+
+cuda-check: venv
+	$(PY) scripts/cuda-check.py
+
+# ---- jobs ------------------------------------------------------------------
+
+run: build
+	$(PY) scripts/main-job.py
+
+test: build
+	$(PY) -m pytest tests
+
+test-unit: venv
+	$(PY) -m pytest tests/unit
+
+test-native: build
+	$(PY) -m pytest tests/native
+
+lint: venv
+	$(VENV)/bin/ruff check pyspice tests scripts
+	$(VENV)/bin/ruff format --check pyspice tests scripts
+	$(VENV)/bin/mypy pyspice
+
+format: venv
+	$(VENV)/bin/ruff format pyspice tests scripts
+	$(VENV)/bin/ruff check --fix pyspice tests scripts
+
+bench: build
+	$(PY) -m pyspice bench --policies stock,exact,exact-py --repeat 3
+
+clean:
+	rm -rf $(BUILD_DIR)
+
+distclean:
+	rm -rf build $(VENV)

@@ -1,0 +1,185 @@
+/*
+ * libspice: the native half of pyspice.
+ *
+ * Conventions: every function is spice_<object>_<verb>; objects are opaque
+ * handles; every fallible function returns a spice_status (0 = success) and
+ * never lets a C++ exception cross this boundary; there is no global state
+ * (everything hangs off a handle the caller owns). Messages for the last
+ * failure of a handle come from spice_runtime_last_error().
+ *
+ * Mechanism lives here, decisions live in Python: the runtime attaches to a
+ * llama_context, receives every MoE layer's routed-expert work through the
+ * patched llama.cpp hook (llama_set_moe_hook), asks a policy for a plan
+ * (natively, or through a callback into Python), validates the plan and
+ * executes it exactly with ggml's CPU kernels on the GGUF weights.
+ */
+#ifndef SPICE_H
+#define SPICE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(SPICE_BUILD)
+#define SPICE_API __attribute__((visibility("default")))
+#else
+#define SPICE_API
+#endif
+
+struct llama_context;
+
+/* Status codes. Functions return these; spice_status_string() names them. */
+typedef enum spice_status {
+    SPICE_OK               = 0, /* success */
+    SPICE_ERR_INVALID_ARG  = 1, /* a NULL handle, out-of-range index or bad size */
+    SPICE_ERR_UNSUPPORTED  = 2, /* the model/tensor type/architecture is not handled */
+    SPICE_ERR_NO_MEMORY    = 3, /* an allocation failed */
+    SPICE_ERR_INCOMPATIBLE = 4, /* the model was loaded with settings the hook cannot use */
+    SPICE_ERR_INVALID_PLAN = 5, /* a policy's plan failed validation */
+    SPICE_ERR_BUDGET       = 6, /* the request does not fit the device byte budget */
+    SPICE_ERR_STATE        = 7, /* the call is not valid in the object's current state */
+    SPICE_ERR_INTERNAL     = 8  /* a bug in libspice; the message says where */
+} spice_status;
+
+/* Version of libspice ("MAJOR.MINOR.PATCH"). */
+SPICE_API const char * spice_version_string(void);
+
+/* Short English name of a status code; never NULL. */
+SPICE_API const char * spice_status_string(int status);
+
+/* The patch series compiled into the libllama libspice is linked against,
+ * one patch file name per line. Proves the two come from one build. */
+SPICE_API const char * spice_build_patch_series(void);
+
+/* ---- plans ---------------------------------------------------------------
+ *
+ * What a policy decides for one hook call: an action per (token, selected
+ * expert), and lists of experts to fetch now (demand), to prefetch and that
+ * may be evicted. Python policies fill the buffers libspice hands them; the
+ * plan is validated before use and an invalid plan falls back to exact
+ * execution for that call.
+ */
+typedef enum spice_action {
+    SPICE_ACTION_DEVICE    = 0, /* exact, expert resident in the device tier (all resident here) */
+    SPICE_ACTION_HOST      = 1, /* exact, on the host weights */
+    SPICE_ACTION_SURROGATE = 2, /* lossy: low-rank surrogate (needs a loaded surrogate) */
+    SPICE_ACTION_DROP      = 3, /* lossy: contributes nothing (ablations, negative controls) */
+    SPICE_ACTION_COUNT_    = 4
+} spice_action;
+
+/* One hook call as a policy sees it, plus the plan it fills.
+ * Input arrays are row-major views valid only during the callback. */
+typedef struct spice_policy_call {
+    int32_t il;
+    int32_t n_tokens;
+    int32_t n_embd;
+    int32_t n_expert;
+    int32_t n_expert_used;
+
+    const float   * inp;     size_t inp_nb1;     /* [n_tokens][n_embd] */
+    const float   * probs;   size_t probs_nb1;   /* [n_tokens][n_expert] */
+    const int32_t * ids;     size_t ids_nb1;     /* [n_tokens][n_expert_used] */
+    const float   * weights; size_t weights_nb1; /* [n_tokens][n_expert_used] */
+    const float   * shexp;   size_t shexp_nb1;   /* [n_tokens][n_embd] or NULL */
+
+    /* plan, written by the policy; n_* say how many entries it wrote */
+    int32_t * actions;  int32_t n_actions;  int32_t cap_actions;  /* n_tokens*n_expert_used, row-major */
+    int32_t * fetch;    int32_t n_fetch;    int32_t cap_fetch;    /* expert ids of this layer */
+    int32_t * prefetch; int32_t n_prefetch; int32_t cap_prefetch; /* (layer, expert) pairs, flattened */
+    int32_t * evict;    int32_t n_evict;    int32_t cap_evict;    /* (layer, expert) pairs, flattened */
+} spice_policy_call;
+
+/* Return values of a policy callback. */
+#define SPICE_POLICY_OK     0 /* plan written */
+#define SPICE_POLICY_FAILED 1 /* the policy raised: run exact, count a fallback */
+#define SPICE_POLICY_ABORT  2 /* stop generation (Ctrl-C): run exact, then abort the graph */
+
+typedef int (*spice_policy_fn)(spice_policy_call * call, void * user_data);
+
+/* ---- runtime -------------------------------------------------------------- */
+
+typedef struct spice_runtime spice_runtime;
+
+/* Per-layer description of the routed experts the runtime serves. */
+typedef struct spice_layer_info {
+    int32_t il;
+    int32_t is_moe;         /* 0: dense layer (or experts the hook cannot serve) */
+    int32_t n_expert;
+    int32_t n_embd;
+    int32_t n_ff;           /* expert FFN width */
+    int32_t type_gate;      /* ggml_type of each expert tensor */
+    int32_t type_up;
+    int32_t type_down;
+    uint64_t bytes_per_expert; /* gate + up + down bytes of one expert */
+} spice_layer_info;
+
+/* Event counters of one layer, or of the whole model (il = -1). */
+typedef struct spice_counters {
+    uint64_t hook_calls;
+    uint64_t activations;
+    uint64_t hits;
+    uint64_t misses_fetched;
+    uint64_t misses_host;
+    uint64_t misses_surrogate;
+    uint64_t dropped;
+    uint64_t prefetch_issued;
+    uint64_t prefetch_used;
+    uint64_t prefetch_cancelled;
+    uint64_t bytes_h2d;
+    uint64_t copy_ns;
+    uint64_t stall_ns;
+    uint64_t policy_ns;
+    uint64_t policy_calls;
+    uint64_t policy_fallbacks;
+} spice_counters;
+
+/* Attach a runtime to a context. Checks that every MoE layer's expert tensors
+ * are in plain host memory (not repacked) with a supported type; on failure
+ * returns SPICE_ERR_INCOMPATIBLE / SPICE_ERR_UNSUPPORTED and writes the reason
+ * into err (err_len bytes, may be NULL). The hook is not registered yet. */
+SPICE_API int spice_runtime_create(struct llama_context * lctx, spice_runtime ** out,
+                                   char * err, size_t err_len);
+
+/* Unregisters the hook (if registered) and frees the runtime. NULL is a no-op. */
+SPICE_API void spice_runtime_free(spice_runtime * rt);
+
+/* Message of the runtime's last failure (or last plan rejection); "" if none. */
+SPICE_API const char * spice_runtime_last_error(const spice_runtime * rt);
+
+SPICE_API int spice_runtime_n_layers(const spice_runtime * rt);
+SPICE_API int spice_runtime_layer_info(const spice_runtime * rt, int32_t il, spice_layer_info * out);
+
+/* Register the hook with the built-in exact policy (fn = NULL) or a policy
+ * callback. max_tokens: micro-batches above it keep upstream's path (0 = none). */
+SPICE_API int spice_runtime_enable(spice_runtime * rt, spice_policy_fn fn, void * user_data,
+                                   int32_t max_tokens);
+
+/* Unregister the hook: the context computes exactly upstream's graph again. */
+SPICE_API int spice_runtime_disable(spice_runtime * rt);
+
+/* Counters of layer il, or totals for il = -1. */
+SPICE_API int spice_runtime_get_counters(const spice_runtime * rt, int32_t il, spice_counters * out);
+SPICE_API void spice_runtime_reset_counters(spice_runtime * rt);
+
+/* Set by a policy returning SPICE_POLICY_ABORT; the runtime's abort callback
+ * stops the current llama_decode. Reading clears nothing; clear it explicitly. */
+SPICE_API int spice_runtime_abort_requested(const spice_runtime * rt);
+SPICE_API void spice_runtime_clear_abort(spice_runtime * rt);
+
+/* Number of plan rejections and policy failures so far; the first message is
+ * kept in last_error so the caller can warn once. */
+SPICE_API uint64_t spice_runtime_plan_rejections(const spice_runtime * rt);
+
+/* The buffer type expert tensors must be loaded into for the hook: pinned
+ * host memory of the first GPU where the build has one, else plain CPU memory
+ * (never a repacking "extra" buffer type). Returned as ggml_backend_buffer_type_t. */
+SPICE_API void * spice_expert_host_buffer_type(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* SPICE_H */

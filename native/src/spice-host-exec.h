@@ -1,0 +1,68 @@
+/* Exact host executor: a layer's routed experts on the GGUF weights with
+ * ggml's CPU kernels, bit-identical to ggml's mul_mat_id path.
+ *
+ * Thread 0 prepares a job (groups the (token, expert) pairs by expert and
+ * sizes the scratch); after a barrier every graph thread runs the phases
+ * quantize -> gate/up -> SwiGLU -> down -> weighted sum, with its own
+ * barriers in between. Work within a phase is handed out by atomic counters
+ * over (expert, row chunk) items, so prompt batches are processed expert by
+ * expert (GEMM-like weight reuse) and decode spreads rows over threads. */
+#ifndef SPICE_HOST_EXEC_H
+#define SPICE_HOST_EXEC_H
+
+#include "spice-barrier.h"
+#include "spice-experts.h"
+
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct spice_host_job {
+    const spice_expert_layer * layer;
+    int32_t n_tokens;
+    int32_t n_used;
+    const float   * inp;     size_t inp_nb1;
+    const int32_t * ids;     size_t ids_nb1;
+    const float   * weights; size_t weights_nb1;
+    const uint8_t * exec;    /* [n_tokens*n_used]: 1 = run exactly, 0 = contributes nothing */
+    float * out;             size_t out_nb1;
+} spice_host_job;
+
+typedef struct spice_host_exec {
+    void * buf;
+    size_t cap;
+
+    spice_host_job job;
+    int failed; /* scratch could not be allocated: outputs are zeroed */
+
+    /* views into buf for the current job */
+    char    * xq_gate;         /* quantized input rows for gate (NULL: F32, use inp) */
+    char    * xq_up;           /* for up when its activation type differs from gate's */
+    float   * gate;            /* [n_pairs][n_ff] */
+    float   * up;              /* [n_pairs][n_ff] */
+    float   * act;             /* [n_pairs][n_ff] SwiGLU output */
+    char    * actq;            /* [n_pairs] quantized act rows (NULL: F32, use act) */
+    float   * y;               /* [n_pairs][n_embd] down-projection outputs */
+    int32_t * expert_start;    /* [n_expert+1] offsets into pairs_by_expert */
+    int32_t * pairs_by_expert; /* executed pairs grouped by expert */
+    int32_t * active;          /* experts with at least one executed pair */
+    int32_t   n_active;
+    int32_t   n_exec;
+
+    int32_t chunks_ff;   /* row chunks per expert in the gate/up phase */
+    int32_t chunks_embd; /* row chunks per expert in the down phase */
+    atomic_int next_ff;
+    atomic_int next_embd;
+} spice_host_exec;
+
+void spice_host_exec_init(spice_host_exec * ex);
+void spice_host_exec_free(spice_host_exec * ex);
+
+/* Thread 0, before a barrier. Returns a spice_status; on allocation failure
+ * the job still runs (outputs zeroed) and the caller reports the error. */
+int spice_host_exec_prepare(spice_host_exec * ex, const spice_host_job * job);
+
+/* Every graph thread, after the barrier that follows prepare. */
+void spice_host_exec_run(spice_host_exec * ex, int ith, int nth, spice_barrier * barrier);
+
+#endif /* SPICE_HOST_EXEC_H */

@@ -1,0 +1,50 @@
+/* The runtime handle's layout, shared by the runtime's source files. */
+#ifndef SPICE_RUNTIME_INTERNAL_H
+#define SPICE_RUNTIME_INTERNAL_H
+
+#include "spice.h"
+#include "spice-barrier.h"
+#include "spice-experts.h"
+#include "spice-host-exec.h"
+
+#include <stdatomic.h>
+#include <stdint.h>
+
+struct llama_model;
+
+/* Plan buffers handed to a policy; grown by thread 0 as calls need. */
+typedef struct spice_plan_buffers {
+    int32_t * actions;  int32_t cap_actions;
+    int32_t * fetch;    int32_t cap_fetch;
+    int32_t * prefetch; int32_t cap_prefetch;
+    int32_t * evict;    int32_t cap_evict;
+    uint8_t * exec;     /* executor's view of the actions */
+} spice_plan_buffers;
+
+struct spice_runtime {
+    struct llama_context * lctx;
+    const struct llama_model * model;
+    int32_t n_layers;
+    spice_expert_layer * layers;
+    int32_t max_n_expert;
+
+    int enabled;
+    spice_policy_fn policy_fn; /* NULL: built-in exact policy */
+    void * policy_user_data;
+
+    spice_barrier barrier;
+    spice_host_exec host;
+    spice_plan_buffers plan;
+
+    spice_counters * counters; /* [n_layers], written by thread 0 only */
+    atomic_int abort_requested;
+    uint64_t plan_rejections;
+    char last_error[512];
+};
+
+/* Validates the plan the policy wrote into call against the runtime's
+ * capabilities; on failure writes a message into err and returns
+ * SPICE_ERR_INVALID_PLAN. */
+int spice_plan_validate(const spice_runtime * rt, const spice_policy_call * call, char * err, size_t err_len);
+
+#endif /* SPICE_RUNTIME_INTERNAL_H */

@@ -1,0 +1,416 @@
+/* The runtime handle: attaches to a llama_context, serves its MoE hook,
+ * dispatches to a policy and keeps the counters. */
+#include "spice-runtime-internal.h"
+
+#include "ggml-backend.h"
+#include "llama.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+static uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t) ts.tv_sec * 1000000000ull + (uint64_t) ts.tv_nsec;
+}
+
+static void set_error(spice_runtime * rt, const char * fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(rt->last_error, sizeof(rt->last_error), fmt, ap);
+    va_end(ap);
+}
+
+static void write_err(char * err, size_t err_len, const char * msg) {
+    if (err && err_len) {
+        snprintf(err, err_len, "%s", msg);
+    }
+}
+
+/* ---- plan buffers ---------------------------------------------------------- */
+
+static int grow_i32(int32_t ** buf, int32_t * cap, int32_t need) {
+    if (need <= *cap) {
+        return SPICE_OK;
+    }
+    int32_t * nbuf = (int32_t *) realloc(*buf, (size_t) need * sizeof(int32_t));
+    if (nbuf == NULL) {
+        return SPICE_ERR_NO_MEMORY;
+    }
+    *buf = nbuf;
+    *cap = need;
+    return SPICE_OK;
+}
+
+static int plan_reserve(spice_runtime * rt, int32_t n_pairs) {
+    spice_plan_buffers * p = &rt->plan;
+    const int32_t old_cap = p->cap_actions;
+    if (grow_i32(&p->actions, &p->cap_actions, n_pairs) != SPICE_OK) {
+        return SPICE_ERR_NO_MEMORY;
+    }
+    if (p->cap_actions != old_cap || p->exec == NULL) {
+        uint8_t * nexec = (uint8_t *) realloc(p->exec, (size_t) p->cap_actions);
+        if (nexec == NULL) {
+            return SPICE_ERR_NO_MEMORY;
+        }
+        p->exec = nexec;
+    }
+    /* experts of one layer; (layer, expert) pairs across all layers */
+    const int32_t pairs_all = 2 * rt->n_layers * rt->max_n_expert;
+    if (grow_i32(&p->fetch, &p->cap_fetch, rt->max_n_expert) != SPICE_OK ||
+        grow_i32(&p->prefetch, &p->cap_prefetch, pairs_all) != SPICE_OK ||
+        grow_i32(&p->evict, &p->cap_evict, pairs_all) != SPICE_OK) {
+        return SPICE_ERR_NO_MEMORY;
+    }
+    return SPICE_OK;
+}
+
+static void plan_free(spice_plan_buffers * p) {
+    free(p->actions);
+    free(p->fetch);
+    free(p->prefetch);
+    free(p->evict);
+    free(p->exec);
+    memset(p, 0, sizeof(*p));
+}
+
+/* ---- the hook ---------------------------------------------------------------- */
+
+static void count_actions(spice_counters * c, const int32_t * actions, int32_t n) {
+    for (int32_t i = 0; i < n; ++i) {
+        switch (actions[i]) {
+            case SPICE_ACTION_DEVICE:    c->hits++; break;
+            case SPICE_ACTION_HOST:      c->misses_host++; break;
+            case SPICE_ACTION_SURROGATE: c->misses_surrogate++; break;
+            default:                     c->dropped++; break;
+        }
+    }
+}
+
+/* Thread 0: ask the policy, validate, count, and prepare the executor. */
+static void plan_call(spice_runtime * rt, const struct llama_moe_hook_call * hc) {
+    const int32_t n_pairs = hc->n_tokens * hc->n_expert_used;
+    spice_counters * c = &rt->counters[hc->il];
+    const spice_expert_layer * L = &rt->layers[hc->il];
+
+    if (plan_reserve(rt, n_pairs) != SPICE_OK) {
+        set_error(rt, "layer %d: out of memory for a plan of %d actions", hc->il, n_pairs);
+        atomic_store(&rt->abort_requested, 1);
+        spice_host_job job = { 0 };
+        job.layer = L;
+        job.n_tokens = hc->n_tokens;
+        job.out = hc->out;
+        job.out_nb1 = hc->out_nb1;
+        rt->host.job = job;
+        rt->host.failed = 1;
+        return;
+    }
+
+    spice_policy_call call;
+    memset(&call, 0, sizeof(call));
+    call.il = hc->il;
+    call.n_tokens = hc->n_tokens;
+    call.n_embd = hc->n_embd;
+    call.n_expert = hc->n_expert;
+    call.n_expert_used = hc->n_expert_used;
+    call.inp = hc->inp;         call.inp_nb1 = hc->inp_nb1;
+    call.probs = hc->probs;     call.probs_nb1 = hc->probs_nb1;
+    call.ids = hc->ids;         call.ids_nb1 = hc->ids_nb1;
+    call.weights = hc->weights; call.weights_nb1 = hc->weights_nb1;
+    call.shexp = hc->shexp;     call.shexp_nb1 = hc->shexp_nb1;
+    call.actions = rt->plan.actions;   call.cap_actions = rt->plan.cap_actions;
+    call.fetch = rt->plan.fetch;       call.cap_fetch = rt->plan.cap_fetch;
+    call.prefetch = rt->plan.prefetch; call.cap_prefetch = rt->plan.cap_prefetch;
+    call.evict = rt->plan.evict;       call.cap_evict = rt->plan.cap_evict;
+
+    /* exact unless the policy says otherwise */
+    memset(call.actions, 0, (size_t) n_pairs * sizeof(int32_t));
+    call.n_actions = n_pairs;
+
+    const uint64_t t0 = now_ns();
+    int use_plan = 0;
+    if (rt->policy_fn != NULL) {
+        const int rc = rt->policy_fn(&call, rt->policy_user_data);
+        if (rc == SPICE_POLICY_OK) {
+            char err[sizeof(rt->last_error)];
+            if (spice_plan_validate(rt, &call, err, sizeof(err)) == SPICE_OK) {
+                use_plan = 1;
+            } else {
+                if (rt->plan_rejections == 0) {
+                    memcpy(rt->last_error, err, sizeof(err));
+                }
+                rt->plan_rejections++;
+                c->policy_fallbacks++;
+            }
+        } else {
+            if (rc == SPICE_POLICY_ABORT) {
+                atomic_store(&rt->abort_requested, 1);
+            } else {
+                if (rt->plan_rejections == 0) {
+                    set_error(rt, "layer %d: the policy failed; ran exact instead", hc->il);
+                }
+                rt->plan_rejections++;
+                c->policy_fallbacks++;
+            }
+        }
+        if (!use_plan) {
+            memset(call.actions, 0, (size_t) n_pairs * sizeof(int32_t));
+        }
+    }
+    c->policy_ns += now_ns() - t0;
+    c->policy_calls++;
+    (void) use_plan;
+
+    c->hook_calls++;
+    c->activations += (uint64_t) n_pairs;
+    count_actions(c, call.actions, n_pairs);
+
+    /* the executor's view: exact for device and host, nothing for drop */
+    for (int32_t i = 0; i < n_pairs; ++i) {
+        const int32_t a = call.actions[i];
+        rt->plan.exec[i] = (uint8_t) (a == SPICE_ACTION_DEVICE || a == SPICE_ACTION_HOST);
+    }
+    /* ids come from the graph's top-k; a bad one would index out of the tensor */
+    for (int32_t t = 0; t < hc->n_tokens; ++t) {
+        const int32_t * ids = (const int32_t *) ((const char *) hc->ids + (size_t) t * hc->ids_nb1);
+        for (int32_t k = 0; k < hc->n_expert_used; ++k) {
+            if (ids[k] < 0 || ids[k] >= L->n_expert) {
+                rt->plan.exec[t * hc->n_expert_used + k] = 0;
+                set_error(rt, "layer %d: graph selected expert %d outside 0..%d", hc->il, ids[k], L->n_expert - 1);
+            }
+        }
+    }
+
+    spice_host_job job;
+    job.layer = L;
+    job.n_tokens = hc->n_tokens;
+    job.n_used = hc->n_expert_used;
+    job.inp = hc->inp;         job.inp_nb1 = hc->inp_nb1;
+    job.ids = hc->ids;         job.ids_nb1 = hc->ids_nb1;
+    job.weights = hc->weights; job.weights_nb1 = hc->weights_nb1;
+    job.exec = rt->plan.exec;
+    job.out = hc->out;         job.out_nb1 = hc->out_nb1;
+    if (spice_host_exec_prepare(&rt->host, &job) != SPICE_OK) {
+        set_error(rt, "layer %d: out of memory for the executor's scratch (%d tokens)", hc->il, hc->n_tokens);
+        atomic_store(&rt->abort_requested, 1);
+    }
+}
+
+static void hook_entry(const struct llama_moe_hook_call * hc, void * user_data) {
+    spice_runtime * rt = (spice_runtime *) user_data;
+    if (hc->ith == 0) {
+        if (hc->il < 0 || hc->il >= rt->n_layers || !rt->layers[hc->il].is_moe ||
+            hc->n_embd != rt->layers[hc->il].n_embd || hc->n_expert != rt->layers[hc->il].n_expert) {
+            /* cannot happen for a runtime attached to this context's model */
+            set_error(rt, "hook called for layer %d, which the runtime does not serve", hc->il);
+            atomic_store(&rt->abort_requested, 1);
+            rt->host.failed = 1;
+            rt->host.job.layer = NULL;
+        } else {
+            plan_call(rt, hc);
+        }
+    }
+    spice_barrier_wait(&rt->barrier, hc->nth);
+    if (rt->host.job.layer == NULL) {
+        for (int32_t t = hc->ith; t < hc->n_tokens; t += hc->nth) {
+            memset((char *) hc->out + (size_t) t * hc->out_nb1, 0, (size_t) hc->n_embd * sizeof(float));
+        }
+        return;
+    }
+    spice_host_exec_run(&rt->host, hc->ith, hc->nth, &rt->barrier);
+}
+
+static bool abort_entry(void * user_data) {
+    const spice_runtime * rt = (const spice_runtime *) user_data;
+    return atomic_load(&rt->abort_requested) != 0;
+}
+
+/* ---- C API ------------------------------------------------------------------- */
+
+int spice_runtime_create(struct llama_context * lctx, spice_runtime ** out, char * err, size_t err_len) {
+    if (out == NULL) {
+        return SPICE_ERR_INVALID_ARG;
+    }
+    *out = NULL;
+    if (lctx == NULL) {
+        write_err(err, err_len, "no llama_context given");
+        return SPICE_ERR_INVALID_ARG;
+    }
+    const struct llama_model * model = llama_get_model(lctx);
+    const int32_t n_layers = llama_model_n_layer(model);
+
+    spice_runtime * rt = (spice_runtime *) calloc(1, sizeof(spice_runtime));
+    if (rt == NULL) {
+        write_err(err, err_len, "out of memory");
+        return SPICE_ERR_NO_MEMORY;
+    }
+    rt->lctx = lctx;
+    rt->model = model;
+    rt->n_layers = n_layers;
+    rt->layers = (spice_expert_layer *) calloc((size_t) (n_layers > 0 ? n_layers : 1), sizeof(spice_expert_layer));
+    rt->counters = (spice_counters *) calloc((size_t) (n_layers > 0 ? n_layers : 1), sizeof(spice_counters));
+    if (rt->layers == NULL || rt->counters == NULL) {
+        spice_runtime_free(rt);
+        write_err(err, err_len, "out of memory");
+        return SPICE_ERR_NO_MEMORY;
+    }
+    spice_barrier_init(&rt->barrier);
+    spice_host_exec_init(&rt->host);
+    atomic_init(&rt->abort_requested, 0);
+
+    int n_moe = 0;
+    for (int32_t il = 0; il < n_layers; ++il) {
+        const struct ggml_tensor * gate = llama_model_get_moe_tensor(model, il, LLAMA_MOE_TENSOR_GATE);
+        if (gate == NULL) {
+            continue; /* dense layer */
+        }
+        char msg[512];
+        const int status = spice_expert_layer_init(&rt->layers[il], il, gate,
+                                                   llama_model_get_moe_tensor(model, il, LLAMA_MOE_TENSOR_UP),
+                                                   llama_model_get_moe_tensor(model, il, LLAMA_MOE_TENSOR_DOWN),
+                                                   msg, sizeof(msg));
+        if (status != SPICE_OK) {
+            write_err(err, err_len, msg);
+            spice_runtime_free(rt);
+            return status;
+        }
+        if (rt->layers[il].n_expert > rt->max_n_expert) {
+            rt->max_n_expert = rt->layers[il].n_expert;
+        }
+        n_moe++;
+    }
+    if (n_moe == 0) {
+        char desc[128];
+        llama_model_desc(model, desc, sizeof(desc));
+        char msg[512];
+        snprintf(msg, sizeof(msg),
+                 "the model (%s) has no MoE layers with separate gate/up/down expert tensors; the MoE hook "
+                 "only serves Mixture-of-Experts models such as qwen2moe and deepseek2", desc);
+        write_err(err, err_len, msg);
+        spice_runtime_free(rt);
+        return SPICE_ERR_UNSUPPORTED;
+    }
+    *out = rt;
+    return SPICE_OK;
+}
+
+void spice_runtime_free(spice_runtime * rt) {
+    if (rt == NULL) {
+        return;
+    }
+    if (rt->enabled) {
+        spice_runtime_disable(rt);
+    }
+    spice_host_exec_free(&rt->host);
+    plan_free(&rt->plan);
+    free(rt->layers);
+    free(rt->counters);
+    free(rt);
+}
+
+const char * spice_runtime_last_error(const spice_runtime * rt) {
+    return rt ? rt->last_error : "no runtime";
+}
+
+int spice_runtime_n_layers(const spice_runtime * rt) {
+    return rt ? rt->n_layers : 0;
+}
+
+int spice_runtime_layer_info(const spice_runtime * rt, int32_t il, spice_layer_info * out) {
+    if (rt == NULL || out == NULL || il < 0 || il >= rt->n_layers) {
+        return SPICE_ERR_INVALID_ARG;
+    }
+    const spice_expert_layer * L = &rt->layers[il];
+    memset(out, 0, sizeof(*out));
+    out->il = il;
+    out->is_moe = L->is_moe;
+    if (L->is_moe) {
+        out->n_expert = L->n_expert;
+        out->n_embd = L->n_embd;
+        out->n_ff = L->n_ff;
+        out->type_gate = (int32_t) L->gate.type;
+        out->type_up = (int32_t) L->up.type;
+        out->type_down = (int32_t) L->down.type;
+        out->bytes_per_expert = L->bytes_per_expert;
+    }
+    return SPICE_OK;
+}
+
+int spice_runtime_enable(spice_runtime * rt, spice_policy_fn fn, void * user_data, int32_t max_tokens) {
+    if (rt == NULL || max_tokens < 0) {
+        return SPICE_ERR_INVALID_ARG;
+    }
+    rt->policy_fn = fn;
+    rt->policy_user_data = user_data;
+    rt->enabled = 1;
+    llama_set_abort_callback(rt->lctx, abort_entry, rt);
+    llama_set_moe_hook(rt->lctx, hook_entry, rt, max_tokens);
+    return SPICE_OK;
+}
+
+int spice_runtime_disable(spice_runtime * rt) {
+    if (rt == NULL) {
+        return SPICE_ERR_INVALID_ARG;
+    }
+    llama_set_moe_hook(rt->lctx, NULL, NULL, 0);
+    llama_set_abort_callback(rt->lctx, NULL, NULL);
+    rt->enabled = 0;
+    rt->policy_fn = NULL;
+    rt->policy_user_data = NULL;
+    return SPICE_OK;
+}
+
+int spice_runtime_get_counters(const spice_runtime * rt, int32_t il, spice_counters * out) {
+    if (rt == NULL || out == NULL || il < -1 || il >= rt->n_layers) {
+        return SPICE_ERR_INVALID_ARG;
+    }
+    if (il >= 0) {
+        *out = rt->counters[il];
+        return SPICE_OK;
+    }
+    memset(out, 0, sizeof(*out));
+    for (int32_t l = 0; l < rt->n_layers; ++l) {
+        const uint64_t * src = (const uint64_t *) &rt->counters[l];
+        uint64_t * dst = (uint64_t *) out;
+        for (size_t i = 0; i < sizeof(spice_counters) / sizeof(uint64_t); ++i) {
+            dst[i] += src[i];
+        }
+    }
+    return SPICE_OK;
+}
+
+void spice_runtime_reset_counters(spice_runtime * rt) {
+    if (rt != NULL) {
+        memset(rt->counters, 0, (size_t) rt->n_layers * sizeof(spice_counters));
+    }
+}
+
+int spice_runtime_abort_requested(const spice_runtime * rt) {
+    return rt ? atomic_load(&rt->abort_requested) : 0;
+}
+
+void spice_runtime_clear_abort(spice_runtime * rt) {
+    if (rt != NULL) {
+        atomic_store(&rt->abort_requested, 0);
+    }
+}
+
+uint64_t spice_runtime_plan_rejections(const spice_runtime * rt) {
+    return rt ? rt->plan_rejections : 0;
+}
+
+void * spice_expert_host_buffer_type(void) {
+    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+        ggml_backend_dev_t dev = ggml_backend_dev_get(i);
+        if (ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_GPU) {
+            ggml_backend_buffer_type_t host = ggml_backend_dev_host_buffer_type(dev);
+            if (host != NULL) {
+                return (void *) host;
+            }
+        }
+    }
+    return (void *) ggml_backend_cpu_buffer_type();
+}

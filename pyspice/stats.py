@@ -1,0 +1,117 @@
+"""The one stats record (DESIGN section 11), built from raw counters.
+
+The native runtime counts events (hook calls, activations, hits, misses by
+outcome, bytes, nanoseconds); the API measures wall time of prefill and
+decode. This module turns both into the record every surface prints
+(`generate --json`, `bench --json`, `/stats`, `Llama.spice_stats()`).
+Pure Python: no native imports, so the record is testable anywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+@dataclass
+class Counters:
+    """Raw event counts for one layer or for the whole model."""
+
+    hook_calls: int = 0
+    activations: int = 0  # routed-expert activations (token x selected expert)
+    hits: int = 0  # activation's expert resident (or its copy landed) when the call began
+    misses_fetched: int = 0  # waited on a demand copy
+    misses_host: int = 0  # executed on the host
+    misses_surrogate: int = 0  # replaced by the low-rank surrogate
+    prefetch_issued: int = 0
+    prefetch_used: int = 0
+    prefetch_cancelled: int = 0
+    bytes_h2d: int = 0  # host-to-device bytes copied
+    copy_ns: int = 0  # time the copy engine spent copying
+    stall_ns: int = 0  # time compute waited on copies
+    policy_ns: int = 0  # time spent deciding plans
+    policy_calls: int = 0
+    policy_fallbacks: int = 0  # plans that raised or failed validation -> exact fallback
+
+    def add(self, other: Counters) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    @property
+    def misses(self) -> int:
+        return self.misses_fetched + self.misses_host + self.misses_surrogate
+
+
+@dataclass
+class Timing:
+    """Wall-clock facts measured around llama_decode by the API layer."""
+
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    decoded_tokens: int = 0  # tokens generated after the first
+    decode_s: float = 0.0  # wall time spent producing those tokens
+
+
+@dataclass
+class StatsSnapshot:
+    total: Counters = field(default_factory=Counters)
+    layers: dict[int, Counters] = field(default_factory=dict)
+    timing: Timing = field(default_factory=Timing)
+
+
+def _ratio(num: float, den: float) -> float:
+    return num / den if den else 0.0
+
+
+def _counter_record(c: Counters, decoded_tokens: int) -> dict[str, Any]:
+    return {
+        "hook_calls": c.hook_calls,
+        "activations": c.activations,
+        "hit_rate": _ratio(c.hits, c.activations),
+        "misses": {
+            "fetched": c.misses_fetched,
+            "host": c.misses_host,
+            "surrogate": c.misses_surrogate,
+        },
+        "fallback_rate": _ratio(c.misses, c.activations),
+        "prefetch_issued": c.prefetch_issued,
+        "prefetch_used": c.prefetch_used,
+        "prefetch_cancelled": c.prefetch_cancelled,
+        "bytes_per_token": _ratio(c.bytes_h2d, decoded_tokens),
+        "stall_ms_per_token": _ratio(c.stall_ns / 1e6, decoded_tokens),
+        "policy_us_per_call": _ratio(c.policy_ns / 1e3, c.policy_calls),
+        "policy_fallbacks": c.policy_fallbacks,
+    }
+
+
+def stats_record(snapshot: StatsSnapshot) -> dict[str, Any]:
+    """The DESIGN section 11 record. Per-token figures divide by decoded tokens only."""
+    t = snapshot.timing
+    record: dict[str, Any] = {
+        "tpot_ms": _ratio(t.decode_s * 1e3, t.decoded_tokens),
+        "prefill_tps": _ratio(t.prefill_tokens, t.prefill_s),
+    }
+    record.update(_counter_record(snapshot.total, t.decoded_tokens))
+    record["layers"] = {
+        str(il): _counter_record(c, t.decoded_tokens) for il, c in sorted(snapshot.layers.items())
+    }
+    return record
+
+
+STATS_KEYS = (
+    "tpot_ms",
+    "prefill_tps",
+    "hook_calls",
+    "activations",
+    "hit_rate",
+    "misses",
+    "fallback_rate",
+    "prefetch_issued",
+    "prefetch_used",
+    "prefetch_cancelled",
+    "bytes_per_token",
+    "stall_ms_per_token",
+    "policy_us_per_call",
+    "policy_fallbacks",
+    "layers",
+)
