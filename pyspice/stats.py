@@ -23,6 +23,7 @@ class Counters:
     misses_fetched: int = 0  # waited on a demand copy
     misses_host: int = 0  # executed on the host
     misses_surrogate: int = 0  # replaced by the low-rank surrogate
+    dropped: int = 0  # lossy ablation: contributed nothing
     prefetch_issued: int = 0
     prefetch_used: int = 0
     prefetch_cancelled: int = 0
@@ -39,7 +40,7 @@ class Counters:
 
     @property
     def misses(self) -> int:
-        return self.misses_fetched + self.misses_host + self.misses_surrogate
+        return self.misses_fetched + self.misses_host + self.misses_surrogate + self.dropped
 
 
 @dataclass
@@ -72,6 +73,7 @@ def _counter_record(c: Counters, decoded_tokens: int) -> dict[str, Any]:
             "fetched": c.misses_fetched,
             "host": c.misses_host,
             "surrogate": c.misses_surrogate,
+            "dropped": c.dropped,
         },
         "fallback_rate": _ratio(c.misses, c.activations),
         "prefetch_issued": c.prefetch_issued,

@@ -46,7 +46,7 @@ def main() -> None:
     # remove what an earlier install left (e.g. a CUDA lib after a CPU rebuild)
     if lib_dir.exists():
         for old in lib_dir.iterdir():
-            if old.name.startswith(("libllama", "libggml", "libspice", "pyspice-build")):
+            if old.name.startswith(("libllama", "libggml", "libspice", "pyspice-build", "spice.h")):
                 old.unlink()
     cmake = shutil.which("cmake", path=str(Path(sys.executable).parent)) or "cmake"
     subprocess.run(

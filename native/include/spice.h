@@ -173,10 +173,25 @@ SPICE_API void spice_runtime_clear_abort(spice_runtime * rt);
  * kept in last_error so the caller can warn once. */
 SPICE_API uint64_t spice_runtime_plan_rejections(const spice_runtime * rt);
 
-/* The buffer type expert tensors must be loaded into for the hook: pinned
- * host memory of the first GPU where the build has one, else plain CPU memory
- * (never a repacking "extra" buffer type). Returned as ggml_backend_buffer_type_t. */
-SPICE_API void * spice_expert_host_buffer_type(void);
+/* ---- expert buffer type ------------------------------------------------------
+ *
+ * Where routed-expert tensors must live for the hook: plain host memory in
+ * ggml's own layout. Overriding tensors to ggml_backend_cpu_buffer_type()
+ * is not enough (llama.cpp then still repacks them into an "extra" buffer
+ * type), so this is a distinct buffer type with the CPU buffer's behaviour;
+ * on a GPU build it is the GPU's pinned host buffer type instead. Pass the
+ * pointer as the buft of a llama_model_tensor_buft_override; keep the handle
+ * alive until every model loaded with it is freed. */
+typedef struct spice_expert_buft spice_expert_buft;
+
+SPICE_API int spice_expert_buft_create(spice_expert_buft ** out);
+SPICE_API void spice_expert_buft_free(spice_expert_buft * buft);
+
+/* The ggml_backend_buffer_type_t to use in the override. */
+SPICE_API void * spice_expert_buft_get(const spice_expert_buft * buft);
+
+/* Its name, as ggml reports it ("CPU_Experts" or e.g. "CUDA_Host"). */
+SPICE_API const char * spice_expert_buft_name(const spice_expert_buft * buft);
 
 #ifdef __cplusplus
 }

@@ -401,16 +401,3 @@ void spice_runtime_clear_abort(spice_runtime * rt) {
 uint64_t spice_runtime_plan_rejections(const spice_runtime * rt) {
     return rt ? rt->plan_rejections : 0;
 }
-
-void * spice_expert_host_buffer_type(void) {
-    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
-        ggml_backend_dev_t dev = ggml_backend_dev_get(i);
-        if (ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_GPU) {
-            ggml_backend_buffer_type_t host = ggml_backend_dev_host_buffer_type(dev);
-            if (host != NULL) {
-                return (void *) host;
-            }
-        }
-    }
-    return (void *) ggml_backend_cpu_buffer_type();
-}

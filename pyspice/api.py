@@ -1,0 +1,184 @@
+"""`pyspice.Llama`: a `llama_cpp.Llama` whose MoE layers run through pyspice.
+
+Switching an app is one import: `from pyspice import Llama` (or
+`pyspice.api.Llama`) accepts everything `llama_cpp.Llama` does, plus
+`policy=` (DESIGN section 6) and `max_hook_tokens=`. The model is loaded with
+the settings the hook needs: routed-expert tensors in plain host memory,
+never repacked (pinned host memory on GPU builds), everything else where
+llama.cpp puts it. One model, one context, one library in the process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import sys
+import time
+from typing import Any
+
+import llama_cpp
+
+from pyspice.policy import Policy, make_policy, policy_spec
+from pyspice.runtime import ExpertBufferType, IncompatibleModelError, Runtime
+from pyspice.stats import StatsSnapshot, Timing, stats_record
+
+# llama.cpp matches this against tensor names with std::regex_search
+EXPERT_TENSOR_PATTERN = rb"\.ffn_(gate|up|down)_exps\.weight$"
+
+
+class _TensorBuftOverride(ctypes.Structure):
+    # struct llama_model_tensor_buft_override { const char * pattern; ggml_backend_buffer_type_t buft; }
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+
+def _expert_overrides(buft: ExpertBufferType) -> ctypes.Array[_TensorBuftOverride]:
+    overrides = (_TensorBuftOverride * 2)()
+    overrides[0].pattern = EXPERT_TENSOR_PATTERN
+    overrides[0].buft = buft.address
+    overrides[1].pattern = None
+    overrides[1].buft = None
+    return overrides
+
+
+class Llama(llama_cpp.Llama):
+    """llama_cpp.Llama with the pyspice MoE runtime attached.
+
+    policy: a name from `pyspice.policy.policy_names()` (default "exact") or a
+        Policy object. "stock" leaves the hook unregistered.
+    max_hook_tokens: micro-batches with more tokens keep upstream's path
+        (0 = every micro-batch goes through the hook).
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        policy: str | Policy = "exact",
+        max_hook_tokens: int = 0,
+        **kwargs: Any,
+    ) -> None:
+        # llama_cpp.Llama.__del__ closes self._stack: make it exist even if loading fails early
+        self._stack = contextlib.ExitStack()
+        # the buffer type must outlive the model: the instance holds it until it is collected
+        self._spice_buft = ExpertBufferType()
+        self._spice_overrides = _expert_overrides(self._spice_buft)
+        self._spice_runtime: Runtime | None = None
+        self._spice_timing = Timing()
+        self._spice_policy_name = "stock"
+        self._spice_max_hook_tokens = max_hook_tokens
+        super().__init__(model_path, **kwargs)
+        ctx_address = ctypes.cast(self._ctx.ctx, ctypes.c_void_p).value
+        assert ctx_address is not None
+        self._spice_attach_error: IncompatibleModelError | None = None
+        try:
+            self._spice_runtime = Runtime(ctx_address)
+        except IncompatibleModelError as exc:
+            if policy != "stock":
+                self.close()
+                raise
+            self._spice_attach_error = exc
+        if self._spice_runtime is not None:
+            # runs before the context is freed (the stack unwinds last-in first-out)
+            self._stack.callback(self._spice_runtime.close)
+        self.set_policy(policy)
+
+    # llama_cpp.Llama.__init__ assigns self.model_params and fills it before
+    # loading; intercepting the assignment places the expert overrides there.
+    @property
+    def model_params(self) -> Any:
+        return self.__dict__["_spice_model_params"]
+
+    @model_params.setter
+    def model_params(self, value: Any) -> None:
+        value.tensor_buft_overrides = ctypes.addressof(self._spice_overrides)
+        self.__dict__["_spice_model_params"] = value
+
+    # ---- policy ----------------------------------------------------------------
+
+    @property
+    def spice_policy(self) -> str:
+        return self._spice_policy_name
+
+    def set_policy(self, policy: str | Policy, max_hook_tokens: int | None = None) -> None:
+        """Switch policy without reloading (bench runs every policy on one model)."""
+        if max_hook_tokens is not None:
+            self._spice_max_hook_tokens = max_hook_tokens
+        max_tokens = self._spice_max_hook_tokens
+        if isinstance(policy, str):
+            spec = policy_spec(policy)
+            if spec.kind == "stock":
+                if self._spice_runtime is not None:
+                    self._spice_runtime.disable()
+                self._spice_policy_name = "stock"
+                return
+            runtime = self._require_runtime()
+            if spec.kind == "native":
+                runtime.enable_exact(max_tokens)
+            else:
+                policy_obj = make_policy(policy)
+                assert policy_obj is not None
+                runtime.enable_policy(policy_obj, max_tokens)
+            self._spice_policy_name = policy
+        else:
+            self._require_runtime().enable_policy(policy, max_tokens)
+            self._spice_policy_name = getattr(policy, "name", type(policy).__name__)
+
+    def _require_runtime(self) -> Runtime:
+        if self._spice_runtime is None:
+            if self._spice_attach_error is not None:
+                raise self._spice_attach_error
+            raise IncompatibleModelError(2, "this model has no MoE layers the pyspice hook can serve")
+        return self._spice_runtime
+
+    # ---- evaluation ---------------------------------------------------------------
+
+    def eval(self, tokens: Any) -> None:
+        """llama_cpp.Llama.eval, timed for the stats record; Ctrl-C inside a
+        Python policy aborts the decode and surfaces as KeyboardInterrupt."""
+        start = time.perf_counter()
+        try:
+            super().eval(tokens)
+        except RuntimeError:
+            if self._spice_runtime is not None and self._spice_runtime.take_interrupt():
+                raise KeyboardInterrupt from None
+            raise
+        elapsed = time.perf_counter() - start
+        n = len(tokens)
+        if n > 1:
+            self._spice_timing.prefill_tokens += n
+            self._spice_timing.prefill_s += elapsed
+        elif n == 1:
+            self._spice_timing.decoded_tokens += 1
+            self._spice_timing.decode_s += elapsed
+        if self._spice_runtime is not None:
+            if self._spice_runtime.take_interrupt():
+                raise KeyboardInterrupt
+            self._spice_runtime.report_rejections()
+
+    # ---- stats -----------------------------------------------------------------------
+
+    def spice_snapshot(self) -> StatsSnapshot:
+        snap = StatsSnapshot(timing=Timing(**vars(self._spice_timing)))
+        rt = self._spice_runtime
+        if rt is not None:
+            snap.total = rt.counters(-1)
+            snap.layers = {info.il: rt.counters(info.il) for info in rt.layers() if info.is_moe}
+        return snap
+
+    def spice_stats(self) -> dict[str, Any]:
+        """The stats record of DESIGN section 11 since the last reset."""
+        record = stats_record(self.spice_snapshot())
+        record["policy"] = self._spice_policy_name
+        return record
+
+    def spice_reset_stats(self) -> None:
+        self._spice_timing = Timing()
+        if self._spice_runtime is not None:
+            self._spice_runtime.reset_counters()
+
+    def spice_layers(self) -> list[Any]:
+        return self._require_runtime().layers()
+
+
+def warn(message: str) -> None:
+    print(f"pyspice: {message}", file=sys.stderr)

@@ -1,0 +1,38 @@
+"""Policies: pure Python/numpy decisions over plain data.
+
+A policy sees one hook call (`HookCall`: the layer, the MoE input, router
+probabilities, selected experts and their gate weights, the shared-expert
+output) and returns a `Plan` (an action per (token, selected expert) and
+lists of experts to fetch, prefetch and evict). The same policy objects run
+under the real engine and under the simulator.
+
+This package never imports native code.
+"""
+
+from pyspice.policy.base import (
+    ACTION_DEVICE,
+    ACTION_DROP,
+    ACTION_HOST,
+    ACTION_NAMES,
+    ACTION_SURROGATE,
+    HookCall,
+    Plan,
+    Policy,
+)
+from pyspice.policy.registry import NATIVE_POLICIES, PolicySpec, make_policy, policy_names, policy_spec
+
+__all__ = [
+    "ACTION_DEVICE",
+    "ACTION_DROP",
+    "ACTION_HOST",
+    "ACTION_NAMES",
+    "ACTION_SURROGATE",
+    "NATIVE_POLICIES",
+    "HookCall",
+    "Plan",
+    "Policy",
+    "PolicySpec",
+    "make_policy",
+    "policy_names",
+    "policy_spec",
+]

@@ -1,0 +1,70 @@
+"""Policy names accepted by `--policy` and `bench --policies`.
+
+Three kinds: `stock` (hook unregistered: the reference), `native` (decided in
+libspice with no Python per layer) and `python` (a Policy object called from
+the hook). The registry grows as issues land; names that do not exist yet are
+not listed, so `--help` never offers something that only says "not
+implemented".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from pyspice.policy.base import HookCall, Plan, Policy
+
+PolicyKind = Literal["stock", "native", "python"]
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    name: str
+    kind: PolicyKind
+    lossless: bool
+    description: str
+
+
+class ExactPassThrough:
+    """`exact-py`: every activation exact, decided in Python (measures the Python path's cost)."""
+
+    name = "exact-py"
+
+    def decide(self, call: HookCall) -> Plan:
+        return Plan()
+
+
+_SPECS: dict[str, PolicySpec] = {
+    spec.name: spec
+    for spec in (
+        PolicySpec("stock", "stock", True, "hook unregistered: upstream's graph, the reference"),
+        PolicySpec("exact", "native", True, "every routed expert executed exactly by libspice"),
+        PolicySpec("exact-py", "python", True, "exact, decided by a Python pass-through policy"),
+    )
+}
+
+_FACTORIES: dict[str, Callable[[], Policy]] = {
+    "exact-py": ExactPassThrough,
+}
+
+NATIVE_POLICIES = frozenset(name for name, spec in _SPECS.items() if spec.kind != "python")
+
+
+def policy_names() -> list[str]:
+    return list(_SPECS)
+
+
+def policy_spec(name: str) -> PolicySpec:
+    try:
+        return _SPECS[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; choose one of: {', '.join(_SPECS)}") from None
+
+
+def make_policy(name: str) -> Policy | None:
+    """The Policy object for a python policy; None for stock and native ones."""
+    spec = policy_spec(name)
+    if spec.kind != "python":
+        return None
+    return _FACTORIES[name]()

@@ -1,0 +1,348 @@
+"""Pythonic handles over libspice's C API (cffi, ABI mode).
+
+The only module that touches the C API. The cffi declarations are derived
+from the installed `spice.h`, so the two cannot drift apart. Arrays handed to
+a Python policy are zero-copy numpy views, valid only during the call.
+
+Failure rules (DESIGN section 6): a policy's `Exception` or an invalid plan
+runs that call exactly and is reported once; `KeyboardInterrupt` asks the
+runtime to abort the running llama_decode and is re-raised by the API layer.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pyspice.build_info import BuildInfo, load_build_info
+from pyspice.policy.base import HookCall, Plan, Policy
+from pyspice.stats import Counters
+
+_COUNTER_FIELDS = (
+    "hook_calls",
+    "activations",
+    "hits",
+    "misses_fetched",
+    "misses_host",
+    "misses_surrogate",
+    "dropped",
+    "prefetch_issued",
+    "prefetch_used",
+    "prefetch_cancelled",
+    "bytes_h2d",
+    "copy_ns",
+    "stall_ns",
+    "policy_ns",
+    "policy_calls",
+    "policy_fallbacks",
+)
+
+
+class SpiceError(RuntimeError):
+    """A libspice call failed; the message says why and what to do."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class IncompatibleModelError(SpiceError):
+    """The model cannot be served by the hook (dense, or loaded with the wrong settings)."""
+
+
+def cdef_from_header(text: str) -> str:
+    """Turn spice.h into declarations cffi's ABI mode parses.
+
+    Drops comments, preprocessor lines (keeping `#define NAME <int>`), the
+    export macro and the C++ guards.
+    """
+    text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+    text = re.sub(r"//[^\n]*", "", text)
+    lines = []
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            if re.fullmatch(r"#define\s+SPICE_\w+\s+-?\d+", stripped):
+                lines.append(stripped)
+            continue
+        if stripped in ('extern "C" {', "}"):
+            continue
+        lines.append(line.replace("SPICE_API ", ""))
+    return "\n".join(lines)
+
+
+class _Native:
+    """The loaded library and its cffi namespace (one per process is enough,
+    but nothing forces that: each Runtime holds a reference)."""
+
+    _lock = threading.Lock()
+    _instance: _Native | None = None
+
+    def __init__(self, info: BuildInfo) -> None:
+        import cffi
+
+        header = (info.lib_dir / "spice.h").read_text()
+        self.ffi = cffi.FFI()
+        self.ffi.cdef(cdef_from_header(header))
+        self.lib: Any = self.ffi.dlopen(str(info.libspice))
+        self.info = info
+
+    @classmethod
+    def get(cls) -> _Native:
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = _Native(load_build_info())
+            return cls._instance
+
+
+def native() -> Any:
+    """The cffi library object (for tests and diagnostics)."""
+    return _Native.get().lib
+
+
+class ExpertBufferType:
+    """The ggml buffer type routed-expert tensors are loaded into: plain host
+    memory, never repacked (pinned host memory on GPU builds). Keep it alive
+    as long as any model loaded with it."""
+
+    def __init__(self) -> None:
+        self._n = _Native.get()
+        out = self._n.ffi.new("spice_expert_buft **")
+        status = self._n.lib.spice_expert_buft_create(out)
+        if status != 0:
+            raise SpiceError(status, "could not create the expert buffer type")
+        self._handle: Any = out[0]
+
+    @property
+    def address(self) -> int:
+        return int(self._n.ffi.cast("uintptr_t", self._n.lib.spice_expert_buft_get(self._handle)))
+
+    @property
+    def name(self) -> str:
+        return str(self._n.ffi.string(self._n.lib.spice_expert_buft_name(self._handle)).decode())
+
+    def __del__(self) -> None:
+        handle, self._handle = getattr(self, "_handle", None), None
+        if handle is not None:
+            self._n.lib.spice_expert_buft_free(handle)
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    il: int
+    is_moe: bool
+    n_expert: int
+    n_embd: int
+    n_ff: int
+    type_gate: int
+    type_up: int
+    type_down: int
+    bytes_per_expert: int
+
+
+class Runtime:
+    """libspice attached to one llama_context.
+
+    Create it with the context's address (`llama_cpp.Llama._ctx.ctx`); then
+    `enable_exact()` or `enable_policy(policy)`, and `disable()` to get
+    upstream's graph back. `close()` (or garbage collection) frees it.
+    """
+
+    def __init__(self, ctx_address: int) -> None:
+        n = _Native.get()
+        self._n = n
+        ffi, lib = n.ffi, n.lib
+        out = ffi.new("spice_runtime **")
+        err = ffi.new("char[]", 1024)
+        status = lib.spice_runtime_create(ffi.cast("struct llama_context *", ctx_address), out, err, 1024)
+        if status != 0:
+            message = ffi.string(err).decode(errors="replace") or ffi.string(lib.spice_status_string(status)).decode()
+            kind = IncompatibleModelError if status in (2, 4) else SpiceError
+            raise kind(status, message)
+        self._rt: Any = out[0]
+        self._callback: Any = None
+        self._policy: Policy | None = None
+        self._policy_error: str | None = None
+        self._interrupted = False
+        self._warned_rejection = False
+        self._rejections_seen = 0
+
+    # ---- lifecycle -----------------------------------------------------------
+
+    def close(self) -> None:
+        if self._rt is not None:
+            self._n.lib.spice_runtime_free(self._rt)
+            self._rt = None
+            self._callback = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def _check(self, status: int, what: str) -> None:
+        if status != 0:
+            lib, ffi = self._n.lib, self._n.ffi
+            detail = ffi.string(lib.spice_runtime_last_error(self._rt)).decode(errors="replace")
+            name = ffi.string(lib.spice_status_string(status)).decode()
+            raise SpiceError(status, f"{what}: {name}" + (f" ({detail})" if detail else ""))
+
+    # ---- description ------------------------------------------------------------
+
+    def layers(self) -> list[LayerInfo]:
+        ffi, lib = self._n.ffi, self._n.lib
+        info = ffi.new("spice_layer_info *")
+        result = []
+        for il in range(lib.spice_runtime_n_layers(self._rt)):
+            self._check(lib.spice_runtime_layer_info(self._rt, il, info), "layer_info")
+            result.append(
+                LayerInfo(
+                    il=il,
+                    is_moe=bool(info.is_moe),
+                    n_expert=info.n_expert,
+                    n_embd=info.n_embd,
+                    n_ff=info.n_ff,
+                    type_gate=info.type_gate,
+                    type_up=info.type_up,
+                    type_down=info.type_down,
+                    bytes_per_expert=int(info.bytes_per_expert),
+                )
+            )
+        return result
+
+    # ---- policies ------------------------------------------------------------------
+
+    def enable_exact(self, max_tokens: int = 0) -> None:
+        """Register the hook with libspice's built-in exact policy (no Python per layer)."""
+        self._policy = None
+        self._callback = None
+        self._check(self._n.lib.spice_runtime_enable(self._rt, self._n.ffi.NULL, self._n.ffi.NULL, max_tokens),
+                    "enable")
+
+    def enable_policy(self, policy: Policy, max_tokens: int = 0) -> None:
+        """Register the hook with a Python policy called once per MoE layer."""
+        ffi = self._n.ffi
+        self._policy = policy
+        self._callback = ffi.callback("int(spice_policy_call *, void *)", self._on_call)
+        self._check(self._n.lib.spice_runtime_enable(self._rt, self._callback, ffi.NULL, max_tokens), "enable")
+
+    def disable(self) -> None:
+        """Unregister the hook: the context runs upstream's graph again."""
+        self._check(self._n.lib.spice_runtime_disable(self._rt), "disable")
+        self._policy = None
+        self._callback = None
+
+    def _view(self, ptr: Any, rows: int, cols: int, row_bytes: int, dtype: type) -> np.ndarray:
+        itemsize = np.dtype(dtype).itemsize
+        nbytes = (rows - 1) * row_bytes + cols * itemsize if rows > 0 else 0
+        buf = self._n.ffi.buffer(ptr, nbytes)
+        arr: np.ndarray = np.ndarray((rows, cols), dtype=dtype, buffer=buf, strides=(row_bytes, itemsize))
+        arr.flags.writeable = False
+        return arr
+
+    def _on_call(self, call: Any, _user_data: Any) -> int:
+        """cffi callback on graph thread 0: build the views, ask the policy, write the plan."""
+        try:
+            policy = self._policy
+            assert policy is not None
+            n_tokens, n_used = call.n_tokens, call.n_expert_used
+            view = HookCall(
+                layer=call.il,
+                hidden=self._view(call.inp, n_tokens, call.n_embd, call.inp_nb1, np.float32),
+                probs=self._view(call.probs, n_tokens, call.n_expert, call.probs_nb1, np.float32),
+                ids=self._view(call.ids, n_tokens, n_used, call.ids_nb1, np.int32),
+                weights=self._view(call.weights, n_tokens, n_used, call.weights_nb1, np.float32),
+                shared=(
+                    self._view(call.shexp, n_tokens, call.n_embd, call.shexp_nb1, np.float32)
+                    if call.shexp != self._n.ffi.NULL
+                    else None
+                ),
+            )
+            plan = policy.decide(view)
+            self._write_plan(call, plan)
+            return 0
+        except KeyboardInterrupt:
+            self._interrupted = True
+            return 2
+        except Exception as exc:  # a policy bug must never crash the host process
+            if self._policy_error is None:
+                self._policy_error = f"{type(exc).__name__}: {exc}"
+                print(
+                    f"pyspice: policy {getattr(self._policy, 'name', '?')!r} raised {self._policy_error}; "
+                    "running that call exactly (warned once)",
+                    file=sys.stderr,
+                )
+            return 1
+        except BaseException:
+            self._interrupted = True
+            return 2
+
+    def _write_plan(self, call: Any, plan: Plan) -> None:
+        ffi = self._n.ffi
+        want = (call.n_tokens, call.n_expert_used)
+        if plan.actions is not None:
+            actions = np.asarray(plan.actions)
+            if actions.shape != want:
+                raise ValueError(f"plan.actions has shape {actions.shape}; layer {call.il} needs {want}")
+            if not np.issubdtype(actions.dtype, np.integer):
+                raise TypeError(f"plan.actions must be integers, got {actions.dtype}")
+            flat = np.ascontiguousarray(actions, dtype=np.int32).ravel()
+            ffi.memmove(call.actions, flat, flat.nbytes)
+            call.n_actions = flat.size
+        call.n_fetch = _copy_ints(ffi, call.fetch, call.cap_fetch, plan.fetch)
+        call.n_prefetch = _copy_ints(ffi, call.prefetch, call.cap_prefetch, [v for p in plan.prefetch for v in p])
+        call.n_evict = _copy_ints(ffi, call.evict, call.cap_evict, [v for p in plan.evict for v in p])
+
+    # ---- after a decode -----------------------------------------------------------
+
+    def take_interrupt(self) -> bool:
+        """True once if a policy saw Ctrl-C (or the runtime asked to abort) since the last check."""
+        lib = self._n.lib
+        hit = self._interrupted or bool(lib.spice_runtime_abort_requested(self._rt))
+        self._interrupted = False
+        lib.spice_runtime_clear_abort(self._rt)
+        return hit
+
+    def last_error(self) -> str:
+        return str(self._n.ffi.string(self._n.lib.spice_runtime_last_error(self._rt)).decode(errors="replace"))
+
+    def report_rejections(self) -> None:
+        """Warn once when libspice rejected a plan (the message names the problem)."""
+        n = int(self._n.lib.spice_runtime_plan_rejections(self._rt))
+        if n > self._rejections_seen and not self._warned_rejection and self._policy_error is None:
+            print(f"pyspice: a plan was rejected ({self.last_error()}); ran that call exactly (warned once)",
+                  file=sys.stderr)
+            self._warned_rejection = True
+        self._rejections_seen = n
+
+    # ---- counters -------------------------------------------------------------------
+
+    def counters(self, il: int = -1) -> Counters:
+        c = self._n.ffi.new("spice_counters *")
+        self._check(self._n.lib.spice_runtime_get_counters(self._rt, il, c), "get_counters")
+        return Counters(**{name: int(getattr(c, name)) for name in _COUNTER_FIELDS})
+
+    def reset_counters(self) -> None:
+        self._n.lib.spice_runtime_reset_counters(self._rt)
+
+
+def _copy_ints(ffi: Any, dst: Any, cap: int, values: Any) -> int:
+    arr = np.ascontiguousarray(np.asarray(list(values), dtype=np.int64))
+    if arr.size and (arr.min() < np.iinfo(np.int32).min or arr.max() > np.iinfo(np.int32).max):
+        raise ValueError("plan ids must fit in int32")
+    arr32 = arr.astype(np.int32)
+    n = min(arr32.size, cap)
+    if n:
+        ffi.memmove(dst, arr32[:n], n * 4)
+    return int(arr32.size)  # libspice rejects a count above cap by name
+
+
+def header_path() -> Path:
+    return load_build_info().lib_dir / "spice.h"
