@@ -1,0 +1,3 @@
+from pyspice.cli.main import main
+
+raise SystemExit(main())

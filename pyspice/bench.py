@@ -1,0 +1,169 @@
+"""Side-by-side measurement of policies on one loaded model, in one process.
+
+Every policy runs on the same prompt and decodes the same number of tokens
+greedily (argmax of the logits, so lossless policies must produce the same
+tokens). Repeats interleave the policies, rotating their order, so slow
+drift of a shared machine spreads over all of them; times are reported as
+the median of the repeats with their spread, and compared as ratios to a
+baseline inside the run. Nothing here asserts a time.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pyspice.policy import policy_spec
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    policies: tuple[str, ...]
+    prompt_tokens: tuple[int, ...]
+    n_predict: int
+    repeat: int = 3
+    baseline: str = "stock"
+
+
+@dataclass
+class PolicyResult:
+    name: str
+    prefill_tps: list[float] = field(default_factory=list)
+    tpot_ms: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    stats: dict[str, Any] = field(default_factory=dict)
+    tokens_consistent: bool = True  # same tokens in every repeat
+
+    def record(self) -> dict[str, Any]:
+        rec = dict(self.stats)
+        rec["tpot_ms"] = median(self.tpot_ms)
+        rec["prefill_tps"] = median(self.prefill_tps)
+        rec["tpot_ms_runs"] = self.tpot_ms
+        rec["prefill_tps_runs"] = self.prefill_tps
+        rec["tokens"] = self.tokens
+        return rec
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values)) if values else 0.0
+
+
+def spread(values: Sequence[float]) -> float:
+    """(max - min) / median: how much the repeats disagree."""
+    m = median(values)
+    return (max(values) - min(values)) / m if values and m else 0.0
+
+
+def _greedy_next(llm: Any) -> int:
+    import llama_cpp
+
+    ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+    logits = np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),))
+    return int(np.argmax(logits))
+
+
+def run_one(llm: Any, name: str, cfg: BenchConfig) -> tuple[float, float, list[int], dict[str, Any]]:
+    """One repeat of one policy: (prefill tok/s, TPOT ms, generated ids, stats record)."""
+    llm.set_policy(name)
+    llm.reset()
+    llm.spice_reset_stats()
+    llm.eval(list(cfg.prompt_tokens))
+    tokens = [_greedy_next(llm)]
+    for _ in range(cfg.n_predict - 1):
+        llm.eval([tokens[-1]])
+        tokens.append(_greedy_next(llm))
+    stats = llm.spice_stats()
+    return float(stats["prefill_tps"]), float(stats["tpot_ms"]), tokens, stats
+
+
+def run_bench(
+    llm: Any, cfg: BenchConfig, progress: Callable[[str], None] | None = None
+) -> dict[str, PolicyResult]:
+    for name in cfg.policies:
+        policy_spec(name)  # unknown names fail before any work
+    results = {name: PolicyResult(name) for name in cfg.policies}
+    n = len(cfg.policies)
+    for r in range(cfg.repeat):
+        order = cfg.policies[r % n :] + cfg.policies[: r % n]
+        for name in order:
+            if progress:
+                progress(f"repeat {r + 1}/{cfg.repeat}: {name}")
+            pps, tpot, tokens, stats = run_one(llm, name, cfg)
+            res = results[name]
+            res.prefill_tps.append(pps)
+            res.tpot_ms.append(tpot)
+            if res.tokens and res.tokens != tokens:
+                res.tokens_consistent = False
+            res.tokens = tokens
+            res.stats = stats
+    return results
+
+
+def _ratio(value: float, base: float) -> str:
+    return f"{value / base:.3f}" if base else "-"
+
+
+def format_table(results: dict[str, PolicyResult], baseline: str) -> str:
+    base = results.get(baseline)
+    base_pps = median(base.prefill_tps) if base else 0.0
+    base_tpot = median(base.tpot_ms) if base else 0.0
+    header = (
+        f"{'policy':<12} {'prefill tok/s':>13} {'spread':>7} {'x ' + baseline:>9} "
+        f"{'TPOT ms':>9} {'spread':>7} {'x ' + baseline:>9} {'hit rate':>8} {'policy us/call':>14} "
+        f"{'hook calls':>10} {'tokens = ' + baseline:>16}"
+    )
+    lines = [header, "-" * len(header)]
+    for name, res in results.items():
+        pps, tpot = median(res.prefill_tps), median(res.tpot_ms)
+        same = "yes" if base and res.tokens == base.tokens else "NO"
+        lines.append(
+            f"{name:<12} {pps:>13.1f} {spread(res.prefill_tps):>6.1%} {_ratio(pps, base_pps):>9} "
+            f"{tpot:>9.3f} {spread(res.tpot_ms):>6.1%} {_ratio(tpot, base_tpot):>9} "
+            f"{res.stats.get('hit_rate', 0.0):>8.3f} {res.stats.get('policy_us_per_call', 0.0):>14.2f} "
+            f"{res.stats.get('hook_calls', 0):>10} {same:>16}"
+        )
+    lines.append(
+        f"(medians of the repeats; spread = (max - min) / median; x {baseline}: prefill above 1 is faster, "
+        "TPOT below 1 is faster)"
+    )
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, PolicyResult], baseline: str, path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    pps = [median(results[n].prefill_tps) for n in names]
+    tpot = [median(results[n].tpot_ms) for n in names]
+    pps_err = [[median(r.prefill_tps) - min(r.prefill_tps) for r in results.values()],
+               [max(r.prefill_tps) - median(r.prefill_tps) for r in results.values()]]
+    tpot_err = [[median(r.tpot_ms) - min(r.tpot_ms) for r in results.values()],
+                [max(r.tpot_ms) - median(r.tpot_ms) for r in results.values()]]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(4 + 1.6 * len(names), 4))
+    ax1.bar(names, pps, yerr=pps_err, color="tab:blue", capsize=4)
+    ax1.set_title("prefill tokens/s (higher is better)")
+    ax2.bar(names, tpot, yerr=tpot_err, color="tab:orange", capsize=4)
+    ax2.set_title("decode TPOT ms (lower is better)")
+    base = results.get(baseline)
+    for ax, values, ref in ((ax1, pps, median(base.prefill_tps) if base else 0),
+                            (ax2, tpot, median(base.tpot_ms) if base else 0)):
+        for i, v in enumerate(values):
+            if ref:
+                ax.annotate(f"x{v / ref:.3f}", (i, v), ha="center", va="bottom", fontsize=8)
+        ax.tick_params(axis="x", rotation=20)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def stderr_progress(message: str) -> None:
+    print(f"bench: {message}", file=sys.stderr, flush=True)

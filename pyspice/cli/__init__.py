@@ -1,0 +1,1 @@
+"""The `pyspice` command line (DESIGN section 11)."""

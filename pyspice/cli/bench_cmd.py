@@ -1,0 +1,75 @@
+"""`pyspice bench`: policies side by side on one model, in one run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from pyspice.cli.common import add_context_args, add_model_args, open_model, resolve_model
+
+DEFAULT_PROMPT = (
+    "The history of computing is a story of machines that grew smaller, faster and more capable, "
+    "from rooms full of vacuum tubes to processors that fit in a pocket. Each generation"
+)
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("bench", help="compare policies side by side (table, --json, --plot)", description=__doc__)
+    add_model_args(p)
+    add_context_args(p)
+    p.add_argument("--policies", default="stock,exact,exact-py", help="comma-separated policy names")
+    p.add_argument("--baseline", default="stock", help="policy the ratios divide by (default stock)")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("-p", "--prompt", help=f"prompt text (default: a {len(DEFAULT_PROMPT.split())}-word passage)")
+    group.add_argument("-f", "--file", "--text", dest="file", help="read the prompt from a file")
+    p.add_argument("-n", "--n-predict", type=int, default=32, help="tokens to decode per run (default 32)")
+    p.add_argument("--repeat", type=int, default=3, help="runs per policy (default 3)")
+    p.add_argument("--json", action="store_true", help="print {policies: {NAME: stats + tokens}} as JSON")
+    p.add_argument("--plot", metavar="PNG", help="also draw the comparison into this PNG")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pyspice.bench import BenchConfig, format_table, plot, run_bench, stderr_progress
+
+    policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
+    if args.baseline not in policies:
+        raise ValueError(f"baseline {args.baseline!r} is not among --policies {','.join(policies)}")
+    if args.n_predict < 1 or args.repeat < 1:
+        raise ValueError("-n and --repeat must be at least 1")
+    prompt = open(args.file, encoding="utf-8").read() if args.file else (args.prompt or DEFAULT_PROMPT)
+    first = "stock" if "stock" in policies else policies[0]
+    llm = open_model(args, first)
+    prompt_tokens = tuple(llm.tokenize(prompt.encode("utf-8"), add_bos=True))
+    if len(prompt_tokens) + args.n_predict > args.ctx_size:
+        raise ValueError(f"prompt ({len(prompt_tokens)} tokens) + -n {args.n_predict} exceed -c {args.ctx_size}")
+    cfg = BenchConfig(policies, prompt_tokens, args.n_predict, args.repeat, args.baseline)
+    stderr_progress(
+        f"{resolve_model(args).name}: {len(prompt_tokens)} prompt tokens, {args.n_predict} decoded, "
+        f"{args.repeat} repeats, {llm.n_threads} threads"
+    )
+    results = run_bench(llm, cfg, stderr_progress)
+    llm.close()
+    if args.json:
+        doc = {
+            "model": str(resolve_model(args)),
+            "prompt_tokens": len(prompt_tokens),
+            "n_predict": args.n_predict,
+            "repeat": args.repeat,
+            "threads": llm.n_threads,
+            "policies": {name: res.record() for name, res in results.items()},
+        }
+        json.dump(doc, sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        print(format_table(results, args.baseline))
+    if args.plot:
+        title = f"{resolve_model(args).name}: {len(prompt_tokens)}-token prompt, {args.n_predict} decoded"
+        plot(results, args.baseline, args.plot, title)
+        print(f"bench: plot written to {args.plot}", file=sys.stderr)
+    for name, res in results.items():
+        if res.stats.get("policy_fallbacks"):
+            print(f"bench: {name} had policy fallbacks: its run is INVALID", file=sys.stderr)
+    return 0

@@ -1,0 +1,116 @@
+"""Options shared by subcommands, named as in llama.cpp where the meaning is the same."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pyspice.build_info import BuildNotFoundError, load_build_info
+from pyspice.policy import policy_names
+
+if TYPE_CHECKING:
+    from pyspice.api import Llama
+
+
+def note(message: str) -> None:
+    """A choice made for the user, printed once to standard error."""
+    print(f"pyspice: {message}", file=sys.stderr)
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_pos", nargs="?", metavar="MODEL", help="GGUF model (same as -m)")
+    p.add_argument("-m", "--model", help="GGUF model path")
+
+
+def add_context_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-c", "--ctx-size", type=int, default=2048, help="context size in tokens (default 2048)")
+    p.add_argument("-b", "--batch-size", type=int, default=512, help="logical batch size (default 512)")
+    p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="physical batch size (default 512)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)")
+    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers to offload to the GPU")
+    p.add_argument(
+        "--policy",
+        choices=policy_names(),
+        default=None,
+        help="expert policy (default: exact on a CPU-only build); see DESIGN section 6",
+    )
+    p.add_argument(
+        "--max-hook-tokens",
+        type=int,
+        default=0,
+        help="micro-batches with more tokens run upstream's path (0 = all through the hook)",
+    )
+
+
+def add_prompt_args(p: argparse.ArgumentParser, required: bool = True) -> None:
+    group = p.add_mutually_exclusive_group(required=required)
+    group.add_argument("-p", "--prompt", help="prompt text")
+    group.add_argument("-f", "--file", "--text", dest="file", type=Path, help="read the prompt from a file")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-n", "--n-predict", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("-s", "--seed", type=int, default=0xFFFFFFFF, help="RNG seed (default: random)")
+    p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy (default 0.8)")
+    p.add_argument("--top-k", type=int, default=40, help="top-k sampling (default 40)")
+    p.add_argument("--top-p", type=float, default=0.95, help="top-p sampling (default 0.95)")
+
+
+def resolve_model(args: argparse.Namespace) -> Path:
+    chosen = args.model or args.model_pos
+    if not chosen:
+        raise ValueError(
+            "no model given: pass -m MODEL.gguf (a synthetic one: `pyspice models synth --arch qwen2moe "
+            "--shape tiny -o tiny.gguf`)"
+        )
+    path = Path(chosen).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"model file {path} does not exist")
+    return path
+
+
+def read_prompt(args: argparse.Namespace) -> str:
+    if args.file is not None:
+        return str(args.file.read_text(encoding="utf-8"))
+    return str(args.prompt)
+
+
+def default_policy(args: argparse.Namespace) -> str:
+    if args.policy is not None:
+        return str(args.policy)
+    try:
+        cuda = load_build_info().cuda
+    except BuildNotFoundError:
+        cuda = False
+    if cuda:
+        note("no device budget given; using policy 'exact' (all experts exact)")
+    else:
+        note("CPU-only build: no device tier to manage; using policy 'exact' (routed experts run exactly on the host)")
+    return "exact"
+
+
+def thread_count(args: argparse.Namespace) -> int:
+    return int(args.threads) if args.threads else max(1, os.cpu_count() or 1)
+
+
+def open_model(args: argparse.Namespace, policy: str, *, logits_all: bool = False, seed: int | None = None) -> Llama:
+    from pyspice.api import Llama  # native code loads here, not at CLI start-up
+
+    threads = thread_count(args)
+    return Llama(
+        str(resolve_model(args)),
+        policy=policy,
+        max_hook_tokens=args.max_hook_tokens,
+        n_ctx=args.ctx_size,
+        n_batch=args.batch_size,
+        n_ubatch=args.ubatch_size,
+        n_threads=threads,
+        n_threads_batch=threads,
+        n_gpu_layers=args.n_gpu_layers,
+        logits_all=logits_all,
+        seed=seed if seed is not None else 0xFFFFFFFF,
+        verbose=False,
+    )

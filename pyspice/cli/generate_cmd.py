@@ -1,0 +1,95 @@
+"""`pyspice generate`: one-shot generation, streamed or as one JSON document."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from pyspice.cli.common import (
+    add_context_args,
+    add_model_args,
+    add_prompt_args,
+    add_sampling_args,
+    default_policy,
+    open_model,
+    read_prompt,
+)
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("generate", help="generate text from a prompt", description=__doc__)
+    add_model_args(p)
+    add_prompt_args(p)
+    add_sampling_args(p)
+    add_context_args(p)
+    p.add_argument("--json", action="store_true", help='print {"text", "tokens", "stats"} instead of streaming')
+    p.set_defaults(func=run)
+
+
+class _Utf8Stream:
+    """Emits text as soon as the token bytes form complete UTF-8 characters."""
+
+    def __init__(self) -> None:
+        self._pending = b""
+
+    def feed(self, data: bytes) -> str:
+        self._pending += data
+        for cut in range(len(self._pending), max(len(self._pending) - 4, -1), -1):
+            try:
+                text = self._pending[:cut].decode("utf-8")
+            except UnicodeDecodeError:
+                continue
+            self._pending = self._pending[cut:]
+            return text
+        return ""
+
+    def flush(self) -> str:
+        text = self._pending.decode("utf-8", errors="replace")
+        self._pending = b""
+        return text
+
+
+def generate_tokens(llm: Any, prompt: str, args: argparse.Namespace, on_text: Any = None) -> tuple[str, list[int]]:
+    prompt_tokens = llm.tokenize(prompt.encode("utf-8"), add_bos=True, special=True)
+    out: list[int] = []
+    stream = _Utf8Stream()
+    pieces: list[str] = []
+    eos = llm.token_eos()
+    for token in llm.generate(prompt_tokens, top_k=args.top_k, top_p=args.top_p, temp=args.temp, reset=True):
+        if token == eos or len(out) >= args.n_predict:
+            break
+        out.append(int(token))
+        text = stream.feed(llm.detokenize([token], prev_tokens=prompt_tokens + out[:-1]))
+        if text:
+            pieces.append(text)
+            if on_text is not None:
+                on_text(text)
+        if len(out) >= args.n_predict:
+            break
+    tail = stream.flush()
+    if tail:
+        pieces.append(tail)
+        if on_text is not None:
+            on_text(tail)
+    return "".join(pieces), out
+
+
+def run(args: argparse.Namespace) -> int:
+    policy = default_policy(args)
+    llm = open_model(args, policy, seed=args.seed)
+    prompt = read_prompt(args)
+
+    def echo(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    text, tokens = generate_tokens(llm, prompt, args, None if args.json else echo)
+    if args.json:
+        json.dump({"text": text, "tokens": tokens, "stats": llm.spice_stats()}, sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write("\n")
+    llm.close()
+    return 0

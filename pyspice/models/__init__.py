@@ -1,0 +1,1 @@
+"""Model files pyspice makes: synthetic random-weight MoE GGUFs for tests and timing."""
