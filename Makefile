@@ -18,14 +18,15 @@ JOBS       ?= $(shell nproc 2>/dev/null || echo 2)
 PY    := $(VENV)/bin/python
 CMAKE := $(VENV)/bin/cmake
 
-.PHONY: all venv upstream build test test-unit test-native lint format bench run \
+
+.PHONY: all venv upstream build pristine test test-unit test-native lint format bench run \
         check-patches patches-export cuda-check clean distclean
 
 all: build
 
 # ---- environment -----------------------------------------------------------
 
-$(VENV)/.pyspice-venv: pyproject.toml upstream.lock scripts/upstream.py
+$(VENV)/.pyspice-venv: pyproject.toml upstream.lock
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "cmake>=3.21" ninja
@@ -48,6 +49,16 @@ build: upstream
 	$(CMAKE) --build $(BUILD_DIR) -j $(JOBS)
 	$(PY) scripts/install-native.py --build-dir $(BUILD_DIR)
 
+# unpatched llama + ggml with the same flags: the reference for the test that
+# proves the patch changes nothing when no hook is registered
+PRISTINE_DIR ?= build/pristine
+
+pristine: venv
+	$(PY) scripts/upstream.py prepare --pristine
+	$(CMAKE) -S . -B $(PRISTINE_DIR) -DCMAKE_BUILD_TYPE=Release -DPYSPICE_PRISTINE=ON \
+	    -DPYSPICE_UPSTREAM_DIR=$(CURDIR)/build/upstream/llama.cpp-pristine --log-level=WARNING -Wno-dev
+	$(CMAKE) --build $(PRISTINE_DIR) -j $(JOBS) --target llama
+
 check-patches: venv
 	$(PY) scripts/upstream.py check
 
@@ -62,13 +73,13 @@ cuda-check: venv
 run: build
 	$(PY) scripts/main-job.py
 
-test: build
+test: build pristine
 	$(PY) -m pytest tests
 
 test-unit: venv
 	$(PY) -m pytest tests/unit
 
-test-native: build
+test-native: build pristine
 	$(PY) -m pytest tests/native
 
 lint: venv

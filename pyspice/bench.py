@@ -143,18 +143,24 @@ def plot(results: dict[str, PolicyResult], baseline: str, path: str, title: str)
     names = list(results)
     pps = [median(results[n].prefill_tps) for n in names]
     tpot = [median(results[n].tpot_ms) for n in names]
-    pps_err = [[median(r.prefill_tps) - min(r.prefill_tps) for r in results.values()],
-               [max(r.prefill_tps) - median(r.prefill_tps) for r in results.values()]]
-    tpot_err = [[median(r.tpot_ms) - min(r.tpot_ms) for r in results.values()],
-                [max(r.tpot_ms) - median(r.tpot_ms) for r in results.values()]]
+    pps_err = [
+        [median(r.prefill_tps) - min(r.prefill_tps) for r in results.values()],
+        [max(r.prefill_tps) - median(r.prefill_tps) for r in results.values()],
+    ]
+    tpot_err = [
+        [median(r.tpot_ms) - min(r.tpot_ms) for r in results.values()],
+        [max(r.tpot_ms) - median(r.tpot_ms) for r in results.values()],
+    ]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(4 + 1.6 * len(names), 4))
     ax1.bar(names, pps, yerr=pps_err, color="tab:blue", capsize=4)
     ax1.set_title("prefill tokens/s (higher is better)")
     ax2.bar(names, tpot, yerr=tpot_err, color="tab:orange", capsize=4)
     ax2.set_title("decode TPOT ms (lower is better)")
     base = results.get(baseline)
-    for ax, values, ref in ((ax1, pps, median(base.prefill_tps) if base else 0),
-                            (ax2, tpot, median(base.tpot_ms) if base else 0)):
+    for ax, values, ref in (
+        (ax1, pps, median(base.prefill_tps) if base else 0),
+        (ax2, tpot, median(base.tpot_ms) if base else 0),
+    ):
         for i, v in enumerate(values):
             if ref:
                 ax.annotate(f"x{v / ref:.3f}", (i, v), ha="center", va="bottom", fontsize=8)

@@ -11,6 +11,7 @@ runtime to abort the running llama_decode and is re-raised by the API layer.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
 import threading
@@ -162,7 +163,10 @@ class Runtime:
         err = ffi.new("char[]", 1024)
         status = lib.spice_runtime_create(ffi.cast("struct llama_context *", ctx_address), out, err, 1024)
         if status != 0:
-            message = ffi.string(err).decode(errors="replace") or ffi.string(lib.spice_status_string(status)).decode()
+            message = (
+                ffi.string(err).decode(errors="replace")
+                or ffi.string(lib.spice_status_string(status)).decode()
+            )
             kind = IncompatibleModelError if status in (2, 4) else SpiceError
             raise kind(status, message)
         self._rt: Any = out[0]
@@ -182,10 +186,8 @@ class Runtime:
             self._callback = None
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # interpreter shutdown may have torn down cffi
             self.close()
-        except Exception:
-            pass
 
     def _check(self, status: int, what: str) -> None:
         if status != 0:
@@ -223,15 +225,22 @@ class Runtime:
         """Register the hook with libspice's built-in exact policy (no Python per layer)."""
         self._policy = None
         self._callback = None
-        self._check(self._n.lib.spice_runtime_enable(self._rt, self._n.ffi.NULL, self._n.ffi.NULL, max_tokens),
-                    "enable")
+        self._check(
+            self._n.lib.spice_runtime_enable(self._rt, self._n.ffi.NULL, self._n.ffi.NULL, max_tokens),
+            "enable",
+        )
 
     def enable_policy(self, policy: Policy, max_tokens: int = 0) -> None:
         """Register the hook with a Python policy called once per MoE layer."""
         ffi = self._n.ffi
         self._policy = policy
+        # each policy gets its own one-time warnings
+        self._policy_error = None
+        self._warned_rejection = False
         self._callback = ffi.callback("int(spice_policy_call *, void *)", self._on_call)
-        self._check(self._n.lib.spice_runtime_enable(self._rt, self._callback, ffi.NULL, max_tokens), "enable")
+        self._check(
+            self._n.lib.spice_runtime_enable(self._rt, self._callback, ffi.NULL, max_tokens), "enable"
+        )
 
     def disable(self) -> None:
         """Unregister the hook: the context runs upstream's graph again."""
@@ -297,7 +306,9 @@ class Runtime:
             ffi.memmove(call.actions, flat, flat.nbytes)
             call.n_actions = flat.size
         call.n_fetch = _copy_ints(ffi, call.fetch, call.cap_fetch, plan.fetch)
-        call.n_prefetch = _copy_ints(ffi, call.prefetch, call.cap_prefetch, [v for p in plan.prefetch for v in p])
+        call.n_prefetch = _copy_ints(
+            ffi, call.prefetch, call.cap_prefetch, [v for p in plan.prefetch for v in p]
+        )
         call.n_evict = _copy_ints(ffi, call.evict, call.cap_evict, [v for p in plan.evict for v in p])
 
     # ---- after a decode -----------------------------------------------------------
@@ -311,14 +322,18 @@ class Runtime:
         return hit
 
     def last_error(self) -> str:
-        return str(self._n.ffi.string(self._n.lib.spice_runtime_last_error(self._rt)).decode(errors="replace"))
+        return str(
+            self._n.ffi.string(self._n.lib.spice_runtime_last_error(self._rt)).decode(errors="replace")
+        )
 
     def report_rejections(self) -> None:
         """Warn once when libspice rejected a plan (the message names the problem)."""
         n = int(self._n.lib.spice_runtime_plan_rejections(self._rt))
         if n > self._rejections_seen and not self._warned_rejection and self._policy_error is None:
-            print(f"pyspice: a plan was rejected ({self.last_error()}); ran that call exactly (warned once)",
-                  file=sys.stderr)
+            print(
+                f"pyspice: a plan was rejected ({self.last_error()}); ran that call exactly (warned once)",
+                file=sys.stderr,
+            )
             self._warned_rejection = True
         self._rejections_seen = n
 

@@ -12,6 +12,7 @@ Usage:
   upstream.py fetch              download (if needed) and verify the sdist
   upstream.py prepare [--force]  fetch + extract + apply the series (skips when
                                  the tree already matches lock + patches)
+  upstream.py prepare --pristine the same upstream without patches (reference build)
   upstream.py check              apply the series to a fresh scratch tree
   upstream.py export             regenerate patches/ from the tree's commits
   upstream.py sdist-path         print the verified sdist's path
@@ -38,6 +39,9 @@ SERIES = PATCH_DIR / "series"
 BUILD = Path(os.environ.get("PYSPICE_BUILD_DIR", ROOT / "build"))
 DL_DIR = BUILD / "dl"
 TREE = BUILD / "upstream" / "llama.cpp"
+# the same upstream with no patches: built once so a test can prove the patch
+# changes nothing when the hook is not registered
+PRISTINE_TREE = BUILD / "upstream" / "llama.cpp-pristine"
 STAMP_NAME = ".pyspice-stamp"
 GIT_ID = ["-c", "user.name=pyspice", "-c", "user.email=pyspice@localhost"]
 
@@ -98,8 +102,17 @@ def fetch() -> Path:
     # wheels (":all:" would compile cmake from source). Metadata preparation
     # needs scikit-build-core, which pip installs in its isolated env.
     cmd = [
-        sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-        "--no-binary", "llama-cpp-python", f"llama-cpp-python=={version}", "-d", str(DL_DIR),
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--quiet",
+        "--no-deps",
+        "--no-binary",
+        "llama-cpp-python",
+        f"llama-cpp-python=={version}",
+        "-d",
+        str(DL_DIR),
     ]
     subprocess.run(cmd, check=True)
     if not path.is_file():
@@ -125,8 +138,12 @@ def stamp_text(lock: dict[str, str], patches: list[Path]) -> str:
 
 def git(tree: Path, *args: str, quiet: bool = False) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        ["git", *GIT_ID, *args], cwd=tree, check=False, text=True,
-        stdout=subprocess.PIPE if quiet else None, stderr=subprocess.PIPE if quiet else None,
+        ["git", *GIT_ID, *args],
+        cwd=tree,
+        check=False,
+        text=True,
+        stdout=subprocess.PIPE if quiet else None,
+        stderr=subprocess.PIPE if quiet else None,
     )
 
 
@@ -139,7 +156,7 @@ def extract(sdist: Path, dest: Path) -> None:
         for member in tar.getmembers():
             if not member.name.startswith(prefix):
                 continue
-            member.name = member.name[len(prefix):]
+            member.name = member.name[len(prefix) :]
             # the sdist carries the submodule's `.git` link file; our tree gets its own repo
             if member.name and member.name.split("/")[0] != ".git":
                 members.append(member)
@@ -149,8 +166,12 @@ def extract(sdist: Path, dest: Path) -> None:
 
 
 def apply_series(tree: Path, patches: list[Path]) -> None:
-    for cmd in (["init", "-q"], ["add", "-A", "-f"], ["commit", "-q", "-m", "upstream (pristine)"],
-                ["tag", "upstream"]):
+    for cmd in (
+        ["init", "-q"],
+        ["add", "-A", "-f"],
+        ["commit", "-q", "-m", "upstream (pristine)"],
+        ["tag", "upstream"],
+    ):
         result = git(tree, *cmd, quiet=True)
         if result.returncode != 0:
             raise UpstreamError(f"git {' '.join(cmd)} failed in {tree}: {result.stderr}")
@@ -168,33 +189,35 @@ def apply_series(tree: Path, patches: list[Path]) -> None:
             )
 
 
-def prepare(force: bool = False) -> Path:
+def prepare(force: bool = False, pristine: bool = False) -> Path:
     lock = read_lock()
-    patches = read_series()
+    patches = [] if pristine else read_series()
+    tree = PRISTINE_TREE if pristine else TREE
     want = stamp_text(lock, patches)
-    stamp = TREE / STAMP_NAME
+    stamp = tree / STAMP_NAME
     if not force and stamp.is_file() and stamp.read_text().strip() == want:
-        return TREE
+        return tree
     sdist = fetch()
-    if TREE.exists():
-        if (TREE / ".git").exists() and git(TREE, "diff", "--quiet", "HEAD", quiet=True).returncode != 0:
+    if tree.exists():
+        if (tree / ".git").exists() and git(tree, "diff", "--quiet", "HEAD", quiet=True).returncode != 0:
             raise UpstreamError(
-                f"{TREE} has uncommitted edits; commit them and run `make patches-export`, "
+                f"{tree} has uncommitted edits; commit them and run `make patches-export`, "
                 "or discard them, before the tree is re-extracted."
             )
-        shutil.rmtree(TREE)
-    print(f"upstream: extracting llama.cpp and applying {len(patches)} patch(es)", file=sys.stderr)
-    tmp = TREE.with_name(TREE.name + ".tmp")
+        shutil.rmtree(tree)
+    what = "without patches" if pristine else f"and applying {len(patches)} patch(es)"
+    print(f"upstream: extracting llama.cpp {what}", file=sys.stderr)
+    tmp = tree.with_name(tree.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
     extract(sdist, tmp)
     apply_series(tmp, patches)
-    tmp.rename(TREE)
-    (TREE / STAMP_NAME).write_text(want + "\n")
+    tmp.rename(tree)
+    (tree / STAMP_NAME).write_text(want + "\n")
     # keep the stamp out of `git status` in the tree
-    with (TREE / ".git" / "info" / "exclude").open("a") as fh:
+    with (tree / ".git" / "info" / "exclude").open("a") as fh:
         fh.write(f"{STAMP_NAME}\n")
-    return TREE
+    return tree
 
 
 def check() -> None:
@@ -212,8 +235,18 @@ def export() -> None:
         raise UpstreamError(f"no patched tree at {TREE}; run `make upstream` first")
     for old in PATCH_DIR.glob("*.patch"):
         old.unlink()
-    result = git(TREE, "format-patch", "-q", "--no-signature", "--zero-commit", "--no-stat",
-                 "-o", str(PATCH_DIR), "upstream..HEAD", quiet=True)
+    result = git(
+        TREE,
+        "format-patch",
+        "-q",
+        "--no-signature",
+        "--zero-commit",
+        "--no-stat",
+        "-o",
+        str(PATCH_DIR),
+        "upstream..HEAD",
+        quiet=True,
+    )
     if result.returncode != 0:
         raise UpstreamError(f"git format-patch failed: {result.stderr}")
     names = sorted(p.name for p in PATCH_DIR.glob("*.patch"))
@@ -225,17 +258,18 @@ def export() -> None:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("command", choices=["fetch", "prepare", "check", "export", "sdist-path", "tree-path"])
     parser.add_argument("--force", action="store_true")
+    parser.add_argument("--pristine", action="store_true", help="prepare: the unpatched tree")
     args = parser.parse_args(argv)
     try:
-        if args.command == "fetch":
-            print(fetch())
-        elif args.command == "sdist-path":
+        if args.command == "fetch" or args.command == "sdist-path":
             print(fetch())
         elif args.command == "prepare":
-            print(prepare(force=args.force))
+            print(prepare(force=args.force, pristine=args.pristine))
         elif args.command == "tree-path":
             print(TREE)
         elif args.command == "check":

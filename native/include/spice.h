@@ -169,8 +169,8 @@ SPICE_API void spice_runtime_reset_counters(spice_runtime * rt);
 SPICE_API int spice_runtime_abort_requested(const spice_runtime * rt);
 SPICE_API void spice_runtime_clear_abort(spice_runtime * rt);
 
-/* Number of plan rejections and policy failures so far; the first message is
- * kept in last_error so the caller can warn once. */
+/* Number of plan rejections and policy failures so far; last_error holds the
+ * latest message, so a caller that sees the count grow can warn once. */
 SPICE_API uint64_t spice_runtime_plan_rejections(const spice_runtime * rt);
 
 /* ---- expert buffer type ------------------------------------------------------

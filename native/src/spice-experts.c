@@ -16,18 +16,22 @@ static int matrix_init(spice_expert_matrix * m, int32_t il, const char * what,
     m->n_cols = t->ne[0];
     m->n_rows = t->ne[1];
 
+    const char * buft = t->buffer ? ggml_backend_buft_name(ggml_backend_buffer_get_type(t->buffer)) : "none";
+    /* the CPU backend's "extra" buffer types (CPU_REPACK, AMX, KleidiAI) hold
+     * weights in their own layout: not host-readable, or tagged via extra */
+    const int repacked = t->extra != NULL || strstr(buft, "REPACK") != NULL || strstr(buft, "AMX") != NULL ||
+                         strstr(buft, "KLEIDI") != NULL;
+    if (repacked) {
+        snprintf(err, err_len,
+                 "layer %d %s experts (%s) were repacked by the CPU backend (buffer type %s); load the "
+                 "model with pyspice.Llama, which keeps routed experts unrepacked in host memory",
+                 il, what, t->name, buft);
+        return SPICE_ERR_INCOMPATIBLE;
+    }
     if (t->data == NULL || t->buffer == NULL || !ggml_backend_buffer_is_host(t->buffer)) {
-        const char * buft = t->buffer ? ggml_backend_buft_name(ggml_backend_buffer_get_type(t->buffer)) : "none";
         snprintf(err, err_len,
                  "layer %d %s experts (%s) are not in host memory (buffer type %s); load the model with "
                  "pyspice.Llama, which keeps routed experts in host memory", il, what, t->name, buft);
-        return SPICE_ERR_INCOMPATIBLE;
-    }
-    if (t->extra != NULL) {
-        const char * buft = ggml_backend_buft_name(ggml_backend_buffer_get_type(t->buffer));
-        snprintf(err, err_len,
-                 "layer %d %s experts (%s) were repacked by the CPU backend (buffer type %s); load the "
-                 "model with pyspice.Llama, which keeps routed experts unrepacked", il, what, t->name, buft);
         return SPICE_ERR_INCOMPATIBLE;
     }
     const struct ggml_type_traits_cpu * traits = ggml_get_type_traits_cpu(t->type);

@@ -139,9 +139,7 @@ static void plan_call(spice_runtime * rt, const struct llama_moe_hook_call * hc)
             if (spice_plan_validate(rt, &call, err, sizeof(err)) == SPICE_OK) {
                 use_plan = 1;
             } else {
-                if (rt->plan_rejections == 0) {
-                    memcpy(rt->last_error, err, sizeof(err));
-                }
+                memcpy(rt->last_error, err, sizeof(err)); /* the latest: callers warn once per policy */
                 rt->plan_rejections++;
                 c->policy_fallbacks++;
             }
@@ -149,9 +147,7 @@ static void plan_call(spice_runtime * rt, const struct llama_moe_hook_call * hc)
             if (rc == SPICE_POLICY_ABORT) {
                 atomic_store(&rt->abort_requested, 1);
             } else {
-                if (rt->plan_rejections == 0) {
-                    set_error(rt, "layer %d: the policy failed; ran exact instead", hc->il);
-                }
+                set_error(rt, "layer %d: the policy failed; ran exact instead", hc->il);
                 rt->plan_rejections++;
                 c->policy_fallbacks++;
             }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from pyspice.cli.common import add_context_args, add_model_args, open_model, resolve_model
@@ -16,13 +17,17 @@ DEFAULT_PROMPT = (
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("bench", help="compare policies side by side (table, --json, --plot)", description=__doc__)
+    p = sub.add_parser(
+        "bench", help="compare policies side by side (table, --json, --plot)", description=__doc__
+    )
     add_model_args(p)
     add_context_args(p)
     p.add_argument("--policies", default="stock,exact,exact-py", help="comma-separated policy names")
     p.add_argument("--baseline", default="stock", help="policy the ratios divide by (default stock)")
     group = p.add_mutually_exclusive_group()
-    group.add_argument("-p", "--prompt", help=f"prompt text (default: a {len(DEFAULT_PROMPT.split())}-word passage)")
+    group.add_argument(
+        "-p", "--prompt", help=f"prompt text (default: a {len(DEFAULT_PROMPT.split())}-word passage)"
+    )
     group.add_argument("-f", "--file", "--text", dest="file", help="read the prompt from a file")
     p.add_argument("-n", "--n-predict", type=int, default=32, help="tokens to decode per run (default 32)")
     p.add_argument("--repeat", type=int, default=3, help="runs per policy (default 3)")
@@ -39,12 +44,14 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"baseline {args.baseline!r} is not among --policies {','.join(policies)}")
     if args.n_predict < 1 or args.repeat < 1:
         raise ValueError("-n and --repeat must be at least 1")
-    prompt = open(args.file, encoding="utf-8").read() if args.file else (args.prompt or DEFAULT_PROMPT)
+    prompt = Path(args.file).read_text(encoding="utf-8") if args.file else (args.prompt or DEFAULT_PROMPT)
     first = "stock" if "stock" in policies else policies[0]
     llm = open_model(args, first)
     prompt_tokens = tuple(llm.tokenize(prompt.encode("utf-8"), add_bos=True))
     if len(prompt_tokens) + args.n_predict > args.ctx_size:
-        raise ValueError(f"prompt ({len(prompt_tokens)} tokens) + -n {args.n_predict} exceed -c {args.ctx_size}")
+        raise ValueError(
+            f"prompt ({len(prompt_tokens)} tokens) + -n {args.n_predict} exceed -c {args.ctx_size}"
+        )
     cfg = BenchConfig(policies, prompt_tokens, args.n_predict, args.repeat, args.baseline)
     stderr_progress(
         f"{resolve_model(args).name}: {len(prompt_tokens)} prompt tokens, {args.n_predict} decoded, "

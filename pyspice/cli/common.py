@@ -88,7 +88,10 @@ def default_policy(args: argparse.Namespace) -> str:
     if cuda:
         note("no device budget given; using policy 'exact' (all experts exact)")
     else:
-        note("CPU-only build: no device tier to manage; using policy 'exact' (routed experts run exactly on the host)")
+        note(
+            "CPU-only build: no device tier to manage; using policy 'exact' "
+            "(routed experts run exactly on the host)"
+        )
     return "exact"
 
 
@@ -96,7 +99,9 @@ def thread_count(args: argparse.Namespace) -> int:
     return int(args.threads) if args.threads else max(1, os.cpu_count() or 1)
 
 
-def open_model(args: argparse.Namespace, policy: str, *, logits_all: bool = False, seed: int | None = None) -> Llama:
+def open_model(
+    args: argparse.Namespace, policy: str, *, logits_all: bool = False, seed: int | None = None
+) -> Llama:
     from pyspice.api import Llama  # native code loads here, not at CLI start-up
 
     threads = thread_count(args)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
 import sys
 from typing import Any
@@ -24,34 +25,29 @@ def register(sub: Any) -> None:
     add_prompt_args(p)
     add_sampling_args(p)
     add_context_args(p)
-    p.add_argument("--json", action="store_true", help='print {"text", "tokens", "stats"} instead of streaming')
+    p.add_argument(
+        "--json", action="store_true", help='print {"text", "tokens", "stats"} instead of streaming'
+    )
     p.set_defaults(func=run)
 
 
 class _Utf8Stream:
-    """Emits text as soon as the token bytes form complete UTF-8 characters."""
+    """Emits text as soon as the token bytes form complete UTF-8 characters
+    (a token may end inside a character); invalid bytes become U+FFFD."""
 
     def __init__(self) -> None:
-        self._pending = b""
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def feed(self, data: bytes) -> str:
-        self._pending += data
-        for cut in range(len(self._pending), max(len(self._pending) - 4, -1), -1):
-            try:
-                text = self._pending[:cut].decode("utf-8")
-            except UnicodeDecodeError:
-                continue
-            self._pending = self._pending[cut:]
-            return text
-        return ""
+        return str(self._decoder.decode(data))
 
     def flush(self) -> str:
-        text = self._pending.decode("utf-8", errors="replace")
-        self._pending = b""
-        return text
+        return str(self._decoder.decode(b"", final=True))
 
 
-def generate_tokens(llm: Any, prompt: str, args: argparse.Namespace, on_text: Any = None) -> tuple[str, list[int]]:
+def generate_tokens(
+    llm: Any, prompt: str, args: argparse.Namespace, on_text: Any = None
+) -> tuple[str, list[int]]:
     prompt_tokens = llm.tokenize(prompt.encode("utf-8"), add_bos=True, special=True)
     out: list[int] = []
     stream = _Utf8Stream()

@@ -18,8 +18,12 @@ from pyspice.cli.version import version_report
 
 
 class _VersionAction(argparse.Action):
-    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kwargs: object) -> None:
-        super().__init__(option_strings, dest=dest, nargs=0, help="print versions, library path and patch series")
+    def __init__(
+        self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kwargs: object
+    ) -> None:
+        super().__init__(
+            option_strings, dest=dest, nargs=0, help="print versions, library path and patch series"
+        )
 
     def __call__(self, parser: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
         print(version_report())

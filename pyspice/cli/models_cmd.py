@@ -22,8 +22,11 @@ def register(sub: Any) -> None:
     s.add_argument("--arch", choices=ARCHS, required=True)
     s.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     s.add_argument("--layers", type=int, default=None, help="limit block count (real shapes, bounded disk)")
-    s.add_argument("--quant", default=None, help="F32 (default), F16, BF16, Q8_0, Q5_0, Q5_1, Q4_0, Q4_K, Q5_K, "
-                   "Q6_K, Q4_K_M, Q5_K_M, ...")
+    s.add_argument(
+        "--quant",
+        default=None,
+        help="F32 (default), F16, BF16, Q8_0, Q5_0, Q5_1, Q4_0, Q4_K, Q5_K, Q6_K, Q4_K_M, Q5_K_M, ...",
+    )
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("-o", "--output", type=Path, required=True)
     s.set_defaults(func=run_synth)
@@ -33,7 +36,13 @@ def run_synth(args: argparse.Namespace) -> int:
     from pyspice.models.synth import synthesize
 
     path = synthesize(
-        args.arch, args.shape, args.output, quant=args.quant, layers=args.layers, seed=args.seed, progress=True
+        args.arch,
+        args.shape,
+        args.output,
+        quant=args.quant,
+        layers=args.layers,
+        seed=args.seed,
+        progress=True,
     )
     print(path)
     return 0

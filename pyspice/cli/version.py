@@ -37,7 +37,9 @@ def version_report() -> str:
         return "\n".join([*lines, f"warning: llama_cpp failed to load its library: {exc}"])
     lines.append(f"libllama: {path}")
     if series is None:
-        lines.append("warning: llama_cpp loaded a libllama that is not pyspice's patched build; run `make build`")
+        lines.append(
+            "warning: llama_cpp loaded a libllama that is not pyspice's patched build; run `make build`"
+        )
         return "\n".join(lines)
     applied = [s for s in series.splitlines() if s]
     lines.append("patch series:")
@@ -45,6 +47,8 @@ def version_report() -> str:
     if path.parent != info.lib_dir.resolve():
         lines.append(f"warning: expected the library in {info.lib_dir}")
     if tuple(applied) != info.patch_series:
-        lines.append("warning: the loaded library's patches differ from the installed build's; run `make build`")
+        lines.append(
+            "warning: the loaded library's patches differ from the installed build's; run `make build`"
+        )
     lines.append(f"build: {info.build_type}{' + CUDA' if info.cuda else ''}, {info.build_dir}")
     return "\n".join(lines)

@@ -1,6 +1,6 @@
 """Synthetic models against the built llama.cpp: they quantize, load and generate.
 
-Needs the native build (`make build`); skipped with the reason when it is absent.
+Needs the native build (`make build`); like every native test it fails without it.
 """
 
 from __future__ import annotations
@@ -11,15 +11,10 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
-from pyspice.build_info import BuildNotFoundError, load_build_info
+from pyspice.build_info import load_build_info
 from pyspice.models import synth
 
-try:
-    load_build_info()
-except BuildNotFoundError as exc:
-    pytest.skip(f"native build not installed: {exc}", allow_module_level=True)
-
-from llama_cpp import Llama  # after the skip: without our build it would load no library
+from llama_cpp import Llama
 
 TINY_SHAPES = ("tiny", "tiny-odd")
 

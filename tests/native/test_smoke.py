@@ -1,0 +1,88 @@
+"""The build is what it claims to be: our patched library, loaded by plain llama_cpp, with the tools."""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pyspice.build_info import load_build_info
+from pyspice.runtime import native
+
+
+def test_libllama_exports_the_patch_series() -> None:
+    info = load_build_info()
+    lib = ctypes.CDLL(str(info.libllama))
+    fn = lib.llama_spice_patch_series
+    fn.restype = ctypes.c_char_p
+    applied = [line for line in fn().decode().splitlines() if line]
+    assert applied == list(info.patch_series)
+    assert any("moe-expert-hook" in name for name in applied)
+
+
+def test_libspice_is_linked_to_the_same_series() -> None:
+    lib = native()
+    from pyspice.runtime import _Native
+
+    series = _Native.get().ffi.string(lib.spice_build_patch_series()).decode()
+    assert [s for s in series.splitlines() if s] == list(load_build_info().patch_series)
+
+
+def test_plain_import_llama_cpp_loads_our_library() -> None:
+    """Without importing pyspice, `import llama_cpp` must already use the patched build."""
+    code = (
+        "import ctypes, llama_cpp\n"
+        "lib = llama_cpp.llama_cpp._lib\n"
+        "print(lib._name)\n"
+        "fn = lib.llama_spice_patch_series\n"
+        "fn.restype = ctypes.c_char_p\n"
+        "print(fn().decode().splitlines()[0])\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split("\n")
+    info = load_build_info()
+    assert Path(out[0]).resolve().parent == info.lib_dir.resolve()
+    assert out[1] == info.patch_series[0]
+
+
+def test_version_reports_our_library() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "pyspice", "--version"], capture_output=True, text=True, check=True
+    ).stdout
+    assert "libllama: " in out and "moe-expert-hook" in out and "warning" not in out
+
+
+@pytest.mark.parametrize("arch", ["qwen2moe", "deepseek2"])
+def test_llama_quantize_and_perplexity_run(synth_model, arch: str, tmp_path: Path) -> None:
+    info = load_build_info()
+    src = synth_model(arch, "tiny", None)
+    out = tmp_path / "q8.gguf"
+    subprocess.run(
+        [str(info.tool("llama-quantize")), str(src), str(out), "Q8_0"], capture_output=True, check=True
+    )
+    assert out.stat().st_size < src.stat().st_size
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(["the quick brown fox jumps over the lazy dog"] * 60))
+    result = subprocess.run(
+        [
+            str(info.tool("llama-perplexity")),
+            "-m",
+            str(out),
+            "-f",
+            str(text),
+            "-c",
+            "128",
+            "-t",
+            "2",
+            "-b",
+            "128",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "Final estimate: PPL" in result.stdout + result.stderr

@@ -1,0 +1,35 @@
+"""pyspice.runtime derives its cffi declarations from spice.h; they must parse and agree with policy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import cffi
+
+from pyspice.policy import ACTION_DEVICE, ACTION_DROP, ACTION_HOST, ACTION_SURROGATE
+from pyspice.runtime import cdef_from_header
+
+HEADER = Path(__file__).resolve().parents[2] / "native" / "include" / "spice.h"
+
+
+def test_header_parses_and_action_values_match_the_policy_package() -> None:
+    ffi = cffi.FFI()
+    ffi.cdef(cdef_from_header(HEADER.read_text()))
+    lib = ffi.dlopen(None)  # only the constants are read; no symbol is called
+    assert (
+        lib.SPICE_ACTION_DEVICE,
+        lib.SPICE_ACTION_HOST,
+        lib.SPICE_ACTION_SURROGATE,
+        lib.SPICE_ACTION_DROP,
+    ) == (ACTION_DEVICE, ACTION_HOST, ACTION_SURROGATE, ACTION_DROP)
+    assert lib.SPICE_POLICY_ABORT == 2
+    assert ffi.sizeof("spice_counters") == 16 * 8
+
+
+def test_every_c_function_follows_the_naming_convention() -> None:
+    import re
+
+    names = re.findall(r"^SPICE_API [^;(]*?\b(\w+)\s*\(", HEADER.read_text(), flags=re.M)
+    assert names, "no functions found"
+    for name in names:
+        assert re.fullmatch(r"spice_[a-z]+(_[a-z0-9]+)+", name), name

@@ -1,0 +1,47 @@
+"""The stats record of DESIGN section 11, from raw counters."""
+
+from __future__ import annotations
+
+from pyspice.stats import STATS_KEYS, Counters, StatsSnapshot, Timing, stats_record
+
+
+def test_record_has_every_key_and_derives_rates() -> None:
+    total = Counters(
+        hook_calls=10,
+        activations=100,
+        hits=60,
+        misses_fetched=10,
+        misses_host=20,
+        misses_surrogate=10,
+        bytes_h2d=4000,
+        stall_ns=2_000_000,
+        policy_ns=50_000,
+        policy_calls=10,
+    )
+    snap = StatsSnapshot(
+        total=total,
+        layers={3: total},
+        timing=Timing(prefill_tokens=50, prefill_s=0.5, decoded_tokens=4, decode_s=0.2),
+    )
+    rec = stats_record(snap)
+    assert set(STATS_KEYS) <= set(rec)
+    assert rec["hit_rate"] == 0.6
+    assert abs(rec["fallback_rate"] - 0.4) < 1e-12
+    assert rec["misses"] == {"fetched": 10, "host": 20, "surrogate": 10, "dropped": 0}
+    assert rec["bytes_per_token"] == 1000.0  # per decoded token only
+    assert rec["stall_ms_per_token"] == 0.5
+    assert rec["policy_us_per_call"] == 5.0
+    assert rec["tpot_ms"] == 50.0
+    assert rec["prefill_tps"] == 100.0
+    assert rec["layers"]["3"]["hit_rate"] == 0.6
+
+
+def test_empty_record_has_no_division_errors() -> None:
+    rec = stats_record(StatsSnapshot())
+    assert rec["hit_rate"] == 0.0 and rec["tpot_ms"] == 0.0 and rec["layers"] == {}
+
+
+def test_counters_add() -> None:
+    a = Counters(hits=1, activations=2)
+    a.add(Counters(hits=3, activations=4, dropped=1))
+    assert (a.hits, a.activations, a.misses) == (4, 6, 1)
