@@ -10,11 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import GGUFReader
-
-from pyspice.build_info import load_build_info
-from pyspice.models import synth
-
 from llama_cpp import Llama
+
+from pyspice.models import synth
 
 TINY_SHAPES = ("tiny", "tiny-odd")
 
