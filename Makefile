@@ -91,8 +91,18 @@ format: venv
 	$(VENV)/bin/ruff format pyspice tests scripts
 	$(VENV)/bin/ruff check --fix pyspice tests scripts
 
-bench: build
-	$(PY) -m pyspice bench --policies stock,exact,exact-py --repeat 3
+# The largest synthetic model comfortable on 2 cores / 24 GiB: DeepSeek-V2-Lite
+# shapes, 8 layers, Q4_K_M (about 2 GB). Run once with the reference's tiled
+# matmul off and once with upstream's default (on); ratios are within a run.
+BENCH_MODEL ?= build/models/dsv2lite-8L-Q4_K_M.gguf
+BENCH_ARGS  ?= --policies stock,exact,exact-py,upstream -n 32 --repeat 5 -t $(JOBS)
+
+$(BENCH_MODEL):
+	$(PY) -m pyspice models synth --arch deepseek2 --shape deepseek-v2-lite --layers 8 --quant Q4_K_M -o $@
+
+bench: build $(BENCH_MODEL)
+	GGML_CPU_TILED_MM=0 $(PY) -m pyspice bench -m $(BENCH_MODEL) $(BENCH_ARGS) --plot build/bench-reference.png
+	$(PY) -m pyspice bench -m $(BENCH_MODEL) $(BENCH_ARGS) --plot build/bench-upstream-defaults.png
 
 clean:
 	rm -rf $(BUILD_DIR)

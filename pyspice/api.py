@@ -176,6 +176,27 @@ class Llama(llama_cpp.Llama):
         if self._spice_runtime is not None:
             self._spice_runtime.reset_counters()
 
+    def spice_upstream_twin(self) -> llama_cpp.Llama:
+        """The same model loaded by plain llama_cpp.Llama with upstream's defaults
+        (weight repacking on), made on first use: what `bench` compares against
+        as "upstream". Shares nothing with this instance but the file."""
+        twin = self.__dict__.get("_spice_twin")
+        if twin is None:
+            cp = self.context_params
+            twin = llama_cpp.Llama(
+                self.model_path,
+                n_ctx=cp.n_ctx,
+                n_batch=cp.n_batch,
+                n_ubatch=cp.n_ubatch,
+                n_threads=cp.n_threads,
+                n_threads_batch=cp.n_threads_batch,
+                n_gpu_layers=self.model_params.n_gpu_layers,
+                verbose=False,
+            )
+            self.__dict__["_spice_twin"] = twin
+            self._stack.callback(twin.close)
+        return twin
+
     def spice_layers(self) -> list[Any]:
         return self._require_runtime().layers()
 

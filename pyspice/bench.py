@@ -67,8 +67,15 @@ def _greedy_next(llm: Any) -> int:
     return int(np.argmax(logits))
 
 
+# Not a policy: the same model loaded by plain llama_cpp.Llama with upstream's
+# defaults (CPU weight repacking on), to measure against what users run today.
+UPSTREAM_ROW = "upstream"
+
+
 def run_one(llm: Any, name: str, cfg: BenchConfig) -> tuple[float, float, list[int], dict[str, Any]]:
     """One repeat of one policy: (prefill tok/s, TPOT ms, generated ids, stats record)."""
+    if name == UPSTREAM_ROW:
+        return _run_plain(llm, cfg)
     llm.set_policy(name)
     llm.reset()
     llm.spice_reset_stats()
@@ -81,11 +88,32 @@ def run_one(llm: Any, name: str, cfg: BenchConfig) -> tuple[float, float, list[i
     return float(stats["prefill_tps"]), float(stats["tpot_ms"]), tokens, stats
 
 
+def _run_plain(llm: Any, cfg: BenchConfig) -> tuple[float, float, list[int], dict[str, Any]]:
+    import time
+
+    plain = llm.spice_upstream_twin()
+    plain.reset()
+    start = time.perf_counter()
+    plain.eval(list(cfg.prompt_tokens))
+    prefill_s = time.perf_counter() - start
+    tokens = [_greedy_next(plain)]
+    decode_s = 0.0
+    for _ in range(cfg.n_predict - 1):
+        start = time.perf_counter()
+        plain.eval([tokens[-1]])
+        decode_s += time.perf_counter() - start
+        tokens.append(_greedy_next(plain))
+    pps = len(cfg.prompt_tokens) / prefill_s
+    tpot = decode_s * 1e3 / max(1, cfg.n_predict - 1)
+    return pps, tpot, tokens, {"tpot_ms": tpot, "prefill_tps": pps, "hook_calls": 0, "hit_rate": 0.0}
+
+
 def run_bench(
     llm: Any, cfg: BenchConfig, progress: Callable[[str], None] | None = None
 ) -> dict[str, PolicyResult]:
     for name in cfg.policies:
-        policy_spec(name)  # unknown names fail before any work
+        if name != UPSTREAM_ROW:
+            policy_spec(name)  # unknown names fail before any work
     results = {name: PolicyResult(name) for name in cfg.policies}
     n = len(cfg.policies)
     for r in range(cfg.repeat):

@@ -170,6 +170,7 @@ class Runtime:
             kind = IncompatibleModelError if status in (2, 4) else SpiceError
             raise kind(status, message)
         self._rt: Any = out[0]
+        self._views: dict[int, tuple[int, tuple[int, int, int], np.ndarray]] = {}
         self._callback: Any = None
         self._policy: Policy | None = None
         self._policy_error: str | None = None
@@ -248,12 +249,19 @@ class Runtime:
         self._policy = None
         self._callback = None
 
-    def _view(self, ptr: Any, rows: int, cols: int, row_bytes: int, dtype: type) -> np.ndarray:
+    def _view(self, key: int, ptr: Any, rows: int, cols: int, row_bytes: int, dtype: type) -> np.ndarray:
+        """Read-only numpy view of a C array. The graph reuses its buffers from
+        one decode step to the next, so views are cached by address and shape."""
+        address = int(self._n.ffi.cast("uintptr_t", ptr))
+        cached = self._views.get(key)
+        if cached is not None and cached[0] == address and cached[1] == (rows, cols, row_bytes):
+            return cached[2]
         itemsize = np.dtype(dtype).itemsize
         nbytes = (rows - 1) * row_bytes + cols * itemsize if rows > 0 else 0
         buf = self._n.ffi.buffer(ptr, nbytes)
         arr: np.ndarray = np.ndarray((rows, cols), dtype=dtype, buffer=buf, strides=(row_bytes, itemsize))
         arr.flags.writeable = False
+        self._views[key] = (address, (rows, cols, row_bytes), arr)
         return arr
 
     def _on_call(self, call: Any, _user_data: Any) -> int:
@@ -262,14 +270,15 @@ class Runtime:
             policy = self._policy
             assert policy is not None
             n_tokens, n_used = call.n_tokens, call.n_expert_used
+            base = 5 * call.il
             view = HookCall(
                 layer=call.il,
-                hidden=self._view(call.inp, n_tokens, call.n_embd, call.inp_nb1, np.float32),
-                probs=self._view(call.probs, n_tokens, call.n_expert, call.probs_nb1, np.float32),
-                ids=self._view(call.ids, n_tokens, n_used, call.ids_nb1, np.int32),
-                weights=self._view(call.weights, n_tokens, n_used, call.weights_nb1, np.float32),
+                hidden=self._view(base, call.inp, n_tokens, call.n_embd, call.inp_nb1, np.float32),
+                probs=self._view(base + 1, call.probs, n_tokens, call.n_expert, call.probs_nb1, np.float32),
+                ids=self._view(base + 2, call.ids, n_tokens, n_used, call.ids_nb1, np.int32),
+                weights=self._view(base + 3, call.weights, n_tokens, n_used, call.weights_nb1, np.float32),
                 shared=(
-                    self._view(call.shexp, n_tokens, call.n_embd, call.shexp_nb1, np.float32)
+                    self._view(base + 4, call.shexp, n_tokens, call.n_embd, call.shexp_nb1, np.float32)
                     if call.shexp != self._n.ffi.NULL
                     else None
                 ),

@@ -175,24 +175,38 @@ static const void * up_input(const spice_host_exec * ex, int32_t t) {
     return ex->xq_up ? (const void *) (ex->xq_up + (size_t) t * m->act_row_size) : (const void *) inp_row(&ex->job, t);
 }
 
+/* One unit of matmul work: rows [r0, r1) of expert e. */
+typedef struct work_item {
+    int32_t e;
+    int64_t r0, r1;
+} work_item;
+
+/* Takes the next (expert, row chunk) item off a shared counter; 0 when done.
+ * Items walk experts in order, so a prompt batch streams each expert's
+ * weights once for all the tokens routed to it. */
+static int next_item(const spice_host_exec * ex, atomic_int * counter, int32_t chunks, int64_t n_rows,
+                     work_item * out) {
+    const int32_t item = atomic_fetch_add_explicit(counter, 1, memory_order_relaxed);
+    if (item >= ex->n_active * chunks) {
+        return 0;
+    }
+    out->e = ex->active[item / chunks];
+    out->r0 = (int64_t) (item % chunks) * SPICE_ROW_CHUNK;
+    out->r1 = out->r0 + SPICE_ROW_CHUNK < n_rows ? out->r0 + SPICE_ROW_CHUNK : n_rows;
+    return 1;
+}
+
 static void phase_gate_up(spice_host_exec * ex) {
     const spice_host_job * job = &ex->job;
     const spice_expert_layer * L = job->layer;
-    const int32_t n_items = ex->n_active * ex->chunks_ff;
     const int n_embd = L->n_embd;
     const int64_t n_ff = L->n_ff;
-    for (;;) {
-        const int32_t item = atomic_fetch_add_explicit(&ex->next_ff, 1, memory_order_relaxed);
-        if (item >= n_items) {
-            break;
-        }
-        const int32_t e = ex->active[item / ex->chunks_ff];
-        const int64_t r0 = (int64_t) (item % ex->chunks_ff) * SPICE_ROW_CHUNK;
-        const int64_t r1 = r0 + SPICE_ROW_CHUNK < n_ff ? r0 + SPICE_ROW_CHUNK : n_ff;
-        const int32_t p0 = ex->expert_start[e], p1 = ex->expert_start[e + 1];
-        for (int64_t r = r0; r < r1; ++r) {
-            const char * wg = spice_expert_row(&L->gate, e, r);
-            const char * wu = spice_expert_row(&L->up, e, r);
+    work_item w;
+    while (next_item(ex, &ex->next_ff, ex->chunks_ff, n_ff, &w)) {
+        const int32_t p0 = ex->expert_start[w.e], p1 = ex->expert_start[w.e + 1];
+        for (int64_t r = w.r0; r < w.r1; ++r) {
+            const char * wg = spice_expert_row(&L->gate, w.e, r);
+            const char * wu = spice_expert_row(&L->up, w.e, r);
             for (int32_t i = p0; i < p1; ++i) {
                 const int32_t pair = ex->pairs_by_expert[i];
                 const int32_t t = pair / job->n_used;
@@ -218,20 +232,13 @@ static void phase_swiglu(spice_host_exec * ex, int ith, int nth) {
 
 static void phase_down(spice_host_exec * ex) {
     const spice_expert_layer * L = ex->job.layer;
-    const int32_t n_items = ex->n_active * ex->chunks_embd;
     const int64_t n_embd = L->n_embd;
     const int n_ff = L->n_ff;
-    for (;;) {
-        const int32_t item = atomic_fetch_add_explicit(&ex->next_embd, 1, memory_order_relaxed);
-        if (item >= n_items) {
-            break;
-        }
-        const int32_t e = ex->active[item / ex->chunks_embd];
-        const int64_t r0 = (int64_t) (item % ex->chunks_embd) * SPICE_ROW_CHUNK;
-        const int64_t r1 = r0 + SPICE_ROW_CHUNK < n_embd ? r0 + SPICE_ROW_CHUNK : n_embd;
-        const int32_t p0 = ex->expert_start[e], p1 = ex->expert_start[e + 1];
-        for (int64_t r = r0; r < r1; ++r) {
-            const char * wd = spice_expert_row(&L->down, e, r);
+    work_item w;
+    while (next_item(ex, &ex->next_embd, ex->chunks_embd, n_embd, &w)) {
+        const int32_t p0 = ex->expert_start[w.e], p1 = ex->expert_start[w.e + 1];
+        for (int64_t r = w.r0; r < w.r1; ++r) {
+            const char * wd = spice_expert_row(&L->down, w.e, r);
             for (int32_t i = p0; i < p1; ++i) {
                 const int32_t pair = ex->pairs_by_expert[i];
                 const void * a = ex->actq ? (const void *) (ex->actq + (size_t) pair * L->down.act_row_size)

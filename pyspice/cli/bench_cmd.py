@@ -22,7 +22,12 @@ def register(sub: Any) -> None:
     )
     add_model_args(p)
     add_context_args(p)
-    p.add_argument("--policies", default="stock,exact,exact-py", help="comma-separated policy names")
+    p.add_argument(
+        "--policies",
+        default="stock,exact,exact-py",
+        help="comma-separated policy names; 'upstream' adds the model loaded by plain llama_cpp.Llama "
+        "with upstream's defaults (weight repacking on)",
+    )
     p.add_argument("--baseline", default="stock", help="policy the ratios divide by (default stock)")
     group = p.add_mutually_exclusive_group()
     group.add_argument(

@@ -24,7 +24,7 @@ ACTION_NAMES = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class HookCall:
     """One MoE layer's routed-expert work, as a policy sees it.
 
