@@ -170,7 +170,7 @@ class Runtime:
             kind = IncompatibleModelError if status in (2, 4) else SpiceError
             raise kind(status, message)
         self._rt: Any = out[0]
-        self._views: dict[int, tuple[int, tuple[int, int, int], np.ndarray]] = {}
+        self._views: dict[int, tuple[Any, int, int, np.ndarray]] = {}
         self._callback: Any = None
         self._policy: Policy | None = None
         self._policy_error: str | None = None
@@ -251,39 +251,47 @@ class Runtime:
 
     def _view(self, key: int, ptr: Any, rows: int, cols: int, row_bytes: int, dtype: type) -> np.ndarray:
         """Read-only numpy view of a C array. The graph reuses its buffers from
-        one decode step to the next, so views are cached by address and shape."""
-        address = int(self._n.ffi.cast("uintptr_t", ptr))
+        one decode step to the next, so views are cached by address and shape
+        (cdata pointers compare by address)."""
         cached = self._views.get(key)
-        if cached is not None and cached[0] == address and cached[1] == (rows, cols, row_bytes):
-            return cached[2]
-        itemsize = np.dtype(dtype).itemsize
+        if cached is not None and cached[0] == ptr and cached[1] == rows and cached[2] == row_bytes:
+            return cached[3]
+        itemsize = 4  # float32 and int32 alike
         nbytes = (rows - 1) * row_bytes + cols * itemsize if rows > 0 else 0
         buf = self._n.ffi.buffer(ptr, nbytes)
         arr: np.ndarray = np.ndarray((rows, cols), dtype=dtype, buffer=buf, strides=(row_bytes, itemsize))
         arr.flags.writeable = False
-        self._views[key] = (address, (rows, cols, row_bytes), arr)
+        self._views[key] = (ptr, rows, row_bytes, arr)
         return arr
+
+    def _field(self, call: Any, i: int) -> np.ndarray | None:
+        """Field i of a hook call as a view: 0 hidden, 1 probs, 2 ids, 3 weights, 4 shared."""
+        key = 5 * call.il + i
+        n, used = call.n_tokens, call.n_expert_used
+        if i == 0:
+            return self._view(key, call.inp, n, call.n_embd, call.inp_nb1, np.float32)
+        if i == 1:
+            return self._view(key, call.probs, n, call.n_expert, call.probs_nb1, np.float32)
+        if i == 2:
+            return self._view(key, call.ids, n, used, call.ids_nb1, np.int32)
+        if i == 3:
+            return self._view(key, call.weights, n, used, call.weights_nb1, np.float32)
+        if call.shexp == self._n.ffi.NULL:
+            return None
+        return self._view(key, call.shexp, n, call.n_embd, call.shexp_nb1, np.float32)
 
     def _on_call(self, call: Any, _user_data: Any) -> int:
         """cffi callback on graph thread 0: build the views, ask the policy, write the plan."""
         try:
             policy = self._policy
             assert policy is not None
-            n_tokens, n_used = call.n_tokens, call.n_expert_used
-            base = 5 * call.il
-            view = HookCall(
-                layer=call.il,
-                hidden=self._view(base, call.inp, n_tokens, call.n_embd, call.inp_nb1, np.float32),
-                probs=self._view(base + 1, call.probs, n_tokens, call.n_expert, call.probs_nb1, np.float32),
-                ids=self._view(base + 2, call.ids, n_tokens, n_used, call.ids_nb1, np.int32),
-                weights=self._view(base + 3, call.weights, n_tokens, n_used, call.weights_nb1, np.float32),
-                shared=(
-                    self._view(base + 4, call.shexp, n_tokens, call.n_embd, call.shexp_nb1, np.float32)
-                    if call.shexp != self._n.ffi.NULL
-                    else None
-                ),
+            view = HookCall.lazy(
+                call.il, call.n_tokens, call.n_expert, call.n_expert_used, lambda i: self._field(call, i)
             )
-            plan = policy.decide(view)
+            try:
+                plan = policy.decide(view)
+            finally:
+                view.expire()
             self._write_plan(call, plan)
             return 0
         except KeyboardInterrupt:
@@ -314,11 +322,14 @@ class Runtime:
             flat = np.ascontiguousarray(actions, dtype=np.int32).ravel()
             ffi.memmove(call.actions, flat, flat.nbytes)
             call.n_actions = flat.size
-        call.n_fetch = _copy_ints(ffi, call.fetch, call.cap_fetch, plan.fetch)
-        call.n_prefetch = _copy_ints(
-            ffi, call.prefetch, call.cap_prefetch, [v for p in plan.prefetch for v in p]
-        )
-        call.n_evict = _copy_ints(ffi, call.evict, call.cap_evict, [v for p in plan.evict for v in p])
+        # libspice zeroes the counts before each call, so empty lists cost nothing
+        if plan.fetch:
+            call.n_fetch = _copy_ints(ffi, call.fetch, call.cap_fetch, plan.fetch)
+        if plan.prefetch:
+            pairs = [v for p in plan.prefetch for v in p]
+            call.n_prefetch = _copy_ints(ffi, call.prefetch, call.cap_prefetch, pairs)
+        if plan.evict:
+            call.n_evict = _copy_ints(ffi, call.evict, call.cap_evict, [v for p in plan.evict for v in p])
 
     # ---- after a decode -----------------------------------------------------------
 

@@ -34,6 +34,12 @@ def register(sub: Any) -> None:
         "-p", "--prompt", help=f"prompt text (default: a {len(DEFAULT_PROMPT.split())}-word passage)"
     )
     group.add_argument("-f", "--file", "--text", dest="file", help="read the prompt from a file")
+    p.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=128,
+        help="repeat or cut the prompt to exactly this many tokens (default 128; 0 = as given)",
+    )
     p.add_argument("-n", "--n-predict", type=int, default=32, help="tokens to decode per run (default 32)")
     p.add_argument("--repeat", type=int, default=3, help="runs per policy (default 3)")
     p.add_argument("--json", action="store_true", help="print {policies: {NAME: stats + tokens}} as JSON")
@@ -53,6 +59,10 @@ def run(args: argparse.Namespace) -> int:
     first = "stock" if "stock" in policies else policies[0]
     llm = open_model(args, first)
     prompt_tokens = tuple(llm.tokenize(prompt.encode("utf-8"), add_bos=True))
+    if args.prompt_tokens > 0:
+        body = prompt_tokens[1:] or prompt_tokens
+        reps = args.prompt_tokens // len(body) + 1
+        prompt_tokens = (prompt_tokens[:1] + body * reps)[: args.prompt_tokens]
     if len(prompt_tokens) + args.n_predict > args.ctx_size:
         raise ValueError(
             f"prompt ({len(prompt_tokens)} tokens) + -n {args.n_predict} exceed -c {args.ctx_size}"

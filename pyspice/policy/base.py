@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -24,32 +24,89 @@ ACTION_NAMES = {
 }
 
 
-@dataclass(slots=True)
+_UNSET: Any = object()
+
+
 class HookCall:
     """One MoE layer's routed-expert work, as a policy sees it.
 
-    The arrays are read-only views into the running graph, valid only during
-    `Policy.decide`; a policy that keeps data must copy it.
+    hidden  [n_tokens, n_embd]          MoE input hidden states
+    probs   [n_tokens, n_expert]        router probabilities
+    ids     [n_tokens, n_expert_used]   selected experts
+    weights [n_tokens, n_expert_used]   their gate weights
+    shared  [n_tokens, n_embd] or None  shared-expert output before its gate
+
+    Under the engine the arrays are read-only views into the running graph,
+    valid only during `Policy.decide`, and made on first access (a policy pays
+    only for what it reads); a policy that keeps data must copy it. The
+    simulator and tests pass plain arrays.
     """
 
-    layer: int
-    hidden: npt.NDArray[np.float32]  # [n_tokens, n_embd] MoE input
-    probs: npt.NDArray[np.float32]  # [n_tokens, n_expert] router probabilities
-    ids: npt.NDArray[np.int32]  # [n_tokens, n_expert_used] selected experts
-    weights: npt.NDArray[np.float32]  # [n_tokens, n_expert_used] gate weights
-    shared: npt.NDArray[np.float32] | None  # [n_tokens, n_embd] shared expert before its gate
+    __slots__ = ("_arrays", "_fetch", "layer", "n_expert", "n_expert_used", "n_tokens")
+
+    def __init__(
+        self,
+        layer: int,
+        hidden: npt.NDArray[np.float32],
+        probs: npt.NDArray[np.float32],
+        ids: npt.NDArray[np.int32],
+        weights: npt.NDArray[np.float32],
+        shared: npt.NDArray[np.float32] | None = None,
+    ) -> None:
+        self.layer = layer
+        self.n_tokens = int(ids.shape[0])
+        self.n_expert_used = int(ids.shape[1])
+        self.n_expert = int(probs.shape[1])
+        self._arrays: list[Any] = [hidden, probs, ids, weights, shared]
+        self._fetch: Callable[[int], Any] | None = None
+
+    @classmethod
+    def lazy(
+        cls, layer: int, n_tokens: int, n_expert: int, n_expert_used: int, fetch: Callable[[int], Any]
+    ) -> HookCall:
+        """A call whose arrays come from fetch(i) (i = 0 hidden ... 4 shared) on first access."""
+        call = cls.__new__(cls)
+        call.layer = layer
+        call.n_tokens = n_tokens
+        call.n_expert = n_expert
+        call.n_expert_used = n_expert_used
+        call._arrays = [_UNSET] * 5
+        call._fetch = fetch
+        return call
+
+    def _get(self, i: int) -> Any:
+        value = self._arrays[i]
+        if value is _UNSET:
+            if self._fetch is None:
+                raise RuntimeError(
+                    "a HookCall's arrays can only be read during Policy.decide; copy what you keep"
+                )
+            value = self._arrays[i] = self._fetch(i)
+        return value
+
+    def expire(self) -> None:
+        """Called by the engine when decide returns: unread arrays can no longer be made."""
+        self._fetch = None
 
     @property
-    def n_tokens(self) -> int:
-        return int(self.ids.shape[0])
+    def hidden(self) -> npt.NDArray[np.float32]:
+        return self._get(0)  # type: ignore[no-any-return]
 
     @property
-    def n_expert_used(self) -> int:
-        return int(self.ids.shape[1])
+    def probs(self) -> npt.NDArray[np.float32]:
+        return self._get(1)  # type: ignore[no-any-return]
 
     @property
-    def n_expert(self) -> int:
-        return int(self.probs.shape[1])
+    def ids(self) -> npt.NDArray[np.int32]:
+        return self._get(2)  # type: ignore[no-any-return]
+
+    @property
+    def weights(self) -> npt.NDArray[np.float32]:
+        return self._get(3)  # type: ignore[no-any-return]
+
+    @property
+    def shared(self) -> npt.NDArray[np.float32] | None:
+        return self._get(4)  # type: ignore[no-any-return]
 
 
 @dataclass
