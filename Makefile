@@ -7,7 +7,6 @@
 #   make bench      pyspice bench on the largest synthetic model that is comfortable here
 #   make check-patches   prove patches/series applies to a clean upstream tree
 #   make patches-export  regenerate patches/ from commits in build/upstream/llama.cpp
-#   make cuda-check      compile the CUDA variant (needs nvcc; cuBLAS from the nvidia-cublas wheel)
 
 PYTHON     ?= python3
 VENV       ?= .venv
@@ -20,7 +19,7 @@ CMAKE := $(VENV)/bin/cmake
 
 
 .PHONY: all venv upstream build pristine test test-unit test-native lint format bench run \
-        check-patches patches-export cuda-check clean distclean
+        check-patches patches-export clean distclean
 
 all: build
 
@@ -64,9 +63,6 @@ check-patches: venv
 
 patches-export:
 	$(PYTHON) scripts/upstream.py export
-
-cuda-check: venv
-	$(PY) scripts/cuda-check.py
 
 # ---- jobs ------------------------------------------------------------------
 

@@ -2,11 +2,15 @@
  *
  * ggml runs a custom op on every graph thread and only synchronizes between
  * graph nodes, so the phases of one call (plan, quantize, up/gate, down,
- * combine) need their own barrier. It spins like ggml's own: the threads are
- * already spinning between nodes, and sleeping would cost more than a phase. */
+ * combine) need their own barrier. It spins like ggml's own (the threads are
+ * already spinning between nodes, and sleeping would cost more than a phase),
+ * but only for a bounded number of rounds: after that it yields the CPU, so
+ * that when another process shares the cores, the thread everyone waits for
+ * gets scheduled instead of being starved by spinners. */
 #ifndef SPICE_BARRIER_H
 #define SPICE_BARRIER_H
 
+#include <sched.h>
 #include <stdatomic.h>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -17,6 +21,10 @@
 #else
 #define SPICE_CPU_RELAX() ((void) 0)
 #endif
+
+/* ~50-100 us of pausing before yielding: longer than any phase on an idle
+ * machine, short against a scheduler time slice. */
+#define SPICE_SPIN_ROUNDS 20000
 
 typedef struct spice_barrier {
     atomic_int arrived;
@@ -39,8 +47,12 @@ static inline void spice_barrier_wait(spice_barrier * b, int nth) {
         atomic_fetch_add_explicit(&b->generation, 1, memory_order_acq_rel);
         return;
     }
-    while (atomic_load_explicit(&b->generation, memory_order_acquire) == gen) {
-        SPICE_CPU_RELAX();
+    for (int spins = 0; atomic_load_explicit(&b->generation, memory_order_acquire) == gen; ++spins) {
+        if (spins < SPICE_SPIN_ROUNDS) {
+            SPICE_CPU_RELAX();
+        } else {
+            sched_yield();
+        }
     }
 }
 
