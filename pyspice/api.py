@@ -14,13 +14,47 @@ import contextlib
 import ctypes
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import llama_cpp
 
 from pyspice.policy import Policy, make_policy, policy_spec
-from pyspice.runtime import ExpertBufferType, IncompatibleModelError, Runtime
+from pyspice.runtime import ExpertBufferType, IncompatibleModelError, Runtime, StoreParams
 from pyspice.stats import StatsSnapshot, Timing, stats_record
+from pyspice.units import Budget, format_bytes, parse_budget
+
+# The emulated device when no --emulate-bandwidth/latency is given: about a
+# PCIe 4.0 x8 link as seen by real copies (RTX 4060-class machines).
+DEFAULT_EMULATED_GBPS = 12.0
+DEFAULT_EMULATED_LATENCY_US = 10.0
+
+
+@dataclass(frozen=True)
+class DeviceTier:
+    """What a device budget turned into (printed once by the CLI)."""
+
+    budget: str
+    budget_bytes: int
+    holds: int  # experts of average size the budget holds
+    experts: int
+    expert_bytes: int
+    bandwidth_gbps: float
+    latency_us: float
+    emulated: bool
+
+    def describe(self) -> str:
+        kind = "emulated device" if self.emulated else "device"
+        return (
+            f"{kind}: budget {self.budget} = {format_bytes(self.budget_bytes)} of "
+            f"{format_bytes(self.expert_bytes)} routed-expert bytes, about {self.holds} of {self.experts} experts"
+            + (
+                f", bus {self.bandwidth_gbps:g} GB/s + {self.latency_us:g} us per copy"
+                if self.emulated
+                else ""
+            )
+        )
+
 
 # llama.cpp matches this against tensor names with std::regex_search
 EXPERT_TENSOR_PATTERN = rb"\.ffn_(gate|up|down)_exps\.weight$"
@@ -55,6 +89,9 @@ class Llama(llama_cpp.Llama):
         *,
         policy: str | Policy = "exact",
         max_hook_tokens: int = 0,
+        device_budget: str | int | None = None,
+        emulate_bandwidth: float | None = None,
+        emulate_latency: float | None = None,
         **kwargs: Any,
     ) -> None:
         # llama_cpp.Llama.__del__ closes self._stack: make it exist even if loading fails early
@@ -80,7 +117,53 @@ class Llama(llama_cpp.Llama):
         if self._spice_runtime is not None:
             # runs before the context is freed (the stack unwinds last-in first-out)
             self._stack.callback(self._spice_runtime.close)
+        self.spice_device: DeviceTier | None = None
+        if device_budget is not None:
+            self.set_device(device_budget, emulate_bandwidth, emulate_latency)
         self.set_policy(policy)
+
+    # ---- device tier ----------------------------------------------------------------
+
+    def set_device(
+        self,
+        budget: str | int,
+        bandwidth_gbps: float | None = None,
+        latency_us: float | None = None,
+        *,
+        manual_clock: bool = False,
+    ) -> DeviceTier:
+        """Give the model a device tier of `budget` (bytes, "2GiB", or "25%" of all
+        routed-expert bytes). On a CPU-only build it is emulated: slots in their
+        own host buffer, copies on a virtual bus of the given bandwidth/latency."""
+        runtime = self._require_runtime()
+        layers = [info for info in runtime.layers() if info.is_moe]
+        total = sum(info.bytes_per_expert * info.n_expert for info in layers)
+        spec = parse_budget(budget) if isinstance(budget, str) else Budget(bytes=int(budget))
+        params = StoreParams(
+            budget_bytes=spec.resolve(total),
+            bandwidth_gbps=bandwidth_gbps if bandwidth_gbps is not None else DEFAULT_EMULATED_GBPS,
+            latency_us=latency_us if latency_us is not None else DEFAULT_EMULATED_LATENCY_US,
+            manual_clock=manual_clock,
+        )
+        runtime.set_device(params)
+        n_experts = sum(info.n_expert for info in layers)
+        self.spice_device = DeviceTier(
+            budget=str(spec),
+            budget_bytes=params.budget_bytes,
+            holds=min(n_experts, int(params.budget_bytes * n_experts / max(1, total))),
+            experts=n_experts,
+            expert_bytes=total,
+            bandwidth_gbps=params.bandwidth_gbps,
+            latency_us=params.latency_us,
+            emulated=True,
+        )
+        if self._spice_policy_name != "stock":
+            self.set_policy(self._spice_policy_name)
+        return self.spice_device
+
+    def clear_device(self) -> None:
+        self._require_runtime().set_device(None)
+        self.spice_device = None
 
     # llama_cpp.Llama.__init__ assigns self.model_params and fills it before
     # loading; intercepting the assignment places the expert overrides there.
@@ -113,6 +196,8 @@ class Llama(llama_cpp.Llama):
                 return
             runtime = self._require_runtime()
             if spec.kind == "native":
+                if self.spice_device is not None:
+                    runtime.preload()  # `exact` means every expert resident (as far as the budget goes)
                 runtime.enable_exact(max_tokens)
             else:
                 policy_obj = make_policy(policy)

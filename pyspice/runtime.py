@@ -135,6 +135,110 @@ class ExpertBufferType:
 
 
 @dataclass(frozen=True)
+class StoreParams:
+    """Device tier settings (spice_store_params)."""
+
+    budget_bytes: int
+    bandwidth_gbps: float = 16.0
+    latency_us: float = 10.0
+    prefetch_queue_max: int = 0  # 0: libspice's default (64)
+    manual_clock: bool = False  # tests: time moves only through Store.advance
+
+    def to_c(self, ffi: Any) -> Any:
+        p = ffi.new("spice_store_params *")
+        p.budget_bytes = self.budget_bytes
+        p.bandwidth_gbps = self.bandwidth_gbps
+        p.latency_us = self.latency_us
+        p.prefetch_queue_max = self.prefetch_queue_max
+        p.manual_clock = int(self.manual_clock)
+        return p
+
+
+class Store:
+    """A standalone expert store (no model): the device tier's slots, residency
+    and copy engine, for tests and the simulator's cross-checks."""
+
+    def __init__(self, params: StoreParams, n_expert: list[int], expert_bytes: list[int]) -> None:
+        self._n = _Native.get()
+        ffi, lib = self._n.ffi, self._n.lib
+        out = ffi.new("spice_store **")
+        status = lib.spice_store_create(
+            params.to_c(ffi),
+            len(n_expert),
+            ffi.new("int32_t[]", n_expert),
+            ffi.new("uint64_t[]", expert_bytes),
+            out,
+        )
+        if status != 0:
+            raise SpiceError(
+                status, f"spice_store_create: {ffi.string(lib.spice_status_string(status)).decode()}"
+            )
+        self._s: Any = out[0]
+
+    def __del__(self) -> None:
+        s, self._s = getattr(self, "_s", None), None
+        if s is not None:
+            self._n.lib.spice_store_free(s)
+
+    @property
+    def n_slots(self) -> int:
+        return int(self._n.lib.spice_store_n_slots(self._s))
+
+    @property
+    def slot_bytes(self) -> int:
+        return int(self._n.lib.spice_store_slot_bytes(self._s))
+
+    @property
+    def n_free(self) -> int:
+        return int(self._n.lib.spice_store_n_free(self._s))
+
+    @property
+    def used_bytes(self) -> int:
+        return int(self._n.lib.spice_store_used_bytes(self._s))
+
+    @property
+    def budget_bytes(self) -> int:
+        return int(self._n.lib.spice_store_budget_bytes(self._s))
+
+    def request(self, il: int, e: int, demand: bool) -> int:
+        """0 ok, 6 no free slot, 7 prefetch queue full (spice_status)."""
+        return int(self._n.lib.spice_store_request(self._s, il, e, 1 if demand else 0))
+
+    def evict(self, il: int, e: int) -> int:
+        return int(self._n.lib.spice_store_evict(self._s, il, e))
+
+    def pin(self, il: int, e: int) -> int:
+        return int(self._n.lib.spice_store_pin(self._s, il, e))
+
+    def unpin(self, il: int, e: int) -> int:
+        return int(self._n.lib.spice_store_unpin(self._s, il, e))
+
+    def state(self, il: int, e: int) -> int:
+        return int(self._n.lib.spice_store_state(self._s, il, e))
+
+    def ready_at(self, il: int, e: int) -> int:
+        return int(self._n.lib.spice_store_ready_at(self._s, il, e))
+
+    def wait(self, il: int, e: int) -> tuple[int, int]:
+        """(status, stall ns)."""
+        stall = self._n.ffi.new("uint64_t *")
+        status = self._n.lib.spice_store_wait(self._s, il, e, stall)
+        return int(status), int(stall[0])
+
+    def now(self) -> int:
+        return int(self._n.lib.spice_store_now(self._s))
+
+    def advance(self, ns: int) -> None:
+        if self._n.lib.spice_store_advance(self._s, ns) != 0:
+            raise SpiceError(7, "advance needs a manual clock")
+
+    def counters(self, il: int = -1) -> Counters:
+        c = self._n.ffi.new("spice_counters *")
+        self._n.lib.spice_store_get_counters(self._s, il, c)
+        return Counters(**{name: int(getattr(c, name)) for name in _COUNTER_FIELDS})
+
+
+@dataclass(frozen=True)
 class LayerInfo:
     il: int
     is_moe: bool
@@ -171,6 +275,7 @@ class Runtime:
             raise kind(status, message)
         self._rt: Any = out[0]
         self._views: dict[int, tuple[Any, int, int, np.ndarray]] = {}
+        self._residency: tuple[Any, np.ndarray] | None = None
         self._callback: Any = None
         self._policy: Policy | None = None
         self._policy_error: str | None = None
@@ -220,6 +325,49 @@ class Runtime:
             )
         return result
 
+    # ---- device tier ---------------------------------------------------------------
+
+    def set_device(self, params: StoreParams | None) -> None:
+        """Give the runtime a device tier (emulated on CPU-only builds), or remove it."""
+        ffi, lib = self._n.ffi, self._n.lib
+        cparams = params.to_c(ffi) if params is not None else ffi.NULL
+        status = lib.spice_runtime_set_store(self._rt, cparams)
+        if status == 6:
+            raise SpiceError(status, "the device budget is smaller than one expert")
+        self._check(status, "set_device")
+        self._residency = None
+
+    def device_slots(self) -> tuple[int, int]:
+        """(slots, bytes per slot) of the device tier; (0, 0) without one."""
+        store = self._n.lib.spice_runtime_get_store(self._rt)
+        if store == self._n.ffi.NULL:
+            return 0, 0
+        return int(self._n.lib.spice_store_n_slots(store)), int(self._n.lib.spice_store_slot_bytes(store))
+
+    def preload(self) -> int:
+        """Fill the device tier in layer order; returns how many experts it holds."""
+        n = self._n.ffi.new("int32_t *")
+        self._check(self._n.lib.spice_runtime_preload(self._rt, n), "preload")
+        return int(n[0])
+
+    def residency(self) -> np.ndarray | None:
+        """[n_layers, max_expert] RESIDENCY_* view of the device tier (None: no device tier)."""
+        ffi, lib = self._n.ffi, self._n.lib
+        store = lib.spice_runtime_get_store(self._rt)
+        if store == ffi.NULL:
+            return None
+        dims = ffi.new("int32_t[2]")
+        ptr = lib.spice_store_states(store, dims, dims + 1)
+        cached = self._residency
+        if cached is not None and cached[0] == ptr:
+            return cached[1]
+        arr: np.ndarray = np.frombuffer(ffi.buffer(ptr, dims[0] * dims[1]), dtype=np.int8).reshape(
+            dims[0], dims[1]
+        )
+        arr.flags.writeable = False
+        self._residency = (ptr, arr)
+        return arr
+
     # ---- policies ------------------------------------------------------------------
 
     def enable_exact(self, max_tokens: int = 0) -> None:
@@ -266,7 +414,7 @@ class Runtime:
 
     def _field(self, call: Any, i: int) -> np.ndarray | None:
         """Field i of a hook call as a view: 0 hidden, 1 probs, 2 ids, 3 weights, 4 shared."""
-        key = 5 * call.il + i
+        key = 6 * call.il + i
         n, used = call.n_tokens, call.n_expert_used
         if i == 0:
             return self._view(key, call.inp, n, call.n_embd, call.inp_nb1, np.float32)
@@ -276,6 +424,8 @@ class Runtime:
             return self._view(key, call.ids, n, used, call.ids_nb1, np.int32)
         if i == 3:
             return self._view(key, call.weights, n, used, call.weights_nb1, np.float32)
+        if i == 5:
+            return self.residency()
         if call.shexp == self._n.ffi.NULL:
             return None
         return self._view(key, call.shexp, n, call.n_embd, call.shexp_nb1, np.float32)

@@ -99,23 +99,6 @@ typedef struct spice_policy_call {
 
 typedef int (*spice_policy_fn)(spice_policy_call * call, void * user_data);
 
-/* ---- runtime -------------------------------------------------------------- */
-
-typedef struct spice_runtime spice_runtime;
-
-/* Per-layer description of the routed experts the runtime serves. */
-typedef struct spice_layer_info {
-    int32_t il;
-    int32_t is_moe;         /* 0: dense layer (or experts the hook cannot serve) */
-    int32_t n_expert;
-    int32_t n_embd;
-    int32_t n_ff;           /* expert FFN width */
-    int32_t type_gate;      /* ggml_type of each expert tensor */
-    int32_t type_up;
-    int32_t type_down;
-    uint64_t bytes_per_expert; /* gate + up + down bytes of one expert */
-} spice_layer_info;
-
 /* Event counters of one layer, or of the whole model (il = -1). */
 typedef struct spice_counters {
     uint64_t hook_calls;
@@ -135,6 +118,113 @@ typedef struct spice_counters {
     uint64_t policy_calls;
     uint64_t policy_fallbacks;
 } spice_counters;
+
+/* ---- expert store -----------------------------------------------------------
+ *
+ * The device tier: expert slots under one pooled byte budget, a residency
+ * table (layer, expert) -> slot, and a copy engine with two priorities. Each
+ * expert is charged its own bytes (quant types make experts differ): a
+ * request succeeds while the experts on the device or on their way fit the
+ * budget. The store never chooses a victim: eviction is the policy's call.
+ *
+ * On a CPU-only build the device is EMULATED: slots live in their own host
+ * buffer and copies follow a virtual timeline on one bus. A copy issued at t
+ * starts when the bus is free of earlier copies of higher or equal priority
+ * (a demand copy overtakes queued prefetches, never one already in flight)
+ * and lands latency + bytes / bandwidth later; whoever needs the expert
+ * before then waits until then. No thread is added: tests drive the clock by
+ * hand (manual_clock) and nothing measures wall time. */
+typedef struct spice_store spice_store;
+
+typedef struct spice_store_params {
+    uint64_t budget_bytes;       /* pooled device budget */
+    double   bandwidth_gbps;     /* bus bandwidth, 1e9 bytes per second */
+    double   latency_us;         /* per-copy latency */
+    int32_t  prefetch_queue_max; /* prefetches queued but not started; <= 0: 64 */
+    int32_t  manual_clock;       /* 1: time moves only via spice_store_advance */
+} spice_store_params;
+
+typedef enum spice_residency {
+    SPICE_RES_ABSENT   = 0,
+    SPICE_RES_QUEUED   = 1, /* copy waiting for the bus */
+    SPICE_RES_COPYING  = 2, /* copy in flight */
+    SPICE_RES_RESIDENT = 3
+} spice_residency;
+
+typedef enum spice_priority {
+    SPICE_PRIORITY_PREFETCH = 0, /* low: bounded queue, overtaken by demand copies */
+    SPICE_PRIORITY_DEMAND   = 1  /* high: needed by the current layer */
+} spice_priority;
+
+/* n_expert[il] routed experts of expert_bytes[il] bytes each per layer (0
+ * experts: not an MoE layer). Fails with SPICE_ERR_BUDGET when not even the
+ * smallest expert fits. */
+SPICE_API int spice_store_create(const spice_store_params * params, int32_t n_layers,
+                                 const int32_t * n_expert, const uint64_t * expert_bytes,
+                                 spice_store ** out);
+SPICE_API void spice_store_free(spice_store * store);
+
+/* Slot records (the most experts the budget could hold), the largest
+ * expert's bytes, free records, and bytes in use of the budget. */
+SPICE_API int32_t  spice_store_n_slots(const spice_store * store);
+SPICE_API uint64_t spice_store_slot_bytes(const spice_store * store);
+SPICE_API int32_t  spice_store_n_free(const spice_store * store);
+SPICE_API uint64_t spice_store_used_bytes(const spice_store * store);
+SPICE_API uint64_t spice_store_budget_bytes(const spice_store * store);
+
+/* Ask for expert (il, e) on the device. Already resident or pending: a
+ * demand request upgrades a queued prefetch; nothing else changes. Returns
+ * SPICE_ERR_BUDGET when its bytes do not fit the budget (evict first) and
+ * SPICE_ERR_STATE when the prefetch queue is full. */
+SPICE_API int spice_store_request(spice_store * store, int32_t il, int32_t e, int32_t priority);
+
+/* Drop (il, e): a queued copy is cancelled, a resident expert's slot freed.
+ * SPICE_ERR_STATE when it is pinned or its copy is in flight. Absent: no-op. */
+SPICE_API int spice_store_evict(spice_store * store, int32_t il, int32_t e);
+
+/* Pinned experts cannot be evicted (pins nest). */
+SPICE_API int spice_store_pin(spice_store * store, int32_t il, int32_t e);
+SPICE_API int spice_store_unpin(spice_store * store, int32_t il, int32_t e);
+
+/* Residency of (il, e) now (a spice_residency value), or -1 for a bad index. */
+SPICE_API int spice_store_state(spice_store * store, int32_t il, int32_t e);
+
+/* Block until (il, e) is resident; *stall_ns gets the time waited (0 when it
+ * had landed). SPICE_ERR_STATE when no copy is pending or done. */
+SPICE_API int spice_store_wait(spice_store * store, int32_t il, int32_t e, uint64_t * stall_ns);
+
+/* When the pending copy of (il, e) lands (ns on the store's clock), or 0. */
+SPICE_API uint64_t spice_store_ready_at(const spice_store * store, int32_t il, int32_t e);
+
+/* The store's clock in ns; manual clocks start at 0 and move only by advance. */
+SPICE_API uint64_t spice_store_now(spice_store * store);
+SPICE_API int spice_store_advance(spice_store * store, uint64_t ns);
+
+/* Per-layer counters (il = -1: totals): bytes_h2d, copy_ns, stall_ns,
+ * prefetch_issued / used / cancelled; the rest are zero here. */
+SPICE_API int spice_store_get_counters(const spice_store * store, int32_t il, spice_counters * out);
+
+/* Residency of every (layer, expert) as of the last store operation:
+ * n_layers rows of max_expert int8 spice_residency values. */
+SPICE_API const int8_t * spice_store_states(spice_store * store, int32_t * n_layers, int32_t * max_expert);
+
+/* ---- runtime -------------------------------------------------------------- */
+
+typedef struct spice_runtime spice_runtime;
+
+/* Per-layer description of the routed experts the runtime serves. */
+typedef struct spice_layer_info {
+    int32_t il;
+    int32_t is_moe;         /* 0: dense layer (or experts the hook cannot serve) */
+    int32_t n_expert;
+    int32_t n_embd;
+    int32_t n_ff;           /* expert FFN width */
+    int32_t type_gate;      /* ggml_type of each expert tensor */
+    int32_t type_up;
+    int32_t type_down;
+    uint64_t bytes_per_expert; /* gate + up + down bytes of one expert */
+} spice_layer_info;
+
 
 /* Attach a runtime to a context. Checks that every MoE layer's expert tensors
  * are in plain host memory (not repacked) with a supported type; on failure
@@ -159,6 +249,17 @@ SPICE_API int spice_runtime_enable(spice_runtime * rt, spice_policy_fn fn, void 
 
 /* Unregister the hook: the context computes exactly upstream's graph again. */
 SPICE_API int spice_runtime_disable(spice_runtime * rt);
+
+/* Give the runtime a device tier (params = NULL removes it). Without one,
+ * every expert counts as resident and runs on the host executor. */
+SPICE_API int spice_runtime_set_store(spice_runtime * rt, const spice_store_params * params);
+
+/* The runtime's store (NULL: none), for reading residency and the clock. */
+SPICE_API spice_store * spice_runtime_get_store(spice_runtime * rt);
+
+/* Copy experts onto the device tier in layer order until it is full and wait
+ * for them; *n_loaded = how many. Not counted as traffic. */
+SPICE_API int spice_runtime_preload(spice_runtime * rt, int32_t * n_loaded);
 
 /* Counters of layer il, or totals for il = -1. */
 SPICE_API int spice_runtime_get_counters(const spice_runtime * rt, int32_t il, spice_counters * out);

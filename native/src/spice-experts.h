@@ -30,11 +30,6 @@ typedef struct spice_expert_layer {
     uint64_t bytes_per_expert;
 } spice_expert_layer;
 
-/* Weight row r of expert e. */
-static inline const char * spice_expert_row(const spice_expert_matrix * m, int32_t e, int64_t r) {
-    return (const char *) m->tensor->data + (size_t) e * m->tensor->nb[2] + (size_t) r * m->tensor->nb[1];
-}
-
 /* Fills a layer from its three tensors; returns a spice_status and writes a
  * reason into err on failure (unsupported type, not host memory, repacked). */
 int spice_expert_layer_init(spice_expert_layer * layer, int32_t il,

@@ -70,7 +70,8 @@ int spice_host_exec_prepare(spice_host_exec * ex, const spice_host_job * job) {
     size_t sz_start = align_up(((size_t) L->n_expert + 1) * sizeof(int32_t));
     size_t sz_pairs = align_up(n_pairs * sizeof(int32_t));
     size_t sz_active = align_up((size_t) L->n_expert * sizeof(int32_t));
-    size_t total = sz_xq_gate + sz_xq_up + 3 * sz_ff + sz_actq + sz_y + sz_start + sz_pairs + sz_active;
+    size_t sz_wbase = align_up(3 * (size_t) L->n_expert * sizeof(const char *));
+    size_t total = sz_xq_gate + sz_xq_up + 3 * sz_ff + sz_actq + sz_y + sz_start + sz_pairs + sz_active + sz_wbase;
 
     if (total > ex->cap) {
         void * nbuf = NULL;
@@ -93,7 +94,22 @@ int spice_host_exec_prepare(spice_host_exec * ex, const spice_host_job * job) {
     ex->y = (float *) p;                                  p += sz_y;
     ex->expert_start = (int32_t *) p;                     p += sz_start;
     ex->pairs_by_expert = (int32_t *) p;                  p += sz_pairs;
-    ex->active = (int32_t *) p;
+    ex->active = (int32_t *) p;                           p += sz_active;
+    ex->wbase = (const char **) p;
+
+    /* where each expert's rows come from: its slot on the device tier (same
+     * bytes, same row strides) or the host tensor */
+    const spice_expert_matrix * mats[3] = { &L->gate, &L->up, &L->down };
+    for (int32_t e = 0; e < L->n_expert; ++e) {
+        const char * dev = job->device ? job->device[e] : NULL;
+        size_t offset = 0;
+        for (int k = 0; k < 3; ++k) {
+            const struct ggml_tensor * t = mats[k]->tensor;
+            ex->wbase[(size_t) k * (size_t) L->n_expert + (size_t) e] =
+                dev ? dev + offset : (const char *) t->data + (size_t) e * t->nb[2];
+            offset += t->nb[2];
+        }
+    }
 
     /* counting sort of the executed pairs by expert */
     int32_t * start = ex->expert_start;
@@ -205,8 +221,8 @@ static void phase_gate_up(spice_host_exec * ex) {
     while (next_item(ex, &ex->next_ff, ex->chunks_ff, n_ff, &w)) {
         const int32_t p0 = ex->expert_start[w.e], p1 = ex->expert_start[w.e + 1];
         for (int64_t r = w.r0; r < w.r1; ++r) {
-            const char * wg = spice_expert_row(&L->gate, w.e, r);
-            const char * wu = spice_expert_row(&L->up, w.e, r);
+            const char * wg = ex->wbase[w.e] + (size_t) r * L->gate.tensor->nb[1];
+            const char * wu = ex->wbase[L->n_expert + w.e] + (size_t) r * L->up.tensor->nb[1];
             for (int32_t i = p0; i < p1; ++i) {
                 const int32_t pair = ex->pairs_by_expert[i];
                 const int32_t t = pair / job->n_used;
@@ -238,7 +254,7 @@ static void phase_down(spice_host_exec * ex) {
     while (next_item(ex, &ex->next_embd, ex->chunks_embd, n_embd, &w)) {
         const int32_t p0 = ex->expert_start[w.e], p1 = ex->expert_start[w.e + 1];
         for (int64_t r = w.r0; r < w.r1; ++r) {
-            const char * wd = spice_expert_row(&L->down, w.e, r);
+            const char * wd = ex->wbase[2 * L->n_expert + w.e] + (size_t) r * L->down.tensor->nb[1];
             for (int32_t i = p0; i < p1; ++i) {
                 const int32_t pair = ex->pairs_by_expert[i];
                 const void * a = ex->actq ? (const void *) (ex->actq + (size_t) pair * L->down.act_row_size)

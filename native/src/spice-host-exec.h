@@ -25,6 +25,8 @@ typedef struct spice_host_job {
     const int32_t * ids;     size_t ids_nb1;
     const float   * weights; size_t weights_nb1;
     const uint8_t * exec;    /* [n_tokens*n_used]: 1 = run exactly, 0 = contributes nothing */
+    const char * const * device; /* [n_expert] slot memory of experts run from the device tier
+                                    (gate | up | down bytes), NULL entries (or no array): host weights */
     float * out;             size_t out_nb1;
 } spice_host_job;
 
@@ -46,6 +48,7 @@ typedef struct spice_host_exec {
     int32_t * expert_start;    /* [n_expert+1] offsets into pairs_by_expert */
     int32_t * pairs_by_expert; /* executed pairs grouped by expert */
     int32_t * active;          /* experts with at least one executed pair */
+    const char ** wbase;       /* [3][n_expert] where expert e's gate/up/down rows start */
     int32_t   n_active;
     int32_t   n_exec;
 

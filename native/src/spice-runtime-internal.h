@@ -6,11 +6,13 @@
 #include "spice-barrier.h"
 #include "spice-experts.h"
 #include "spice-host-exec.h"
+#include "spice-store.h"
 
 #include <stdatomic.h>
 #include <stdint.h>
 
 struct llama_model;
+struct llama_moe_hook_call;
 
 /* Plan buffers handed to a policy; grown by thread 0 as calls need. */
 typedef struct spice_plan_buffers {
@@ -19,6 +21,10 @@ typedef struct spice_plan_buffers {
     int32_t * prefetch; int32_t cap_prefetch;
     int32_t * evict;    int32_t cap_evict;
     uint8_t * exec;     /* executor's view of the actions */
+    uint8_t * hit;      /* [cap_actions] expert resident when the call began */
+    const char ** device; /* [max_n_expert] slot memory per expert for the executor */
+    uint8_t * need;     /* [max_n_expert] expert has a device action this call */
+    uint8_t * pinned;   /* [max_n_expert] pinned during this call */
 } spice_plan_buffers;
 
 struct spice_runtime {
@@ -31,6 +37,8 @@ struct spice_runtime {
     int enabled;
     spice_policy_fn policy_fn; /* NULL: built-in exact policy */
     void * policy_user_data;
+
+    spice_store * store; /* device tier; NULL: none (every expert counts as resident) */
 
     spice_barrier barrier;
     spice_host_exec host;
@@ -46,5 +54,13 @@ struct spice_runtime {
  * capabilities; on failure writes a message into err and returns
  * SPICE_ERR_INVALID_PLAN. */
 int spice_plan_validate(const spice_runtime * rt, const spice_policy_call * call, char * err, size_t err_len);
+
+/* Thread 0, after the plan is final: apply its evictions, demand copies
+ * (explicit and those implied by device actions on absent experts) and
+ * prefetches to the store, wait for the experts this call runs on the
+ * device, and fill plan.device for the executor. An expert that cannot get a
+ * slot runs on the host instead (its device actions become host actions). */
+void spice_runtime_apply_store_plan(spice_runtime * rt, const struct llama_moe_hook_call * hc,
+                                    spice_policy_call * call);
 
 #endif /* SPICE_RUNTIME_INTERNAL_H */

@@ -57,6 +57,20 @@ static int plan_reserve(spice_runtime * rt, int32_t n_pairs) {
             return SPICE_ERR_NO_MEMORY;
         }
         p->exec = nexec;
+        uint8_t * nhit = (uint8_t *) realloc(p->hit, (size_t) p->cap_actions);
+        if (nhit == NULL) {
+            return SPICE_ERR_NO_MEMORY;
+        }
+        p->hit = nhit;
+    }
+    if (p->device == NULL) {
+        const size_t n = (size_t) (rt->max_n_expert > 0 ? rt->max_n_expert : 1);
+        p->device = (const char **) calloc(n, sizeof(const char *));
+        p->need = (uint8_t *) calloc(n, 1);
+        p->pinned = (uint8_t *) calloc(n, 1);
+        if (p->device == NULL || p->need == NULL || p->pinned == NULL) {
+            return SPICE_ERR_NO_MEMORY;
+        }
     }
     /* experts of one layer; (layer, expert) pairs across all layers */
     const int32_t pairs_all = 2 * rt->n_layers * rt->max_n_expert;
@@ -74,15 +88,26 @@ static void plan_free(spice_plan_buffers * p) {
     free(p->prefetch);
     free(p->evict);
     free(p->exec);
+    free(p->hit);
+    free((void *) p->device);
+    free(p->need);
+    free(p->pinned);
     memset(p, 0, sizeof(*p));
 }
 
 /* ---- the hook ---------------------------------------------------------------- */
 
-static void count_actions(spice_counters * c, const int32_t * actions, int32_t n) {
+/* Outcome of each activation (DESIGN section 11): a hit when its expert was
+ * resident as the call began (without a device tier every expert is), else a
+ * miss by what happened to it. */
+static void count_actions(spice_counters * c, const int32_t * actions, const uint8_t * hit, int32_t n) {
     for (int32_t i = 0; i < n; ++i) {
+        if (hit[i]) {
+            c->hits++;
+            continue;
+        }
         switch (actions[i]) {
-            case SPICE_ACTION_DEVICE:    c->hits++; break;
+            case SPICE_ACTION_DEVICE:    c->misses_fetched++; break;
             case SPICE_ACTION_HOST:      c->misses_host++; break;
             case SPICE_ACTION_SURROGATE: c->misses_surrogate++; break;
             default:                     c->dropped++; break;
@@ -126,8 +151,21 @@ static void plan_call(spice_runtime * rt, const struct llama_moe_hook_call * hc)
     call.prefetch = rt->plan.prefetch; call.cap_prefetch = rt->plan.cap_prefetch;
     call.evict = rt->plan.evict;       call.cap_evict = rt->plan.cap_evict;
 
-    /* exact unless the policy says otherwise */
-    memset(call.actions, 0, (size_t) n_pairs * sizeof(int32_t));
+    /* which activations find their expert resident as the call begins */
+    const int32_t * ids_base = hc->ids;
+    for (int32_t t = 0; t < hc->n_tokens; ++t) {
+        const int32_t * ids = (const int32_t *) ((const char *) ids_base + (size_t) t * hc->ids_nb1);
+        for (int32_t k = 0; k < hc->n_expert_used; ++k) {
+            const int32_t i = t * hc->n_expert_used + k;
+            rt->plan.hit[i] = rt->store == NULL ||
+                              spice_store_state(rt->store, hc->il, ids[k]) == SPICE_RES_RESIDENT;
+        }
+    }
+    /* the default plan, and every fallback: resident experts on the device,
+     * the others on the host; both exact */
+    for (int32_t i = 0; i < n_pairs; ++i) {
+        call.actions[i] = rt->plan.hit[i] ? SPICE_ACTION_DEVICE : SPICE_ACTION_HOST;
+    }
     call.n_actions = n_pairs;
 
     const uint64_t t0 = now_ns();
@@ -153,34 +191,45 @@ static void plan_call(spice_runtime * rt, const struct llama_moe_hook_call * hc)
             }
         }
         if (!use_plan) {
-            memset(call.actions, 0, (size_t) n_pairs * sizeof(int32_t));
+            for (int32_t i = 0; i < n_pairs; ++i) {
+                call.actions[i] = rt->plan.hit[i] ? SPICE_ACTION_DEVICE : SPICE_ACTION_HOST;
+            }
+            call.n_fetch = call.n_prefetch = call.n_evict = 0;
         }
     }
     c->policy_ns += now_ns() - t0;
     c->policy_calls++;
-    (void) use_plan;
+
+    /* ids come from the graph's top-k; a bad one would index out of the tensor */
+    int bad_ids = 0;
+    for (int32_t t = 0; t < hc->n_tokens; ++t) {
+        const int32_t * ids = (const int32_t *) ((const char *) hc->ids + (size_t) t * hc->ids_nb1);
+        for (int32_t k = 0; k < hc->n_expert_used; ++k) {
+            if (ids[k] < 0 || ids[k] >= L->n_expert) {
+                call.actions[t * hc->n_expert_used + k] = SPICE_ACTION_DROP;
+                set_error(rt, "layer %d: graph selected expert %d outside 0..%d", hc->il, ids[k], L->n_expert - 1);
+                bad_ids = 1;
+            }
+        }
+    }
+    (void) bad_ids;
+
+    if (rt->store != NULL) {
+        spice_runtime_apply_store_plan(rt, hc, &call);
+    }
 
     c->hook_calls++;
     c->activations += (uint64_t) n_pairs;
-    count_actions(c, call.actions, n_pairs);
+    count_actions(c, call.actions, rt->plan.hit, n_pairs);
 
     /* the executor's view: exact for device and host, nothing for drop */
     for (int32_t i = 0; i < n_pairs; ++i) {
         const int32_t a = call.actions[i];
         rt->plan.exec[i] = (uint8_t) (a == SPICE_ACTION_DEVICE || a == SPICE_ACTION_HOST);
     }
-    /* ids come from the graph's top-k; a bad one would index out of the tensor */
-    for (int32_t t = 0; t < hc->n_tokens; ++t) {
-        const int32_t * ids = (const int32_t *) ((const char *) hc->ids + (size_t) t * hc->ids_nb1);
-        for (int32_t k = 0; k < hc->n_expert_used; ++k) {
-            if (ids[k] < 0 || ids[k] >= L->n_expert) {
-                rt->plan.exec[t * hc->n_expert_used + k] = 0;
-                set_error(rt, "layer %d: graph selected expert %d outside 0..%d", hc->il, ids[k], L->n_expert - 1);
-            }
-        }
-    }
 
     spice_host_job job;
+    memset(&job, 0, sizeof(job));
     job.layer = L;
     job.n_tokens = hc->n_tokens;
     job.n_used = hc->n_expert_used;
@@ -188,6 +237,7 @@ static void plan_call(spice_runtime * rt, const struct llama_moe_hook_call * hc)
     job.ids = hc->ids;         job.ids_nb1 = hc->ids_nb1;
     job.weights = hc->weights; job.weights_nb1 = hc->weights_nb1;
     job.exec = rt->plan.exec;
+    job.device = rt->store != NULL ? rt->plan.device : NULL;
     job.out = hc->out;         job.out_nb1 = hc->out_nb1;
     if (spice_host_exec_prepare(&rt->host, &job) != SPICE_OK) {
         set_error(rt, "layer %d: out of memory for the executor's scratch (%d tokens)", hc->il, hc->n_tokens);
@@ -301,6 +351,7 @@ void spice_runtime_free(spice_runtime * rt) {
         spice_runtime_disable(rt);
     }
     spice_host_exec_free(&rt->host);
+    spice_store_free(rt->store);
     plan_free(&rt->plan);
     free(rt->layers);
     free(rt->counters);
@@ -363,17 +414,23 @@ int spice_runtime_get_counters(const spice_runtime * rt, int32_t il, spice_count
     if (rt == NULL || out == NULL || il < -1 || il >= rt->n_layers) {
         return SPICE_ERR_INVALID_ARG;
     }
-    if (il >= 0) {
-        *out = rt->counters[il];
-        return SPICE_OK;
-    }
     memset(out, 0, sizeof(*out));
-    for (int32_t l = 0; l < rt->n_layers; ++l) {
+    for (int32_t l = (il < 0 ? 0 : il); l < (il < 0 ? rt->n_layers : il + 1); ++l) {
         const uint64_t * src = (const uint64_t *) &rt->counters[l];
         uint64_t * dst = (uint64_t *) out;
         for (size_t i = 0; i < sizeof(spice_counters) / sizeof(uint64_t); ++i) {
             dst[i] += src[i];
         }
+    }
+    if (rt->store != NULL) { /* traffic, stalls and prefetch outcomes live in the store */
+        spice_counters k;
+        spice_store_get_counters(rt->store, il, &k);
+        out->bytes_h2d += k.bytes_h2d;
+        out->copy_ns += k.copy_ns;
+        out->stall_ns += k.stall_ns;
+        out->prefetch_issued += k.prefetch_issued;
+        out->prefetch_used += k.prefetch_used;
+        out->prefetch_cancelled += k.prefetch_cancelled;
     }
     return SPICE_OK;
 }
@@ -381,6 +438,9 @@ int spice_runtime_get_counters(const spice_runtime * rt, int32_t il, spice_count
 void spice_runtime_reset_counters(spice_runtime * rt) {
     if (rt != NULL) {
         memset(rt->counters, 0, (size_t) rt->n_layers * sizeof(spice_counters));
+        if (rt->store != NULL) {
+            memset(rt->store->counters, 0, (size_t) rt->n_layers * sizeof(spice_counters));
+        }
     }
 }
 

@@ -16,6 +16,12 @@ ACTION_HOST = 1  # exact, on the host weights
 ACTION_SURROGATE = 2  # lossy: low-rank surrogate
 ACTION_DROP = 3  # lossy: contributes nothing (ablations, negative controls)
 
+# Residency of an expert on the device tier (spice_residency in spice.h).
+RESIDENCY_ABSENT = 0
+RESIDENCY_QUEUED = 1  # copy waiting for the bus
+RESIDENCY_COPYING = 2  # copy in flight
+RESIDENCY_RESIDENT = 3
+
 ACTION_NAMES = {
     ACTION_DEVICE: "device",
     ACTION_HOST: "host",
@@ -35,6 +41,8 @@ class HookCall:
     ids     [n_tokens, n_expert_used]   selected experts
     weights [n_tokens, n_expert_used]   their gate weights
     shared  [n_tokens, n_embd] or None  shared-expert output before its gate
+    residency [n_layers, max_expert] or None  RESIDENCY_* of every expert on the
+            device tier when the call began (None: no device tier)
 
     Under the engine the arrays are read-only views into the running graph,
     valid only during `Policy.decide`, and made on first access (a policy pays
@@ -52,25 +60,27 @@ class HookCall:
         ids: npt.NDArray[np.int32],
         weights: npt.NDArray[np.float32],
         shared: npt.NDArray[np.float32] | None = None,
+        residency: npt.NDArray[np.int8] | None = None,
     ) -> None:
         self.layer = layer
         self.n_tokens = int(ids.shape[0])
         self.n_expert_used = int(ids.shape[1])
         self.n_expert = int(probs.shape[1])
-        self._arrays: list[Any] = [hidden, probs, ids, weights, shared]
+        self._arrays: list[Any] = [hidden, probs, ids, weights, shared, residency]
         self._fetch: Callable[[int], Any] | None = None
 
     @classmethod
     def lazy(
         cls, layer: int, n_tokens: int, n_expert: int, n_expert_used: int, fetch: Callable[[int], Any]
     ) -> HookCall:
-        """A call whose arrays come from fetch(i) (i = 0 hidden ... 4 shared) on first access."""
+        """A call whose arrays come from fetch(i) (0 hidden, 1 probs, 2 ids, 3 weights, 4 shared,
+        5 residency) on first access."""
         call = cls.__new__(cls)
         call.layer = layer
         call.n_tokens = n_tokens
         call.n_expert = n_expert
         call.n_expert_used = n_expert_used
-        call._arrays = [_UNSET] * 5
+        call._arrays = [_UNSET] * 6
         call._fetch = fetch
         return call
 
@@ -108,13 +118,19 @@ class HookCall:
     def shared(self) -> npt.NDArray[np.float32] | None:
         return self._get(4)  # type: ignore[no-any-return]
 
+    @property
+    def residency(self) -> npt.NDArray[np.int8] | None:
+        return self._get(5)  # type: ignore[no-any-return]
+
 
 @dataclass
 class Plan:
     """What to do with one hook call.
 
-    `actions` is [n_tokens, n_expert_used] of ACTION_* values, or None for
-    "every activation exact on the device tier". `fetch` are this layer's
+    `actions` is [n_tokens, n_expert_used] of ACTION_* values, or None for the
+    default: activations of resident experts on the device, the rest on the
+    host (both exact). A device action on an absent expert fetches it on
+    demand; one that cannot get a slot runs on the host. `fetch` are this layer's
     experts to copy now (demand); `prefetch` and `evict` are (layer, expert)
     pairs for the low-priority queue and for experts that may leave.
     """

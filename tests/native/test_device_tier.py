@@ -1,0 +1,83 @@
+"""The device tier under a real model: exact configurations stay bit-identical
+to the reference whether every expert is resident, none is, or experts are
+fetched on demand, and the stats say which it was."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pyspice.policy import ACTION_DEVICE, ACTION_HOST, HookCall, Plan
+
+from .golden import greedy_run, load
+
+N_DECODE = 12
+
+
+class AllHost:
+    name = "all-host"
+
+    def decide(self, call: HookCall) -> Plan:
+        return Plan(actions=np.full((call.n_tokens, call.n_expert_used), ACTION_HOST, np.int32))
+
+
+class AllDevice:
+    """Every activation on the device: absent experts are fetched on demand."""
+
+    name = "all-device"
+
+    def decide(self, call: HookCall) -> Plan:
+        assert call.residency is not None  # the policy sees the device tier
+        return Plan(actions=np.full((call.n_tokens, call.n_expert_used), ACTION_DEVICE, np.int32))
+
+
+@pytest.mark.parametrize("arch,quant", [("qwen2moe", "Q4_K"), ("deepseek2", "Q5_K_M")])
+def test_all_resident_and_none_resident_are_exact(synth_model, arch: str, quant: str) -> None:
+    llm = load(synth_model(arch, "tiny", quant))
+    try:
+        ref = greedy_run(llm, "stock", n_decode=N_DECODE)
+        tier = llm.set_device("100%", 8.0, 5.0, manual_clock=True)
+        assert tier.holds == tier.experts
+        everything = greedy_run(llm, "exact", n_decode=N_DECODE)  # preloads the whole tier
+        assert np.array_equal(everything.logits, ref.logits)
+        assert everything.stats["hit_rate"] == 1.0
+        assert everything.stats["bytes_per_token"] == 0.0  # preloaded, nothing moved while serving
+
+        llm.set_policy("stock")  # so the new tier is not preloaded for `exact`
+        llm.set_device("25%", 8.0, 5.0, manual_clock=True)  # an empty tier
+        nothing = greedy_run(llm, AllHost(), n_decode=N_DECODE)
+        assert np.array_equal(nothing.logits, ref.logits)
+        assert nothing.stats["hit_rate"] == 0.0
+        assert nothing.stats["misses"]["host"] == nothing.stats["activations"]
+    finally:
+        llm.close()
+
+
+def test_on_demand_fetches_are_exact_and_counted(synth_model) -> None:
+    llm = load(synth_model("qwen2moe", "tiny", "Q8_0"))
+    try:
+        ref = greedy_run(llm, "stock", n_decode=N_DECODE)
+        llm.set_device("100%", 8.0, 5.0, manual_clock=True)
+        got = greedy_run(llm, AllDevice(), n_decode=N_DECODE)
+        assert np.array_equal(got.logits, ref.logits)
+        s = got.stats
+        assert s["misses"]["fetched"] > 0 and s["hit_rate"] > 0  # first uses fetch, later ones hit
+        assert s["misses"]["fetched"] + s["activations"] * s["hit_rate"] == pytest.approx(s["activations"])
+        assert s["stall_ms_per_token"] > 0 and s["bytes_per_token"] > 0
+    finally:
+        llm.close()
+
+
+def test_a_small_tier_degrades_to_the_host_exactly(synth_model) -> None:
+    """2 slots for 32 experts and a policy that never evicts: most device
+    actions find no slot and run on the host, still exactly."""
+    llm = load(synth_model("deepseek2", "tiny", "Q4_0"))
+    try:
+        ref = greedy_run(llm, "stock", n_decode=N_DECODE)
+        tier = llm.set_device(2 * llm.spice_layers()[1].bytes_per_expert, 8.0, 5.0, manual_clock=True)
+        assert tier.holds == 2
+        got = greedy_run(llm, AllDevice(), n_decode=N_DECODE)
+        assert np.array_equal(got.logits, ref.logits)
+        assert got.stats["misses"]["host"] > 0
+    finally:
+        llm.close()
