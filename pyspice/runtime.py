@@ -42,6 +42,7 @@ _COUNTER_FIELDS = (
     "policy_ns",
     "policy_calls",
     "policy_fallbacks",
+    "store_ns",
 )
 
 

@@ -33,6 +33,7 @@ class Counters:
     policy_ns: int = 0  # time spent deciding plans
     policy_calls: int = 0
     policy_fallbacks: int = 0  # plans that raised or failed validation -> exact fallback
+    store_ns: int = 0  # device-tier bookkeeping on the hook's thread 0 (not counting stalls)
 
     def add(self, other: Counters) -> None:
         for f in fields(self):
@@ -83,6 +84,7 @@ def _counter_record(c: Counters, decoded_tokens: int) -> dict[str, Any]:
         "stall_ms_per_token": _ratio(c.stall_ns / 1e6, decoded_tokens),
         "policy_us_per_call": _ratio(c.policy_ns / 1e3, c.policy_calls),
         "policy_fallbacks": c.policy_fallbacks,
+        "store_us_per_call": _ratio(c.store_ns / 1e3, c.hook_calls),
     }
 
 

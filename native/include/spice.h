@@ -117,6 +117,7 @@ typedef struct spice_counters {
     uint64_t policy_ns;
     uint64_t policy_calls;
     uint64_t policy_fallbacks;
+    uint64_t store_ns;      /* thread 0's device-tier bookkeeping (residency, requests, waits minus stalls) */
 } spice_counters;
 
 /* ---- expert store -----------------------------------------------------------

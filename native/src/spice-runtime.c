@@ -152,6 +152,7 @@ static void plan_call(spice_runtime * rt, const struct llama_moe_hook_call * hc)
     call.evict = rt->plan.evict;       call.cap_evict = rt->plan.cap_evict;
 
     /* which activations find their expert resident as the call begins */
+    const uint64_t t_hits = now_ns();
     const int32_t * ids_base = hc->ids;
     for (int32_t t = 0; t < hc->n_tokens; ++t) {
         const int32_t * ids = (const int32_t *) ((const char *) ids_base + (size_t) t * hc->ids_nb1);
@@ -160,6 +161,9 @@ static void plan_call(spice_runtime * rt, const struct llama_moe_hook_call * hc)
             rt->plan.hit[i] = rt->store == NULL ||
                               spice_store_state(rt->store, hc->il, ids[k]) == SPICE_RES_RESIDENT;
         }
+    }
+    if (rt->store != NULL) {
+        c->store_ns += now_ns() - t_hits;
     }
     /* the default plan, and every fallback: resident experts on the device,
      * the others on the host; both exact */
@@ -215,7 +219,11 @@ static void plan_call(spice_runtime * rt, const struct llama_moe_hook_call * hc)
     (void) bad_ids;
 
     if (rt->store != NULL) {
+        const uint64_t t_store = now_ns();
+        const uint64_t stalled = rt->store->counters[hc->il].stall_ns;
         spice_runtime_apply_store_plan(rt, hc, &call);
+        const uint64_t spent = now_ns() - t_store, waited = rt->store->counters[hc->il].stall_ns - stalled;
+        c->store_ns += spent > waited ? spent - waited : 0;
     }
 
     c->hook_calls++;

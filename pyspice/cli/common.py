@@ -38,6 +38,26 @@ def add_context_args(p: argparse.ArgumentParser) -> None:
         help="expert policy (default: exact on a CPU-only build); see DESIGN section 6",
     )
     p.add_argument(
+        "--device-budget",
+        default=None,
+        help="device tier size: bytes with a unit (2GiB, 512MiB) or a share of all routed-expert "
+        "bytes (25%%)",
+    )
+    p.add_argument(
+        "--emulate-bandwidth",
+        type=float,
+        default=None,
+        metavar="GB/s",
+        help="emulated device: bus bandwidth (CPU-only builds; default 12)",
+    )
+    p.add_argument(
+        "--emulate-latency",
+        type=float,
+        default=None,
+        metavar="us",
+        help="emulated device: latency per copy (default 10)",
+    )
+    p.add_argument(
         "--max-hook-tokens",
         type=int,
         default=0,
@@ -85,7 +105,9 @@ def default_policy(args: argparse.Namespace) -> str:
         cuda = load_build_info().cuda
     except BuildNotFoundError:
         cuda = False
-    if cuda:
+    if args.device_budget is not None:
+        note("device budget given, no --policy: using 'exact' (the tier preloaded as far as it goes)")
+    elif cuda:
         note("no device budget given; using policy 'exact' (all experts exact)")
     else:
         note(
@@ -105,7 +127,10 @@ def open_model(
     from pyspice.api import Llama  # native code loads here, not at CLI start-up
 
     threads = thread_count(args)
-    return Llama(
+    emulation = args.emulate_bandwidth is not None or args.emulate_latency is not None
+    if args.device_budget is None and emulation:
+        raise ValueError("--emulate-bandwidth/--emulate-latency need --device-budget")
+    llm = Llama(
         str(resolve_model(args)),
         policy=policy,
         max_hook_tokens=args.max_hook_tokens,
@@ -117,5 +142,11 @@ def open_model(
         n_gpu_layers=args.n_gpu_layers,
         logits_all=logits_all,
         seed=seed if seed is not None else 0xFFFFFFFF,
+        device_budget=args.device_budget,
+        emulate_bandwidth=args.emulate_bandwidth,
+        emulate_latency=args.emulate_latency,
         verbose=False,
     )
+    if llm.spice_device is not None:
+        note(llm.spice_device.describe())
+    return llm

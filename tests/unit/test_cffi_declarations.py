@@ -23,7 +23,25 @@ def test_header_parses_and_action_values_match_the_policy_package() -> None:
         lib.SPICE_ACTION_DROP,
     ) == (ACTION_DEVICE, ACTION_HOST, ACTION_SURROGATE, ACTION_DROP)
     assert lib.SPICE_POLICY_ABORT == 2
-    assert ffi.sizeof("spice_counters") == 16 * 8
+    assert ffi.sizeof("spice_counters") == len(_counter_fields()) * 8
+
+
+def _counter_fields() -> tuple[str, ...]:
+    from pyspice.runtime import _COUNTER_FIELDS
+
+    return _COUNTER_FIELDS
+
+
+def test_python_counters_mirror_the_c_struct() -> None:
+    import dataclasses
+
+    from pyspice.stats import Counters
+
+    ffi = cffi.FFI()
+    ffi.cdef(cdef_from_header(HEADER.read_text()))
+    c_fields = [name for name, _ in ffi.typeof("spice_counters").fields]
+    assert c_fields == list(_counter_fields())
+    assert set(c_fields) == {f.name for f in dataclasses.fields(Counters)}
 
 
 def test_every_c_function_follows_the_naming_convention() -> None:

@@ -1,0 +1,59 @@
+"""`pyspice probe`: measure and save this machine's cost profile for a model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from pyspice.cli.common import add_context_args, add_model_args, note, open_model, resolve_model
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("probe", help="measure this machine's cost profile for a model", description=__doc__)
+    add_model_args(p)
+    add_context_args(p)
+    p.add_argument("--batch-sizes", default="1,8,32", help="tokens per micro-batch to time (default 1,8,32)")
+    p.add_argument("--repeat", type=int, default=5, help="timed runs per measurement (median; default 5)")
+    p.add_argument("--json", action="store_true", help="print the profile as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pyspice.api import DEFAULT_EMULATED_GBPS, DEFAULT_EMULATED_LATENCY_US
+    from pyspice.probe import measure_profile, profile_path, save_profile
+
+    sizes = tuple(int(x) for x in args.batch_sizes.split(",") if x.strip())
+    if not sizes or min(sizes) < 1:
+        raise ValueError("--batch-sizes needs positive integers")
+    llm = open_model(args, "exact")
+    path = resolve_model(args)
+    profile = measure_profile(
+        llm,
+        path,
+        bus_gbps=args.emulate_bandwidth or DEFAULT_EMULATED_GBPS,
+        bus_latency_us=args.emulate_latency
+        if args.emulate_latency is not None
+        else DEFAULT_EMULATED_LATENCY_US,
+        batch_sizes=sizes,
+        repeats=args.repeat,
+        progress=lambda m: print(f"probe: {m}", file=sys.stderr, flush=True),
+    )
+    llm.close()
+    saved = save_profile(profile, profile_path(path))
+    note(f"cost profile written to {saved}")
+    if args.json:
+        json.dump(profile.to_json(), sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        print(
+            f"bus ({profile.bus_source}): {profile.bus_gbps:g} GB/s, {profile.bus_latency_us:g} us per copy"
+        )
+        for b in profile.batches:
+            print(
+                f"batch {b.tokens:>4}: {b.expert_us:8.1f} us per expert activation, "
+                f"{b.rest_us_per_layer:8.1f} us per token per layer for the rest"
+            )
+        print(saved)
+    return 0

@@ -1,0 +1,168 @@
+"""`pyspice probe`: measure this machine's cost profile for one model.
+
+What policies and the simulator need to weigh a copy against host work:
+the bus (bandwidth, latency per copy), host time per expert activation at
+several batch sizes, device time per expert, and the rest of a layer's time
+(attention, norms, shared experts). Measured by differences on the real
+model: the same evaluation with every routed expert executed and with every
+routed expert dropped; what the experts add, divided by how many ran, is
+their cost. On a CPU-only build the device is emulated: its bus is what the
+user set, and its compute is the host's (labelled so).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pyspice.paths import cache_dir
+from pyspice.policy import ACTION_DROP, HookCall, Plan
+
+PROFILE_VERSION = 1
+
+
+@dataclass
+class BatchCost:
+    tokens: int  # tokens per micro-batch
+    expert_us: float  # host time per expert activation (one token through one expert)
+    rest_us_per_layer: float  # per token: everything in a layer but the routed experts
+
+
+@dataclass
+class CostProfile:
+    version: int
+    model: str
+    model_sha: str  # of the first MiB: which file this profile belongs to
+    threads: int
+    n_layers: int
+    n_moe_layers: int
+    expert_bytes: dict[str, int]  # per expert, by "gate/up/down" ggml type names
+    bus_gbps: float
+    bus_latency_us: float
+    bus_source: str  # "emulated (set by the user)" or "measured"
+    device_expert_us: float
+    device_source: str
+    batches: list[BatchCost] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_json(doc: dict[str, Any]) -> CostProfile:
+        batches = [BatchCost(**b) for b in doc.pop("batches", [])]
+        return CostProfile(**doc, batches=batches)
+
+
+class _DropAll:
+    name = "drop-all"
+
+    def decide(self, call: HookCall) -> Plan:
+        return Plan(actions=np.full((call.n_tokens, call.n_expert_used), ACTION_DROP, np.int32))
+
+
+def model_fingerprint(path: Path) -> str:
+    with path.open("rb") as fh:
+        return hashlib.sha256(fh.read(1 << 20)).hexdigest()[:16]
+
+
+def _timed_eval(llm: Any, tokens: list[int], repeats: int) -> float:
+    """Median seconds of evaluating `tokens` as one batch after a reset."""
+    times = []
+    for _ in range(repeats):
+        llm.reset()
+        start = time.perf_counter()
+        llm.eval(tokens)
+        times.append(time.perf_counter() - start)
+    return float(statistics.median(times))
+
+
+def _type_name(t: int) -> str:
+    import gguf
+
+    try:
+        return str(gguf.GGMLQuantizationType(t).name)
+    except ValueError:
+        return f"type{t}"
+
+
+def measure_profile(
+    llm: Any,
+    model_path: Path,
+    *,
+    bus_gbps: float,
+    bus_latency_us: float,
+    batch_sizes: tuple[int, ...] = (1, 8, 32),
+    repeats: int = 5,
+    progress: Any = None,
+) -> CostProfile:
+    layers = [info for info in llm.spice_layers() if info.is_moe]
+    n_layers = len(llm.spice_layers())
+    vocab = llm.n_vocab()
+    rng = np.random.default_rng(0)
+    batches = []
+    for n in batch_sizes:
+        tokens = [int(t) for t in rng.integers(100, min(vocab, 30000), size=n)]
+        if progress:
+            progress(f"batch of {n}: all experts, then none")
+        llm.set_policy("exact")
+        llm.spice_reset_stats()
+        full = _timed_eval(llm, tokens, repeats)
+        activations = llm.spice_stats()["activations"] / repeats
+        llm.set_policy(_DropAll())
+        empty = _timed_eval(llm, tokens, repeats)
+        expert_s = max(0.0, full - empty)
+        batches.append(
+            BatchCost(
+                tokens=n,
+                expert_us=expert_s * 1e6 / max(1.0, activations),
+                rest_us_per_layer=empty * 1e6 / n / max(1, n_layers),
+            )
+        )
+    llm.set_policy("exact")
+    types = {
+        f"{_type_name(i.type_gate)}/{_type_name(i.type_up)}/{_type_name(i.type_down)}": i.bytes_per_expert
+        for i in layers
+    }
+    return CostProfile(
+        version=PROFILE_VERSION,
+        model=str(model_path),
+        model_sha=model_fingerprint(model_path),
+        threads=int(llm.n_threads),
+        n_layers=n_layers,
+        n_moe_layers=len(layers),
+        expert_bytes=types,
+        bus_gbps=bus_gbps,
+        bus_latency_us=bus_latency_us,
+        bus_source="emulated (set by the user)",
+        device_expert_us=batches[0].expert_us,
+        device_source="emulated: the host's own time (CPU-only build)",
+        batches=batches,
+    )
+
+
+def profile_path(model_path: Path) -> Path:
+    directory = cache_dir() / "profiles"
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory / f"{model_path.stem}-{model_fingerprint(model_path)}.json"
+
+
+def save_profile(profile: CostProfile, path: Path) -> Path:
+    path.write_text(json.dumps(profile.to_json(), indent=2) + "\n")
+    return path
+
+
+def load_profile(path: Path) -> CostProfile:
+    doc = json.loads(Path(path).read_text())
+    if doc.get("version") != PROFILE_VERSION:
+        raise ValueError(
+            f"{path}: cost profile version {doc.get('version')}, expected {PROFILE_VERSION}; "
+            "run `pyspice probe` again"
+        )
+    return CostProfile.from_json(doc)
