@@ -15,11 +15,13 @@ import ctypes
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import llama_cpp
 
-from pyspice.policy import Policy, make_policy, policy_spec
+from pyspice.policy import Policy, PolicyContext, make_policy, policy_spec
+from pyspice.routers import RouterReader
 from pyspice.runtime import ExpertBufferType, IncompatibleModelError, Runtime, StoreParams
 from pyspice.stats import StatsSnapshot, Timing, stats_record
 from pyspice.units import Budget, format_bytes, parse_budget
@@ -47,7 +49,8 @@ class DeviceTier:
         kind = "emulated device" if self.emulated else "device"
         return (
             f"{kind}: budget {self.budget} = {format_bytes(self.budget_bytes)} of "
-            f"{format_bytes(self.expert_bytes)} routed-expert bytes, about {self.holds} of {self.experts} experts"
+            f"{format_bytes(self.expert_bytes)} routed-expert bytes, "
+            f"about {self.holds} of {self.experts} experts"
             + (
                 f", bus {self.bandwidth_gbps:g} GB/s + {self.latency_us:g} us per copy"
                 if self.emulated
@@ -103,6 +106,9 @@ class Llama(llama_cpp.Llama):
         self._spice_timing = Timing()
         self._spice_policy_name = "stock"
         self._spice_max_hook_tokens = max_hook_tokens
+        self._spice_device_params: StoreParams | None = None
+        self._spice_routers: RouterReader | None = None
+        self._spice_profile: Any = None
         super().__init__(model_path, **kwargs)
         ctx_address = ctypes.cast(self._ctx.ctx, ctypes.c_void_p).value
         assert ctx_address is not None
@@ -146,6 +152,7 @@ class Llama(llama_cpp.Llama):
             manual_clock=manual_clock,
         )
         runtime.set_device(params)
+        self._spice_device_params = params
         n_experts = sum(info.n_expert for info in layers)
         self.spice_device = DeviceTier(
             budget=str(spec),
@@ -163,7 +170,12 @@ class Llama(llama_cpp.Llama):
 
     def clear_device(self) -> None:
         self._require_runtime().set_device(None)
+        self._spice_device_params = None
         self.spice_device = None
+
+    def set_profile(self, profile: Any) -> None:
+        """A cost profile (pyspice.probe.CostProfile) for policies that weigh costs."""
+        self._spice_profile = profile
 
     # llama_cpp.Llama.__init__ assigns self.model_params and fills it before
     # loading; intercepting the assignment places the expert overrides there.
@@ -195,6 +207,9 @@ class Llama(llama_cpp.Llama):
                 self._spice_policy_name = "stock"
                 return
             runtime = self._require_runtime()
+            if spec.needs_device and self.spice_device is None:
+                raise ValueError(f"policy {policy!r} manages a device tier: give it one with --device-budget")
+            self._reset_device()
             if spec.kind == "native":
                 if self.spice_device is not None:
                     runtime.preload()  # `exact` means every expert resident (as far as the budget goes)
@@ -202,11 +217,43 @@ class Llama(llama_cpp.Llama):
             else:
                 policy_obj = make_policy(policy)
                 assert policy_obj is not None
+                self._attach(policy_obj)
                 runtime.enable_policy(policy_obj, max_tokens)
             self._spice_policy_name = policy
         else:
-            self._require_runtime().enable_policy(policy, max_tokens)
+            runtime = self._require_runtime()
+            self._reset_device()
+            self._attach(policy)
+            runtime.enable_policy(policy, max_tokens)
             self._spice_policy_name = getattr(policy, "name", type(policy).__name__)
+
+    def _reset_device(self) -> None:
+        """Each policy starts from an empty device tier (comparisons stay fair)."""
+        if self._spice_device_params is not None:
+            self._require_runtime().set_device(self._spice_device_params)
+
+    def policy_context(self) -> PolicyContext:
+        runtime = self._require_runtime()
+        layers = runtime.layers()
+        if self._spice_routers is None:
+            self._spice_routers = RouterReader(Path(self.model_path))
+        return PolicyContext(
+            n_layers=len(layers),
+            n_expert=tuple(info.n_expert if info.is_moe else 0 for info in layers),
+            n_expert_used=int(
+                self.metadata.get(f"{self.metadata.get('general.architecture', '')}.expert_used_count", 0)
+                or 0
+            ),
+            expert_bytes=tuple(info.bytes_per_expert for info in layers),
+            budget_bytes=self._spice_device_params.budget_bytes if self._spice_device_params else None,
+            router=self._spice_routers,
+            profile=self._spice_profile,
+        )
+
+    def _attach(self, policy: Any) -> None:
+        attach = getattr(policy, "attach", None)
+        if attach is not None:
+            attach(self.policy_context())
 
     def _require_runtime(self) -> Runtime:
         if self._spice_runtime is None:

@@ -137,31 +137,35 @@ def _ratio(value: float, base: float) -> str:
 
 
 def format_table(results: dict[str, PolicyResult], baseline: str) -> str:
-    """Median and best of the repeats, each with its ratio to the baseline's."""
+    """Median and best of the repeats, each with its ratio to the baseline's, and
+    the stats record's traffic columns (from the last repeat)."""
     base = results.get(baseline)
     b_pps = (median(base.prefill_tps), max(base.prefill_tps)) if base else (0.0, 0.0)
     b_tpot = (median(base.tpot_ms), min(base.tpot_ms)) if base else (0.0, 0.0)
     header = (
-        f"{'policy':<10} {'prefill tok/s':>13} {'best':>8} {'x ' + baseline:>11} "
-        f"{'TPOT ms':>9} {'best':>8} {'x ' + baseline:>11} {'spread':>7} "
-        f"{'hit rate':>8} {'policy us/call':>14} {'hook calls':>10} {'tokens=' + baseline:>14}"
+        f"{'policy':<10} {'prefill tok/s':>13} {'x ' + baseline:>11} {'TPOT ms':>9} {'best':>8} "
+        f"{'x ' + baseline:>11} {'spread':>7} {'hit':>6} {'fetch/host/surr':>17} {'MiB/tok':>8} "
+        f"{'stall ms/tok':>12} {'pol us/call':>11} {'same tokens':>11}"
     )
     lines = [header, "-" * len(header)]
     for name, res in results.items():
         pps, pps_best = median(res.prefill_tps), max(res.prefill_tps)
         tpot, tpot_best = median(res.tpot_ms), min(res.tpot_ms)
+        st = res.stats
+        misses = st.get("misses", {})
         same = "yes" if base and res.tokens == base.tokens else "NO"
         pps_ratio = _ratio(pps, b_pps[0]) + "/" + _ratio(pps_best, b_pps[1])
         tpot_ratio = _ratio(tpot, b_tpot[0]) + "/" + _ratio(tpot_best, b_tpot[1])
+        outcome = f"{misses.get('fetched', 0)}/{misses.get('host', 0)}/{misses.get('surrogate', 0)}"
         lines.append(
-            f"{name:<10} {pps:>13.1f} {pps_best:>8.1f} {pps_ratio:>11} "
-            f"{tpot:>9.3f} {tpot_best:>8.3f} {tpot_ratio:>11} {spread(res.tpot_ms):>6.1%} "
-            f"{res.stats.get('hit_rate', 0.0):>8.3f} {res.stats.get('policy_us_per_call', 0.0):>14.2f} "
-            f"{res.stats.get('hook_calls', 0):>10} {same:>14}"
+            f"{name:<10} {pps:>13.1f} {pps_ratio:>11} {tpot:>9.3f} {tpot_best:>8.3f} {tpot_ratio:>11} "
+            f"{spread(res.tpot_ms):>6.1%} {st.get('hit_rate', 0.0):>6.3f} {outcome:>17} "
+            f"{st.get('bytes_per_token', 0.0) / 2**20:>8.2f} {st.get('stall_ms_per_token', 0.0):>12.3f} "
+            f"{st.get('policy_us_per_call', 0.0):>11.1f} {same:>11}"
         )
     lines.append(
-        f"(median and best of the repeats; x {baseline} = median ratio / best ratio; prefill above 1 is "
-        "faster, TPOT below 1 is faster; spread = (max - min) / median of TPOT)"
+        f"(prefill: median, x {baseline} = median ratio/best ratio, above 1 is faster; TPOT: median and "
+        "best, below 1 is faster; spread = (max-min)/median of TPOT; misses as fetched/host/surrogate)"
     )
     return "\n".join(lines)
 

@@ -91,7 +91,13 @@ def run(args: argparse.Namespace) -> int:
         title = f"{resolve_model(args).name}: {len(prompt_tokens)}-token prompt, {args.n_predict} decoded"
         plot(results, args.baseline, args.plot, title)
         print(f"bench: plot written to {args.plot}", file=sys.stderr)
-    for name, res in results.items():
-        if res.stats.get("policy_fallbacks"):
-            print(f"bench: {name} had policy fallbacks: its run is INVALID", file=sys.stderr)
-    return 0
+    if tiers := (llm.spice_device.describe() if llm.spice_device is not None else None):
+        print(f"bench: {tiers}", file=sys.stderr)
+    invalid = [name for name, res in results.items() if res.stats.get("policy_fallbacks")]
+    for name in invalid:
+        print(
+            f"bench: {name} had policy fallbacks (a policy raised or returned invalid plans): "
+            "this run is INVALID",
+            file=sys.stderr,
+        )
+    return 1 if invalid else 0

@@ -23,6 +23,7 @@ from pyspice.policy.base import (
     Plan,
     Policy,
 )
+from pyspice.policy.context import PolicyContext
 from pyspice.policy.registry import NATIVE_POLICIES, PolicySpec, make_policy, policy_names, policy_spec
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "HookCall",
     "Plan",
     "Policy",
+    "PolicyContext",
     "PolicySpec",
     "make_policy",
     "policy_names",

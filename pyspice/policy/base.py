@@ -142,7 +142,11 @@ class Plan:
 
 
 class Policy(Protocol):
-    """A decision-maker for hook calls. `name` is what `--policy` accepts."""
+    """A decision-maker for hook calls. `name` is what `--policy` accepts.
+
+    A policy may also define `attach(ctx: PolicyContext) -> None`, called each
+    time it is enabled, before its first call (see pyspice.policy.context).
+    """
 
     name: str
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pyspice.policy.base import HookCall, Plan, Policy
+from pyspice.policy.baselines import AdapMoE, HostOnly, LruCache, OnDemand, StaticLayers
 
 PolicyKind = Literal["stock", "native", "python"]
 
@@ -24,6 +25,7 @@ class PolicySpec:
     kind: PolicyKind
     lossless: bool
     description: str
+    needs_device: bool = False  # makes no sense without --device-budget
 
 
 class ExactPassThrough:
@@ -41,11 +43,23 @@ _SPECS: dict[str, PolicySpec] = {
         PolicySpec("stock", "stock", True, "hook unregistered: upstream's graph, the reference"),
         PolicySpec("exact", "native", True, "every routed expert executed exactly by libspice"),
         PolicySpec("exact-py", "python", True, "exact, decided by a Python pass-through policy"),
+        PolicySpec("host", "python", True, "every routed expert on the host (llama.cpp --cpu-moe)"),
+        PolicySpec("static", "python", True, "whole layers resident up to the budget (--n-cpu-moe)", True),
+        PolicySpec("ondemand", "python", True, "fetch each miss synchronously, keep nothing", True),
+        PolicySpec("lru", "python", True, "slot cache, LRU eviction, synchronous fetch on miss", True),
+        PolicySpec(
+            "adapmoe", "python", True, "next-layer gate prefetch, per-layer caches by miss cost", True
+        ),
     )
 }
 
 _FACTORIES: dict[str, Callable[[], Policy]] = {
     "exact-py": ExactPassThrough,
+    "host": HostOnly,
+    "static": StaticLayers,
+    "ondemand": OnDemand,
+    "lru": LruCache,
+    "adapmoe": AdapMoE,
 }
 
 NATIVE_POLICIES = frozenset(name for name, spec in _SPECS.items() if spec.kind != "python")

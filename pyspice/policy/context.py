@@ -1,0 +1,52 @@
+"""What a policy may know about the model and the machine before the first call.
+
+The engine (and the simulator) hand a `PolicyContext` to a policy's optional
+`attach(ctx)` whenever it is (re)enabled: layer geometry, expert sizes, the
+device budget, the target model's routers (for look-ahead policies) and the
+measured cost profile. Plain data only; nothing native.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+RouterLoader = Callable[[int], "npt.NDArray[np.float32] | None"]
+
+
+def _no_router(layer: int) -> npt.NDArray[np.float32] | None:
+    return None
+
+
+@dataclass(frozen=True)
+class PolicyContext:
+    n_layers: int
+    n_expert: tuple[int, ...]  # per layer; 0 for layers without routed experts
+    n_expert_used: int  # top-k
+    expert_bytes: tuple[int, ...]  # bytes of one expert, per layer
+    budget_bytes: int | None  # device tier size; None: no device tier
+    # router(layer) -> [n_expert, n_embd] weights of that layer's router (float32), or None
+    router: RouterLoader = field(default=_no_router, compare=False)
+    # cost profile from `pyspice probe` (pyspice.probe.CostProfile), if one was measured
+    profile: Any = field(default=None, compare=False)
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(il for il, n in enumerate(self.n_expert) if n > 0)
+
+    @property
+    def max_expert(self) -> int:
+        return max(self.n_expert, default=0)
+
+    def next_moe_layer(self, layer: int) -> int | None:
+        for il in range(layer + 1, self.n_layers):
+            if self.n_expert[il] > 0:
+                return il
+        return None
+
+    def bytes_vector(self) -> npt.NDArray[np.int64]:
+        return np.asarray(self.expert_bytes, dtype=np.int64)

@@ -1,0 +1,93 @@
+"""`pyspice bench` end to end: JSON shape, and a run with policy fallbacks is invalid (non-zero exit)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = [
+    sys.executable,
+    "-m",
+    "pyspice",
+    "bench",
+    "-n",
+    "4",
+    "--repeat",
+    "1",
+    "--prompt-tokens",
+    "16",
+    "-t",
+    "2",
+]
+
+
+def test_bench_json_has_the_stats_record_and_tokens(synth_model, tmp_path: Path) -> None:
+    model = synth_model("qwen2moe", "tiny", "Q8_0")
+    out = subprocess.run(
+        [
+            *BENCH,
+            "-m",
+            str(model),
+            "--policies",
+            "stock,exact,lru",
+            "--device-budget",
+            "50%",
+            "--json",
+            "--plot",
+            str(tmp_path / "b.png"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    doc = json.loads(out.stdout)
+    assert set(doc["policies"]) == {"stock", "exact", "lru"}
+    for rec in doc["policies"].values():
+        assert len(rec["tokens"]) == 4 and "hit_rate" in rec and "misses" in rec and "tpot_ms" in rec
+    assert doc["policies"]["lru"]["tokens"] == doc["policies"]["stock"]["tokens"]
+    assert (tmp_path / "b.png").stat().st_size > 0
+    assert "emulated device" in out.stderr
+
+
+def test_a_policy_needing_a_device_without_one_is_a_clear_error(synth_model) -> None:
+    model = synth_model("qwen2moe", "tiny", "Q8_0")
+    out = subprocess.run(
+        [*BENCH, "-m", str(model), "--policies", "stock,lru"], capture_output=True, text=True
+    )
+    assert out.returncode != 0
+    assert "--device-budget" in out.stderr
+
+
+def test_a_run_with_policy_fallbacks_is_invalid(synth_model, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    from pyspice.cli.main import main
+    from pyspice.policy import registry
+
+    class Broken:
+        name = "exact-py"
+
+        def decide(self, call):  # type: ignore[no-untyped-def]
+            raise RuntimeError("broken on purpose")
+
+    monkeypatch.setitem(registry._FACTORIES, "exact-py", Broken)
+    model = synth_model("qwen2moe", "tiny", "Q8_0")
+    rc = main(
+        [
+            "bench",
+            "-m",
+            str(model),
+            "--policies",
+            "stock,exact-py",
+            "-n",
+            "2",
+            "--repeat",
+            "1",
+            "--prompt-tokens",
+            "8",
+            "-t",
+            "2",
+        ]
+    )
+    assert rc == 1
+    assert "INVALID" in capsys.readouterr().err
