@@ -208,6 +208,10 @@ class Store:
     def evict(self, il: int, e: int) -> int:
         return int(self._n.lib.spice_store_evict(self._s, il, e))
 
+    def reserve(self, nbytes: int) -> int:
+        """Charge (or with a negative value release) non-expert bytes to the budget."""
+        return int(self._n.lib.spice_store_reserve(self._s, nbytes))
+
     def pin(self, il: int, e: int) -> int:
         return int(self._n.lib.spice_store_pin(self._s, il, e))
 

@@ -183,6 +183,11 @@ SPICE_API int spice_store_request(spice_store * store, int32_t il, int32_t e, in
  * SPICE_ERR_STATE when it is pinned or its copy is in flight. Absent: no-op. */
 SPICE_API int spice_store_evict(spice_store * store, int32_t il, int32_t e);
 
+/* Charge bytes a policy keeps on the device besides experts (e.g. surrogate
+ * matrices) to the same budget; a negative value releases them. Fails with
+ * SPICE_ERR_BUDGET when they do not fit beside the experts held now. */
+SPICE_API int spice_store_reserve(spice_store * store, int64_t bytes);
+
 /* Pinned experts cannot be evicted (pins nest). */
 SPICE_API int spice_store_pin(spice_store * store, int32_t il, int32_t e);
 SPICE_API int spice_store_unpin(spice_store * store, int32_t il, int32_t e);

@@ -352,6 +352,27 @@ int spice_store_evict(spice_store * s, int32_t il, int32_t e) {
     return SPICE_OK;
 }
 
+int spice_store_reserve(spice_store * s, int64_t bytes) {
+    if (s == NULL) {
+        return SPICE_ERR_INVALID_ARG;
+    }
+    if (bytes < 0) {
+        const uint64_t release = (uint64_t) -bytes;
+        if (release > s->reserved_bytes) {
+            return SPICE_ERR_INVALID_ARG;
+        }
+        s->reserved_bytes -= release;
+        s->used_bytes -= release;
+        return SPICE_OK;
+    }
+    if (s->used_bytes + (uint64_t) bytes > s->params.budget_bytes) {
+        return SPICE_ERR_BUDGET;
+    }
+    s->reserved_bytes += (uint64_t) bytes;
+    s->used_bytes += (uint64_t) bytes;
+    return SPICE_OK;
+}
+
 int spice_store_pin(spice_store * s, int32_t il, int32_t e) {
     if (!valid(s, il, e)) {
         return SPICE_ERR_INVALID_ARG;

@@ -97,7 +97,9 @@ def test_store_invariants(slots: int, ops: list[tuple[str, object]]) -> None:
                     assert stall == (max(0, ready - now) if before in (QUEUED, COPYING) else 0)
                     assert store.state(il, e) == RESIDENT
         # budget: the experts on the device or on their way never exceed it, in bytes
-        occupied = [(l2, e2) for l2 in range(N_LAYERS) for e2 in range(N_EXPERT) if store.state(l2, e2) != ABSENT]
+        occupied = [
+            (l2, e2) for l2 in range(N_LAYERS) for e2 in range(N_EXPERT) if store.state(l2, e2) != ABSENT
+        ]
         assert store.used_bytes == sum(EXPERT_BYTES[l2] for l2, _ in occupied) <= store.budget_bytes
         assert len(occupied) == store.n_slots - store.n_free
         # cancelled prefetches never land
@@ -152,3 +154,14 @@ def test_queue_bound_and_budget_are_reported() -> None:
     assert store.request(0, 3, demand=True) == OK  # 3 x 8192 bytes hold 6 experts of 4096
     assert store.request(1, 0, demand=True) == OK
     assert store.request(1, 1, demand=True) == BUDGET  # 8192 more would exceed it
+
+
+def test_other_device_data_is_charged_to_the_same_budget() -> None:
+    store = make_store(slots=2)  # 2 x 8192 bytes
+    assert store.reserve(8192) == OK  # e.g. surrogate matrices
+    assert store.request(1, 0, demand=True) == OK  # 8192: exactly full
+    assert store.request(0, 0, demand=True) == BUDGET
+    assert store.reserve(1) == BUDGET
+    assert store.reserve(-8192) == OK
+    assert store.request(0, 0, demand=True) == OK
+    assert store.used_bytes == 8192 + 4096
