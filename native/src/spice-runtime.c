@@ -98,19 +98,16 @@ static void plan_free(spice_plan_buffers * p) {
 /* ---- the hook ---------------------------------------------------------------- */
 
 /* Outcome of each activation (DESIGN section 11): a hit when its expert was
- * resident as the call began (without a device tier every expert is), else a
- * miss by what happened to it. */
+ * resident as the call began (without a device tier every expert is) and it
+ * ran exactly; otherwise a miss by what happened to it. Lossy actions are
+ * never hits, resident or not. */
 static void count_actions(spice_counters * c, const int32_t * actions, const uint8_t * hit, int32_t n) {
     for (int32_t i = 0; i < n; ++i) {
-        if (hit[i]) {
-            c->hits++;
-            continue;
-        }
         switch (actions[i]) {
-            case SPICE_ACTION_DEVICE:    c->misses_fetched++; break;
-            case SPICE_ACTION_HOST:      c->misses_host++; break;
             case SPICE_ACTION_SURROGATE: c->misses_surrogate++; break;
-            default:                     c->dropped++; break;
+            case SPICE_ACTION_DROP:      c->dropped++; break;
+            case SPICE_ACTION_DEVICE:    hit[i] ? c->hits++ : c->misses_fetched++; break;
+            default:                     hit[i] ? c->hits++ : c->misses_host++; break;
         }
     }
 }
