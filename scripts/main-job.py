@@ -1,10 +1,9 @@
 #!/usr/bin/env python3
-"""`make run`: the main job until the default model lands.
+"""`make run`: the main job until `pyspice chat` lands.
 
-Makes (once, cached) a small random-weight qwen2moe model and generates from
-it through the MoE hook with the exact policy. The words are nonsense (the
-weights are random); what it shows is the whole path working: patched
-llama.cpp -> hook -> libspice -> exact experts, with the stats record.
+Builds the default model (smolmoe, a real qwen2moe made from SmolLM2-135M-
+Instruct; cached after the first time) and asks it a question in its own chat
+format, through the MoE hook with the exact policy, then prints the stats.
 """
 
 from __future__ import annotations
@@ -13,45 +12,41 @@ import json
 import subprocess
 import sys
 
-from pyspice.models.synth import synthesize
-from pyspice.paths import models_dir
+QUESTION = "What is Python?"
+# SmolLM2's ChatML template (the GGUF carries it; `pyspice chat` will apply it itself)
+PROMPT = f"<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
 
 
 def main() -> int:
-    model = models_dir() / "synth-qwen2moe-tiny-Q8_0.gguf"
-    if not model.is_file():
-        print(f"main job: making a synthetic qwen2moe model at {model}", file=sys.stderr)
-        synthesize("qwen2moe", "tiny", model, quant="Q8_0", progress=True)
-    prompt = "The experts of a mixture-of-experts model"
     cmd = [
         sys.executable,
         "-m",
         "pyspice",
         "generate",
-        "-m",
-        str(model),
         "-p",
-        prompt,
+        PROMPT,
         "-n",
-        "32",
+        "64",
         "--temp",
         "0",
+        "--repeat-penalty",
+        "1.3",
         "-c",
-        "512",
+        "1024",
         "--json",
     ]
-    print("main job: " + " ".join(cmd[2:]), file=sys.stderr)
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    sys.stderr.write(result.stderr)
+    print("main job: pyspice generate (default model, exact policy) ...", file=sys.stderr)
+    result = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
     if result.returncode != 0:
         return result.returncode
     doc = json.loads(result.stdout)
     stats = doc["stats"]
-    print(f"{prompt}{doc['text']}")
+    answer = doc["text"].split("<|im_end|>")[0].strip()
+    print(f"user: {QUESTION}\nsmolmoe: {answer}")
     print(
         f"\n[{len(doc['tokens'])} tokens | policy exact | {stats['hook_calls']} hook calls, "
         f"{stats['activations']} expert activations | TPOT {stats['tpot_ms']:.2f} ms | "
-        f"prefill {stats['prefill_tps']:.0f} tok/s | random weights: the text is noise]"
+        f"prefill {stats['prefill_tps']:.0f} tok/s]"
     )
     return 0
 

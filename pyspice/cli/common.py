@@ -22,7 +22,9 @@ def note(message: str) -> None:
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_pos", nargs="?", metavar="MODEL", help="GGUF model (same as -m)")
-    p.add_argument("-m", "--model", help="GGUF model path")
+    p.add_argument(
+        "-m", "--model", help="GGUF model path, or 'smolmoe' (the default model, also used without -m)"
+    )
 
 
 def add_context_args(p: argparse.ArgumentParser) -> None:
@@ -77,18 +79,29 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy (default 0.8)")
     p.add_argument("--top-k", type=int, default=40, help="top-k sampling (default 40)")
     p.add_argument("--top-p", type=float, default=0.95, help="top-p sampling (default 0.95)")
+    p.add_argument(
+        "--repeat-penalty", type=float, default=1.0, help="penalize repeated tokens (default 1.0 = off)"
+    )
 
 
 def resolve_model(args: argparse.Namespace) -> Path:
+    """The GGUF to use: -m/positional path, the default model's name, or with
+    neither the default model (smolmoe, built on first use)."""
     chosen = args.model or args.model_pos
-    if not chosen:
-        raise ValueError(
-            "no model given: pass -m MODEL.gguf (a synthetic one: `pyspice models synth --arch qwen2moe "
-            "--shape tiny -o tiny.gguf`)"
-        )
+    from pyspice.models.smolmoe_build import MODEL_NAMES, build_smolmoe
+
+    if not chosen or chosen in MODEL_NAMES:
+        if not chosen:
+            note("no model given: using the default model smolmoe (built on first use)")
+        path = build_smolmoe()
+        args.model, args.model_pos = str(path), None  # resolved once per command
+        return path
     path = Path(chosen).expanduser()
     if not path.is_file():
-        raise FileNotFoundError(f"model file {path} does not exist")
+        raise FileNotFoundError(
+            f"model file {path} does not exist (a synthetic one: `pyspice models synth --arch qwen2moe "
+            "--shape tiny -o tiny.gguf`; the default model: leave -m out)"
+        )
     return path
 
 

