@@ -24,6 +24,15 @@ an older gguf wheel cannot change what we write. Facts that shaped it:
 * Every tensor the file holds must be used by the loader, so nothing extra is
   written (no attn_kv_b next to attn_k_b / attn_v_b).
 
+The tokenizer is copied from a vocabulary-only GGUF that ships with the pinned
+upstream (models/ggml-vocab-*.gguf): tiny shapes use llama-spm (32000 tokens),
+the real shapes the family's own vocabulary at the published vocab_size, so
+token_embd / output have the real model's rows and a prompt tokenizes as it
+would for the real model. A vocabulary shorter than the shape's n_vocab is
+padded as upstream's converter pads: "[PAD<id>]" tokens of type UNUSED (score
+-1000 where the vocabulary has scores), appended after every real token, so
+no id moves and llama.cpp never matches them as special tokens.
+
 Weights are N(0, 1/fan_in) so activations stay O(1) through the layers; the
 router is 4x that so routing is peaked rather than uniform; norms are
 1 + small noise. Generation is deterministic: every tensor is cut into row
@@ -68,6 +77,8 @@ _CHUNK_ELEMS = 1 << 22  # 16 MiB of F32 per generated chunk; fixed, so bytes nev
 _MAX_WORKERS = 8  # generator threads; more would outrun the disk
 _LLAMA_FTYPE_ALL_F32 = 0
 _LLAMA_GATING_SOFTMAX = 1  # llama_expert_gating_func_type: DeepSeek-V2 routes with softmax
+_TOKEN_TYPE_UNUSED = 5  # llama_token_type; upstream's converter gives its [PAD<id>] tokens this type
+_PAD_SCORE = -1000.0  # upstream's converter's score for SentencePiece padding tokens
 
 
 @dataclass(frozen=True)
@@ -84,6 +95,8 @@ class SynthShape:
     n_expert_used: int  # top-k
     n_ff_exp: int  # routed expert FFN width
     n_ff: int  # feed_forward_length: deepseek2's dense-layer FFN width; qwen2moe records its dense width
+    vocab: str = "llama-spm"  # the tokenizer: upstream's models/ggml-vocab-<vocab>.gguf
+    n_vocab: int | None = None  # pad the token list to this (a published vocab_size); None: the file's count
     # qwen2moe only
     n_head_kv: int = 0  # GQA key/value heads; head size is n_embd / n_head
     n_ff_shexp: int = 0  # width of the one sigmoid-gated shared expert
@@ -143,6 +156,10 @@ SHAPES: dict[str, SynthShape] = {
         n_expert_used=8,
         n_ff_exp=2560,
         n_ff=18944,
+        # Qwen2's tokenizer has 151646 tokens, padded to the published vocab_size; upstream's
+        # file already holds the padded 151936, so n_vocab there pins the count rather than pads
+        vocab="qwen2",
+        n_vocab=151936,
         n_head_kv=4,
         n_ff_shexp=20480,
     ),
@@ -157,6 +174,10 @@ SHAPES: dict[str, SynthShape] = {
         n_expert_used=6,
         n_ff_exp=1408,
         n_ff=10944,
+        # DeepSeek-V2 uses DeepSeek-LLM's tokenizer: 100015 tokens, padded to the published
+        # vocab_size (upstream's file already holds the padded 102400)
+        vocab="deepseek-llm",
+        n_vocab=102400,
         n_dense_lead=1,
         n_expert_shared=2,
         kv_lora_rank=512,
@@ -468,6 +489,59 @@ def read_vocab(path: Path) -> tuple[list[_KeyValue], int]:
     return kvs, len(tokens)
 
 
+def pad_vocab(tokenizer: list[_KeyValue], n_vocab: int) -> list[_KeyValue]:
+    """`tokenizer` (as `read_vocab` gives it) with its per-token arrays padded to `n_vocab` tokens.
+
+    Appends "[PAD<id>]" tokens of type UNUSED, as upstream's converter does when
+    a model's vocab_size exceeds its tokenizer: they come after every real
+    token, so no id moves, and llama.cpp leaves UNUSED tokens out of
+    special-token matching. Merges are pairs of existing tokens and stay as
+    they are.
+    """
+    by_key = {kv.key: kv for kv in tokenizer}
+    tokens = by_key.get("tokenizer.ggml.tokens")
+    if tokens is None or not isinstance(tokens.value, list):
+        raise ValueError("the vocabulary has no tokenizer.ggml.tokens array")
+    n_tokens = len(tokens.value)
+    if n_vocab < n_tokens:
+        raise ValueError(f"cannot pad a {n_tokens}-token vocabulary down to {n_vocab} tokens")
+    ids = range(n_tokens, n_vocab)
+    pads = [f"[PAD{i}]".encode() for i in ids]
+    if not set(pads).isdisjoint(tokens.value):
+        # token_to_id is a map: a duplicate text would leave an id unreachable
+        raise ValueError("the vocabulary already has a [PAD<id>] token past its end")
+    fill: dict[str, list[Any]] = {
+        "tokenizer.ggml.tokens": pads,
+        "tokenizer.ggml.token_type": [_TOKEN_TYPE_UNUSED] * len(ids),
+        "tokenizer.ggml.scores": [_PAD_SCORE] * len(ids),
+    }
+    padded: list[_KeyValue] = []
+    for kv in tokenizer:
+        extra = fill.get(kv.key)
+        if extra is not None and isinstance(kv.value, list):
+            if len(kv.value) != n_tokens:
+                raise ValueError(f"{kv.key} has {len(kv.value)} entries for {n_tokens} tokens")
+            kv = replace(kv, value=[*kv.value, *extra])
+        padded.append(kv)
+    return padded
+
+
+def load_vocab(dims: SynthShape, vocab: Path | None = None) -> tuple[list[_KeyValue], int]:
+    """The tokenizer keys a model of `dims` gets, and its n_vocab.
+
+    `vocab` replaces the shape's upstream vocabulary file; either is padded to
+    the shape's n_vocab when it has one.
+    """
+    path = Path(vocab) if vocab is not None else load_build_info().vocab(dims.vocab)
+    tokenizer, n_tokens = read_vocab(path)
+    if dims.n_vocab is None or dims.n_vocab == n_tokens:
+        return tokenizer, n_tokens
+    try:
+        return pad_vocab(tokenizer, dims.n_vocab), dims.n_vocab
+    except ValueError as exc:
+        raise ValueError(f"{path}: shape {dims.name!r}: {exc}") from exc
+
+
 @dataclass(frozen=True)
 class _Chunk:
     """The `index`-th run of `rows` rows of a tensor viewed as (rows, ne[0]); `index` seeds it."""
@@ -614,16 +688,16 @@ def synthesize(
     """Write a random-weight `arch` model of `shape` to `out` and return `out`.
 
     `vocab` is a vocabulary-only GGUF whose tokenizer.* keys are copied (default:
-    upstream's ggml-vocab-llama-spm.gguf, 32000 tokens); n_vocab is its token
-    count. `quant` other than None/F32 writes an F32 temporary next to `out` and
-    runs llama-quantize on it.
+    the shape's upstream vocabulary, e.g. ggml-vocab-llama-spm.gguf with 32000
+    tokens for the tiny shapes); n_vocab is its token count, or the shape's
+    published n_vocab, to which the tokens are padded. `quant` other than
+    None/F32 writes an F32 temporary next to `out` and runs llama-quantize on it.
     """
     dims = shape_for(arch, shape, layers)
     spec = quant_spec(quant)
     if not 0 <= seed < 2**64:
         raise ValueError(f"seed must be in [0, 2**64), got {seed}")
-    vocab_path = Path(vocab) if vocab is not None else load_build_info().vocab("llama-spm")
-    tokenizer, n_vocab = read_vocab(vocab_path)
+    tokenizer, n_vocab = load_vocab(dims, vocab)
     # look the tool up first: fail before writing gigabytes, not after
     tool = load_build_info().tool("llama-quantize") if spec is not None else None
     out = Path(out)

@@ -5,13 +5,19 @@ Needs the native build (`make build`); like every native test it fails without i
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
+import llama_cpp
 import numpy as np
 import pytest
-from gguf import GGUFReader
+from gguf import GGUFReader, GGUFWriter
 from llama_cpp import Llama
+from llama_cpp._internals import LlamaModel
 
+from pyspice.build_info import load_build_info
 from pyspice.models import synth
 
 TINY_SHAPES = ("tiny", "tiny-odd")
@@ -40,7 +46,7 @@ def f32_models(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str]
     }
 
 
-def _generate(path: Path, n_tokens: int = 8) -> list[int]:
+def _generate(path: Path, n_tokens: int = 8, n_vocab: int = 32000) -> list[int]:
     """Greedy tokens after a short prompt; every logit row computed on the way must be finite."""
     # One thread: tiny models gain nothing from more, and ggml's spinning
     # barriers slow to a crawl when something else shares the cores.
@@ -61,7 +67,7 @@ def _generate(path: Path, n_tokens: int = 8) -> list[int]:
             if len(tokens) == n_tokens:
                 break
         assert np.isfinite(llm.scores[: llm.n_tokens]).all()
-        assert llm.n_vocab() == 32000
+        assert llm.n_vocab() == n_vocab
         return tokens
     finally:
         llm.close()
@@ -109,3 +115,74 @@ def test_synthesize_quantized_end_to_end(tmp_path: Path) -> None:
         "ffn_down_exps": {"Q4_K"},
     }
     assert len(_generate(out, n_tokens=4)) == 4
+
+
+REAL_SHAPES = {"qwen2-57b-a14b": "qwen2moe", "deepseek-v2-lite": "deepseek2"}
+TOKENIZER_TEXT = b"Hello world, MoE experts! 123 \xc3\xa9t\xc3\xa9 \xe4\xb8\x96\xe7\x95\x8c"
+_ATTR_UNUSED = 1 << 1  # llama_token_attr LLAMA_TOKEN_ATTR_UNUSED
+
+
+@contextmanager
+def _vocab_only_model(tmp_path: Path, arch: str, dims: synth.SynthShape) -> Iterator[LlamaModel]:
+    """llama.cpp's view of the tokenizer `synthesize` would write for `dims`.
+
+    A file with the model's metadata and tokenizer but no tensors, loaded with
+    vocab_only: the same load_hparams / load_vocab path as the full model, in
+    milliseconds rather than the minutes a real-shape file takes to write.
+    """
+    tokenizer, n_vocab = synth.load_vocab(dims)
+    path = tmp_path / f"{arch}-{dims.name}-{n_vocab}.vocab.gguf"
+    writer = GGUFWriter(path, arch)
+    for kv in [*synth._model_kv(arch, dims, n_vocab, seed=0), *tokenizer]:
+        writer.add_key_value(kv.key, kv.value, kv.vtype, sub_type=kv.sub_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.close()
+    params = llama_cpp.llama_model_default_params()
+    params.vocab_only = True
+    model = LlamaModel(path_model=str(path), params=params, verbose=False)
+    try:
+        yield model
+    finally:
+        model.close()  # type: ignore[no-untyped-call]  # llama_cpp leaves it unannotated
+
+
+@pytest.mark.parametrize("shape", sorted(REAL_SHAPES))
+def test_real_shape_vocabulary(tmp_path: Path, shape: str) -> None:
+    """The preset's upstream vocabulary has the published size and llama.cpp tokenizes with it."""
+    arch = REAL_SHAPES[shape]
+    dims = synth.SHAPES[shape]
+    published = {"qwen2-57b-a14b": 151936, "deepseek-v2-lite": 102400}[shape]
+    assert dims.n_vocab == published
+    # upstream's file is already padded to the published size (with [PAD<id>] tokens)
+    assert synth.read_vocab(load_build_info().vocab(dims.vocab))[1] == published
+    with _vocab_only_model(tmp_path, arch, dims) as model:
+        assert model.n_vocab() == published
+        tokens = model.tokenize(TOKENIZER_TEXT, add_bos=False, special=False)
+        assert 0 < len(tokens) < len(TOKENIZER_TEXT) and max(tokens) < published
+        assert model.detokenize(tokens) == TOKENIZER_TEXT
+
+
+@pytest.mark.parametrize(("arch", "vocab"), [("qwen2moe", "llama-spm"), ("qwen2moe", "qwen2")])
+def test_padded_vocabulary_tokenizes_unchanged(tmp_path: Path, arch: str, vocab: str) -> None:
+    """Padding (SentencePiece with scores; BPE with merges) adds ids and changes no tokenization."""
+    plain = replace(synth.SHAPES["tiny"], vocab=vocab)
+    n_tokens = synth.read_vocab(load_build_info().vocab(vocab))[1]
+    padded = replace(plain, n_vocab=n_tokens + 64)
+    with _vocab_only_model(tmp_path, arch, plain) as model:
+        expected = model.tokenize(TOKENIZER_TEXT, add_bos=True, special=False)
+    with _vocab_only_model(tmp_path, arch, padded) as model:
+        assert model.n_vocab() == n_tokens + 64
+        assert model.tokenize(TOKENIZER_TEXT, add_bos=True, special=False) == expected
+        for token in (n_tokens, n_tokens + 63):
+            assert model.token_get_text(token) == f"[PAD{token}]"
+            assert model.token_get_attr(token) & _ATTR_UNUSED
+
+
+def test_padded_model_loads_and_generates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """token_embd / output with the padded row count load and run."""
+    shape = replace(synth.SHAPES["tiny"], name="tiny-padded", n_vocab=32000 + 64)
+    monkeypatch.setitem(synth.SHAPES, shape.name, shape)
+    out = synth.synthesize("qwen2moe", shape.name, tmp_path / "padded.gguf", layers=1)
+    assert len(_generate(out, n_tokens=4, n_vocab=32000 + 64)) == 4

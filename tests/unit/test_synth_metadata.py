@@ -7,6 +7,7 @@ few MB and the tests need neither the native build nor upstream's vocab files.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -271,6 +272,125 @@ def test_output_directory_created_and_no_temp_left(tmp_path: Path, vocab: Path) 
     assert [p.name for p in out.parent.iterdir()] == ["m.gguf"]
 
 
+# The published configurations (config.json of Qwen/Qwen2-57B-A14B and
+# deepseek-ai/DeepSeek-V2-Lite), in the GGUF keys llama.cpp reads them from.
+PUBLISHED_KV: dict[str, dict[str, Any]] = {
+    "qwen2-57b-a14b": {
+        "qwen2moe.vocab_size": 151936,
+        "qwen2moe.embedding_length": 3584,
+        "qwen2moe.block_count": 28,
+        "qwen2moe.attention.head_count": 28,
+        "qwen2moe.attention.head_count_kv": 4,
+        "qwen2moe.expert_count": 64,
+        "qwen2moe.expert_used_count": 8,
+        "qwen2moe.expert_feed_forward_length": 2560,
+        "qwen2moe.expert_shared_feed_forward_length": 20480,
+        "qwen2moe.feed_forward_length": 18944,
+        "qwen2moe.rope.freq_base": 1_000_000.0,
+    },
+    "deepseek-v2-lite": {
+        "deepseek2.vocab_size": 102400,
+        "deepseek2.embedding_length": 2048,
+        "deepseek2.block_count": 27,
+        "deepseek2.leading_dense_block_count": 1,
+        "deepseek2.feed_forward_length": 10944,
+        "deepseek2.attention.head_count": 16,
+        "deepseek2.expert_count": 64,
+        "deepseek2.expert_used_count": 6,
+        "deepseek2.expert_feed_forward_length": 1408,
+        "deepseek2.expert_shared_count": 2,
+        "deepseek2.attention.q_lora_rank": 0,  # no query compression: a plain attn_q
+        "deepseek2.attention.kv_lora_rank": 512,
+        "deepseek2.rope.dimension_count": 64,
+        "deepseek2.attention.key_length_mla": 128 + 64,  # qk_nope_head_dim + qk_rope_head_dim
+        "deepseek2.attention.value_length_mla": 128,
+        "deepseek2.expert_gating_func": 1,  # softmax scoring
+        "deepseek2.expert_weights_scale": 1.0,  # routed_scaling_factor
+        "deepseek2.expert_weights_norm": False,  # norm_topk_prob
+        "deepseek2.rope.freq_base": 10_000.0,
+    },
+}
+# Total parameters as the model cards give them (57.4B; 15.7B), to 0.5%.
+PUBLISHED_PARAMS = {"qwen2-57b-a14b": 57.4e9, "deepseek-v2-lite": 15.7e9}
+REAL_SHAPES = {"qwen2-57b-a14b": "qwen2moe", "deepseek-v2-lite": "deepseek2"}
+
+
+def _plan(shape: str) -> tuple[synth.SynthShape, dict[str, tuple[int, ...]]]:
+    """The full-depth shape and its tensors' numpy shapes: metadata only, nothing is written."""
+    arch = REAL_SHAPES[shape]
+    dims = synth.shape_for(arch, shape)
+    assert dims.n_vocab is not None
+    return dims, {t.name: t.shape for t in synth.tensor_plan(arch, dims, dims.n_vocab)}
+
+
+@pytest.mark.parametrize("shape", sorted(REAL_SHAPES))
+def test_real_shape_metadata_is_the_published_config(shape: str) -> None:
+    arch = REAL_SHAPES[shape]
+    dims = synth.SHAPES[shape]
+    assert dims.archs == (arch,) and dims.n_vocab is not None
+    kv = {kv.key: kv.value for kv in synth._model_kv(arch, dims, dims.n_vocab, seed=0)}
+    assert {k: kv[k] for k in PUBLISHED_KV[shape]} == PUBLISHED_KV[shape]
+    _, plan = _plan(shape)
+    assert sum(math.prod(s) for s in plan.values()) == pytest.approx(PUBLISHED_PARAMS[shape], rel=0.005)
+
+
+def test_qwen2_57b_a14b_tensors() -> None:
+    dims, plan = _plan("qwen2-57b-a14b")
+    assert (dims.vocab, dims.n_vocab) == ("qwen2", 151936)
+    assert plan["token_embd.weight"] == plan["output.weight"] == (151936, 3584)
+    kv_width = 4 * 3584 // 28  # 4 KV heads of head size 128
+    for i in range(28):
+        p = f"blk.{i}"
+        assert plan[f"{p}.attn_q.weight"] == (3584, 3584)
+        assert plan[f"{p}.attn_k.weight"] == plan[f"{p}.attn_v.weight"] == (kv_width, 3584)
+        assert plan[f"{p}.ffn_gate_inp.weight"] == (64, 3584)
+        assert plan[f"{p}.ffn_gate_exps.weight"] == plan[f"{p}.ffn_up_exps.weight"] == (64, 2560, 3584)
+        assert plan[f"{p}.ffn_down_exps.weight"] == (64, 3584, 2560)
+        assert plan[f"{p}.ffn_gate_shexp.weight"] == plan[f"{p}.ffn_up_shexp.weight"] == (20480, 3584)
+        assert plan[f"{p}.ffn_down_shexp.weight"] == (3584, 20480)
+    assert not any(name.startswith("blk.28.") for name in plan)
+    # "A14B": every tensor with 8 of 64 experts' weights, embeddings included
+    exps = sum(math.prod(s) for name, s in plan.items() if "_exps" in name)
+    active = sum(math.prod(s) for s in plan.values()) - exps * (1 - 8 / 64)
+    assert 13.5e9 < active < 14.5e9
+
+
+def test_deepseek_v2_lite_tensors() -> None:
+    dims, plan = _plan("deepseek-v2-lite")
+    assert (dims.vocab, dims.n_vocab) == ("deepseek-llm", 102400)
+    assert plan["token_embd.weight"] == plan["output.weight"] == (102400, 2048)
+    assert plan["blk.0.ffn_gate.weight"] == plan["blk.0.ffn_up.weight"] == (10944, 2048)
+    assert plan["blk.0.ffn_down.weight"] == (2048, 10944)
+    assert not any(name.startswith("blk.0.") and "_exps" in name for name in plan)
+    for i in range(27):
+        p = f"blk.{i}"
+        assert plan[f"{p}.attn_q.weight"] == (16 * (128 + 64), 2048)  # no q_a / q_b: no q compression
+        assert plan[f"{p}.attn_kv_a_mqa.weight"] == (512 + 64, 2048)  # latent + shared rope key
+        assert plan[f"{p}.attn_kv_a_norm.weight"] == (512,)
+        assert plan[f"{p}.attn_k_b.weight"] == (16, 512, 128)
+        assert plan[f"{p}.attn_v_b.weight"] == (16, 128, 512)
+        assert plan[f"{p}.attn_output.weight"] == (2048, 16 * 128)
+        if i == 0:
+            continue
+        assert plan[f"{p}.ffn_gate_inp.weight"] == (64, 2048)
+        assert plan[f"{p}.ffn_gate_exps.weight"] == plan[f"{p}.ffn_up_exps.weight"] == (64, 1408, 2048)
+        assert plan[f"{p}.ffn_down_exps.weight"] == (64, 2048, 1408)
+        assert plan[f"{p}.ffn_gate_shexp.weight"] == (2 * 1408, 2048)  # 2 shared experts, fused
+        assert plan[f"{p}.ffn_down_shexp.weight"] == (2048, 2 * 1408)
+        assert f"{p}.ffn_gate.weight" not in plan
+    assert not any(name.startswith("blk.27.") for name in plan)
+    assert not any("attn_q_a" in name or "attn_q_b" in name or "attn_kv_b" in name for name in plan)
+    # "2.4B activated": 6 of 64 experts, the output head but not the embedding lookup
+    exps = sum(math.prod(s) for name, s in plan.items() if "_exps" in name)
+    active = sum(math.prod(s) for s in plan.values()) - exps * (1 - 6 / 64) - 102400 * 2048
+    assert active == pytest.approx(2.4e9, rel=0.03)
+
+
+def test_tiny_shapes_keep_llama_spm() -> None:
+    for name in ("tiny", "tiny-odd"):
+        assert (synth.SHAPES[name].vocab, synth.SHAPES[name].n_vocab) == ("llama-spm", None)
+
+
 def test_real_shape_plans() -> None:
     q = synth.tensor_plan("qwen2moe", synth.shape_for("qwen2moe", "qwen2-57b-a14b", layers=1), 32000)
     qshapes = {t.name: t.shape for t in q}
@@ -333,6 +453,79 @@ def test_quant_without_build_fails_before_writing(
 def test_tensor_types_agree_with_gguf_reader(models: dict[tuple[str, str], Path]) -> None:
     path = models["deepseek2", "tiny-odd"]
     assert synth.tensor_types(path) == {t.name: t.tensor_type.name for t in GGUFReader(path).tensors}
+
+
+def _by_key(kvs: list[Any]) -> dict[str, Any]:
+    return {kv.key: kv.value for kv in kvs}
+
+
+def test_pad_vocab(vocab: Path) -> None:
+    tokenizer, n_tokens = synth.read_vocab(vocab)
+    assert synth.pad_vocab(tokenizer, n_tokens) == tokenizer
+    padded = synth.pad_vocab(tokenizer, N_VOCAB + 20)
+    assert [kv.key for kv in padded] == [kv.key for kv in tokenizer]
+    before, after = _by_key(tokenizer), _by_key(padded)
+    tokens = after["tokenizer.ggml.tokens"]
+    assert tokens[:N_VOCAB] == before["tokenizer.ggml.tokens"]  # no id moves
+    assert tokens[N_VOCAB:] == [f"[PAD{i}]".encode() for i in range(N_VOCAB, N_VOCAB + 20)]
+    assert after["tokenizer.ggml.token_type"][N_VOCAB:] == [5] * 20  # LLAMA_TOKEN_TYPE_UNUSED
+    assert after["tokenizer.ggml.scores"][:N_VOCAB] == before["tokenizer.ggml.scores"]
+    assert after["tokenizer.ggml.scores"][N_VOCAB:] == [-1000.0] * 20
+    per_token = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
+    rest = {k: v for k, v in before.items() if k not in per_token}
+    assert {k: after[k] for k in rest} == rest
+    with pytest.raises(ValueError, match="cannot pad a 300-token vocabulary down to 299"):
+        synth.pad_vocab(tokenizer, N_VOCAB - 1)
+
+
+def test_pad_vocab_refuses_inconsistent_arrays(vocab: Path) -> None:
+    tokenizer, _ = synth.read_vocab(vocab)
+    short = [
+        replace(kv, value=kv.value[:-1]) if kv.key == "tokenizer.ggml.token_type" else kv for kv in tokenizer
+    ]
+    with pytest.raises(ValueError, match="token_type has 299 entries for 300 tokens"):
+        synth.pad_vocab(short, N_VOCAB + 1)
+    clash = [
+        replace(kv, value=[*kv.value[:-1], f"[PAD{N_VOCAB}]".encode()])
+        if kv.key == "tokenizer.ggml.tokens"
+        else kv
+        for kv in tokenizer
+    ]
+    with pytest.raises(ValueError, match="already has"):
+        synth.pad_vocab(clash, N_VOCAB + 1)
+
+
+def test_shape_n_vocab_pads_the_model(tmp_path: Path, vocab: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    padded = replace(synth.SHAPES["tiny"], name="tiny-padded", n_vocab=N_VOCAB + 20)
+    monkeypatch.setitem(synth.SHAPES, "tiny-padded", padded)
+    out = synth.synthesize("qwen2moe", "tiny-padded", tmp_path / "m.gguf", vocab=vocab, layers=1)
+    reader = GGUFReader(out)
+    assert _kv(reader)["qwen2moe.vocab_size"] == N_VOCAB + 20
+    tensors = _tensors(reader)
+    assert _ne(tensors["token_embd.weight"]) == _ne(tensors["output.weight"]) == (256, N_VOCAB + 20)
+    tokens = reader.fields["tokenizer.ggml.tokens"]
+    assert len(tokens.data) == N_VOCAB + 20
+    assert bytes(tokens.parts[tokens.data[-1]]) == f"[PAD{N_VOCAB + 19}]".encode()
+    monkeypatch.setitem(synth.SHAPES, "tiny-short", replace(padded, name="tiny-short", n_vocab=N_VOCAB - 1))
+    with pytest.raises(ValueError, match="shape 'tiny-short': cannot pad"):
+        synth.synthesize("qwen2moe", "tiny-short", tmp_path / "short.gguf", vocab=vocab)
+    assert not (tmp_path / "short.gguf").exists()
+
+
+def test_shape_names_its_upstream_vocab(vocab: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    asked: list[str] = []
+
+    class FakeBuild:
+        def vocab(self, name: str) -> Path:
+            asked.append(name)
+            return vocab
+
+    monkeypatch.setattr(synth, "load_build_info", FakeBuild)
+    for shape in ("tiny", "qwen2-57b-a14b", "deepseek-v2-lite"):
+        dims = synth.SHAPES[shape]
+        _, n_vocab = synth.load_vocab(dims)
+        assert n_vocab == (dims.n_vocab or N_VOCAB)  # the stand-in file is padded to the published size
+    assert asked == ["llama-spm", "qwen2", "deepseek-llm"]
 
 
 def test_vocab_must_be_a_gguf_with_tokens(tmp_path: Path, vocab: Path) -> None:
