@@ -1,0 +1,315 @@
+"""The sidecar GGUF (`<model>.spice.gguf`, DESIGN section 5).
+
+Written and read with the `gguf` package. Keys (`spice.*`): format version,
+the target model's name and fingerprint, calibration corpus and token count,
+MoE layers, geometry, gating, draft and LoRE ranks. Tensors, per MoE layer l:
+
+    spice.draft.{l}.u      [n_embd, r_draft]  f32   transition to the next MoE layer's input
+    spice.draft.{l}.v      [r_draft, n_embd]  f32   (absent for the last MoE layer)
+    spice.draft.{l}.bias   [n_embd]           f32
+    spice.lore.{l}.a       [n_expert, R, n_embd] f16   LoRE A per expert, zero-padded to R rows
+    spice.lore.{l}.b       [n_expert, n_embd, R] f16   LoRE B per expert
+    spice.lore.{l}.alpha   [n_expert]         f32   (0 without a shared expert)
+    spice.lore.{l}.rank    [n_expert]         i32   rank used (0: no surrogate for this expert)
+    spice.lore.{l}.error   [n_expert]         f32   held-out relative error of the surrogate
+    spice.lore.{l}.error_shared / error_drop  f32   same for "shared expert alone" and "drop"
+
+The fingerprint identifies the target model without reading it whole: a hash
+of every tensor's name, shape and type plus 16 blocks of 64 KiB at fixed
+offsets spread over the file (and its size), so it takes milliseconds even
+for a 40 GB file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from pyspice.policy.predictor import DraftPredictor, Transition
+
+SIDECAR_VERSION = 1
+SIDECAR_ARCH = "spice-sidecar"
+_SAMPLE_BLOCKS = 16
+_SAMPLE_BYTES = 64 << 10
+
+F32 = npt.NDArray[np.float32]
+
+
+class SidecarMismatchError(ValueError):
+    """The sidecar was made for another model."""
+
+
+def tensor_signature(model_path: str | os.PathLike[str]) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, ggml shape, type name) of every tensor of a GGUF, in file order."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(model_path)
+    return [(t.name, tuple(int(x) for x in t.shape), t.tensor_type.name) for t in reader.tensors]
+
+
+def fingerprint(model_path: str | os.PathLike[str]) -> str:
+    """A short identity of a GGUF: tensor names, shapes, types and sampled blocks of the file."""
+    path = Path(model_path)
+    h = hashlib.sha256()
+    for name, shape, ttype in tensor_signature(path):
+        h.update(f"{name}:{','.join(map(str, shape))}:{ttype};".encode())
+    size = path.stat().st_size
+    h.update(str(size).encode())
+    with open(path, "rb") as f:
+        for i in range(_SAMPLE_BLOCKS):
+            f.seek(size * i // _SAMPLE_BLOCKS)
+            h.update(f.read(_SAMPLE_BYTES))
+    return "sha256:" + h.hexdigest()[:32]
+
+
+def model_name(model_path: str | os.PathLike[str]) -> str:
+    return Path(model_path).name
+
+
+def default_sidecar_path(model_path: str | os.PathLike[str]) -> Path:
+    p = Path(model_path)
+    stem = p.name[: -len(".gguf")] if p.name.endswith(".gguf") else p.name
+    return p.with_name(stem + ".spice.gguf")
+
+
+@dataclass
+class LayerSurrogates:
+    """LoRE surrogates of one MoE layer's experts."""
+
+    A: F32  # [n_expert, R, n_embd]
+    B: F32  # [n_expert, n_embd, R]
+    alpha: F32  # [n_expert]
+    rank: npt.NDArray[np.int32]  # [n_expert]
+    error: F32  # [n_expert] held-out relative error
+    error_shared: F32  # [n_expert] error of alpha=1 shared expert alone (nan without one)
+    error_drop: F32  # [n_expert] error of dropping the expert (1 by definition where defined)
+
+
+@dataclass
+class SidecarData:
+    model: str
+    fingerprint: str
+    moe_layers: list[int]
+    n_embd: int
+    n_expert: int
+    n_expert_used: int
+    gating: str = "softmax"
+    corpus: str = ""
+    tokens: int = 0
+    draft_rank: int = 0
+    lore_rank: int = 0
+    has_shared: bool = True
+    transitions: dict[int, Transition] = field(default_factory=dict)
+    surrogates: dict[int, LayerSurrogates] = field(default_factory=dict)
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+def write_sidecar(path: str | os.PathLike[str], data: SidecarData) -> Path:
+    """Write a sidecar GGUF (to a temporary name first, so a reader never sees half a file)."""
+    from gguf import GGUFWriter
+
+    out = Path(path)
+    tmp = out.with_name(out.name + ".tmp")
+    w = GGUFWriter(tmp, SIDECAR_ARCH)
+    w.add_uint32("spice.version", SIDECAR_VERSION)
+    w.add_string("spice.model", data.model)
+    w.add_string("spice.fingerprint", data.fingerprint)
+    w.add_string("spice.corpus", data.corpus)
+    w.add_uint64("spice.tokens", int(data.tokens))
+    w.add_array("spice.moe_layers", [int(x) for x in data.moe_layers])
+    w.add_uint32("spice.n_embd", data.n_embd)
+    w.add_uint32("spice.n_expert", data.n_expert)
+    w.add_uint32("spice.n_expert_used", data.n_expert_used)
+    w.add_string("spice.gating", data.gating)
+    w.add_uint32("spice.draft_rank", data.draft_rank)
+    w.add_uint32("spice.lore_rank", data.lore_rank)
+    w.add_bool("spice.has_shared", data.has_shared)
+    for k, v in data.extra.items():
+        w.add_string(f"spice.extra.{k}", v)
+    for il, t in sorted(data.transitions.items()):
+        w.add_tensor(f"spice.draft.{il}.u", np.ascontiguousarray(t.U, dtype=np.float32))
+        w.add_tensor(f"spice.draft.{il}.v", np.ascontiguousarray(t.V, dtype=np.float32))
+        w.add_tensor(f"spice.draft.{il}.bias", np.ascontiguousarray(t.bias, dtype=np.float32))
+    for il, s in sorted(data.surrogates.items()):
+        w.add_tensor(f"spice.lore.{il}.a", np.ascontiguousarray(s.A, dtype=np.float16))
+        w.add_tensor(f"spice.lore.{il}.b", np.ascontiguousarray(s.B, dtype=np.float16))
+        w.add_tensor(f"spice.lore.{il}.alpha", np.ascontiguousarray(s.alpha, dtype=np.float32))
+        w.add_tensor(f"spice.lore.{il}.rank", np.ascontiguousarray(s.rank, dtype=np.int32))
+        w.add_tensor(f"spice.lore.{il}.error", np.ascontiguousarray(s.error, dtype=np.float32))
+        w.add_tensor(f"spice.lore.{il}.error_shared", np.ascontiguousarray(s.error_shared, dtype=np.float32))
+        w.add_tensor(f"spice.lore.{il}.error_drop", np.ascontiguousarray(s.error_drop, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.replace(tmp, out)
+    return out
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def read_sidecar(path: str | os.PathLike[str]) -> SidecarData:
+    from gguf import GGUFReader
+
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"sidecar {p} does not exist (make one with `pyspice calibrate`)")
+    reader = GGUFReader(p)
+    if _field(reader, "general.architecture") != SIDECAR_ARCH:
+        raise ValueError(f"{p} is not a pyspice sidecar (no {SIDECAR_ARCH} architecture key)")
+    version = int(_field(reader, "spice.version", 0))
+    if version > SIDECAR_VERSION:
+        raise ValueError(f"sidecar {p} has format version {version}; this pyspice reads {SIDECAR_VERSION}")
+    tensors = {t.name: t for t in reader.tensors}
+
+    def arr(name: str, dtype: type = np.float32) -> Any:
+        t = tensors[name]
+        shape = tuple(int(x) for x in reversed(t.shape))
+        return np.array(t.data, copy=True).reshape(shape).astype(dtype)
+
+    data = SidecarData(
+        model=str(_field(reader, "spice.model", "")),
+        fingerprint=str(_field(reader, "spice.fingerprint", "")),
+        moe_layers=[int(x) for x in _field(reader, "spice.moe_layers", [])],
+        n_embd=int(_field(reader, "spice.n_embd", 0)),
+        n_expert=int(_field(reader, "spice.n_expert", 0)),
+        n_expert_used=int(_field(reader, "spice.n_expert_used", 0)),
+        gating=str(_field(reader, "spice.gating", "softmax")),
+        corpus=str(_field(reader, "spice.corpus", "")),
+        tokens=int(_field(reader, "spice.tokens", 0)),
+        draft_rank=int(_field(reader, "spice.draft_rank", 0)),
+        lore_rank=int(_field(reader, "spice.lore_rank", 0)),
+        has_shared=bool(_field(reader, "spice.has_shared", True)),
+        extra={
+            k[len("spice.extra.") :]: str(_field(reader, k))
+            for k in reader.fields
+            if k.startswith("spice.extra.")
+        },
+    )
+    for il in data.moe_layers:
+        if f"spice.draft.{il}.u" in tensors:
+            data.transitions[il] = Transition(
+                arr(f"spice.draft.{il}.u"), arr(f"spice.draft.{il}.v"), arr(f"spice.draft.{il}.bias")
+            )
+        if f"spice.lore.{il}.a" in tensors:
+            data.surrogates[il] = LayerSurrogates(
+                A=arr(f"spice.lore.{il}.a"),
+                B=arr(f"spice.lore.{il}.b"),
+                alpha=arr(f"spice.lore.{il}.alpha"),
+                rank=arr(f"spice.lore.{il}.rank", np.int32),
+                error=arr(f"spice.lore.{il}.error"),
+                error_shared=arr(f"spice.lore.{il}.error_shared"),
+                error_drop=arr(f"spice.lore.{il}.error_drop"),
+            )
+    return data
+
+
+class Sidecar:
+    """A loaded sidecar, checked against its target model.
+
+    `Sidecar.load(path, model_path)` refuses a sidecar made for another model;
+    model_path=None skips the check (and `predictor()` then needs routers).
+    """
+
+    def __init__(self, data: SidecarData, path: Path, model_path: Path | None) -> None:
+        self.data = data
+        self.path = path
+        self.model_path = model_path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], model_path: str | os.PathLike[str] | None) -> Sidecar:
+        data = read_sidecar(path)
+        mp = Path(model_path) if model_path is not None else None
+        if mp is not None:
+            fp = fingerprint(mp)
+            if fp != data.fingerprint:
+                raise SidecarMismatchError(
+                    f"sidecar {Path(path).name} was made for model {data.model} ({data.fingerprint}), "
+                    f"not for {mp.name} ({fp}); run `pyspice calibrate -m {mp}` to make one for it"
+                )
+        return cls(data, Path(path), mp)
+
+    # ---- metadata ---------------------------------------------------------------
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return list(self.data.moe_layers)
+
+    @property
+    def corpus(self) -> str:
+        return self.data.corpus
+
+    @property
+    def tokens(self) -> int:
+        return self.data.tokens
+
+    # ---- draft predictor ---------------------------------------------------------
+
+    def predictor(self, routers: Any = None) -> DraftPredictor:
+        """The draft predictor; routers come from the target model unless given
+        (a mapping or a callable layer -> [n_expert, n_embd])."""
+        if routers is None:
+            if self.model_path is None:
+                raise ValueError("the sidecar was loaded without its model: pass routers= to predictor()")
+            from pyspice.routers import RouterReader
+
+            routers = RouterReader(self.model_path)
+        get = routers if callable(routers) else routers.__getitem__
+        table = {}
+        for il in self.data.moe_layers:
+            w = get(il)
+            if w is None:
+                raise ValueError(f"the target model has no router for MoE layer {il}")
+            table[il] = w
+        return DraftPredictor(self.data.moe_layers, table, self.data.transitions, self.data.gating)
+
+    # ---- surrogates ----------------------------------------------------------------
+
+    def surrogate(self, layer: int, expert: int) -> tuple[float, F32, F32] | None:
+        """(alpha, A [r, n_embd], B [n_embd, r]) in float32, or None where none was fitted."""
+        s = self.data.surrogates.get(layer)
+        if s is None or not 0 <= expert < s.rank.shape[0]:
+            return None
+        r = int(s.rank[expert])
+        if r <= 0 and float(s.alpha[expert]) == 0.0:
+            return None
+        A = np.ascontiguousarray(s.A[expert, :r], dtype=np.float32)
+        B = np.ascontiguousarray(s.B[expert, :, :r], dtype=np.float32)
+        return float(s.alpha[expert]), A, B
+
+    @property
+    def surrogate_error(self) -> dict[int, list[float]]:
+        return {il: [float(x) for x in s.error] for il, s in self.data.surrogates.items()}
+
+    def surrogate_bytes(self, dtype_bytes: int = 2) -> int:
+        """Bytes of every surrogate's A and B at their fitted ranks (f16 as stored), plus alpha."""
+        total = 0
+        for s in self.data.surrogates.values():
+            total += int(s.rank.sum()) * 2 * self.data.n_embd * dtype_bytes + 4 * int(s.rank.shape[0])
+        return total
+
+    def summary_rows(self) -> list[tuple[int, float, float, float, float]]:
+        """(layer, mean rank, mean error, mean shared-alone error, mean drop error) per MoE layer."""
+        rows = []
+        for il, s in sorted(self.data.surrogates.items()):
+            rows.append(
+                (
+                    il,
+                    float(s.rank.mean()),
+                    float(np.nanmean(s.error)),
+                    float(np.nanmean(s.error_shared)) if np.isfinite(s.error_shared).any() else float("nan"),
+                    float(np.nanmean(s.error_drop)),
+                )
+            )
+        return rows

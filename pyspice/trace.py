@@ -1,0 +1,409 @@
+"""One trace format for calibration captures and decode traces.
+
+A trace is a directory:
+
+- `meta.json`: a `TraceMeta` (format version, model name and fingerprint,
+  layer geometry, fields present, token count, source, free-form `extra`,
+  and `complete`, written last by a clean close);
+- chunk files `L{layer:04d}_T{start:010d}_N{count:07d}.npz`, each one MoE layer
+  times a contiguous token range. Floats are stored as float16 (clipped to its
+  range), expert ids as int16 (int32 when there are more than 32767 experts).
+
+Fields (all [n, ...] over the chunk's tokens):
+
+    hidden     [n, n_embd]          MoE input
+    probs      [n, n_expert]        router probabilities
+    ids        [n, k]               selected experts
+    weights    [n, k]               their gate weights
+    shared     [n, n_embd]          optional: shared-expert output before its gate
+    expert_out [n, k, n_embd]       optional: outputs of the selected experts
+
+A chunk file appears under its final name only when it is completely written
+(written to a temporary name, then renamed), so an interrupted writer leaves
+whole chunks and a meta.json with `complete: false`; `TraceWriter(...,
+resume=True)` continues after the tokens every layer already has. The writer
+keeps at most `max_buffer_bytes` of unwritten rows in memory (the largest
+layer buffer is flushed first), whatever the number of layers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from pyspice.policy.base import HookCall
+
+FORMAT = "pyspice-trace"
+FORMAT_VERSION = 1
+FIELDS: tuple[str, ...] = ("hidden", "probs", "ids", "weights", "shared", "expert_out")
+REQUIRED_FIELDS: tuple[str, ...] = ("hidden", "probs", "ids", "weights")
+SOURCES = ("calibration", "decode")
+_CHUNK_RE = re.compile(r"^L(\d{4})_T(\d{10})_N(\d{7})\.npz$")
+_F16_MAX = float(np.finfo(np.float16).max)
+
+
+class TraceError(ValueError):
+    """A trace directory that cannot be read or continued."""
+
+
+@dataclass
+class TraceMeta:
+    model: str  # model name (file name or general.name)
+    fingerprint: str  # pyspice.sidecar.fingerprint() of the model file, or "" if unknown
+    n_layers: int
+    moe_layers: list[int]
+    n_expert: int
+    n_expert_used: int
+    n_embd: int
+    fields: list[str] = field(default_factory=lambda: list(REQUIRED_FIELDS))
+    source: str = "calibration"  # "calibration" | "decode"
+    n_tokens: int = 0  # tokens every MoE layer has (set by the writer)
+    complete: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+    format: str = FORMAT
+    version: int = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        unknown = [f for f in self.fields if f not in FIELDS]
+        if unknown:
+            raise TraceError(f"unknown trace fields {unknown}; known: {', '.join(FIELDS)}")
+        missing = [f for f in REQUIRED_FIELDS if f not in self.fields]
+        if missing:
+            raise TraceError(f"a trace needs the fields {', '.join(REQUIRED_FIELDS)}; missing {missing}")
+        if self.source not in SOURCES:
+            raise TraceError(f"trace source must be one of {SOURCES}, got {self.source!r}")
+        self.moe_layers = [int(il) for il in self.moe_layers]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1) + "\n"
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> TraceMeta:
+        if raw.get("format") != FORMAT:
+            raise TraceError(f"not a pyspice trace (format {raw.get('format')!r})")
+        if int(raw.get("version", 0)) > FORMAT_VERSION:
+            raise TraceError(
+                f"trace format version {raw.get('version')} is newer than this pyspice reads "
+                f"({FORMAT_VERSION})"
+            )
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in raw.items() if k in known})
+
+    def compatible_with(self, other: TraceMeta) -> bool:
+        """Same model, geometry and fields (what resuming requires)."""
+        keys = ("model", "fingerprint", "n_layers", "moe_layers", "n_expert", "n_expert_used", "n_embd")
+        return all(getattr(self, k) == getattr(other, k) for k in keys) and set(self.fields) == set(
+            other.fields
+        )
+
+
+@dataclass(frozen=True)
+class Chunk:
+    layer: int
+    start: int
+    count: int
+    path: Path
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.count
+
+
+def _chunk_name(layer: int, start: int, count: int) -> str:
+    return f"L{layer:04d}_T{start:010d}_N{count:07d}.npz"
+
+
+def scan_chunks(path: Path) -> dict[int, list[Chunk]]:
+    """The complete chunk files of a trace directory, per layer, in token order."""
+    out: dict[int, list[Chunk]] = {}
+    for entry in os.scandir(path):
+        m = _CHUNK_RE.match(entry.name)
+        if m is None:
+            continue
+        layer, start, count = (int(g) for g in m.groups())
+        out.setdefault(layer, []).append(Chunk(layer, start, count, Path(entry.path)))
+    for chunks in out.values():
+        chunks.sort(key=lambda c: c.start)
+    return out
+
+
+def _contiguous_tokens(chunks: list[Chunk]) -> int:
+    """Tokens 0..n-1 covered without a gap by these chunks."""
+    n = 0
+    for c in chunks:
+        if c.start != n:
+            break
+        n = c.stop
+    return n
+
+
+def _store_dtype(name: str, n_expert: int) -> type:
+    if name == "ids":
+        return np.int16 if n_expert <= np.iinfo(np.int16).max else np.int32
+    return np.float16
+
+
+def _to_store(name: str, value: npt.ArrayLike, n_expert: int) -> np.ndarray:
+    arr = np.asarray(value)
+    dtype = _store_dtype(name, n_expert)
+    if dtype is np.float16:
+        return np.clip(arr.astype(np.float32, copy=False), -_F16_MAX, _F16_MAX).astype(np.float16)
+    return arr.astype(dtype)
+
+
+class TraceWriter:
+    """Streams hook records into a trace directory.
+
+    `add(layer, token_start, **fields)` appends rows for tokens token_start ..
+    token_start + n - 1 of one MoE layer. Rows of a layer must come in token
+    order without gaps. With resume=True an existing incomplete trace of the
+    same model continues: `resume_from` is the first token not yet written for
+    every layer, and rows before it are ignored.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        meta: TraceMeta,
+        *,
+        resume: bool = False,
+        chunk_tokens: int = 512,
+        max_buffer_bytes: int = 64 << 20,
+    ) -> None:
+        self.path = Path(path)
+        self.meta = meta
+        self.chunk_tokens = max(1, int(chunk_tokens))
+        self.max_buffer_bytes = int(max_buffer_bytes)
+        self._buf: dict[int, dict[str, list[np.ndarray]]] = {}
+        self._buf_start: dict[int, int] = {}
+        self._buf_rows: dict[int, int] = {}
+        self._buf_bytes: dict[int, int] = {}
+        self._next: dict[int, int] = {il: 0 for il in meta.moe_layers}
+        self._closed = False
+        self.resume_from = 0
+        meta_path = self.path / "meta.json"
+        if meta_path.exists():
+            old = TraceMeta.from_dict(json.loads(meta_path.read_text()))
+            if not resume:
+                raise TraceError(f"{self.path} already holds a trace; remove it or resume it")
+            if old.complete:
+                raise TraceError(f"{self.path} holds a complete trace; remove it to record a new one")
+            if not old.compatible_with(meta):
+                raise TraceError(f"{self.path} holds a trace of another model or shape; remove it")
+            self.resume_from = self._drop_partial_tail()
+            meta.extra = {**old.extra, **meta.extra}
+        else:
+            self.path.mkdir(parents=True, exist_ok=True)
+        for il in meta.moe_layers:
+            self._next[il] = self.resume_from
+        meta.complete = False
+        meta.n_tokens = self.resume_from
+        self._write_meta()
+
+    def _drop_partial_tail(self) -> int:
+        """Keep, for every layer, only chunks below the token count all layers share."""
+        chunks = scan_chunks(self.path)
+        common = min((_contiguous_tokens(chunks.get(il, [])) for il in self.meta.moe_layers), default=0)
+        for layer_chunks in chunks.values():
+            for c in layer_chunks:
+                if c.stop > common:
+                    c.path.unlink()
+        for entry in os.scandir(self.path):
+            if entry.name.endswith(".tmp.npz"):
+                os.unlink(entry.path)
+        return common
+
+    def _write_meta(self) -> None:
+        tmp = self.path / "meta.json.tmp"
+        tmp.write_text(self.meta.to_json())
+        os.replace(tmp, self.path / "meta.json")
+
+    def __enter__(self) -> TraceWriter:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.flush(complete=False)
+
+    def add(self, layer: int, token_start: int, **fields: npt.ArrayLike) -> None:
+        if self._closed:
+            raise TraceError("the trace writer is closed")
+        if layer not in self._next:
+            raise TraceError(f"layer {layer} is not a MoE layer of this trace ({self.meta.moe_layers})")
+        names = set(fields)
+        expected = set(self.meta.fields)
+        if names != expected:
+            raise TraceError(f"add() needs exactly the fields {sorted(expected)}, got {sorted(names)}")
+        arrays = {k: np.asarray(v) for k, v in fields.items()}
+        n = int(arrays["ids"].shape[0])
+        if any(int(a.shape[0]) != n for a in arrays.values()):
+            raise TraceError("all fields of one add() must have the same number of rows")
+        skip = self.resume_from - token_start
+        if skip >= n:
+            return  # already written before an interruption
+        if skip > 0:
+            arrays = {k: a[skip:] for k, a in arrays.items()}
+            token_start += skip
+            n -= skip
+        if token_start != self._next[layer]:
+            raise TraceError(
+                f"layer {layer}: rows must follow in token order; expected token {self._next[layer]}, "
+                f"got {token_start}"
+            )
+        stored = {k: _to_store(k, a, self.meta.n_expert) for k, a in arrays.items()}
+        if layer not in self._buf:
+            self._buf[layer] = {k: [] for k in stored}
+            self._buf_start[layer] = token_start
+            self._buf_rows[layer] = 0
+            self._buf_bytes[layer] = 0
+        for k, a in stored.items():
+            self._buf[layer][k].append(a)
+        self._buf_rows[layer] += n
+        self._buf_bytes[layer] += sum(a.nbytes for a in stored.values())
+        self._next[layer] = token_start + n
+        if self._buf_rows[layer] >= self.chunk_tokens:
+            self._flush_layer(layer)
+        while sum(self._buf_bytes.values()) > self.max_buffer_bytes:
+            self._flush_layer(max(self._buf_bytes, key=lambda il: self._buf_bytes[il]))
+
+    def _flush_layer(self, layer: int) -> None:
+        parts = self._buf.pop(layer, None)
+        if parts is None:
+            return
+        start = self._buf_start.pop(layer)
+        count = self._buf_rows.pop(layer)
+        self._buf_bytes.pop(layer)
+        if count == 0:
+            return
+        data = {k: np.concatenate(v, axis=0) for k, v in parts.items()}
+        name = _chunk_name(layer, start, count)
+        tmp = self.path / (name[: -len(".npz")] + ".tmp.npz")
+        np.savez(tmp, **data)  # type: ignore[arg-type]
+        os.replace(tmp, self.path / name)
+
+    def flush(self, complete: bool = False) -> None:
+        for layer in list(self._buf):
+            self._flush_layer(layer)
+        counts = [self._next[il] for il in self.meta.moe_layers]
+        self.meta.n_tokens = min(counts, default=0)
+        self.meta.complete = complete
+        self._write_meta()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        counts = {self._next[il] for il in self.meta.moe_layers}
+        if len(counts) > 1:
+            self.flush(complete=False)
+            self._closed = True
+            raise TraceError(f"layers of the trace hold different token counts {sorted(counts)}")
+        self.flush(complete=True)
+        self._closed = True
+
+
+class TraceReader:
+    """Reads a trace directory. Refuses an incomplete trace unless allow_incomplete."""
+
+    def __init__(self, path: str | os.PathLike[str], *, allow_incomplete: bool = False) -> None:
+        self.path = Path(path)
+        meta_path = self.path / "meta.json"
+        if not meta_path.is_file():
+            raise TraceError(f"{self.path} is not a pyspice trace (no meta.json)")
+        self.meta = TraceMeta.from_dict(json.loads(meta_path.read_text()))
+        if not self.meta.complete and not allow_incomplete:
+            raise TraceError(
+                f"{self.path} is an incomplete trace (interrupted); resume the capture or remove it"
+            )
+        self.chunks = scan_chunks(self.path)
+        n = min((_contiguous_tokens(self.chunks.get(il, [])) for il in self.meta.moe_layers), default=0)
+        self.n_tokens = n if not self.meta.complete else min(n, self.meta.n_tokens)
+
+    def _load(self, chunk: Chunk, fields: tuple[str, ...]) -> dict[str, np.ndarray]:
+        with np.load(chunk.path) as z:
+            return {k: z[k] for k in fields}
+
+    def layer(self, il: int, fields: tuple[str, ...] | None = None) -> dict[str, np.ndarray]:
+        """Every token of one layer, concatenated over its chunks (stored dtypes)."""
+        names = tuple(fields) if fields is not None else tuple(self.meta.fields)
+        missing = [f for f in names if f not in self.meta.fields]
+        if missing:
+            raise TraceError(f"the trace has no field(s) {missing} (it has {self.meta.fields})")
+        parts: dict[str, list[np.ndarray]] = {k: [] for k in names}
+        for c in self.chunks.get(il, []):
+            if c.start >= self.n_tokens:
+                break
+            data = self._load(c, names)
+            keep = min(c.count, self.n_tokens - c.start)
+            for k in names:
+                parts[k].append(data[k][:keep])
+        if not parts[names[0]]:
+            raise TraceError(f"the trace has no rows for layer {il}")
+        return {k: np.concatenate(v, axis=0) for k, v in parts.items()}
+
+    def routing(self) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.float32]]:
+        """ids and weights of every (token, MoE layer): [T, L_moe, k] each, token-major."""
+        T, L, k = self.n_tokens, len(self.meta.moe_layers), self.meta.n_expert_used
+        ids = np.zeros((T, L, k), dtype=np.int32)
+        weights = np.zeros((T, L, k), dtype=np.float32)
+        for j, il in enumerate(self.meta.moe_layers):
+            d = self.layer(il, ("ids", "weights"))
+            ids[:, j] = d["ids"]
+            weights[:, j] = d["weights"]
+        return ids, weights
+
+    def tokens(self, fields: tuple[str, ...] | None = None) -> Iterator[list[dict[str, np.ndarray]]]:
+        """Per token, one record per MoE layer (in `meta.moe_layers` order): field -> row.
+
+        Memory: one chunk per layer of the requested fields."""
+        names = tuple(fields) if fields is not None else tuple(self.meta.fields)
+        cursors = {il: iter(self.chunks.get(il, [])) for il in self.meta.moe_layers}
+        current: dict[int, tuple[Chunk, dict[str, np.ndarray]]] = {}
+        for t in range(self.n_tokens):
+            record = []
+            for il in self.meta.moe_layers:
+                cur = current.get(il)
+                while cur is None or t >= cur[0].stop:
+                    chunk = next(cursors[il])
+                    cur = (chunk, self._load(chunk, names))
+                    current[il] = cur
+                chunk, data = cur
+                record.append({"layer": np.int32(il), **{k: data[k][t - chunk.start] for k in names}})
+            yield record
+
+    def calls(self) -> Iterator[HookCall]:
+        """The trace replayed as one-token hook calls (float32 arrays), token by token, layer by layer."""
+        has_shared = "shared" in self.meta.fields
+        names = ("hidden", "probs", "ids", "weights", *(("shared",) if has_shared else ()))
+        for record in self.tokens(names):
+            for rec in record:
+                yield HookCall(
+                    int(rec["layer"]),
+                    rec["hidden"].astype(np.float32)[None, :],
+                    rec["probs"].astype(np.float32)[None, :],
+                    rec["ids"].astype(np.int32)[None, :],
+                    rec["weights"].astype(np.float32)[None, :],
+                    rec["shared"].astype(np.float32)[None, :] if has_shared else None,
+                )
+
+
+def remove_trace(path: str | os.PathLike[str]) -> None:
+    """Delete a trace directory made by TraceWriter (only its own files)."""
+    p = Path(path)
+    if not (p / "meta.json").exists():
+        raise TraceError(f"{p} is not a pyspice trace")
+    for entry in os.scandir(p):
+        if _CHUNK_RE.match(entry.name) or entry.name.endswith((".tmp.npz", "meta.json", "meta.json.tmp")):
+            os.unlink(entry.path)
+    with contextlib.suppress(OSError):
+        p.rmdir()

@@ -1,0 +1,76 @@
+"""Draft predictor: transition fitting recovers a planted low-rank map; rollout algebra."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pyspice.calibrate.predictor_fit import fit_transition, transition_r2
+from pyspice.policy.predictor import DraftPredictor, Transition, gate_probs
+
+
+def test_fit_recovers_a_planted_low_rank_map() -> None:
+    rng = np.random.default_rng(0)
+    d, r, n = 24, 3, 400
+    U = rng.standard_normal((d, r))
+    V = rng.standard_normal((r, d))
+    c = rng.standard_normal(d)
+    X = rng.standard_normal((n, d))
+    Y = X @ (U @ V).T + c + 1e-3 * rng.standard_normal((n, d))
+    t = fit_transition(X, Y, rank=r, ridge=1e-6)
+    assert t.rank == r
+    np.testing.assert_allclose(t.U @ t.V, U @ V, atol=1e-2)
+    np.testing.assert_allclose(t.bias, c, atol=1e-2)
+    assert transition_r2(t, X, Y) > 0.999
+    # too small a rank cannot explain it; the dual form (n < d) gives the same answer
+    assert transition_r2(fit_transition(X, Y, rank=1), X, Y) < 0.9
+    t_dual = fit_transition(X[:20], Y[:20], rank=r, ridge=1e-6)
+    assert t_dual.U.shape == (d, r)
+
+
+def _predictor(rng: np.random.Generator, d: int = 16, e: int = 8, rank: int = 4) -> DraftPredictor:
+    layers = [0, 1, 3, 4]
+    routers = {il: rng.standard_normal((e, d)).astype(np.float32) for il in layers}
+    trans = {
+        il: Transition(
+            rng.standard_normal((d, rank)).astype(np.float32) * 0.3,
+            rng.standard_normal((rank, d)).astype(np.float32) * 0.3,
+            rng.standard_normal(d).astype(np.float32),
+        )
+        for il in layers[:-1]
+    }
+    return DraftPredictor(layers, routers, trans)
+
+
+def test_rollout_matches_the_explicit_chain() -> None:
+    rng = np.random.default_rng(1)
+    p = _predictor(rng)
+    h = rng.standard_normal(16).astype(np.float32)
+    out = p.rollout(0, h, 5)
+    assert [m for m, _ in out] == [1, 3, 4]  # stops at the last MoE layer
+    x = h.astype(np.float64)
+    for (m, probs), src in zip(out, [0, 1, 3], strict=True):
+        t = p.transitions[src]
+        x = t.bias + t.U @ (t.V @ x)
+        ref = gate_probs((p.routers[m] @ x).astype(np.float32))
+        np.testing.assert_allclose(probs, ref, rtol=1e-4, atol=1e-6)
+        assert abs(float(probs.sum()) - 1.0) < 1e-5
+    # batched rows give the same as one row at a time
+    H = rng.standard_normal((3, 16)).astype(np.float32)
+    batch = p.rollout(1, H, 2)
+    for i in range(3):
+        single = p.rollout(1, H[i], 2)
+        for (_, pb), (_, ps) in zip(batch, single, strict=True):
+            np.testing.assert_allclose(pb[i], ps, rtol=1e-5, atol=1e-7)
+
+
+def test_baseline_and_confidence() -> None:
+    rng = np.random.default_rng(2)
+    p = _predictor(rng)
+    h = rng.standard_normal(16).astype(np.float32)
+    base = p.baseline(1, h, 3)
+    assert [m for m, _ in base] == [3, 4]
+    np.testing.assert_allclose(base[0][1], gate_probs(p.routers[3] @ h), rtol=1e-5)
+    probs = np.array([0.5, 0.2, 0.2, 0.1], dtype=np.float32)
+    assert abs(DraftPredictor.confidence(probs, 2) - 0.7) < 1e-6
+    assert DraftPredictor.confidence(probs, 4) == 1.0
+    assert p.rollout(4, h, 2) == []

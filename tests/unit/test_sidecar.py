@@ -1,0 +1,105 @@
+"""Sidecar GGUF: round trip with tiny arrays; a sidecar made for another model is refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGUFWriter
+
+from pyspice.policy.predictor import Transition
+from pyspice.sidecar import (
+    LayerSurrogates,
+    Sidecar,
+    SidecarData,
+    SidecarMismatchError,
+    fingerprint,
+    write_sidecar,
+)
+
+D, E, R = 8, 4, 3
+
+
+def tiny_model(path: Path, seed: int) -> Path:
+    """A two-layer GGUF with just routers: all the sidecar needs of a model."""
+    rng = np.random.default_rng(seed)
+    w = GGUFWriter(path, "qwen2moe")
+    for il in (0, 1):
+        w.add_tensor(f"blk.{il}.ffn_gate_inp.weight", rng.standard_normal((E, D)).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def data_for(model: Path) -> SidecarData:
+    rng = np.random.default_rng(3)
+    A = rng.standard_normal((E, R, D)).astype(np.float32)
+    B = rng.standard_normal((E, D, R)).astype(np.float32)
+    rank = np.array([3, 2, 0, 1], dtype=np.int32)
+    for e in range(E):  # rows beyond the rank are padding
+        A[e, rank[e] :] = 0
+        B[e, :, rank[e] :] = 0
+    surr = LayerSurrogates(
+        A=A,
+        B=B,
+        alpha=np.array([1.0, 0.5, 0.0, 0.9], dtype=np.float32),
+        rank=rank,
+        error=np.array([0.1, 0.2, np.nan, 0.3], dtype=np.float32),
+        error_shared=np.full(E, 0.8, dtype=np.float32),
+        error_drop=np.ones(E, dtype=np.float32),
+    )
+    t = Transition(
+        rng.standard_normal((D, 2)).astype(np.float32),
+        rng.standard_normal((2, D)).astype(np.float32),
+        rng.standard_normal(D).astype(np.float32),
+    )
+    return SidecarData(
+        model=model.name,
+        fingerprint=fingerprint(model),
+        moe_layers=[0, 1],
+        n_embd=D,
+        n_expert=E,
+        n_expert_used=2,
+        corpus="pydoc_data.topics:calibration",
+        tokens=1234,
+        draft_rank=2,
+        lore_rank=R,
+        transitions={0: t},
+        surrogates={0: surr, 1: surr},
+    )
+
+
+def test_sidecar_round_trip(tmp_path: Path) -> None:
+    model = tiny_model(tmp_path / "a.gguf", 0)
+    data = data_for(model)
+    path = write_sidecar(tmp_path / "a.spice.gguf", data)
+    s = Sidecar.load(path, model)
+    assert s.tokens == 1234 and s.corpus == data.corpus and s.moe_layers == [0, 1]
+    alpha, A, B = s.surrogate(0, 1)  # type: ignore[misc]
+    assert alpha == 0.5 and A.shape == (2, D) and B.shape == (D, 2) and A.dtype == np.float32
+    np.testing.assert_allclose(A, data.surrogates[0].A[1, :2], rtol=1e-3, atol=1e-3)  # stored as f16
+    np.testing.assert_allclose(B, data.surrogates[0].B[1, :, :2], rtol=1e-3, atol=1e-3)
+    assert s.surrogate(0, 2) is None  # rank 0 and alpha 0: nothing fitted
+    assert s.surrogate(0, 3) is not None and s.surrogate(5, 0) is None
+    assert s.surrogate_error[0][0] == pytest.approx(0.1)
+    assert s.surrogate_bytes() == 2 * ((3 + 2 + 0 + 1) * 2 * D * 2 + 4 * E)
+    p = s.predictor()
+    t0 = data.transitions[0]
+    np.testing.assert_array_equal(p.transitions[0].U, t0.U)
+    np.testing.assert_array_equal(p.transitions[0].bias, t0.bias)
+    assert [m for m, _ in p.rollout(0, np.ones(D, dtype=np.float32), 3)] == [1]
+
+
+def test_sidecar_for_another_model_is_refused(tmp_path: Path) -> None:
+    a = tiny_model(tmp_path / "a.gguf", 0)
+    b = tiny_model(tmp_path / "b.gguf", 1)  # same names and shapes, other weights
+    assert fingerprint(a) != fingerprint(b)
+    assert fingerprint(a) == fingerprint(a)
+    path = write_sidecar(tmp_path / "a.spice.gguf", data_for(a))
+    with pytest.raises(SidecarMismatchError, match=r"made for model a\.gguf"):
+        Sidecar.load(path, b)
+    with pytest.raises(FileNotFoundError, match="pyspice calibrate"):
+        Sidecar.load(tmp_path / "none.gguf", a)

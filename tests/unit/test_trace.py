@@ -1,0 +1,132 @@
+"""Trace format: write/read round trip, token-major routing, replay, resume after interruption."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pyspice.trace import TraceError, TraceMeta, TraceReader, TraceWriter, scan_chunks
+
+N_EMBD, N_EXPERT, K = 8, 6, 2
+LAYERS = [1, 2, 4]
+
+
+def meta(**kw: object) -> TraceMeta:
+    base: dict[str, object] = dict(
+        model="tiny.gguf",
+        fingerprint="sha256:x",
+        n_layers=5,
+        moe_layers=LAYERS,
+        n_expert=N_EXPERT,
+        n_expert_used=K,
+        n_embd=N_EMBD,
+        fields=["hidden", "probs", "ids", "weights", "shared"],
+    )
+    base.update(kw)
+    return TraceMeta(**base)  # type: ignore[arg-type]
+
+
+def records(n: int, seed: int = 0) -> dict[int, dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    out = {}
+    for il in LAYERS:
+        probs = rng.random((n, N_EXPERT)).astype(np.float32)
+        probs /= probs.sum(axis=1, keepdims=True)
+        ids = np.argsort(-probs, axis=1)[:, :K].astype(np.int32)
+        out[il] = {
+            "hidden": rng.standard_normal((n, N_EMBD)).astype(np.float32),
+            "probs": probs,
+            "ids": ids,
+            "weights": np.take_along_axis(probs, ids, axis=1),
+            "shared": rng.standard_normal((n, N_EMBD)).astype(np.float32),
+        }
+    return out
+
+
+def write_calls(w: TraceWriter, recs: dict[int, dict[str, np.ndarray]], sizes: list[int]) -> None:
+    start = 0
+    for size in sizes:
+        for il in LAYERS:
+            w.add(il, start, **{k: v[start : start + size] for k, v in recs[il].items()})
+        start += size
+
+
+def test_round_trip_layer_routing_and_replay(tmp_path: Path) -> None:
+    recs = records(37)
+    with TraceWriter(tmp_path / "t", meta(), chunk_tokens=8) as w:
+        write_calls(w, recs, [5, 1, 1, 20, 10])
+    r = TraceReader(tmp_path / "t")
+    assert r.meta.complete and r.n_tokens == 37 and r.meta.moe_layers == LAYERS
+    assert len(scan_chunks(tmp_path / "t")[2]) > 1  # really chunked
+    for il in LAYERS:
+        d = r.layer(il)
+        np.testing.assert_array_equal(d["ids"], recs[il]["ids"])
+        np.testing.assert_allclose(d["hidden"].astype(np.float32), recs[il]["hidden"], rtol=1e-3, atol=1e-3)
+        assert d["hidden"].dtype == np.float16 and d["ids"].dtype == np.int16
+    ids, weights = r.routing()
+    assert ids.shape == (37, len(LAYERS), K)
+    np.testing.assert_array_equal(ids[:, 1], recs[2]["ids"])
+    np.testing.assert_allclose(weights[:, 2], recs[4]["weights"], atol=1e-3)
+    calls = list(r.calls())
+    assert len(calls) == 37 * len(LAYERS)
+    c = calls[3 * 7 + 2]  # token 7, third MoE layer
+    assert c.layer == 4 and c.n_tokens == 1
+    np.testing.assert_array_equal(c.ids[0], recs[4]["ids"][7])
+    assert c.shared is not None
+    np.testing.assert_allclose(c.shared[0], recs[4]["shared"][7], atol=1e-2)
+
+
+def test_writer_memory_is_bounded_by_flushing(tmp_path: Path) -> None:
+    recs = records(40)
+    with TraceWriter(tmp_path / "t", meta(), chunk_tokens=10_000, max_buffer_bytes=300) as w:
+        write_calls(w, recs, [1] * 40)
+        assert sum(w._buf_bytes.values()) <= 300
+    assert TraceReader(tmp_path / "t").n_tokens == 40
+
+
+def test_interrupted_trace_is_detected_and_resumes(tmp_path: Path) -> None:
+    recs = records(30, seed=1)
+    path = tmp_path / "t"
+    with pytest.raises(KeyboardInterrupt), TraceWriter(path, meta(), chunk_tokens=4) as w:
+        start = 0
+        for size in (6, 6, 6):
+            for il in LAYERS:
+                w.add(il, start, **{k: v[start : start + size] for k, v in recs[il].items()})
+            start += size
+        w.add(1, 18, **{k: v[18:20] for k, v in recs[1].items()})  # one layer ahead of the others
+        raise KeyboardInterrupt
+    assert not json.loads((path / "meta.json").read_text())["complete"]
+    with pytest.raises(TraceError, match="incomplete"):
+        TraceReader(path)
+    with pytest.raises(TraceError, match="resume"):
+        TraceWriter(path, meta())
+    w2 = TraceWriter(path, meta(), resume=True, chunk_tokens=4)
+    assert w2.resume_from == 18
+    with w2:
+        write_calls(w2, recs, [10, 10, 10])  # the caller replays from the start; written rows are skipped
+    r = TraceReader(path)
+    assert r.n_tokens == 30
+    for il in LAYERS:
+        np.testing.assert_array_equal(r.layer(il)["ids"], recs[il]["ids"])
+
+
+def test_resume_refuses_another_model(tmp_path: Path) -> None:
+    path = tmp_path / "t"
+    w = TraceWriter(path, meta())
+    w.flush()
+    with pytest.raises(TraceError, match="another model"):
+        TraceWriter(path, meta(n_embd=16), resume=True)
+
+
+def test_add_checks_fields_and_order(tmp_path: Path) -> None:
+    recs = records(4)
+    w = TraceWriter(tmp_path / "t", meta())
+    with pytest.raises(TraceError, match="fields"):
+        w.add(1, 0, hidden=recs[1]["hidden"])
+    with pytest.raises(TraceError, match="token order"):
+        w.add(1, 2, **recs[1])
+    with pytest.raises(TraceError, match="not a MoE layer"):
+        w.add(3, 0, **recs[1])
