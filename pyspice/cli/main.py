@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from pyspice import __version__
-from pyspice.cli import bench_cmd, eval_cmd, generate_cmd, models_cmd, probe_cmd
+from pyspice.cli import bench_cmd, eval_cmd, generate_cmd, models_cmd, probe_cmd, sim_cmd
 from pyspice.cli.version import version_report
 
 
@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action=_VersionAction)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for module in (generate_cmd, bench_cmd, models_cmd, eval_cmd, probe_cmd):
+    for module in (generate_cmd, bench_cmd, models_cmd, eval_cmd, probe_cmd, sim_cmd):
         module.register(sub)
     return parser
 

@@ -1,0 +1,118 @@
+"""`pyspice sim`: replay a recorded trace through policies on simulated hardware.
+
+The source model (-m) gives the policies their routers and the trace its
+geometry; --target gives the sizes to simulate (a 57B model on an RTX 4060),
+--profile the hardware (shipped profiles, a JSON file, or `emulated`: this
+machine with its emulated device, from `pyspice probe`). Every figure is
+simulated and labelled so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from pyspice.cli.common import add_model_args, note, resolve_model
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "sim", help="simulate policies on other hardware from a recorded trace", description=__doc__
+    )
+    add_model_args(p)
+    p.add_argument("--sidecar", type=Path, help="the source model's sidecar (for policies that use one)")
+    p.add_argument("--trace", type=Path, required=True, help="trace directory (generate/bench --trace)")
+    p.add_argument(
+        "--target",
+        default="qwen2-57b-a14b:Q5_K_M",
+        help="model sizes to simulate, NAME:QUANT (qwen2-57b-a14b, deepseek-v2-lite); "
+        "'source' = the source model itself (default qwen2-57b-a14b:Q5_K_M)",
+    )
+    p.add_argument(
+        "--profile", default="rtx4060,a800", help="comma-separated hardware profiles (default rtx4060,a800)"
+    )
+    p.add_argument("--device-budget", default="25%,50%", help="comma-separated budgets (default 25%%,50%%)")
+    p.add_argument(
+        "--policies",
+        default="host,static,ondemand,lru,adapmoe,exact",
+        help="comma-separated policies (default host,static,ondemand,lru,adapmoe,exact)",
+    )
+    p.add_argument(
+        "--policy-us",
+        default="",
+        help="measured microseconds per call, NAME=US,... (default: time each decide() here and add "
+        "the profile's cost of reaching Python)",
+    )
+    p.add_argument("--probe", type=Path, help="cost profile for `emulated` (default: the source model's)")
+    p.add_argument("--json", action="store_true", help='print {"rows": [...]} as JSON')
+    p.add_argument("--plot", metavar="PNG", help="draw speedup over adapmoe (paper Fig. 7 style)")
+    p.set_defaults(func=run)
+
+
+def _split(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def source_expert_bytes(model: Path, n_layers: int) -> tuple[int, ...]:
+    """Bytes of one routed expert per layer, read from the GGUF's expert tensors."""
+    import gguf
+
+    reader = gguf.GGUFReader(model)
+    per = [0] * n_layers
+    for t in reader.tensors:
+        parts = t.name.split(".")
+        if parts[0] == "blk" and "_exps" in t.name and int(parts[1]) < n_layers:
+            per[int(parts[1])] += int(t.n_bytes) // int(t.shape[-1])
+    return tuple(per)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pyspice.probe import load_profile as load_probe
+    from pyspice.probe import profile_path
+    from pyspice.routers import RouterReader
+    from pyspice.sim.hardware import EMULATED, load_profile
+    from pyspice.sim.report import SimConfig, format_tables, plot, simulate_all, stderr_progress
+    from pyspice.sim.targets import load_target
+    from pyspice.sim.workload import from_trace
+
+    model = resolve_model(args)
+    if args.sidecar is not None and not args.sidecar.is_file():
+        raise ValueError(f"sidecar {args.sidecar} does not exist")
+    workload = from_trace(args.trace)
+    if workload.decoded_tokens == 0:
+        raise ValueError(f"{args.trace}: the trace has no decoded tokens to simulate")
+    names = _split(args.profile)
+    probe_file = args.probe
+    if EMULATED in names and probe_file is None:
+        probe_file = profile_path(model)
+        if not probe_file.is_file():
+            raise ValueError(f"no cost profile for {model.name}: run `pyspice probe -m {model}` first")
+    profiles = tuple(load_profile(n, probe_file) for n in names)
+    target = None if args.target == "source" else load_target(args.target)
+    policy_us = {}
+    for item in _split(args.policy_us):
+        name, _, value = item.partition("=")
+        policy_us[name.strip()] = float(value)
+    expert_bytes = source_expert_bytes(model, workload.n_layers)
+    cfg = SimConfig(
+        profiles, _split(args.device_budget), _split(args.policies), target, expert_bytes, policy_us
+    )
+    note(
+        f"simulating {workload.decoded_tokens} decoded tokens of {args.trace} "
+        f"({len(workload.moe_layers)} MoE layers x {max(workload.n_expert)} experts, "
+        f"top-{workload.n_expert_used})" + (f" with the sizes of {target.name}" if target else "")
+    )
+    probe = load_probe(probe_file) if probe_file is not None else None
+    rows = simulate_all(workload, cfg, router=RouterReader(model), probe=probe, progress=stderr_progress)
+    if args.plot:
+        plot(rows, args.plot, f"{target.name if target else model.name}, trace {args.trace.name}")
+        note(f"plot written to {args.plot}")
+    if args.json:
+        json.dump({"rows": rows, "simulated": True}, sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        print(format_tables(rows))
+    return 0

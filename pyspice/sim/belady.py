@@ -1,0 +1,133 @@
+"""Belady's MIN: the fewest misses any replacement policy can have over a trace.
+
+The cache holds `slots` equal-size experts; each hook call needs its distinct
+experts resident at once (a miss loads one); when a load finds the cache full,
+MIN evicts the resident expert whose next use is farthest in the future
+(never one the current call needs). With demand loading and equal sizes this
+is optimal (Belady 1966; Mattson et al. 1970). `pooled` runs one cache over
+all layers' experts; `per_layer` splits the slots equally between MoE layers
+and runs MIN in each. Misses are counted per activation, as the engine counts
+them: a call's tokens that share a missing expert all miss.
+
+Where expert sizes differ (a quant mix gives some layers bigger experts),
+`size_aware` fills a byte budget and evicts farthest-next-use first until the
+new expert fits: a heuristic, not a bound, and labelled so.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pyspice.sim.workload import Workload
+
+Key = tuple[int, int]
+_NEVER = 1 << 62
+
+
+@dataclass(frozen=True)
+class BeladyResult:
+    mode: str  # "pooled", "per-layer" or "size-aware (heuristic)"
+    slots: int  # total slots (size-aware: experts of mean size the budget holds)
+    activations: int  # decode activations
+    misses: int  # decode activations whose expert was not resident
+    loads: int  # experts loaded during decode
+    bytes_loaded: int
+
+    @property
+    def fallback_rate(self) -> float:
+        return self.misses / self.activations if self.activations else 0.0
+
+
+def _requests(workload: Workload) -> list[tuple[bool, list[tuple[Key, int]]]]:
+    """Per call: (decode?, [(expert key, activations of it)])."""
+    out = []
+    for step in workload.steps:
+        for call in step.calls:
+            keys: dict[Key, int] = {}
+            for e in call.ids.ravel().tolist():
+                keys[(call.layer, int(e))] = keys.get((call.layer, int(e)), 0) + 1
+            out.append((step.decode, sorted(keys.items())))
+    return out
+
+
+def _next_uses(calls: Sequence[tuple[bool, list[tuple[Key, int]]]]) -> list[list[int]]:
+    """For each call and each of its keys, the index of the key's next call (or never)."""
+    nxt: dict[Key, int] = {}
+    result: list[list[int]] = [[] for _ in calls]
+    for i in range(len(calls) - 1, -1, -1):
+        result[i] = [nxt.get(key, _NEVER) for key, _ in calls[i][1]]
+        for key, _ in calls[i][1]:
+            nxt[key] = i
+    return result
+
+
+def _min(
+    calls: Sequence[tuple[bool, list[tuple[Key, int]]]],
+    capacity: dict[int, float] | float,
+    size: dict[int, int],
+    group: dict[int, int],
+    nbytes_of: dict[int, int],
+) -> tuple[int, int, int, int]:
+    """MIN with eviction by farthest next use. `capacity` is per group (a layer, or one
+    pool) in the units of `size` (1 per expert for slots, bytes for size-aware)."""
+    next_use = _next_uses(calls)
+    resident: dict[Key, int] = {}  # key -> next use
+    heaps: dict[int, list[tuple[int, Key]]] = {}
+    used: dict[int, float] = {}
+    acts = misses = loads = nbytes = 0
+    for i, (decode, keys) in enumerate(calls):
+        needed = {key for key, _ in keys}
+        for (key, count), nu in zip(keys, next_use[i], strict=True):
+            g = group[key[0]]
+            cap = capacity[g] if isinstance(capacity, dict) else capacity
+            if decode:
+                acts += count
+            if key not in resident:
+                if decode:
+                    misses += count
+                    loads += 1
+                    nbytes += nbytes_of[key[0]]
+                heap = heaps.setdefault(g, [])
+                deferred = []
+                while used.get(g, 0) + size[key[0]] > cap and heap:
+                    neg, victim = heapq.heappop(heap)
+                    if resident.get(victim) != -neg:
+                        continue  # stale entry
+                    if victim in needed:
+                        deferred.append((neg, victim))
+                        continue
+                    del resident[victim]
+                    used[g] -= size[victim[0]]
+                for item in deferred:
+                    heapq.heappush(heap, item)
+                if used.get(g, 0) + size[key[0]] > cap:
+                    continue  # cannot hold it even alone: it stays a miss every time
+                used[g] = used.get(g, 0) + size[key[0]]
+            resident[key] = nu
+            heapq.heappush(heaps.setdefault(g, []), (-nu, key))
+    return acts, misses, loads, nbytes
+
+
+def belady(workload: Workload, expert_bytes: Sequence[int], budget_bytes: int) -> list[BeladyResult]:
+    """MIN pooled and per layer over equal-size slots, plus the size-aware heuristic
+    when sizes differ. A slot is the smallest expert: no policy under the byte
+    budget can hold more experts than that, so the pooled count is a true lower
+    bound for demand-loading replacement."""
+    calls = _requests(workload)
+    moe = workload.moe_layers
+    sizes = {il: int(expert_bytes[il]) for il in moe}
+    n_slots = budget_bytes // min(sizes.values())
+    ones = dict.fromkeys(moe, 1)
+    results = []
+    pooled = _min(calls, float(n_slots), ones, dict.fromkeys(moe, 0), sizes)
+    results.append(BeladyResult("pooled", n_slots, *pooled))
+    per = n_slots // max(1, len(moe))
+    layered = _min(calls, dict.fromkeys(moe, float(per)), ones, {il: il for il in moe}, sizes)
+    results.append(BeladyResult("per-layer", per * len(moe), *layered))
+    if len(set(sizes.values())) > 1:
+        sized = _min(calls, float(budget_bytes), sizes, dict.fromkeys(moe, 0), sizes)
+        mean = sum(sizes.values()) / len(sizes)
+        results.append(BeladyResult("size-aware (heuristic)", int(budget_bytes // mean), *sized))
+    return results

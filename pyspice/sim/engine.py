@@ -1,0 +1,491 @@
+"""The discrete-event model: replay a workload through a policy on simulated hardware.
+
+Per step (a prompt micro-batch or one decoded token) and layer, in order:
+
+1. The device compute stream runs the layer's non-routed work (attention,
+   norms, router, shared experts): `rest_us` for the step's tokens.
+2. The hook call begins: the residency table is read (an activation whose
+   expert is resident now is a hit), the policy decides (its measured or
+   modelled microseconds per call, plus the fixed cost of reaching it).
+3. The plan is applied exactly as spice_runtime_apply_store_plan does it:
+   experts this call runs on the device are pinned, evictions, demand
+   fetches (explicit, then implied by device actions), prefetches behind
+   them; every needed device expert is waited for, in expert order; one that
+   got no slot runs on the host.
+4. Routed experts run: device experts on the device stream, host experts on
+   the host executor (its threads are folded into the per-expert time); the
+   layer ends when both are done (a synchronisation per layer). On an emulated
+   device the "device" is the host itself, so the two are serial, and a slot's
+   bytes are copied into place by the host the first time it is used.
+
+The copy engine (pyspice.sim.tier) runs on its own timeline meanwhile, so
+prefetches issued at one layer land while later layers compute.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from pyspice.policy.base import (
+    ACTION_DEVICE,
+    ACTION_DROP,
+    ACTION_HOST,
+    ACTION_SURROGATE,
+    RESIDENCY_ABSENT,
+    RESIDENCY_RESIDENT,
+    HookCall,
+    Plan,
+)
+from pyspice.policy.context import PolicyContext, RouterLoader
+from pyspice.sim.tier import OK, PRIORITY_DEMAND, PRIORITY_PREFETCH, SimTier
+from pyspice.sim.workload import SimCall, Workload
+
+BatchTable = tuple[tuple[int, float], ...]  # (tokens in the step, microseconds) points
+
+
+def interpolate(table: BatchTable, tokens: int) -> float:
+    """Piecewise linear in log(tokens) between measured batch sizes, flat outside them."""
+    points = sorted(table)
+    if not points:
+        return 0.0
+    xs = [math.log(t) for t, _ in points]
+    x = math.log(max(1, tokens))
+    if x <= xs[0]:
+        return points[0][1]
+    if x >= xs[-1]:
+        return points[-1][1]
+    i = bisect.bisect_right(xs, x)
+    f = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+    return points[i - 1][1] * (1 - f) + points[i][1] * f
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Times for one (hardware, model) pair. Per-activation times are per token
+    through one expert at the step's batch size; `rest` is per token per layer."""
+
+    expert_bytes: tuple[int, ...]  # per layer (0 for dense layers)
+    bus_gbps: float
+    bus_latency_us: float
+    rest_us: BatchTable  # device: non-routed work, per token per layer
+    device_expert_us: BatchTable  # device: one activation
+    host_expert_us: BatchTable  # host executor: one activation
+    step_us: float = 0.0  # per step outside the layers (output head, sampling) not in rest_us
+    host_call_us: float = 0.0  # host executor: per call with host work (dispatch, barrier)
+    hook_us: float = 0.0  # reaching the policy and applying its plan, per hook call
+    python_call_us: float = 0.0  # extra per call for a Python policy (views, plan conversion)
+    surrogate_us: float = 0.0  # device: one surrogate activation
+    device_shares_host: bool = False  # emulated device: its compute is the host's
+    fill_gbps: float = 0.0  # emulated device: host copy into a slot on first use (0: none)
+    wake_us: float = 0.0  # emulated device: a wait that sleeps wakes this much late
+    prefetch_queue_max: int = 64
+    layer_scale: float = 1.0  # per-token times x this (target depth / trace depth)
+
+
+@dataclass
+class SimResult:
+    policy: str
+    tpot_ms: float
+    decoded_tokens: int
+    activations: int
+    hits: int
+    misses_fetched: int
+    misses_host: int
+    misses_surrogate: int
+    dropped: int
+    bytes_per_token: float
+    stall_ms_per_token: float
+    bus_utilization: float
+    prefetch_issued: int
+    prefetch_used: int
+    prefetch_cancelled: int
+    policy_us_per_call: float
+    policy_fallbacks: int
+    breakdown_ms_per_token: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def misses(self) -> int:
+        return self.misses_fetched + self.misses_host + self.misses_surrogate
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.activations if self.activations else 0.0
+
+    @property
+    def fallback_rate(self) -> float:
+        return 1.0 - self.hit_rate if self.activations else 0.0
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy,
+            "tpot_ms": self.tpot_ms,
+            "decoded_tokens": self.decoded_tokens,
+            "activations": self.activations,
+            "hit_rate": self.hit_rate,
+            "fallback_rate": self.fallback_rate,
+            "misses": {
+                "fetched": self.misses_fetched,
+                "host": self.misses_host,
+                "surrogate": self.misses_surrogate,
+            },
+            "dropped": self.dropped,
+            "bytes_per_token": self.bytes_per_token,
+            "stall_ms_per_token": self.stall_ms_per_token,
+            "bus_utilization": self.bus_utilization,
+            "prefetch_issued": self.prefetch_issued,
+            "prefetch_used": self.prefetch_used,
+            "prefetch_cancelled": self.prefetch_cancelled,
+            "policy_us_per_call": self.policy_us_per_call,
+            "policy_fallbacks": self.policy_fallbacks,
+            "breakdown_ms_per_token": dict(self.breakdown_ms_per_token),
+        }
+
+
+@dataclass
+class _Tally:
+    activations: int = 0
+    hits: int = 0
+    fetched: int = 0
+    host: int = 0
+    surrogate: int = 0
+    dropped: int = 0
+    policy_us: float = 0.0
+    policy_calls: int = 0
+    fallbacks: int = 0
+    time_ns: int = 0
+    parts: dict[str, float] = field(default_factory=dict)
+
+    def part(self, name: str, ns: float) -> None:
+        self.parts[name] = self.parts.get(name, 0.0) + ns
+
+
+def _us(v: float) -> int:
+    return round(v * 1e3)
+
+
+def _valid_plan(plan: Plan, call: SimCall, n_expert: Sequence[int]) -> npt.NDArray[np.int32] | None:
+    """The plan's actions if the plan would pass spice_plan_validate, else None."""
+    if plan.actions is None:
+        actions = None
+    else:
+        actions = np.asarray(plan.actions, dtype=np.int64)
+        if actions.shape != call.ids.shape or actions.min() < 0 or actions.max() > ACTION_DROP:
+            return None
+    n_layers = len(n_expert)
+    for e in plan.fetch:
+        if not 0 <= int(e) < n_expert[call.layer]:
+            return None
+    for il, e in [*plan.prefetch, *plan.evict]:
+        if not (0 <= int(il) < n_layers and n_expert[int(il)] > 0 and 0 <= int(e) < n_expert[int(il)]):
+            return None
+    return None if actions is None else actions.astype(np.int32)
+
+
+class Simulator:
+    """Replays `workload` through `policy` (a Policy object, or None for the
+    engine's native default plan: resident experts on the device, the rest on
+    the host) on a device tier of `budget_bytes` with `costs`."""
+
+    def __init__(
+        self,
+        workload: Workload,
+        costs: Costs,
+        budget_bytes: int | None,
+        *,
+        router: RouterLoader | None = None,
+        profile: Any = None,
+        n_expert_used: int | None = None,
+    ) -> None:
+        self.workload = workload
+        self.costs = costs
+        self.budget_bytes = budget_bytes
+        self.router = router
+        self.profile = profile
+        self.n_expert_used = n_expert_used or workload.n_expert_used
+
+    def context(self) -> PolicyContext:
+        kwargs: dict[str, Any] = {}
+        if self.router is not None:
+            kwargs["router"] = self.router
+        return PolicyContext(
+            n_layers=self.workload.n_layers,
+            n_expert=self.workload.n_expert,
+            n_expert_used=self.n_expert_used,
+            expert_bytes=self.costs.expert_bytes,
+            budget_bytes=self.budget_bytes,
+            profile=self.profile,
+            **kwargs,
+        )
+
+    def make_tier(self) -> SimTier | None:
+        if self.budget_bytes is None:
+            return None
+        return SimTier(
+            n_expert=self.workload.n_expert,
+            expert_bytes=self.costs.expert_bytes,
+            budget_bytes=self.budget_bytes,
+            bandwidth_gbps=self.costs.bus_gbps,
+            latency_us=self.costs.bus_latency_us,
+            prefetch_queue_max=self.costs.prefetch_queue_max,
+        )
+
+    def run(
+        self,
+        name: str,
+        policy: Any,
+        *,
+        policy_us: float | None = None,
+        preload: bool = False,
+        on_step: Callable[[int, int], None] | None = None,
+    ) -> SimResult:
+        """`policy_us`: fixed microseconds per call (a measured figure); None times
+        the policy's own decide() here and adds the cost of reaching Python."""
+        wl, costs = self.workload, self.costs
+        tier = self.make_tier()
+        if policy is not None and hasattr(policy, "attach"):
+            policy.attach(self.context())
+        t = 0
+        if tier is not None and preload:
+            t = self._preload(tier)
+        tally = _Tally()
+        bytes0 = copy0 = stall0 = 0
+        pre0 = (0, 0, 0)
+        decode_started = False
+        for si, step in enumerate(wl.steps):
+            if step.decode and not decode_started:
+                decode_started = True
+                if tier is not None:
+                    tier.now_ns = t
+                    tier.refresh()
+                    bytes0, copy0, stall0 = self._bus_totals(tier)
+                    pre0 = self._prefetch_totals(tier)
+                tally = _Tally()
+            start = t
+            t = self._step(step.calls, step.n_tokens, t, tier, policy, policy_us, tally)
+            t += _us(costs.step_us)
+            tally.part("outside layers", _us(costs.step_us))
+            if step.decode:
+                tally.time_ns += t - start
+            if on_step is not None:
+                on_step(si + 1, len(wl.steps))
+        n_tok = max(1, wl.decoded_tokens)
+        scale = costs.layer_scale
+        if tier is not None:
+            tier.now_ns = t
+            tier.refresh()
+            b1, c1, s1 = self._bus_totals(tier)
+            p1 = self._prefetch_totals(tier)
+        else:
+            b1 = c1 = s1 = bytes0
+            p1 = pre0
+        decode_ns = max(1, tally.time_ns)
+        return SimResult(
+            policy=name,
+            tpot_ms=tally.time_ns / 1e6 / n_tok * scale,
+            decoded_tokens=wl.decoded_tokens,
+            activations=tally.activations,
+            hits=tally.hits,
+            misses_fetched=tally.fetched,
+            misses_host=tally.host,
+            misses_surrogate=tally.surrogate,
+            dropped=tally.dropped,
+            bytes_per_token=(b1 - bytes0) / n_tok * scale,
+            stall_ms_per_token=(s1 - stall0) / 1e6 / n_tok * scale,
+            bus_utilization=min(1.0, (c1 - copy0) / decode_ns),
+            prefetch_issued=p1[0] - pre0[0],
+            prefetch_used=p1[1] - pre0[1],
+            prefetch_cancelled=p1[2] - pre0[2],
+            policy_us_per_call=tally.policy_us / max(1, tally.policy_calls),
+            policy_fallbacks=tally.fallbacks,
+            breakdown_ms_per_token={k: v / 1e6 / n_tok * scale for k, v in tally.parts.items()},
+        )
+
+    # -- pieces -------------------------------------------------------------------
+
+    @staticmethod
+    def _bus_totals(tier: SimTier) -> tuple[int, int, int]:
+        return (
+            sum(k.bytes_h2d for k in tier.counters),
+            sum(k.copy_ns for k in tier.counters),
+            sum(k.stall_ns for k in tier.counters),
+        )
+
+    @staticmethod
+    def _prefetch_totals(tier: SimTier) -> tuple[int, int, int]:
+        return (
+            sum(k.prefetch_issued for k in tier.counters),
+            sum(k.prefetch_used for k in tier.counters),
+            sum(k.prefetch_cancelled for k in tier.counters),
+        )
+
+    def _preload(self, tier: SimTier) -> int:
+        """spice_runtime_preload: every expert in order while the budget lasts; set-up, not service."""
+        for il, n in enumerate(self.workload.n_expert):
+            for e in range(n):
+                if tier.request(il, e, PRIORITY_DEMAND) != OK:
+                    break
+            else:
+                continue
+            break
+        tier.now_ns = tier.bus_free_at()
+        tier.refresh()
+        tier.filled = set(tier.resident)  # preload waits on every copy, which fills its slot
+        tier.reset_counters()
+        return tier.now_ns
+
+    def _decide(
+        self, policy: Any, call: SimCall, residency: Any, policy_us: float | None, tally: _Tally
+    ) -> tuple[npt.NDArray[np.int32] | None, Plan, float]:
+        """The plan (or the default one) and the microseconds the decision took."""
+        if policy is None:
+            return None, Plan(), 0.0
+        n_expert = self.workload.n_expert[call.layer]
+        hook = HookCall(
+            call.layer,
+            call.hidden if call.hidden is not None else np.zeros((call.n_tokens, 0), np.float32),
+            call.probs if call.probs is not None else np.zeros((call.n_tokens, n_expert), np.float32),
+            call.ids,
+            call.weights,
+            call.shared,
+            residency,
+        )
+        start = time.perf_counter()
+        try:
+            plan = policy.decide(hook)
+            actions = _valid_plan(plan, call, self.workload.n_expert) if isinstance(plan, Plan) else None
+            ok = isinstance(plan, Plan) and (plan.actions is None or actions is not None)
+        except KeyboardInterrupt:
+            raise
+        except Exception:
+            ok, plan, actions = False, Plan(), None
+        spent = (time.perf_counter() - start) * 1e6
+        if not ok:
+            tally.fallbacks += 1
+            plan, actions = Plan(), None
+        us = policy_us if policy_us is not None else spent + self.costs.python_call_us
+        return actions, plan, us
+
+    def _step(
+        self,
+        calls: list[SimCall],
+        n_tokens: int,
+        t: int,
+        tier: SimTier | None,
+        policy: Any,
+        policy_us: float | None,
+        tally: _Tally,
+    ) -> int:
+        costs = self.costs
+        by_layer = {c.layer: c for c in calls}
+        rest = _us(interpolate(costs.rest_us, n_tokens) * n_tokens)
+        dev_us = interpolate(costs.device_expert_us, n_tokens)
+        host_us = interpolate(costs.host_expert_us, n_tokens)
+        for il in range(self.workload.n_layers):
+            t += rest
+            tally.part("non-expert compute", rest)
+            call = by_layer.get(il)
+            if call is None:
+                continue
+            ids = call.ids
+            if tier is not None:
+                tier.now_ns = t
+                residency = tier.states()
+                hit = residency[il, ids] == RESIDENCY_RESIDENT
+            else:
+                residency = None
+                hit = np.ones(ids.shape, dtype=bool)
+            default = np.where(hit, ACTION_DEVICE, ACTION_HOST).astype(np.int32)
+            actions, plan, spent_us = self._decide(policy, call, residency, policy_us, tally)
+            if actions is None:
+                actions = default.copy()
+            tally.policy_us += spent_us
+            tally.policy_calls += 1
+            overhead = _us(spent_us + costs.hook_us)
+            t += overhead
+            tally.part("policy and hook", overhead)
+            if tier is not None:
+                tier.now_ns = t
+                t = self._apply(tier, il, ids, actions, plan, t, tally)
+            # outcome of each activation (count_actions in spice-runtime.c)
+            tally.activations += int(ids.size)
+            is_dev, is_host = actions == ACTION_DEVICE, actions == ACTION_HOST
+            tally.hits += int(((is_dev | is_host) & hit).sum())
+            tally.fetched += int((is_dev & ~hit).sum())
+            tally.host += int((is_host & ~hit).sum())
+            tally.surrogate += int((actions == ACTION_SURROGATE).sum())
+            tally.dropped += int((actions == ACTION_DROP).sum())
+            dev = _us(
+                int(is_dev.sum()) * dev_us + int((actions == ACTION_SURROGATE).sum()) * costs.surrogate_us
+            )
+            n_host = int(is_host.sum())
+            host = _us(n_host * host_us + (costs.host_call_us if n_host else 0.0))
+            if tier is None:  # no device tier: everything runs on the host executor
+                host, dev = host + dev, 0
+            if costs.device_shares_host:
+                t += dev + host
+                tally.part("expert compute", dev + host)
+            else:
+                t += max(dev, host)
+                tally.part("expert compute", max(dev, host))
+        return t
+
+    def _apply(
+        self,
+        tier: SimTier,
+        il: int,
+        ids: npt.NDArray[np.int32],
+        actions: npt.NDArray[np.int32],
+        plan: Plan,
+        t: int,
+        tally: _Tally,
+    ) -> int:
+        """spice_runtime_apply_store_plan on the simulated tier; returns the time after the waits."""
+        need = sorted({int(e) for e in ids[actions == ACTION_DEVICE]})
+        pinned = set()
+        for e in need:
+            if tier.state(il, e) != RESIDENCY_ABSENT and tier.pin(il, e) == OK:
+                pinned.add(e)
+        for pl, pe in plan.evict:
+            tier.evict(int(pl), int(pe))
+        for e in plan.fetch:
+            tier.request(il, int(e), PRIORITY_DEMAND)
+        for e in need:
+            if e not in pinned and tier.request(il, e, PRIORITY_DEMAND) == OK and tier.pin(il, e) == OK:
+                pinned.add(e)
+        for pl, pe in plan.prefetch:
+            tier.request(int(pl), int(pe), PRIORITY_PREFETCH)
+        costs = self.costs
+        for e in need:
+            if e not in pinned:
+                continue
+            stall = max(0, tier.ready_at(il, e) - t)
+            fill = 0
+            if costs.fill_gbps > 0 and (il, e) not in tier.filled:
+                # the emulator copies the slot's bytes in, then sleeps out what is left of the transfer
+                fill = int(costs.expert_bytes[il] / costs.fill_gbps)
+                tier.filled.add((il, e))
+            elapsed = max(stall, fill) + (_us(costs.wake_us) if stall > fill else 0)
+            tally.part("stall", stall)
+            tally.part("slot fill and wake-up", elapsed - stall)
+            t += elapsed
+            tier.now_ns = t
+            tier.finish_wait(il, e, stall)
+        for e in need:
+            if e not in pinned:
+                actions[(ids == e) & (actions == ACTION_DEVICE)] = ACTION_HOST
+            else:
+                tier.unpin(il, e)
+        return t
+
+
+def make_costs(values: Mapping[str, Any]) -> Costs:
+    """Costs from a plain mapping (tests, JSON)."""
+    return Costs(**dict(values))

@@ -1,0 +1,276 @@
+"""Hardware profiles (data files in pyspice/sim/profiles) and the costs they give a target.
+
+Every number in a profile is a `{"value", "source", "note"}` entry whose
+source says how it was obtained: `measured` (on this machine, or in the
+profile's note), `derived` (a published peak times a stated efficiency: the
+entry then also has `peak` and `efficiency`, and value = peak x efficiency),
+`published` (a datasheet figure used as is) or `estimate` (a typical figure
+we could not measure or derive, named as such).
+
+Time model (decode is memory-bound; prompt batches may be compute-bound):
+
+    device, per layer and token:  non-expert bytes / device bandwidth + kernel overhead
+    device, per expert activation: expert bytes / device bandwidth
+    host, per expert activation:   expert bytes / host memory bandwidth
+    bus, per copy:                 latency + expert bytes / bus bandwidth
+
+with a batch of n tokens taking max(memory time, 2 x params x n / FLOP rate).
+
+Mapping a source trace to a target (`--target`): the trace keeps its own
+routing (layers, experts per layer, top-k, which experts each token picks).
+Each trace MoE layer j stands for target MoE layer round(j x (M_t - 1) /
+(M_s - 1)) and each of its experts gets that layer's expert bytes, so the
+device budget is the same share of (trace-geometry) expert bytes, a copy takes
+the target's time per expert and a host activation the target's host time per
+expert, and each trace layer costs one average target layer of non-expert
+work: the ratios copy/expert : compute/layer : host/expert are the target's.
+Per-token figures are then scaled by L_target / L_trace (depth), so TPOT is
+per target token. What does not carry over: the source's top-k share (k/E)
+and its reuse pattern, which are the source model's.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pyspice.sim.engine import BatchTable, Costs
+from pyspice.sim.targets import TargetModel
+from pyspice.sim.workload import Workload
+
+SOURCES = ("measured", "derived", "published", "estimate")
+EMULATED = "emulated"
+
+
+@dataclass(frozen=True)
+class Value:
+    value: float
+    source: str
+    note: str = ""
+    peak: float | None = None
+    efficiency: float | None = None
+
+    @staticmethod
+    def parse(name: str, doc: Any) -> Value:
+        if not isinstance(doc, dict) or "source" not in doc:
+            raise ValueError(f"profile value {name!r} needs a source ({', '.join(SOURCES)})")
+        source = str(doc["source"])
+        if source not in SOURCES:
+            raise ValueError(f"profile value {name!r}: source {source!r} is not one of {', '.join(SOURCES)}")
+        peak, eff = doc.get("peak"), doc.get("efficiency")
+        if source == "derived":
+            if peak is None or eff is None:
+                raise ValueError(f"profile value {name!r} is derived: give its peak and efficiency")
+            value = float(peak) * float(eff)
+        else:
+            value = float(doc["value"])
+        return Value(value, source, str(doc.get("note", "")), peak, eff)
+
+    def label(self) -> str:
+        if self.source == "derived":
+            return f"{self.value:g} (derived: {self.peak:g} peak x {self.efficiency:g})"
+        return f"{self.value:g} ({self.source})"
+
+
+_FIELDS = (
+    "bus_gbps",
+    "bus_latency_us",
+    "device_mem_gbps",
+    "device_tflops",
+    "device_memory_gib",
+    "device_layer_us",
+    "host_mem_gbps",
+    "host_gflops",
+    "host_call_us",
+    "hook_us",
+    "python_call_us",
+)
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    description: str
+    values: dict[str, Value]
+    emulated: bool = False
+    probe: Any = None  # the pyspice.probe.CostProfile of an emulated profile
+    fill_gbps: float = 0.0
+    wake_us: float = 0.0
+
+    def __getitem__(self, key: str) -> float:
+        return self.values[key].value
+
+    @staticmethod
+    def from_json(doc: dict[str, Any]) -> HardwareProfile:
+        name = str(doc["name"])
+        missing = [f for f in _FIELDS if f not in doc.get("values", {})]
+        if missing:
+            raise ValueError(f"hardware profile {name!r} lacks {', '.join(missing)}")
+        values = {k: Value.parse(k, v) for k, v in doc["values"].items()}
+        return HardwareProfile(name, str(doc.get("description", "")), values)
+
+    def describe(self) -> list[str]:
+        return [f"{self.name}: {self.description}"] + [
+            f"  {k:<18} {v.label()}{'  - ' + v.note if v.note else ''}" for k, v in self.values.items()
+        ]
+
+
+def profile_names() -> list[str]:
+    files = resources.files("pyspice.sim").joinpath("profiles")
+    shipped = sorted(p.name.removesuffix(".json") for p in files.iterdir() if p.name.endswith(".json"))
+    return [*shipped, EMULATED]
+
+
+def load_profile(name: str, probe_path: Path | None = None) -> HardwareProfile:
+    """A shipped profile by name, a JSON file by path, or `emulated` (this machine, from `pyspice probe`)."""
+    if name == EMULATED:
+        if probe_path is None:
+            raise ValueError(
+                "the emulated profile needs a cost profile: run `pyspice probe` on the source model"
+            )
+        return emulated_profile(probe_path)
+    path = Path(name)
+    if path.suffix == ".json" and path.exists():
+        return HardwareProfile.from_json(json.loads(path.read_text()))
+    res = resources.files("pyspice.sim").joinpath("profiles", f"{name}.json")
+    if not res.is_file():
+        raise ValueError(f"unknown hardware profile {name!r}; choose one of {', '.join(profile_names())}")
+    return HardwareProfile.from_json(json.loads(res.read_text()))
+
+
+def measure_fill_gbps(nbytes: int, repeats: int = 200) -> float:
+    """Host copy bandwidth for one expert's bytes (the emulator's slot fill), GB/s."""
+    src = np.ones(max(1, nbytes), dtype=np.uint8)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - start)
+    return nbytes / max(best, 1e-9) / 1e9
+
+
+def measure_wake_us(sleep_us: float = 10.0, repeats: int = 50) -> float:
+    """How late a short sleep wakes (timer slack and scheduling), median microseconds."""
+    lates = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        time.sleep(sleep_us / 1e6)
+        lates.append((time.perf_counter() - start) * 1e6 - sleep_us)
+    return float(np.median(lates))
+
+
+def emulated_profile(probe_path: Path) -> HardwareProfile:
+    """This machine with its emulated device, from a `pyspice probe` cost profile: the
+    bus as the probe's emulation set it, device compute = host compute."""
+    from pyspice.probe import load_profile as load_probe
+
+    probe = load_probe(probe_path)
+    expert_bytes = max(probe.expert_bytes.values(), default=0)
+    fill = measure_fill_gbps(expert_bytes)
+    wake = measure_wake_us()
+    values = {
+        "bus_gbps": Value(probe.bus_gbps, "measured", probe.bus_source),
+        "bus_latency_us": Value(probe.bus_latency_us, "measured", probe.bus_source),
+        "fill_gbps": Value(
+            fill, "measured", "host copy of one expert into its slot (numpy copy, best of 200)"
+        ),
+        "wake_us": Value(wake, "measured", "lateness of a 10 us sleep, median of 50"),
+    }
+    return HardwareProfile(
+        EMULATED,
+        f"this machine, emulated device ({probe.threads} threads; probe of {Path(probe.model).name})",
+        values,
+        emulated=True,
+        probe=probe,
+        fill_gbps=fill,
+        wake_us=wake,
+    )
+
+
+def _table(points: list[tuple[int, float]]) -> BatchTable:
+    return tuple(sorted(points))
+
+
+def emulated_costs(profile: HardwareProfile, workload: Workload, expert_bytes: tuple[int, ...]) -> Costs:
+    """The source model on this machine, as `pyspice bench` runs it with an emulated device."""
+    probe = profile.probe
+    expert = _table([(b.tokens, b.expert_us) for b in probe.batches])
+    rest = _table([(b.tokens, b.rest_us_per_layer) for b in probe.batches])
+    return Costs(
+        expert_bytes=expert_bytes,
+        bus_gbps=probe.bus_gbps,
+        bus_latency_us=probe.bus_latency_us,
+        rest_us=rest,
+        device_expert_us=expert,
+        host_expert_us=expert,
+        device_shares_host=True,
+        fill_gbps=profile.fill_gbps,
+        wake_us=profile.wake_us,
+        layer_scale=1.0,
+    )
+
+
+def _stand_in(j: int, n_src: int, n_tgt: int) -> int:
+    return round(j * (n_tgt - 1) / (n_src - 1)) if n_src > 1 else 0
+
+
+def target_costs(profile: HardwareProfile, target: TargetModel, workload: Workload) -> Costs:
+    """Costs of `target` on `profile` laid over the trace's geometry (module docstring)."""
+    src_moe = workload.moe_layers
+    expert_bytes = [0] * workload.n_layers
+    for j, il in enumerate(src_moe):
+        expert_bytes[il] = target.expert_bytes[
+            target.moe_layers[_stand_in(j, len(src_moe), len(target.moe_layers))]
+        ]
+    dev_bw = profile["device_mem_gbps"] * 1e3  # bytes per microsecond
+    dev_flops = profile["device_tflops"] * 1e6  # FLOP per microsecond
+    host_bw = profile["host_mem_gbps"] * 1e3
+    host_flops = profile["host_gflops"] * 1e3
+    mean_bytes = sum(target.layer_bytes) / target.n_layers
+    mean_params = sum(target.layer_params) / target.n_layers
+    mean_expert_bytes = sum(target.expert_bytes[il] for il in target.moe_layers) / len(target.moe_layers)
+    share = target.n_expert_used / target.n_expert  # tokens of a batch that reach one expert
+
+    def rest(n: int) -> float:  # per token per layer
+        return (max(mean_bytes / dev_bw, 2 * mean_params * n / dev_flops) + profile["device_layer_us"]) / n
+
+    def per_act(n: int, bw: float, flops: float) -> float:
+        m = max(1.0, n * share)
+        return max(mean_expert_bytes / bw, 2 * target.expert_params * m / flops) / m
+
+    batches = (1, 8, 32, 128, 512)
+    scale = target.n_layers / workload.n_layers
+    head_us = max(target.head_bytes / dev_bw, 0.0)
+    return Costs(
+        expert_bytes=tuple(expert_bytes),
+        bus_gbps=profile["bus_gbps"],
+        bus_latency_us=profile["bus_latency_us"],
+        rest_us=_table([(n, rest(n)) for n in batches]),
+        device_expert_us=_table([(n, per_act(n, dev_bw, dev_flops)) for n in batches]),
+        host_expert_us=_table([(n, per_act(n, host_bw, host_flops)) for n in batches]),
+        step_us=head_us / scale,
+        host_call_us=profile["host_call_us"],
+        hook_us=profile["hook_us"],
+        python_call_us=profile["python_call_us"],
+        surrogate_us=0.0,
+        device_shares_host=False,
+        layer_scale=scale,
+    )
+
+
+def budget_bytes(spec: str, routed_bytes: int, target_routed: int | None = None) -> int:
+    """A --device-budget entry: a share ("25%") of the simulated routed-expert bytes, or
+    bytes with a unit ("8GiB"), which for a target mean target bytes (taken as a share)."""
+    from pyspice.units import parse_budget
+
+    budget = parse_budget(spec)
+    if target_routed is not None and budget.share is None:
+        return int(routed_bytes * min(1.0, budget.resolve(target_routed) / target_routed))
+    return int(budget.resolve(routed_bytes))

@@ -1,0 +1,171 @@
+"""What the simulator replays: the hook calls of a recorded run, step by step.
+
+A step is one evaluation (a prompt micro-batch or one decoded token); it holds
+one call per MoE layer with the arrays a policy sees (hidden, probs, ids,
+weights, optional shared). Traces on disk are read by pyspice.trace (one
+format, shared with calibration); `from_trace` adapts its reader, and
+`from_arrays` takes plain token-major arrays (tests, scratch recordings).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+
+@dataclass
+class SimCall:
+    layer: int
+    ids: npt.NDArray[np.int32]  # [n_tokens, k]
+    weights: npt.NDArray[np.float32]  # [n_tokens, k]
+    probs: npt.NDArray[np.float32] | None = None  # [n_tokens, n_expert]
+    hidden: npt.NDArray[np.float32] | None = None  # [n_tokens, n_embd]
+    shared: npt.NDArray[np.float32] | None = None
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.ids.shape[0])
+
+
+@dataclass
+class SimStep:
+    calls: list[SimCall]
+    decode: bool  # counts toward per-token figures (TPOT); prompt steps only warm the tier
+
+    @property
+    def n_tokens(self) -> int:
+        return self.calls[0].n_tokens if self.calls else 0
+
+
+@dataclass
+class Workload:
+    n_layers: int
+    n_expert: tuple[int, ...]  # per layer, 0 for dense layers
+    n_expert_used: int
+    n_embd: int
+    steps: list[SimStep] = field(default_factory=list)
+    source: str = ""
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(il for il, n in enumerate(self.n_expert) if n > 0)
+
+    @property
+    def decoded_tokens(self) -> int:
+        return sum(s.n_tokens for s in self.steps if s.decode)
+
+    def accesses(self) -> Iterator[tuple[bool, int, list[int], int]]:
+        """(decode step?, layer, distinct experts the call routes to, activations), in time order."""
+        for step in self.steps:
+            for call in step.calls:
+                yield step.decode, call.layer, sorted({int(e) for e in call.ids.ravel()}), int(call.ids.size)
+
+    @staticmethod
+    def from_arrays(
+        n_layers: int,
+        moe_layers: Sequence[int],
+        n_expert: int,
+        ids: npt.ArrayLike,
+        weights: npt.ArrayLike | None = None,
+        *,
+        probs: npt.ArrayLike | None = None,
+        hidden: npt.ArrayLike | None = None,
+        prompt_tokens: int = 0,
+        source: str = "arrays",
+    ) -> Workload:
+        """Token-major arrays: ids/weights [T, L_moe, k], probs [T, L_moe, n_expert],
+        hidden [T, L_moe, n_embd]. The first `prompt_tokens` tokens form one prompt
+        step (one batched call per layer); every later token is a decode step."""
+        ids_a = np.asarray(ids, dtype=np.int32)
+        if ids_a.ndim != 3 or ids_a.shape[1] != len(moe_layers):
+            raise ValueError(f"ids must be [tokens, {len(moe_layers)} MoE layers, k], got {ids_a.shape}")
+        n_tok, _, k = ids_a.shape
+        w_a = (
+            np.asarray(weights, dtype=np.float32)
+            if weights is not None
+            else np.full(ids_a.shape, 1.0 / k, np.float32)
+        )
+        p_a = np.asarray(probs, dtype=np.float32) if probs is not None else None
+        h_a = np.asarray(hidden, dtype=np.float32) if hidden is not None else None
+        n_embd = int(h_a.shape[-1]) if h_a is not None else 0
+        per_layer = tuple(n_expert if il in set(moe_layers) else 0 for il in range(n_layers))
+        wl = Workload(n_layers, per_layer, int(k), n_embd, source=source)
+        bounds = ([(0, prompt_tokens)] if prompt_tokens > 0 else []) + [
+            (t, t + 1) for t in range(prompt_tokens, n_tok)
+        ]
+        for lo, hi in bounds:
+            calls = [
+                SimCall(
+                    layer=il,
+                    ids=ids_a[lo:hi, j],
+                    weights=w_a[lo:hi, j],
+                    probs=p_a[lo:hi, j] if p_a is not None else None,
+                    hidden=h_a[lo:hi, j] if h_a is not None else None,
+                )
+                for j, il in enumerate(moe_layers)
+            ]
+            wl.steps.append(SimStep(calls, decode=hi - lo == 1 and lo >= prompt_tokens))
+        return wl
+
+    @staticmethod
+    def from_calls(
+        n_layers: int,
+        n_expert: Sequence[int],
+        n_expert_used: int,
+        steps: Sequence[tuple[bool, Sequence[Mapping[str, Any]]]],
+        source: str = "calls",
+    ) -> Workload:
+        """Steps as (decode?, [{layer, ids, weights, probs?, hidden?, shared?}, ...])."""
+        wl = Workload(n_layers, tuple(n_expert), n_expert_used, 0, source=source)
+        for decode, calls in steps:
+            sim_calls = []
+            for c in calls:
+                hidden = c.get("hidden")
+                sim_calls.append(
+                    SimCall(
+                        layer=int(c["layer"]),
+                        ids=np.asarray(c["ids"], dtype=np.int32),
+                        weights=np.asarray(c["weights"], dtype=np.float32),
+                        probs=None if c.get("probs") is None else np.asarray(c["probs"], np.float32),
+                        hidden=None if hidden is None else np.asarray(hidden, np.float32),
+                        shared=None if c.get("shared") is None else np.asarray(c["shared"], np.float32),
+                    )
+                )
+                if hidden is not None:
+                    wl.n_embd = int(np.asarray(hidden).shape[-1])
+            wl.steps.append(SimStep(sim_calls, bool(decode)))
+        return wl
+
+
+def from_trace(path: Path) -> Workload:
+    """A trace directory written by pyspice.trace (`generate/bench --trace`). Every
+    token is a decode step, unless meta.extra names `prompt_tokens`: those first
+    tokens then form one prompt step (it warms the tier, it is not timed)."""
+    from pyspice.trace import TraceReader
+
+    reader = TraceReader(path)
+    meta = reader.meta
+    fields = tuple(f for f in ("ids", "weights", "probs", "hidden") if f in meta.fields)
+    arrays = {il: reader.layer(il, fields) for il in meta.moe_layers}
+
+    def stack(name: str) -> npt.NDArray[Any] | None:
+        if name not in fields:
+            return None
+        return np.stack([np.asarray(arrays[il][name]) for il in meta.moe_layers], axis=1)
+
+    return Workload.from_arrays(
+        meta.n_layers,
+        meta.moe_layers,
+        meta.n_expert,
+        stack("ids"),  # type: ignore[arg-type]
+        stack("weights"),
+        probs=stack("probs"),
+        hidden=stack("hidden"),
+        prompt_tokens=int(meta.extra.get("prompt_tokens", 0) or 0),
+        source=str(path),
+    )

@@ -1,0 +1,148 @@
+"""The discrete-event model: perfect prediction with room hides every copy; policies
+run unchanged; the plan is applied as the engine applies it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pyspice.policy import ACTION_DEVICE, HookCall, Plan, PolicyContext, make_policy
+from pyspice.sim.engine import Costs, Simulator, interpolate
+from pyspice.sim.workload import Workload
+
+N_LAYERS, N_EXPERT, K = 4, 8, 2
+
+
+def workload(tokens: int = 24, prompt: int = 4, seed: int = 1) -> Workload:
+    rng = np.random.default_rng(seed)
+    ids = np.stack(
+        [[rng.choice(N_EXPERT, K, replace=False) for _ in range(N_LAYERS)] for _ in range(tokens)]
+    ).astype(np.int32)
+    return Workload.from_arrays(N_LAYERS, list(range(N_LAYERS)), N_EXPERT, ids, prompt_tokens=prompt)
+
+
+def costs(**kw: object) -> Costs:
+    base: dict[str, object] = dict(
+        expert_bytes=(10_000,) * N_LAYERS,
+        bus_gbps=10.0,  # 1 us + 1 us latency per copy
+        bus_latency_us=1.0,
+        rest_us=((1, 100.0), (4, 100.0)),
+        device_expert_us=((1, 1.0),),
+        host_expert_us=((1, 20.0),),
+    )
+    base.update(kw)
+    return Costs(**base)  # type: ignore[arg-type]
+
+
+class Oracle:
+    """Prefetches exactly the experts the next call will use (perfect prediction)."""
+
+    name = "oracle"
+
+    def __init__(self, wl: Workload) -> None:
+        self.sequence = [
+            (c.layer, sorted({int(e) for e in c.ids.ravel()})) for s in wl.steps for c in s.calls
+        ]
+        self.i = 0
+
+    def decide(self, call: HookCall) -> Plan:
+        assert call.residency is not None
+        nxt = self.sequence[self.i + 1] if self.i + 1 < len(self.sequence) else None
+        self.i += 1
+        prefetch = [(nxt[0], e) for e in nxt[1]] if nxt else []
+        return Plan(actions=np.full(call.ids.shape, ACTION_DEVICE, np.int32), prefetch=prefetch)
+
+
+def test_perfect_prediction_with_enough_budget_never_stalls() -> None:
+    wl = workload()
+    sim = Simulator(wl, costs(), budget_bytes=N_LAYERS * N_EXPERT * 10_000)
+    result = sim.run("oracle", Oracle(wl), policy_us=5.0)
+    assert result.stall_ms_per_token == 0.0
+    assert result.misses == 0 and result.hit_rate == 1.0
+    assert result.prefetch_used > 0
+    # the same trace fetched on demand waits for every copy
+    ondemand = sim.run("ondemand", make_policy("ondemand"), policy_us=5.0)
+    assert ondemand.stall_ms_per_token > 0.0
+    assert ondemand.tpot_ms > result.tpot_ms
+
+
+def test_a_slow_bus_shows_as_stall_even_with_perfect_prediction() -> None:
+    wl = workload()
+    slow = costs(bus_gbps=0.01)  # 1 ms per copy, layers take 0.1 ms
+    result = Simulator(wl, slow, budget_bytes=N_LAYERS * N_EXPERT * 10_000).run(
+        "oracle", Oracle(wl), policy_us=5.0
+    )
+    assert result.stall_ms_per_token > 0.0
+
+
+def test_host_policy_time_is_rest_plus_host_experts_plus_policy() -> None:
+    wl = workload(prompt=0, tokens=3)
+    result = Simulator(wl, costs(), budget_bytes=80_000).run("host", make_policy("host"), policy_us=7.0)
+    per_layer_us = 100.0 + K * 20.0 + 7.0
+    assert result.tpot_ms == pytest.approx(N_LAYERS * per_layer_us / 1e3)
+    assert result.bytes_per_token == 0 and result.misses_host == 3 * N_LAYERS * K
+
+
+def test_emulated_device_is_serial_and_real_device_overlaps() -> None:
+    wl = workload(prompt=0, tokens=2)
+    budget = N_LAYERS * N_EXPERT * 10_000
+
+    class Half:
+        name = "half"
+
+        def decide(self, call: HookCall) -> Plan:
+            actions = np.full(call.ids.shape, 1, np.int32)
+            actions[:, 0] = ACTION_DEVICE
+            return Plan(actions=actions)
+
+    par = Simulator(wl, costs(), budget).run("half", Half(), policy_us=0.0)
+    ser = Simulator(wl, costs(device_shares_host=True), budget).run("half", Half(), policy_us=0.0)
+    assert ser.tpot_ms > par.tpot_ms
+
+
+def test_a_failing_policy_falls_back_to_the_default_plan() -> None:
+    class Broken:
+        name = "broken"
+
+        def decide(self, call: HookCall) -> Plan:
+            raise ZeroDivisionError
+
+    wl = workload(prompt=0, tokens=2)
+    result = Simulator(wl, costs(), 80_000).run("broken", Broken(), policy_us=1.0)
+    assert result.policy_fallbacks == 2 * N_LAYERS
+    assert result.misses_host == result.activations
+
+
+def test_policies_get_the_engine_context() -> None:
+    seen: list[PolicyContext] = []
+
+    class Spy:
+        name = "spy"
+
+        def attach(self, ctx: PolicyContext) -> None:
+            seen.append(ctx)
+
+        def decide(self, call: HookCall) -> Plan:
+            return Plan()
+
+    wl = workload(prompt=0, tokens=1)
+    Simulator(wl, costs(), 123_456).run("spy", Spy(), policy_us=0.0)
+    assert seen[0].budget_bytes == 123_456
+    assert seen[0].expert_bytes == (10_000,) * N_LAYERS
+    assert seen[0].n_expert_used == K
+
+
+def test_every_baseline_runs_in_the_simulator() -> None:
+    wl = workload()
+    sim = Simulator(wl, costs(), budget_bytes=N_LAYERS * N_EXPERT * 10_000 // 4)
+    for name in ("host", "static", "ondemand", "lru", "adapmoe"):
+        result = sim.run(name, make_policy(name))
+        assert result.policy_fallbacks == 0, name
+        assert result.activations == wl.decoded_tokens * N_LAYERS * K
+
+
+def test_interpolation_is_log_linear_and_flat_outside() -> None:
+    table = ((1, 10.0), (4, 4.0))
+    assert interpolate(table, 1) == 10.0
+    assert interpolate(table, 2) == pytest.approx(7.0)
+    assert interpolate(table, 64) == 4.0
