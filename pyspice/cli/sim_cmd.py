@@ -46,6 +46,18 @@ def register(sub: Any) -> None:
         help="measured microseconds per call, NAME=US,... (default: time each decide() here and add "
         "the profile's cost of reaching Python)",
     )
+    p.add_argument(
+        "--policy-us-from",
+        type=Path,
+        metavar="BENCH_JSON",
+        help="take each policy's measured us per call from a `pyspice bench --json` document",
+    )
+    p.add_argument(
+        "--compare",
+        default="",
+        metavar="BUDGET=BENCH_JSON,...",
+        help="validate: compare simulated TPOT with `pyspice bench --json` runs of the same budgets",
+    )
     p.add_argument("--probe", type=Path, help="cost profile for `emulated` (default: the source model's)")
     p.add_argument("--json", action="store_true", help='print {"rows": [...]} as JSON')
     p.add_argument("--plot", metavar="PNG", help="draw speedup over adapmoe (paper Fig. 7 style)")
@@ -92,7 +104,10 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"no cost profile for {model.name}: run `pyspice probe -m {model}` first")
     profiles = tuple(load_profile(n, probe_file) for n in names)
     target = None if args.target == "source" else load_target(args.target)
-    policy_us = {}
+    policy_us: dict[str, float] = {}
+    if args.policy_us_from is not None:
+        measured = json.loads(args.policy_us_from.read_text()).get("policies", {})
+        policy_us.update({name: float(rec["policy_us_per_call"]) for name, rec in measured.items()})
     for item in _split(args.policy_us):
         name, _, value = item.partition("=")
         policy_us[name.strip()] = float(value)
@@ -110,9 +125,17 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         plot(rows, args.plot, f"{target.name if target else model.name}, trace {args.trace.name}")
         note(f"plot written to {args.plot}")
+    doc: dict[str, Any] = {"rows": rows, "simulated": True}
+    if args.compare:
+        from pyspice.sim.validate import compare, format_comparison, parse_compare
+
+        doc["validation"] = compare(rows, parse_compare(args.compare))
     if args.json:
-        json.dump({"rows": rows, "simulated": True}, sys.stdout)
+        json.dump(doc, sys.stdout)
         sys.stdout.write("\n")
     else:
         print(format_tables(rows))
+        if "validation" in doc:
+            print()
+            print(format_comparison(doc["validation"]))
     return 0

@@ -1,0 +1,104 @@
+"""Target sizes, shipped profiles, the result rows and the validation comparison."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pyspice.sim.hardware import Value, load_profile, profile_names, target_costs
+from pyspice.sim.report import SimConfig, format_tables, simulate_all
+from pyspice.sim.targets import load_target, use_more_bits
+from pyspice.sim.validate import compare, format_comparison, parse_compare
+from pyspice.sim.workload import Workload
+
+
+def test_qwen2_57b_q5_k_m_expert_bytes_follow_the_k_m_mix() -> None:
+    t = load_target("qwen2-57b-a14b:Q5_K_M")
+    # gate and up: 2560 rows of 3584 in Q5_K (176 bytes per 256); down: 3584 rows of 2560,
+    # Q6_K (210 per 256) on the layers use_more_bits picks, Q5_K elsewhere
+    q5 = 2560 * 14 * 176
+    assert t.expert_bytes[0] == 2 * q5 + 3584 * 10 * 210
+    assert t.expert_bytes[3] == 3 * q5
+    assert [use_more_bits(i, 28) for i in range(6)] == [True, True, True, False, False, True]
+    assert len(t.moe_layers) == 28 and t.n_expert == 64 and t.n_expert_used == 8
+
+
+def test_deepseek_v2_lite_down_rows_fall_back_and_layer_0_is_dense() -> None:
+    t = load_target("deepseek-v2-lite:Q4_K_M")
+    assert t.expert_bytes[0] == 0 and t.moe_layers[0] == 1
+    # gate/up Q4_K (144 per 256); down rows of 1408 are not multiples of 256: Q5_0 (22 per 32)
+    # or Q8_0 (34 per 32) where Q6_K was chosen
+    gate_up = 2 * 1408 * 8 * 144
+    assert t.expert_bytes[3] == gate_up + 2048 * 44 * 22
+    assert t.expert_bytes[1] == gate_up + 2048 * 44 * 34
+
+
+def test_shipped_profiles_load_and_label_every_value() -> None:
+    names = profile_names()
+    assert {"rtx4060", "rtx5090", "a800", "h200", "emulated"} <= set(names)
+    for name in names:
+        if name == "emulated":
+            continue
+        prof = load_profile(name)
+        for v in prof.values.values():
+            assert v.source in ("measured", "derived", "published", "estimate")
+            if v.source == "derived":
+                assert v.peak is not None and v.efficiency is not None
+                assert v.value == pytest.approx(v.peak * v.efficiency)
+    with pytest.raises(ValueError, match="unknown hardware profile"):
+        load_profile("gtx480")
+    with pytest.raises(ValueError, match="peak and efficiency"):
+        Value.parse("bus_gbps", {"source": "derived", "value": 3})
+
+
+def small_workload() -> Workload:
+    rng = np.random.default_rng(3)
+    ids = np.stack([[rng.choice(16, 2, replace=False) for _ in range(4)] for _ in range(20)]).astype(np.int32)
+    return Workload.from_arrays(4, [0, 1, 2, 3], 16, ids, prompt_tokens=4)
+
+
+def test_target_mapping_keeps_the_targets_per_expert_and_per_layer_ratios() -> None:
+    t = load_target("qwen2-57b-a14b:Q5_K_M")
+    prof = load_profile("rtx4060")
+    wl = small_workload()
+    costs = target_costs(prof, t, wl)
+    assert set(costs.expert_bytes) <= set(t.expert_bytes)
+    assert costs.expert_bytes[0] == t.expert_bytes[0] and costs.expert_bytes[3] == t.expert_bytes[27]
+    assert costs.layer_scale == pytest.approx(28 / 4)
+    host_us = costs.host_expert_us[0][1]
+    assert host_us == pytest.approx(
+        sum(t.expert_bytes) / 28 / (prof["host_mem_gbps"] * 1e3)
+    )  # memory-bound decode on the host
+
+
+def test_rows_have_every_policy_and_a_belady_row(tmp_path: Path) -> None:
+    wl = small_workload()
+    cfg = SimConfig(
+        profiles=(load_profile("rtx4060"), load_profile("a800")),
+        budgets=("25%", "50%"),
+        policies=("host", "lru", "ondemand"),
+        target=load_target("qwen2-57b-a14b:Q5_K_M"),
+        source_expert_bytes=(1000,) * 4,
+        policy_us={"host": 10.0, "lru": 20.0, "ondemand": 20.0},
+    )
+    rows = simulate_all(wl, cfg)
+    assert len(rows) == 2 * 2 * 4
+    assert [r["policy"] for r in rows[:4]] == ["host", "lru", "ondemand", "belady"]
+    assert all(r["simulated"] for r in rows)
+    table = format_tables(rows)
+    assert "belady" in table and "(simulated)" in table
+    # a 25% budget of Qwen2-57B plus its other weights does not fit an 8 GiB card: said so
+    assert any("GiB" in r.get("note", "") for r in rows if r["profile"] == "rtx4060")
+    bench = tmp_path / "bench.json"
+    bench.write_text(
+        json.dumps({"policies": {"lru": {"tpot_ms": rows[1]["tpot_ms"] * 1.1, "tpot_ms_runs": [1.0]}}})
+    )
+    entries = compare(rows, parse_compare(f"25%={bench}"))
+    assert len(entries) == 2  # lru at 25% on both profiles
+    assert entries[0]["error"] == pytest.approx(1 / 1.1 - 1)
+    assert "tolerance" in format_comparison(entries)
+    with pytest.raises(ValueError, match="stock"):
+        simulate_all(wl, SimConfig(cfg.profiles, ("25%",), ("stock",), cfg.target, (1000,) * 4))
