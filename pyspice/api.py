@@ -19,10 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import llama_cpp
+import numpy as np
 
 from pyspice.policy import Policy, PolicyContext, make_policy, policy_spec
 from pyspice.routers import RouterReader
-from pyspice.runtime import ExpertBufferType, IncompatibleModelError, Runtime, StoreParams
+from pyspice.runtime import ExpertBufferType, IncompatibleModelError, Runtime, SpiceError, StoreParams
 from pyspice.stats import StatsSnapshot, Timing, stats_record
 from pyspice.units import Budget, format_bytes, parse_budget
 
@@ -57,6 +58,14 @@ class DeviceTier:
                 else ""
             )
         )
+
+
+@dataclass(frozen=True)
+class SurrogateSet:
+    """The loaded LoRE surrogates: how many (layer, expert) pairs, device bytes."""
+
+    count: int
+    device_bytes: int
 
 
 # llama.cpp matches this against tensor names with std::regex_search
@@ -176,6 +185,54 @@ class Llama(llama_cpp.Llama):
     def set_profile(self, profile: Any) -> None:
         """A cost profile (pyspice.probe.CostProfile) for policies that weigh costs."""
         self._spice_profile = profile
+
+    # ---- surrogates ------------------------------------------------------------------
+
+    def set_surrogates(self, sidecar: Any) -> SurrogateSet:
+        """Load LoRE surrogates for the policies that ask for them (plan action
+        "surrogate"). `sidecar` is anything with `surrogate(layer, expert) ->
+        (alpha, A [rank, n_embd], B [n_embd, rank]) or None` (pyspice.sidecar.Sidecar).
+        They replace any loaded before; their f16 bytes count against the
+        device budget. Over budget: nothing stays loaded and ValueError says
+        by how much. Exact policies never use them."""
+        runtime = self._require_runtime()
+        runtime.clear_surrogates()
+        try:
+            for info in runtime.layers():
+                if not info.is_moe:
+                    continue
+                for e in range(info.n_expert):
+                    entry = sidecar.surrogate(info.il, e)
+                    if entry is None:
+                        continue
+                    alpha, a, b = entry
+                    if np.shape(a)[-1:] != (info.n_embd,):
+                        raise ValueError(
+                            f"surrogate ({info.il}, {e}): A has shape {np.shape(a)}; this model needs "
+                            f"[rank, {info.n_embd}] (a sidecar for another model?)"
+                        )
+                    runtime.set_surrogate(info.il, e, float(alpha), a, b)
+        except SpiceError as exc:
+            runtime.clear_surrogates()
+            if exc.status == 6:
+                raise ValueError(
+                    f"the surrogates do not fit the device budget: {exc}; give a larger "
+                    "--device-budget or a lower rank"
+                ) from exc
+            raise
+        except Exception:
+            runtime.clear_surrogates()
+            raise
+        return self.spice_surrogates()
+
+    def clear_surrogates(self) -> None:
+        """Unload every surrogate (their device bytes go back to the budget)."""
+        self._require_runtime().clear_surrogates()
+
+    def spice_surrogates(self) -> SurrogateSet:
+        """How many surrogates are loaded and the device bytes they hold."""
+        runtime = self._require_runtime()
+        return SurrogateSet(count=runtime.n_surrogates(), device_bytes=runtime.surrogate_bytes())
 
     # llama_cpp.Llama.__init__ assigns self.model_params and fills it before
     # loading; intercepting the assignment places the expert overrides there.

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from pyspice.build_info import BuildInfo, load_build_info
 from pyspice.policy.base import HookCall, Plan, Policy
@@ -337,8 +338,8 @@ class Runtime:
         ffi, lib = self._n.ffi, self._n.lib
         cparams = params.to_c(ffi) if params is not None else ffi.NULL
         status = lib.spice_runtime_set_store(self._rt, cparams)
-        if status == 6:
-            raise SpiceError(status, "the device budget is smaller than one expert")
+        if status == 6:  # smaller than one expert, or than the loaded surrogates
+            raise SpiceError(status, self.last_error())
         self._check(status, "set_device")
         self._residency = None
 
@@ -372,6 +373,47 @@ class Runtime:
         arr.flags.writeable = False
         self._residency = (ptr, arr)
         return arr
+
+    # ---- surrogates ----------------------------------------------------------------
+
+    def set_surrogate(self, il: int, e: int, alpha: float, a: npt.ArrayLike, b: npt.ArrayLike) -> None:
+        """Load the LoRE surrogate of (il, e): A [rank, n_embd], B [n_embd, rank]
+        (rank 0: alpha times the shared expert alone). libspice keeps an f16
+        copy on the device tier, charged to its budget."""
+        ffi, lib = self._n.ffi, self._n.lib
+        a32 = np.ascontiguousarray(a, dtype=np.float32)
+        b32 = np.ascontiguousarray(b, dtype=np.float32)
+        if a32.ndim != 2 or b32.ndim != 2 or b32.shape != (a32.shape[1], a32.shape[0]):
+            raise ValueError(
+                f"surrogate ({il}, {e}): A must be [rank, n_embd] and B [n_embd, rank]; "
+                f"got {a32.shape} and {b32.shape}"
+            )
+        rank = int(a32.shape[0])
+        status = lib.spice_runtime_set_surrogate(
+            self._rt,
+            il,
+            e,
+            float(alpha),
+            rank,
+            ffi.from_buffer("float[]", a32) if rank else ffi.NULL,
+            ffi.from_buffer("float[]", b32) if rank else ffi.NULL,
+        )
+        if status != 0:
+            raise SpiceError(status, self.last_error() or f"set_surrogate({il}, {e}) failed")
+
+    def clear_surrogates(self) -> None:
+        """Unload every surrogate and give their bytes back to the device budget."""
+        self._check(self._n.lib.spice_runtime_clear_surrogates(self._rt), "clear_surrogates")
+
+    def surrogate_bytes(self) -> int:
+        """Device bytes the loaded surrogates hold."""
+        return int(self._n.lib.spice_runtime_surrogate_bytes(self._rt))
+
+    def n_surrogates(self) -> int:
+        return int(self._n.lib.spice_runtime_n_surrogates(self._rt))
+
+    def has_surrogate(self, il: int, e: int) -> bool:
+        return bool(self._n.lib.spice_runtime_has_surrogate(self._rt, il, e))
 
     # ---- policies ------------------------------------------------------------------
 
@@ -532,6 +574,60 @@ def _copy_ints(ffi: Any, dst: Any, cap: int, values: Any) -> int:
     if n:
         ffi.memmove(dst, arr32[:n], n * 4)
     return int(arr32.size)  # libspice rejects a count above cap by name
+
+
+def surrogate_apply(
+    a: npt.ArrayLike,
+    b: npt.ArrayLike,
+    alpha: float,
+    hidden: npt.ArrayLike,
+    weights: npt.ArrayLike,
+    shared: npt.ArrayLike | None = None,
+    out: npt.NDArray[np.float32] | None = None,
+    n_threads: int = 1,
+) -> npt.NDArray[np.float32]:
+    """libspice's surrogate executor on plain arrays (spice_surrogate_apply):
+    out[i] += weights[i] * (alpha * shared[i] + B @ (A @ hidden[i])), with A and
+    B rounded to f16 as a loaded surrogate is and the work split as n_threads
+    graph threads split it. Returns out (zeros when not given)."""
+    n = _Native.get()
+    ffi, lib = n.ffi, n.lib
+    a32 = np.ascontiguousarray(a, dtype=np.float32)
+    b32 = np.ascontiguousarray(b, dtype=np.float32)
+    h = np.ascontiguousarray(hidden, dtype=np.float32)
+    w = np.ascontiguousarray(weights, dtype=np.float32).ravel()
+    rows, n_embd = h.shape
+    rank = int(a32.shape[0])
+    if a32.shape != (rank, n_embd) or b32.shape != (n_embd, rank) or w.shape != (rows,):
+        raise ValueError(f"shapes: A {a32.shape}, B {b32.shape}, hidden {h.shape}, weights {w.shape}")
+    sh = None if shared is None else np.ascontiguousarray(shared, dtype=np.float32)
+    if sh is not None and sh.shape != h.shape:
+        raise ValueError(f"shared has shape {sh.shape}; hidden has {h.shape}")
+    result = np.zeros_like(h) if out is None else out
+    if result.shape != h.shape or result.dtype != np.float32 or not result.flags.c_contiguous:
+        raise ValueError("out must be a C-contiguous float32 array shaped like hidden")
+    row_bytes = n_embd * 4
+    status = lib.spice_surrogate_apply(
+        n_embd,
+        rank,
+        float(alpha),
+        ffi.from_buffer("float[]", a32) if rank else ffi.NULL,
+        ffi.from_buffer("float[]", b32) if rank else ffi.NULL,
+        rows,
+        ffi.from_buffer("float[]", h),
+        row_bytes,
+        ffi.from_buffer("float[]", sh) if sh is not None else ffi.NULL,
+        row_bytes,
+        ffi.from_buffer("float[]", w),
+        ffi.from_buffer("float[]", result, require_writable=True),
+        row_bytes,
+        n_threads,
+    )
+    if status != 0:
+        raise SpiceError(
+            status, f"spice_surrogate_apply: {ffi.string(lib.spice_status_string(status)).decode()}"
+        )
+    return result
 
 
 def header_path() -> Path:

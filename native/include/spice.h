@@ -280,6 +280,51 @@ SPICE_API void spice_runtime_clear_abort(spice_runtime * rt);
  * latest message, so a caller that sees the count grow can warn once. */
 SPICE_API uint64_t spice_runtime_plan_rejections(const spice_runtime * rt);
 
+/* ---- LoRE surrogates ----------------------------------------------------------
+ *
+ * A surrogate stands in for routed expert e of layer il when a plan marks an
+ * activation SPICE_ACTION_SURROGATE: token t's routed output then gets
+ *     w[t,k] * (alpha * S_t + B (A h_t))
+ * where h_t is the MoE input row, S_t the shared-expert output before its
+ * gate (architectures without a shared expert: no alpha term), A is
+ * [rank][n_embd] and B [n_embd][rank] (row-major f32, as numpy writes them).
+ * Rank 0 is allowed: alpha * S_t alone ("the shared expert instead").
+ *
+ * The matrices are resident on the device: libspice keeps copies in f16
+ * (half the bytes of f32 for the budget; arithmetic stays f32), and while a
+ * device tier is attached their bytes are charged to its budget
+ * (spice_store_reserve), also when a tier is attached later. Exact actions
+ * never read them. Not to be called during a llama_decode. */
+
+/* Load (or replace) the surrogate of (il, e); copies A and B. Returns
+ * SPICE_ERR_INVALID_ARG for a layer that is not MoE, an expert out of range or
+ * rank < 0 (A/B may be NULL only for rank 0), SPICE_ERR_BUDGET when the
+ * device tier cannot hold its bytes beside what it holds now (the old
+ * surrogate, if any, stays), SPICE_ERR_NO_MEMORY. */
+SPICE_API int spice_runtime_set_surrogate(spice_runtime * rt, int32_t il, int32_t e, float alpha, int32_t rank,
+                                          const float * a, const float * b);
+
+/* Unload every surrogate and release their device bytes. */
+SPICE_API int spice_runtime_clear_surrogates(spice_runtime * rt);
+
+/* Device bytes held by loaded surrogates (2 * rank * n_embd f16 values plus
+ * alpha, each); how many are loaded. */
+SPICE_API uint64_t spice_runtime_surrogate_bytes(const spice_runtime * rt);
+SPICE_API int32_t spice_runtime_n_surrogates(const spice_runtime * rt);
+
+/* 1 when (il, e) has a loaded surrogate, else 0. */
+SPICE_API int spice_runtime_has_surrogate(const spice_runtime * rt, int32_t il, int32_t e);
+
+/* The executor on plain arrays, for tests: for each of n_rows rows,
+ *     out[i] += weights[i] * (alpha * shexp[i] + B (A h[i]))
+ * (shexp NULL: no alpha term), with A and B rounded to f16 exactly as a loaded
+ * surrogate is, and the work split as n_threads graph threads would split it
+ * (run one after another). Row strides in bytes. */
+SPICE_API int spice_surrogate_apply(int32_t n_embd, int32_t rank, float alpha, const float * a, const float * b,
+                                    int32_t n_rows, const float * h, size_t h_nb1, const float * shexp,
+                                    size_t shexp_nb1, const float * weights, float * out, size_t out_nb1,
+                                    int32_t n_threads);
+
 /* ---- expert buffer type ------------------------------------------------------
  *
  * Where routed-expert tensors must live for the hook: plain host memory in

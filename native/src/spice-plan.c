@@ -48,10 +48,20 @@ int spice_plan_validate(const spice_runtime * rt, const spice_policy_call * call
             return SPICE_ERR_INVALID_PLAN;
         }
         if (a == SPICE_ACTION_SURROGATE) {
-            snprintf(err, err_len,
-                     "layer %d: plan action %d asks for a surrogate, but no surrogates are loaded "
-                     "(calibrate the model and pass its sidecar)", call->il, i);
-            return SPICE_ERR_INVALID_PLAN;
+            const int32_t t = i / call->n_expert_used, k = i % call->n_expert_used;
+            const int32_t e = ((const int32_t *) ((const char *) call->ids + (size_t) t * call->ids_nb1))[k];
+            if (rt->surrogates.n_loaded == 0) {
+                snprintf(err, err_len,
+                         "layer %d: plan action %d asks for a surrogate, but no surrogates are loaded "
+                         "(calibrate the model and pass its sidecar)", call->il, i);
+                return SPICE_ERR_INVALID_PLAN;
+            }
+            if (spice_runtime_surrogate(rt, call->il, e) == NULL) {
+                snprintf(err, err_len,
+                         "layer %d: plan action %d (token %d, slot %d) asks for the surrogate of expert %d, "
+                         "which the loaded sidecar does not have", call->il, i, t, k, e);
+                return SPICE_ERR_INVALID_PLAN;
+            }
         }
     }
     if (call->n_fetch < 0 || call->n_fetch > call->cap_fetch) {

@@ -7,6 +7,7 @@
 #include "spice-experts.h"
 #include "spice-host-exec.h"
 #include "spice-store.h"
+#include "spice-surrogate.h"
 
 #include <stdatomic.h>
 #include <stdint.h>
@@ -44,6 +45,9 @@ struct spice_runtime {
     spice_host_exec host;
     spice_plan_buffers plan;
 
+    spice_surrogate_table surrogates; /* loaded LoRE surrogates (device-resident) */
+    spice_surrogate_exec surrogate_exec;
+
     spice_counters * counters; /* [n_layers], written by thread 0 only */
     atomic_int abort_requested;
     uint64_t plan_rejections;
@@ -62,5 +66,8 @@ int spice_plan_validate(const spice_runtime * rt, const spice_policy_call * call
  * slot runs on the host instead (its device actions become host actions). */
 void spice_runtime_apply_store_plan(spice_runtime * rt, const struct llama_moe_hook_call * hc,
                                     spice_policy_call * call);
+
+/* The surrogate of (il, e), or NULL when none is loaded. */
+const spice_surrogate * spice_runtime_surrogate(const spice_runtime * rt, int32_t il, int32_t e);
 
 #endif /* SPICE_RUNTIME_INTERNAL_H */

@@ -4,6 +4,7 @@
 
 #include "llama.h"
 
+#include <stdio.h>
 #include <string.h>
 
 void spice_runtime_apply_store_plan(spice_runtime * rt, const struct llama_moe_hook_call * hc,
@@ -97,6 +98,10 @@ int spice_runtime_set_store(spice_runtime * rt, const spice_store_params * param
     }
     spice_store * store = NULL;
     int status = spice_store_create(params, rt->n_layers, n_expert, bytes, &store);
+    if (status == SPICE_ERR_BUDGET) {
+        snprintf(rt->last_error, sizeof(rt->last_error), "the device budget of %llu bytes is smaller than one expert",
+                 (unsigned long long) params->budget_bytes);
+    }
     if (status != SPICE_OK) {
         return status;
     }
@@ -116,6 +121,14 @@ int spice_runtime_set_store(spice_runtime * rt, const spice_store_params * param
             spice_store_free(store);
             return status;
         }
+    }
+    /* loaded surrogates live on the device: a new tier holds them first */
+    if (rt->surrogates.bytes > 0 && spice_store_reserve(store, (int64_t) rt->surrogates.bytes) != SPICE_OK) {
+        snprintf(rt->last_error, sizeof(rt->last_error),
+                 "the loaded surrogates need %llu device bytes; the budget is %llu (clear them or raise it)",
+                 (unsigned long long) rt->surrogates.bytes, (unsigned long long) params->budget_bytes);
+        spice_store_free(store);
+        return SPICE_ERR_BUDGET;
     }
     rt->store = store;
     return SPICE_OK;

@@ -227,10 +227,13 @@ static void plan_call(spice_runtime * rt, const struct llama_moe_hook_call * hc)
     c->activations += (uint64_t) n_pairs;
     count_actions(c, call.actions, rt->plan.hit, n_pairs);
 
-    /* the executor's view: exact for device and host, nothing for drop */
+    /* the executor's view: exact for device and host, nothing for drop and
+     * surrogate (the surrogate executor adds those afterwards) */
+    int any_surrogate = 0;
     for (int32_t i = 0; i < n_pairs; ++i) {
         const int32_t a = call.actions[i];
         rt->plan.exec[i] = (uint8_t) (a == SPICE_ACTION_DEVICE || a == SPICE_ACTION_HOST);
+        any_surrogate |= a == SPICE_ACTION_SURROGATE;
     }
 
     spice_host_job job;
@@ -248,11 +251,33 @@ static void plan_call(spice_runtime * rt, const struct llama_moe_hook_call * hc)
         set_error(rt, "layer %d: out of memory for the executor's scratch (%d tokens)", hc->il, hc->n_tokens);
         atomic_store(&rt->abort_requested, 1);
     }
+
+    /* surrogate actions (validated: each names a loaded surrogate) add to
+     * what the host executor wrote */
+    if (any_surrogate) {
+        spice_surrogate_job sj;
+        memset(&sj, 0, sizeof(sj));
+        sj.n_tokens = hc->n_tokens;
+        sj.n_used = hc->n_expert_used;
+        sj.n_embd = hc->n_embd;
+        sj.inp = hc->inp;         sj.inp_nb1 = hc->inp_nb1;
+        sj.ids = hc->ids;         sj.ids_nb1 = hc->ids_nb1;
+        sj.weights = hc->weights; sj.weights_nb1 = hc->weights_nb1;
+        sj.shexp = hc->shexp;     sj.shexp_nb1 = hc->shexp_nb1;
+        sj.actions = call.actions;
+        sj.table = rt->surrogates.entries + (size_t) hc->il * (size_t) rt->surrogates.max_expert;
+        sj.out = hc->out;         sj.out_nb1 = hc->out_nb1;
+        if (spice_surrogate_exec_prepare(&rt->surrogate_exec, &sj, hc->nth) != SPICE_OK) {
+            set_error(rt, "layer %d: out of memory for the surrogate executor's scratch", hc->il);
+            atomic_store(&rt->abort_requested, 1);
+        }
+    }
 }
 
 static void hook_entry(const struct llama_moe_hook_call * hc, void * user_data) {
     spice_runtime * rt = (spice_runtime *) user_data;
     if (hc->ith == 0) {
+        rt->surrogate_exec.n_pairs = 0;
         if (hc->il < 0 || hc->il >= rt->n_layers || !rt->layers[hc->il].is_moe ||
             hc->n_embd != rt->layers[hc->il].n_embd || hc->n_expert != rt->layers[hc->il].n_expert) {
             /* cannot happen for a runtime attached to this context's model */
@@ -272,6 +297,11 @@ static void hook_entry(const struct llama_moe_hook_call * hc, void * user_data) 
         return;
     }
     spice_host_exec_run(&rt->host, hc->ith, hc->nth, &rt->barrier);
+    if (rt->surrogate_exec.n_pairs > 0) {
+        /* the host executor's combine wrote out with its own split of rows and columns */
+        spice_barrier_wait(&rt->barrier, hc->nth);
+        spice_surrogate_exec_run(&rt->surrogate_exec, hc->ith, hc->nth);
+    }
 }
 
 static bool abort_entry(void * user_data) {
@@ -310,6 +340,7 @@ int spice_runtime_create(struct llama_context * lctx, spice_runtime ** out, char
     }
     spice_barrier_init(&rt->barrier);
     spice_host_exec_init(&rt->host);
+    spice_surrogate_exec_init(&rt->surrogate_exec);
     atomic_init(&rt->abort_requested, 0);
 
     int n_moe = 0;
@@ -356,6 +387,8 @@ void spice_runtime_free(spice_runtime * rt) {
         spice_runtime_disable(rt);
     }
     spice_host_exec_free(&rt->host);
+    spice_runtime_clear_surrogates(rt);
+    spice_surrogate_exec_free(&rt->surrogate_exec);
     spice_store_free(rt->store);
     plan_free(&rt->plan);
     free(rt->layers);

@@ -1,0 +1,323 @@
+/* LoRE surrogate executor (see spice-surrogate.h), its standalone entry
+ * point spice_surrogate_apply, and the runtime's table of loaded surrogates. */
+#include "spice-surrogate.h"
+
+#include "spice-runtime-internal.h"
+#include "spice.h"
+
+#include "ggml-cpu.h"
+
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define SPICE_SURROGATE_ALIGN 64
+
+uint64_t spice_surrogate_bytes_of(int32_t rank, int32_t n_embd) {
+    return 2u * (uint64_t) rank * (uint64_t) n_embd * sizeof(ggml_fp16_t) + sizeof(float);
+}
+
+int spice_surrogate_init(spice_surrogate * s, int32_t n_embd, int32_t rank, float alpha,
+                         const float * a, const float * b) {
+    if (n_embd <= 0 || rank < 0 || (rank > 0 && (a == NULL || b == NULL))) {
+        return SPICE_ERR_INVALID_ARG;
+    }
+    memset(s, 0, sizeof(*s));
+    if (rank > 0) {
+        const size_t n = (size_t) rank * (size_t) n_embd;
+        s->a = (ggml_fp16_t *) malloc(n * sizeof(ggml_fp16_t));
+        s->bt = (ggml_fp16_t *) malloc(n * sizeof(ggml_fp16_t));
+        float * col = (float *) malloc((size_t) n_embd * sizeof(float));
+        if (s->a == NULL || s->bt == NULL || col == NULL) {
+            free(col);
+            spice_surrogate_release(s);
+            return SPICE_ERR_NO_MEMORY;
+        }
+        /* the converters need ggml's CPU tables on builds without F16C */
+        ggml_cpu_init();
+        ggml_cpu_fp32_to_fp16(a, s->a, (int64_t) n);
+        for (int32_t j = 0; j < rank; ++j) {
+            for (int32_t c = 0; c < n_embd; ++c) {
+                col[c] = b[(size_t) c * (size_t) rank + (size_t) j];
+            }
+            ggml_cpu_fp32_to_fp16(col, s->bt + (size_t) j * (size_t) n_embd, n_embd);
+        }
+        free(col);
+    }
+    s->rank = rank;
+    s->alpha = alpha;
+    s->loaded = 1;
+    return SPICE_OK;
+}
+
+void spice_surrogate_release(spice_surrogate * s) {
+    free(s->a);
+    free(s->bt);
+    memset(s, 0, sizeof(*s));
+}
+
+void spice_surrogate_exec_init(spice_surrogate_exec * ex) {
+    memset(ex, 0, sizeof(*ex));
+}
+
+void spice_surrogate_exec_free(spice_surrogate_exec * ex) {
+    free(ex->scratch);
+    memset(ex, 0, sizeof(*ex));
+}
+
+int spice_surrogate_exec_prepare(spice_surrogate_exec * ex, const spice_surrogate_job * job, int nth) {
+    ex->job = *job;
+    ex->n_pairs = 0;
+    int32_t max_rank = 0, n_pairs = 0;
+    for (int32_t t = 0; t < job->n_tokens; ++t) {
+        const int32_t * ids = (const int32_t *) ((const char *) job->ids + (size_t) t * job->ids_nb1);
+        for (int32_t k = 0; k < job->n_used; ++k) {
+            if (job->actions[(size_t) t * job->n_used + k] == SPICE_ACTION_SURROGATE) {
+                const int32_t r = job->table[ids[k]].rank;
+                max_rank = r > max_rank ? r : max_rank;
+                n_pairs++;
+            }
+        }
+    }
+    if (n_pairs == 0) {
+        return SPICE_OK;
+    }
+    /* z, then row and y padded to whole cache lines so threads never share one */
+    const size_t line = SPICE_SURROGATE_ALIGN / sizeof(float);
+    const size_t per = ((size_t) max_rank + line - 1) / line * line + 2 * (((size_t) job->n_embd + line - 1) / line * line);
+    const size_t need = per * (size_t) (nth > 0 ? nth : 1);
+    if (need > ex->cap) {
+        void * buf = NULL;
+        if (posix_memalign(&buf, SPICE_SURROGATE_ALIGN, need * sizeof(float)) != 0) {
+            return SPICE_ERR_NO_MEMORY;
+        }
+        free(ex->scratch);
+        ex->scratch = (float *) buf;
+        ex->cap = need;
+    }
+    ex->scratch_per_thread = per;
+    ex->max_rank = max_rank;
+    ex->n_pairs = n_pairs;
+    return SPICE_OK;
+}
+
+/* out[t][c0:c1] += w * (alpha * shexp[t][c0:c1] + (B (A h[t]))[c0:c1]) */
+static void apply_pair(const spice_surrogate_job * job, const spice_surrogate * s, int32_t t, float w,
+                       int32_t c0, int32_t c1, float * scratch, size_t z_len, ggml_vec_dot_t dot_f32) {
+    const int32_t n_embd = job->n_embd;
+    const int32_t n = c1 - c0;
+    float * z = scratch;
+    float * row = scratch + z_len;
+    float * y = row + (size_t) n_embd;
+    if (s->rank == 0 && job->shexp == NULL) {
+        return; /* contributes exactly nothing: same as a drop */
+    }
+    if (job->shexp != NULL) {
+        const float * sh = (const float *) ((const char *) job->shexp + (size_t) t * job->shexp_nb1);
+        for (int32_t c = 0; c < n; ++c) {
+            y[c] = s->alpha * sh[c0 + c];
+        }
+    } else {
+        memset(y, 0, (size_t) n * sizeof(float));
+    }
+    if (s->rank > 0) {
+        const float * h = (const float *) ((const char *) job->inp + (size_t) t * job->inp_nb1);
+        for (int32_t j = 0; j < s->rank; ++j) {
+            ggml_cpu_fp16_to_fp32(s->a + (size_t) j * (size_t) n_embd, row, n_embd);
+            dot_f32(n_embd, &z[j], 0, row, 0, h, 0, 1);
+        }
+        for (int32_t j = 0; j < s->rank; ++j) {
+            ggml_cpu_fp16_to_fp32(s->bt + (size_t) j * (size_t) n_embd + c0, row, n);
+            const float zj = z[j];
+            for (int32_t c = 0; c < n; ++c) {
+                y[c] = y[c] + zj * row[c];
+            }
+        }
+    }
+    float * o = (float *) ((char *) job->out + (size_t) t * job->out_nb1) + c0;
+    for (int32_t c = 0; c < n; ++c) {
+        o[c] = o[c] + y[c] * w;
+    }
+}
+
+void spice_surrogate_exec_run(spice_surrogate_exec * ex, int ith, int nth) {
+    const spice_surrogate_job * job = &ex->job;
+    if (ex->n_pairs == 0) {
+        return;
+    }
+    const ggml_vec_dot_t dot_f32 = ggml_get_type_traits_cpu(GGML_TYPE_F32)->vec_dot;
+    const size_t line = SPICE_SURROGATE_ALIGN / sizeof(float);
+    const size_t z_len = ((size_t) ex->max_rank + line - 1) / line * line;
+    float * scratch = ex->scratch + (size_t) ith * ex->scratch_per_thread;
+    /* batches: whole tokens per thread; decode: a column range of each token */
+    const int by_token = job->n_tokens >= nth;
+    const int32_t c0 = by_token ? 0 : (int32_t) (((int64_t) job->n_embd * ith) / nth);
+    const int32_t c1 = by_token ? job->n_embd : (int32_t) (((int64_t) job->n_embd * (ith + 1)) / nth);
+    for (int32_t t = by_token ? ith : 0; t < job->n_tokens; t += by_token ? nth : 1) {
+        const int32_t * ids = (const int32_t *) ((const char *) job->ids + (size_t) t * job->ids_nb1);
+        const float * w = (const float *) ((const char *) job->weights + (size_t) t * job->weights_nb1);
+        for (int32_t k = 0; k < job->n_used; ++k) {
+            if (job->actions[(size_t) t * job->n_used + k] == SPICE_ACTION_SURROGATE && c1 > c0) {
+                apply_pair(job, &job->table[ids[k]], t, w[k], c0, c1, scratch, z_len, dot_f32);
+            }
+        }
+    }
+}
+
+int spice_surrogate_apply(int32_t n_embd, int32_t rank, float alpha, const float * a, const float * b,
+                          int32_t n_rows, const float * h, size_t h_nb1, const float * shexp, size_t shexp_nb1,
+                          const float * weights, float * out, size_t out_nb1, int32_t n_threads) {
+    if (n_embd <= 0 || rank < 0 || n_rows < 0 || n_threads <= 0 || h == NULL || weights == NULL ||
+        out == NULL || (rank > 0 && (a == NULL || b == NULL)) || h_nb1 < (size_t) n_embd * sizeof(float) ||
+        out_nb1 < (size_t) n_embd * sizeof(float) || (shexp != NULL && shexp_nb1 < (size_t) n_embd * sizeof(float))) {
+        return SPICE_ERR_INVALID_ARG;
+    }
+    if (n_rows == 0) {
+        return SPICE_OK;
+    }
+    spice_surrogate s;
+    int status = spice_surrogate_init(&s, n_embd, rank, alpha, a, b);
+    if (status != SPICE_OK) {
+        return status;
+    }
+    /* one selected expert per row, every one a surrogate of the same (A, B) */
+    int32_t * ids = (int32_t *) calloc((size_t) n_rows, sizeof(int32_t));
+    int32_t * actions = (int32_t *) malloc((size_t) n_rows * sizeof(int32_t));
+    if (ids == NULL || actions == NULL) {
+        free(ids);
+        free(actions);
+        spice_surrogate_release(&s);
+        return SPICE_ERR_NO_MEMORY;
+    }
+    for (int32_t i = 0; i < n_rows; ++i) {
+        actions[i] = SPICE_ACTION_SURROGATE;
+    }
+    spice_surrogate_job job;
+    memset(&job, 0, sizeof(job));
+    job.n_tokens = n_rows;
+    job.n_used = 1;
+    job.n_embd = n_embd;
+    job.inp = h;             job.inp_nb1 = h_nb1;
+    job.ids = ids;           job.ids_nb1 = sizeof(int32_t);
+    job.weights = weights;   job.weights_nb1 = sizeof(float);
+    job.shexp = shexp;       job.shexp_nb1 = shexp_nb1;
+    job.actions = actions;
+    job.table = &s;
+    job.out = out;           job.out_nb1 = out_nb1;
+
+    spice_surrogate_exec ex;
+    spice_surrogate_exec_init(&ex);
+    status = spice_surrogate_exec_prepare(&ex, &job, n_threads);
+    if (status == SPICE_OK) {
+        /* the threads' shares one after another: run has no barriers inside,
+         * so this computes exactly what n_threads graph threads would */
+        for (int32_t ith = 0; ith < n_threads; ++ith) {
+            spice_surrogate_exec_run(&ex, ith, n_threads);
+        }
+    }
+    spice_surrogate_exec_free(&ex);
+    free(ids);
+    free(actions);
+    spice_surrogate_release(&s);
+    return status;
+}
+
+/* ---- the runtime's surrogates ---------------------------------------------------- */
+
+const spice_surrogate * spice_runtime_surrogate(const spice_runtime * rt, int32_t il, int32_t e) {
+    const spice_surrogate_table * tab = &rt->surrogates;
+    if (tab->entries == NULL || il < 0 || il >= tab->n_layers || e < 0 || e >= tab->max_expert) {
+        return NULL;
+    }
+    const spice_surrogate * s = &tab->entries[(size_t) il * (size_t) tab->max_expert + (size_t) e];
+    return s->loaded ? s : NULL;
+}
+
+int spice_runtime_set_surrogate(spice_runtime * rt, int32_t il, int32_t e, float alpha, int32_t rank,
+                                const float * a, const float * b) {
+    if (rt == NULL) {
+        return SPICE_ERR_INVALID_ARG;
+    }
+    if (il < 0 || il >= rt->n_layers || !rt->layers[il].is_moe) {
+        snprintf(rt->last_error, sizeof(rt->last_error), "surrogate for layer %d: not an MoE layer of this model", il);
+        return SPICE_ERR_INVALID_ARG;
+    }
+    const spice_expert_layer * L = &rt->layers[il];
+    if (e < 0 || e >= L->n_expert || rank < 0 || (rank > 0 && (a == NULL || b == NULL))) {
+        snprintf(rt->last_error, sizeof(rt->last_error),
+                 "surrogate for layer %d expert %d rank %d: the layer has %d experts; rank must be >= 0 "
+                 "with A and B given when > 0", il, e, rank, L->n_expert);
+        return SPICE_ERR_INVALID_ARG;
+    }
+    spice_surrogate_table * tab = &rt->surrogates;
+    if (tab->entries == NULL) {
+        const size_t n = (size_t) rt->n_layers * (size_t) rt->max_n_expert;
+        tab->entries = (spice_surrogate *) calloc(n > 0 ? n : 1, sizeof(spice_surrogate));
+        if (tab->entries == NULL) {
+            return SPICE_ERR_NO_MEMORY;
+        }
+        tab->n_layers = rt->n_layers;
+        tab->max_expert = rt->max_n_expert;
+    }
+    spice_surrogate * slot = &tab->entries[(size_t) il * (size_t) tab->max_expert + (size_t) e];
+    const uint64_t old_bytes = slot->loaded ? spice_surrogate_bytes_of(slot->rank, L->n_embd) : 0;
+    const uint64_t new_bytes = spice_surrogate_bytes_of(rank, L->n_embd);
+
+    spice_surrogate fresh;
+    int status = spice_surrogate_init(&fresh, L->n_embd, rank, alpha, a, b);
+    if (status != SPICE_OK) {
+        return status;
+    }
+    if (rt->store != NULL && new_bytes != old_bytes) {
+        const int64_t delta = (int64_t) new_bytes - (int64_t) old_bytes;
+        if (spice_store_reserve(rt->store, delta) != SPICE_OK) {
+            spice_surrogate_release(&fresh);
+            const spice_store * st = rt->store;
+            snprintf(rt->last_error, sizeof(rt->last_error),
+                     "surrogate for layer %d expert %d needs %" PRIu64 " more device bytes; the budget of %" PRIu64
+                     " has %" PRIu64 " free (surrogates hold %" PRIu64 ")", il, e, (uint64_t) delta,
+                     st->params.budget_bytes, st->params.budget_bytes - st->used_bytes, tab->bytes);
+            return SPICE_ERR_BUDGET;
+        }
+    }
+    if (slot->loaded) {
+        spice_surrogate_release(slot);
+        tab->n_loaded--;
+    }
+    *slot = fresh;
+    tab->n_loaded++;
+    tab->bytes = tab->bytes - old_bytes + new_bytes;
+    tab->max_rank = rank > tab->max_rank ? rank : tab->max_rank;
+    return SPICE_OK;
+}
+
+int spice_runtime_clear_surrogates(spice_runtime * rt) {
+    if (rt == NULL) {
+        return SPICE_ERR_INVALID_ARG;
+    }
+    spice_surrogate_table * tab = &rt->surrogates;
+    if (rt->store != NULL && tab->bytes > 0) {
+        spice_store_reserve(rt->store, -(int64_t) tab->bytes);
+    }
+    if (tab->entries != NULL) {
+        for (size_t i = 0; i < (size_t) tab->n_layers * (size_t) tab->max_expert; ++i) {
+            spice_surrogate_release(&tab->entries[i]);
+        }
+        free(tab->entries);
+    }
+    memset(tab, 0, sizeof(*tab));
+    return SPICE_OK;
+}
+
+uint64_t spice_runtime_surrogate_bytes(const spice_runtime * rt) {
+    return rt ? rt->surrogates.bytes : 0;
+}
+
+int32_t spice_runtime_n_surrogates(const spice_runtime * rt) {
+    return rt ? rt->surrogates.n_loaded : 0;
+}
+
+int spice_runtime_has_surrogate(const spice_runtime * rt, int32_t il, int32_t e) {
+    return rt != NULL && spice_runtime_surrogate(rt, il, e) != NULL;
+}
