@@ -4,9 +4,10 @@ Written and read with the `gguf` package. Keys (`spice.*`): format version,
 the target model's name and fingerprint, calibration corpus and token count,
 MoE layers, geometry, gating, draft and LoRE ranks. Tensors, per MoE layer l:
 
-    spice.draft.{l}.u      [n_embd, r_draft]  f32   transition to the next MoE layer's input
-    spice.draft.{l}.v      [r_draft, n_embd]  f32   (absent for the last MoE layer)
-    spice.draft.{l}.bias   [n_embd]           f32
+    spice.draft.{l}.u      [n_embd, r_draft]  f16   transition to the next MoE layer's input,
+    spice.draft.{l}.v      [r_draft, n_embd]  f16   h' ≈ scale·h + bias + U V h
+    spice.draft.{l}.bias   [n_embd]           f32   (all absent for the last MoE layer)
+    spice.draft.{l}.scale  [1]                f32
     spice.lore.{l}.a       [n_expert, R, n_embd] f16   LoRE A per expert, zero-padded to R rows
     spice.lore.{l}.b       [n_expert, n_embd, R] f16   LoRE B per expert
     spice.lore.{l}.alpha   [n_expert]         f32   (0 without a shared expert)
@@ -133,9 +134,10 @@ def write_sidecar(path: str | os.PathLike[str], data: SidecarData) -> Path:
     for k, v in data.extra.items():
         w.add_string(f"spice.extra.{k}", v)
     for il, t in sorted(data.transitions.items()):
-        w.add_tensor(f"spice.draft.{il}.u", np.ascontiguousarray(t.U, dtype=np.float32))
-        w.add_tensor(f"spice.draft.{il}.v", np.ascontiguousarray(t.V, dtype=np.float32))
+        w.add_tensor(f"spice.draft.{il}.u", np.ascontiguousarray(t.U, dtype=np.float16))
+        w.add_tensor(f"spice.draft.{il}.v", np.ascontiguousarray(t.V, dtype=np.float16))
         w.add_tensor(f"spice.draft.{il}.bias", np.ascontiguousarray(t.bias, dtype=np.float32))
+        w.add_tensor(f"spice.draft.{il}.scale", np.array([t.scale], dtype=np.float32))
     for il, s in sorted(data.surrogates.items()):
         w.add_tensor(f"spice.lore.{il}.a", np.ascontiguousarray(s.A, dtype=np.float16))
         w.add_tensor(f"spice.lore.{il}.b", np.ascontiguousarray(s.B, dtype=np.float16))
@@ -200,7 +202,10 @@ def read_sidecar(path: str | os.PathLike[str]) -> SidecarData:
     for il in data.moe_layers:
         if f"spice.draft.{il}.u" in tensors:
             data.transitions[il] = Transition(
-                arr(f"spice.draft.{il}.u"), arr(f"spice.draft.{il}.v"), arr(f"spice.draft.{il}.bias")
+                arr(f"spice.draft.{il}.u"),
+                arr(f"spice.draft.{il}.v"),
+                arr(f"spice.draft.{il}.bias"),
+                float(arr(f"spice.draft.{il}.scale")[0]),
             )
         if f"spice.lore.{il}.a" in tensors:
             data.surrogates[il] = LayerSurrogates(

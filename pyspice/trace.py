@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from pyspice.policy.base import HookCall
+from pyspice.policy.base import HookCall, Plan
 
 FORMAT = "pyspice-trace"
 FORMAT_VERSION = 1
@@ -395,6 +395,64 @@ class TraceReader:
                     rec["weights"].astype(np.float32)[None, :],
                     rec["shared"].astype(np.float32)[None, :] if has_shared else None,
                 )
+
+
+class TraceRecorder:
+    """A policy that records every hook call into a TraceWriter.
+
+    It runs `inner`'s plan (the exact plan when inner is None), so a recorded
+    run is the run it records. Token positions count per layer from `position`
+    (set it before each independent evaluation when resuming a capture).
+    Copies what it reads: the call's arrays are views valid only during decide.
+
+    decode_only=True records only one-token calls (decode steps): in a prompt
+    batch llama.cpp hands the last layer only the rows whose logits are
+    wanted, so a prompt's rows are not whole for every layer; the prompt
+    still runs `inner`'s plan, unrecorded.
+    """
+
+    def __init__(self, writer: TraceWriter, inner: Any = None, *, decode_only: bool = False) -> None:
+        self.writer = writer
+        self.inner = inner
+        self.decode_only = decode_only
+        self.skipped_tokens = 0
+        self.name = f"trace+{getattr(inner, 'name', 'exact')}" if inner is not None else "trace"
+        self._fields = tuple(writer.meta.fields)
+        self._next: dict[int, int] = {il: 0 for il in writer.meta.moe_layers}
+        self.calls = 0
+
+    def attach(self, ctx: Any) -> None:
+        attach = getattr(self.inner, "attach", None)
+        if attach is not None:
+            attach(ctx)
+
+    def set_position(self, token: int) -> None:
+        """The next call of every layer starts at this token."""
+        for il in self._next:
+            self._next[il] = int(token)
+
+    def decide(self, call: HookCall) -> Plan:
+        if self.decode_only and call.n_tokens != 1:
+            if call.layer == self.writer.meta.moe_layers[0]:
+                self.skipped_tokens += call.n_tokens
+            return self._inner_plan(call)
+        fields: dict[str, Any] = {}
+        for name in self._fields:
+            value = getattr(call, name) if name != "expert_out" else None
+            if value is None:
+                raise TraceError(f"the hook call of layer {call.layer} has no {name!r} to record")
+            fields[name] = np.array(value, copy=True)
+        start = self._next.get(call.layer)
+        if start is None:
+            raise TraceError(f"layer {call.layer} is not a MoE layer of this trace")
+        self.writer.add(call.layer, start, **fields)
+        self._next[call.layer] = start + call.n_tokens
+        self.calls += 1
+        return self._inner_plan(call)
+
+    def _inner_plan(self, call: HookCall) -> Plan:
+        plan: Plan = self.inner.decide(call) if self.inner is not None else Plan()
+        return plan
 
 
 def remove_trace(path: str | os.PathLike[str]) -> None:

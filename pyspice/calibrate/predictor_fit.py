@@ -6,6 +6,11 @@ layer m over the same tokens (rows), the full ridge map T minimises
 regression: project the fitted values Xc T onto their top-r right singular
 vectors Q, so T_r = T Q Qᵀ is the best rank-r map in the fitted-value sense.
 As a Transition: V = (T Q)ᵀ, U = Q, bias = ȳ - U V x̄.
+
+With identity=True (the default for the draft predictor) a scaled identity
+is taken out first: a = <x̄c, ȳc> / <x̄c, x̄c> on centred data, and the low-rank
+map is fitted to y - a x. Consecutive MoE inputs are close, so the rank is
+spent on how they differ instead of on copying the input through.
 """
 
 from __future__ import annotations
@@ -23,32 +28,51 @@ def ridge_lambda(gram_trace: float, dim: int, ridge: float) -> float:
     return float(ridge) * max(gram_trace / max(dim, 1), 1e-12)
 
 
-def fit_transition(x: npt.ArrayLike, y: npt.ArrayLike, rank: int, ridge: float = 1e-3) -> Transition:
-    """Low-rank affine map y ≈ bias + U V x fitted on rows of x [n, d_in], y [n, d_out]."""
+def fit_transition(
+    x: npt.ArrayLike, y: npt.ArrayLike, rank: int, ridge: float = 1e-3, *, identity: bool = False
+) -> Transition:
+    """Affine map y ≈ a x + bias + U V x (a = 0 unless identity) on rows of x [n, d], y [n, d]."""
     X = np.asarray(x, dtype=np.float64)
     Y = np.asarray(y, dtype=np.float64)
     if X.shape[0] != Y.shape[0]:
         raise ValueError(f"x and y need the same rows, got {X.shape[0]} and {Y.shape[0]}")
     if X.shape[0] < 2:
         raise ValueError("fitting a transition needs at least 2 tokens")
+    if identity and X.shape[1] != Y.shape[1]:
+        raise ValueError("an identity part needs inputs and outputs of the same width")
     mx, my = X.mean(axis=0), Y.mean(axis=0)
     Xc, Yc = X - mx, Y - my
     n, d = Xc.shape
+    # ridge maps for the two targets the fit mixes: T(Yc - a Xc) = Ty - a Tx
+    targets = np.concatenate([Yc, Xc], axis=1) if identity else Yc
     if n >= d:
         gram = Xc.T @ Xc
         lam = ridge_lambda(float(np.trace(gram)), d, ridge)
-        T = np.linalg.solve(gram + lam * np.eye(d), Xc.T @ Yc)  # [d_in, d_out]
+        both = np.linalg.solve(gram + lam * np.eye(d), Xc.T @ targets)
     else:  # dual form: T = Xcᵀ (Xc Xcᵀ + λI)⁻¹ Yc, cost n²d
         kern = Xc @ Xc.T
         lam = ridge_lambda(float(np.trace(kern)), d, ridge)
-        T = Xc.T @ np.linalg.solve(kern + lam * np.eye(n), Yc)
-    fitted = Xc @ T
-    r = max(1, min(rank, *fitted.shape))
-    _, _, vt = np.linalg.svd(fitted, full_matrices=False)
-    Q = vt[:r].T  # [d_out, r]
-    V = (T @ Q).T  # [r, d_in]
-    bias = my - Q @ (V @ mx)
-    return Transition(U=Q.astype(np.float32), V=V.astype(np.float32), bias=bias.astype(np.float32))
+        both = Xc.T @ np.linalg.solve(kern + lam * np.eye(n), targets)
+    d_out = Yc.shape[1]
+    Ty, Tx = both[:, :d_out], both[:, d_out:]
+    r = max(1, min(rank, n, d_out))
+    xx = float((Xc * Xc).sum())
+    scale = float((Xc * Yc).sum()) / xx if identity and xx > 0 else 0.0
+    # alternate: rank-r map for the current scale, then the scale for that map
+    for _ in range(8 if identity else 1):
+        T = Ty - scale * Tx if identity else Ty
+        fitted = Xc @ T
+        _, _, vt = np.linalg.svd(fitted, full_matrices=False)
+        Q = vt[:r].T  # [d_out, r]
+        V = (T @ Q).T  # [r, d_in]
+        if identity and xx > 0:
+            scale = float((Xc * (Yc - (Xc @ V.T) @ Q.T)).sum()) / xx
+    if identity:  # the rank-r part for the final scale
+        V = ((Ty - scale * Tx) @ Q).T
+    bias = my - scale * mx - Q @ (V @ mx)
+    return Transition(
+        U=Q.astype(np.float32), V=V.astype(np.float32), bias=bias.astype(np.float32), scale=scale
+    )
 
 
 def transition_r2(t: Transition, x: npt.ArrayLike, y: npt.ArrayLike) -> float:

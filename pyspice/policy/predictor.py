@@ -1,20 +1,23 @@
 """The draft predictor: routing several MoE layers ahead (the paper's Algorithm 1).
 
-Per MoE layer l, a low-rank affine transition predicts the next MoE layer's
-input from this one, h' ≈ c_l + U_l V_l h (U [n_embd, r], V [r, n_embd]); the
-target model's own router of that next layer turns the predicted input into
-routing probabilities. Rolled out d layers, the prediction is exact algebra on
-the r-dimensional code z = V h, so after the first step every step costs
-O(r² + r·n_expert) instead of O(n_embd²):
+Per MoE layer l, an affine transition predicts the next MoE layer's input
+from this one, h' ≈ a_l h + c_l + U_l V_l h: a scaled identity (consecutive
+MoE inputs are normalized views of one residual stream, so h' stays close to
+h) plus a rank-r correction (U [n_embd, r], V [r, n_embd]). The target
+model's own router of the next layer turns the predicted input into routing
+probabilities; rolled out, each step feeds the previous prediction.
 
-    z_0 = V_l h
-    logits_{l+1} = W_{l+1} c_l + (W_{l+1} U_l) z_0
-    z_1 = V_{l+1} c_l + (V_{l+1} U_l) z_0 ...
+Everything before the final gating function is linear, so the rollout from
+layer l to depth d is one matrix: G_{l,d} = W_{l+d} T_{l+d-1} ··· T_l (n_expert
+x n_embd) and an offset g_{l,d}. They are composed once at construction
+(recursively, G_{l,d} = a_l G_{l+1,d-1} + (G_{l+1,d-1} U_l) V_l, never forming
+an n_embd² matrix) and stacked over depths, so a rollout of any depth up to
+`max_depth` is one small matrix-vector product plus the gating function,
+exactly equal to the step-by-step chain.
 
-All products are precomputed once, in float32. Router logits become
-probabilities as the architecture does it in llama.cpp's build_moe_ffn:
-softmax for qwen2moe and for deepseek2 (V2 / V2-Lite; sigmoid only for V3-style
-models whose GGUF says expert_gating_func = sigmoid).
+Router logits become probabilities as the architecture does it in llama.cpp's
+build_moe_ffn: softmax for qwen2moe and for deepseek2 (V2 / V2-Lite; sigmoid
+only for V3-style models whose GGUF says expert_gating_func = sigmoid).
 
 Pure numpy: no native imports (the simulator uses the same object).
 """
@@ -33,11 +36,12 @@ GATINGS = ("softmax", "sigmoid")
 
 @dataclass(frozen=True)
 class Transition:
-    """h_next ≈ bias + U (V h) for one MoE layer."""
+    """h_next ≈ scale·h + bias + U (V h) for one MoE layer."""
 
     U: F32  # [n_embd, r]
     V: F32  # [r, n_embd]
     bias: F32  # [n_embd]
+    scale: float = 0.0
 
     @property
     def rank(self) -> int:
@@ -45,7 +49,7 @@ class Transition:
 
     def apply(self, h: npt.ArrayLike) -> F32:
         x = np.asarray(h, dtype=np.float32)
-        return _f32((x @ self.V.T) @ self.U.T + self.bias)
+        return _f32(self.scale * x + (x @ self.V.T) @ self.U.T + self.bias)
 
 
 def _f32(a: npt.ArrayLike) -> F32:
@@ -76,6 +80,7 @@ class DraftPredictor:
     routers: layer -> router weights [n_expert, n_embd] for every MoE layer.
     transitions: layer -> Transition from that MoE layer's input to the next
         MoE layer's input (the last MoE layer has none).
+    max_depth: the deepest rollout prepared (deeper requests are cut there).
     """
 
     def __init__(
@@ -84,33 +89,49 @@ class DraftPredictor:
         routers: Mapping[int, npt.ArrayLike],
         transitions: Mapping[int, Transition],
         gating: str = "softmax",
+        max_depth: int = 4,
     ) -> None:
         if gating not in GATINGS:
             raise ValueError(f"unknown gating {gating!r}; choose one of {GATINGS}")
         self.moe_layers = [int(il) for il in sorted(moe_layers)]
         self.gating = gating
+        self.max_depth = max(1, int(max_depth))
         self.routers: dict[int, F32] = {il: _f32(routers[il]) for il in self.moe_layers}
         self.transitions: dict[int, Transition] = {
-            il: Transition(_f32(t.U), _f32(t.V), _f32(t.bias)) for il, t in transitions.items()
+            il: Transition(_f32(t.U), _f32(t.V), _f32(t.bias), float(t.scale))
+            for il, t in transitions.items()
         }
         self._next: dict[int, int] = {
             a: b for a, b in zip(self.moe_layers, self.moe_layers[1:], strict=False) if a in self.transitions
         }
-        # latent-space rollout factors, per source layer l with next MoE layer m = next(l):
-        # logits_m = g_m + G_m z_l ; z_m = s_m + S_m z_l   (z_l = V_l h_l)
+        # per source layer: the layers reached ([l+1, l+2, ...] while transitions last) and the
+        # stacked composite maps [depth * n_expert, n_embd] with offsets [depth * n_expert]
+        self._reach: dict[int, list[int]] = {}
         self._G: dict[int, F32] = {}
         self._g: dict[int, F32] = {}
-        self._S: dict[int, F32] = {}
-        self._s: dict[int, F32] = {}
-        for il, m in self._next.items():
+        composite: dict[int, list[tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]]] = {}
+        for il in reversed(self.moe_layers):
+            m = self._next.get(il)
+            if m is None:
+                continue
             t = self.transitions[il]
-            w = self.routers[m]
-            self._G[il] = _f32(w @ t.U)
-            self._g[il] = _f32(w @ t.bias)
-            nt = self.transitions.get(m)
-            if nt is not None:
-                self._S[il] = _f32(nt.V @ t.U)
-                self._s[il] = _f32(nt.V @ t.bias)
+            U, V, c = (x.astype(np.float64) for x in (t.U, t.V, t.bias))
+            maps: list[tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]] = []
+            prev = [(self.routers[m].astype(np.float64), np.zeros(self.routers[m].shape[0]))]
+            prev += composite.get(m, [])[: self.max_depth - 1]
+            for G_next, g_next in prev:  # W_{..} T_{m..} composed once more with T_l
+                maps.append((t.scale * G_next + (G_next @ U) @ V, G_next @ c + g_next))
+            composite[il] = maps
+            reach = [m]
+            while len(reach) < len(maps):
+                nxt = self._next.get(reach[-1])
+                if nxt is None:
+                    break
+                reach.append(nxt)
+            self._reach[il] = reach[: len(maps)]
+            n = len(self._reach[il])
+            self._G[il] = _f32(np.concatenate([G for G, _ in maps[:n]], axis=0))
+            self._g[il] = _f32(np.concatenate([g for _, g in maps[:n]], axis=0))
 
     @property
     def n_expert(self) -> int:
@@ -123,29 +144,30 @@ class DraftPredictor:
     def next_layer(self, layer: int) -> int | None:
         return self._next.get(layer)
 
+    def _stacked_logits(self, layer: int, hidden: npt.ArrayLike, depth: int) -> tuple[list[int], F32]:
+        """(layers reached, logits [..., n, n_expert]) in one product."""
+        reach = self._reach.get(layer)
+        if depth <= 0 or reach is None:
+            return [], np.zeros((0, 0), np.float32)
+        n = min(depth, len(reach))
+        e = self.routers[reach[0]].shape[0]
+        x = np.asarray(hidden, dtype=np.float32)
+        logits = x @ self._G[layer][: n * e].T + self._g[layer][: n * e]
+        return reach[:n], logits.reshape(*x.shape[:-1], n, e)
+
     def rollout_logits(self, layer: int, hidden: npt.ArrayLike, depth: int) -> list[tuple[int, F32]]:
         """Predicted router logits of the next `depth` MoE layers (fewer where the model
-        ends). hidden is [n_embd] or [n, n_embd]; logits are [..., n_expert]."""
-        out: list[tuple[int, F32]] = []
-        il = layer
-        t = self.transitions.get(il)
-        if depth <= 0 or t is None:
-            return out
-        z: F32 = np.asarray(hidden, dtype=np.float32) @ t.V.T
-        for step in range(depth):
-            m = self._next.get(il)
-            if m is None:
-                break
-            out.append((m, z @ self._G[il].T + self._g[il]))
-            if step + 1 == depth or il not in self._S:
-                break
-            z = z @ self._S[il].T + self._s[il]
-            il = m
-        return out
+        ends or past max_depth). hidden is [n_embd] or [n, n_embd]; logits are [..., n_expert]."""
+        reach, logits = self._stacked_logits(layer, hidden, depth)
+        return [(m, logits[..., i, :]) for i, m in enumerate(reach)]
 
     def rollout(self, layer: int, hidden: npt.ArrayLike, depth: int) -> list[tuple[int, F32]]:
         """[(layer, probs [n_expert])] for the next `depth` MoE layers after `layer`."""
-        return [(m, gate_probs(lg, self.gating)) for m, lg in self.rollout_logits(layer, hidden, depth)]
+        reach, logits = self._stacked_logits(layer, hidden, depth)
+        if not reach:
+            return []
+        probs = gate_probs(logits, self.gating)  # all depths at once: one call's overhead
+        return [(m, probs[..., i, :]) for i, m in enumerate(reach)]
 
     def baseline(self, layer: int, hidden: npt.ArrayLike, depth: int) -> list[tuple[int, F32]]:
         """Cross-layer baseline: the router of each later MoE layer applied to this layer's input."""
@@ -177,4 +199,5 @@ class DraftPredictor:
         return float(top.sum()) / total if total > 0 else 0.0
 
     def nbytes(self) -> int:
-        return sum(t.U.nbytes + t.V.nbytes + t.bias.nbytes for t in self.transitions.values())
+        """Bytes of the prepared rollout maps (what a rollout reads)."""
+        return sum(g.nbytes for g in self._G.values()) + sum(g.nbytes for g in self._g.values())

@@ -27,6 +27,18 @@ def test_fit_recovers_a_planted_low_rank_map() -> None:
     assert t_dual.U.shape == (d, r)
 
 
+def test_fit_with_identity_recovers_scale_plus_low_rank() -> None:
+    rng = np.random.default_rng(5)
+    d, r, n = 20, 2, 500
+    U, V = rng.standard_normal((d, r)), rng.standard_normal((r, d))
+    X = rng.standard_normal((n, d))
+    Y = 0.7 * X + 0.2 * X @ (U @ V).T + 0.5
+    t = fit_transition(X, Y, rank=r, ridge=1e-8, identity=True)
+    assert transition_r2(t, X, Y) > 0.999
+    # without the identity part, rank 2 cannot carry 0.7·I
+    assert transition_r2(fit_transition(X, Y, rank=r, ridge=1e-8), X, Y) < 0.9
+
+
 def _predictor(rng: np.random.Generator, d: int = 16, e: int = 8, rank: int = 4) -> DraftPredictor:
     layers = [0, 1, 3, 4]
     routers = {il: rng.standard_normal((e, d)).astype(np.float32) for il in layers}
@@ -35,6 +47,7 @@ def _predictor(rng: np.random.Generator, d: int = 16, e: int = 8, rank: int = 4)
             rng.standard_normal((d, rank)).astype(np.float32) * 0.3,
             rng.standard_normal((rank, d)).astype(np.float32) * 0.3,
             rng.standard_normal(d).astype(np.float32),
+            scale=0.5,
         )
         for il in layers[:-1]
     }
@@ -50,7 +63,7 @@ def test_rollout_matches_the_explicit_chain() -> None:
     x = h.astype(np.float64)
     for (m, probs), src in zip(out, [0, 1, 3], strict=True):
         t = p.transitions[src]
-        x = t.bias + t.U @ (t.V @ x)
+        x = t.scale * x + t.bias + t.U @ (t.V @ x)
         ref = gate_probs((p.routers[m] @ x).astype(np.float32))
         np.testing.assert_allclose(probs, ref, rtol=1e-4, atol=1e-6)
         assert abs(float(probs.sum()) - 1.0) < 1e-5
@@ -74,3 +87,13 @@ def test_baseline_and_confidence() -> None:
     assert abs(DraftPredictor.confidence(probs, 2) - 0.7) < 1e-6
     assert DraftPredictor.confidence(probs, 4) == 1.0
     assert p.rollout(4, h, 2) == []
+
+
+def test_max_depth_cuts_the_rollout() -> None:
+    rng = np.random.default_rng(4)
+    full = _predictor(rng)
+    short = DraftPredictor(full.moe_layers, full.routers, full.transitions, max_depth=2)
+    h = rng.standard_normal(16).astype(np.float32)
+    assert [m for m, _ in short.rollout(0, h, 3)] == [1, 3]
+    for (_, a), (_, b) in zip(short.rollout(0, h, 2), full.rollout(0, h, 2), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

@@ -1,0 +1,184 @@
+"""Capture: run a text through the model and record every MoE hook call into a trace.
+
+The model runs the exact plan (every routed expert exact, on the host) with a
+`TraceRecorder` as its policy; the text is evaluated in independent chunks of
+n_ctx tokens from an empty cache (as perplexity does), up to a token cap.
+
+Bounds (independent of the number of layers, except the disk, which is linear
+in layers and capped in tokens):
+- memory: the model, plus at most `max_buffer_bytes` (64 MiB) of unwritten
+  trace rows, plus one micro-batch's copies;
+- disk: tokens x MoE layers x (2 n_embd + n_expert + 2 k) x 2 bytes
+  (hidden and shared in float16, probs float16, ids int16, weights float16).
+
+Interrupting leaves an incomplete trace; running the capture again on the same
+directory resumes after the last token every layer holds.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pyspice.trace import TraceMeta, TraceReader, TraceRecorder, TraceWriter
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    arch: str
+    n_layers: int
+    moe_layers: list[int]
+    n_expert: int
+    n_expert_used: int
+    n_embd: int
+    has_shared: bool
+    gating: str  # "softmax" | "sigmoid"
+
+
+_GATING = {1: "softmax", 2: "sigmoid"}
+
+
+def model_geometry(model_path: str | os.PathLike[str]) -> ModelGeometry:
+    """Layer geometry of a MoE GGUF from its metadata and tensor names."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(model_path)
+
+    def kv(key: str, default: Any = None) -> Any:
+        f = reader.fields.get(key)
+        return f.contents() if f is not None else default
+
+    arch = str(kv("general.architecture", ""))
+    names = {t.name for t in reader.tensors}
+    n_layers = int(kv(f"{arch}.block_count", 0))
+    moe = [il for il in range(n_layers) if f"blk.{il}.ffn_gate_inp.weight" in names]
+    if not moe:
+        raise ValueError(f"{Path(model_path).name} has no MoE layers: nothing to calibrate")
+    gating_id = int(kv(f"{arch}.expert_gating_func", 0) or 0)
+    if gating_id not in (0, 1, 2):
+        raise ValueError(f"expert gating function {gating_id} of {arch} is not supported by the predictor")
+    return ModelGeometry(
+        arch=arch,
+        n_layers=n_layers,
+        moe_layers=moe,
+        n_expert=int(kv(f"{arch}.expert_count", 0)),
+        n_expert_used=int(kv(f"{arch}.expert_used_count", 0)),
+        n_embd=int(kv(f"{arch}.embedding_length", 0)),
+        has_shared=any(f"blk.{il}.ffn_up_shexp.weight" in names for il in moe),
+        gating=_GATING.get(gating_id, "softmax"),  # 0 (unset): softmax, as llama.cpp for V2 / qwen2moe
+    )
+
+
+@dataclass(frozen=True)
+class CaptureConfig:
+    tokens: int = 8192  # cap on captured tokens
+    n_ctx: int = 512  # tokens per independent chunk
+    threads: int | None = None
+    chunk_tokens: int = 512  # rows per trace chunk file
+    max_buffer_bytes: int = 64 << 20
+
+
+def trace_meta(model_path: Path, geo: ModelGeometry, source: str, extra: dict[str, Any]) -> TraceMeta:
+    from pyspice.sidecar import fingerprint
+
+    fields = ["hidden", "probs", "ids", "weights"] + (["shared"] if geo.has_shared else [])
+    return TraceMeta(
+        model=model_path.name,
+        fingerprint=fingerprint(model_path),
+        n_layers=geo.n_layers,
+        moe_layers=list(geo.moe_layers),
+        n_expert=geo.n_expert,
+        n_expert_used=geo.n_expert_used,
+        n_embd=geo.n_embd,
+        fields=fields,
+        source=source,
+        extra=extra,
+    )
+
+
+def capture(
+    model_path: str | os.PathLike[str],
+    text: str,
+    out: str | os.PathLike[str],
+    config: CaptureConfig | None = None,
+    *,
+    corpus: str = "",
+    progress: bool = True,
+    on_chunk: Callable[[int, int], None] | None = None,
+) -> TraceReader:
+    """Record the hook calls of `text` (at most config.tokens tokens) into the trace directory `out`.
+
+    An existing complete trace of the same model is reused as it is; an
+    incomplete one is resumed."""
+    from tqdm import tqdm
+
+    from pyspice.api import Llama
+
+    config = config or CaptureConfig()
+    model = Path(model_path)
+    out_dir = Path(out)
+    if (out_dir / "meta.json").exists():
+        try:
+            done = TraceReader(out_dir)
+            if done.meta.fingerprint and done.n_tokens > 0:
+                return done
+        except ValueError:
+            pass  # incomplete: resume below
+    geo = model_geometry(model)
+    meta = trace_meta(model, geo, "calibration", {"corpus": corpus, "n_ctx": config.n_ctx})
+    writer = TraceWriter(
+        out_dir,
+        meta,
+        resume=True,
+        chunk_tokens=config.chunk_tokens,
+        max_buffer_bytes=config.max_buffer_bytes,
+    )
+    recorder = TraceRecorder(writer)
+    threads = config.threads or max(1, os.cpu_count() or 1)
+    llm = Llama(
+        str(model),
+        policy=recorder,
+        n_ctx=config.n_ctx,
+        n_batch=config.n_ctx,
+        n_ubatch=config.n_ctx,
+        n_threads=threads,
+        n_threads_batch=threads,
+        # every row must reach the last layer: without logits_all llama.cpp keeps only the rows
+        # whose logits are wanted after the last layer's attention
+        logits_all=True,
+        verbose=False,
+    )
+    try:
+        tokens = llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)
+        total = min(len(tokens), config.tokens)
+        if total < 2:
+            raise ValueError("the calibration text is empty")
+        starts = list(range(0, total, config.n_ctx))
+        bar = tqdm(
+            total=total,
+            initial=min(writer.resume_from, total),
+            unit="tok",
+            desc="capture",
+            disable=not progress,
+            file=sys.stderr,
+        )
+        with writer:
+            for i, start in enumerate(starts):
+                stop = min(start + config.n_ctx, total)
+                if stop <= writer.resume_from:
+                    continue
+                recorder.set_position(start)
+                llm.reset()  # type: ignore[no-untyped-call]
+                llm.eval(tokens[start:stop])
+                bar.update(stop - max(start, writer.resume_from))
+                if on_chunk is not None:
+                    on_chunk(i + 1, len(starts))
+            writer.meta.extra["tokens_in_text"] = len(tokens)
+        bar.close()
+    finally:
+        llm.close()
+    return TraceReader(out_dir)
