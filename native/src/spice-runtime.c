@@ -298,9 +298,11 @@ static void hook_entry(const struct llama_moe_hook_call * hc, void * user_data) 
     }
     spice_host_exec_run(&rt->host, hc->ith, hc->nth, &rt->barrier);
     if (rt->surrogate_exec.n_pairs > 0) {
-        /* the host executor's combine wrote out with its own split of rows and columns */
+        /* one barrier serves both: the host executor's combine wrote out with
+         * its own split, and every pair's A h must be ready before combining */
+        spice_surrogate_exec_project(&rt->surrogate_exec, hc->ith, hc->nth);
         spice_barrier_wait(&rt->barrier, hc->nth);
-        spice_surrogate_exec_run(&rt->surrogate_exec, hc->ith, hc->nth);
+        spice_surrogate_exec_combine(&rt->surrogate_exec, hc->ith, hc->nth);
     }
 }
 

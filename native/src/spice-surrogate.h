@@ -11,10 +11,11 @@
  * f32: rows are widened into per-thread scratch with ggml's converter.
  *
  * Thread 0 prepares a job (the surrogate pairs of the call, scratch sized for
- * the threads); then every graph thread runs its share without further
- * barriers: whole tokens per thread for batches, column ranges of one token
- * for decode (each thread recomputes the r-wide A h, which is cheaper than a
- * barrier). */
+ * the threads); then every graph thread runs two phases with a barrier
+ * between them: project (z = A h for the pairs, split by pair, so a decode
+ * step's k surrogates spread over the threads) and combine (out += w (alpha S
+ * + B z), whole tokens per thread for batches, column ranges for decode).
+ */
 #ifndef SPICE_SURROGATE_H
 #define SPICE_SURROGATE_H
 
@@ -38,7 +39,6 @@ typedef struct spice_surrogate_table {
     spice_surrogate * entries; /* [n_layers * max_expert]; NULL until the first load */
     uint64_t bytes;            /* charged to the device budget */
     int32_t n_loaded;
-    int32_t max_rank;
 } spice_surrogate_table;
 
 /* Device bytes of one surrogate: its two f16 matrices and alpha. */
@@ -67,9 +67,13 @@ typedef struct spice_surrogate_exec {
     spice_surrogate_job job;
     int32_t n_pairs;     /* surrogate pairs of the current job; 0: nothing to run */
     int32_t max_rank;
-    float * scratch;     /* per thread: z [max_rank], row [n_embd], y [n_embd] */
+    int32_t * pairs;     /* [n_pairs] pair ids (t * n_used + k), in order */
+    int32_t * z_of;      /* [n_tokens * n_used] index into pairs, or -1 */
+    float * z;           /* [n_pairs][max_rank] A h of each pair */
+    float * scratch;     /* per thread: row [n_embd], y [n_embd] */
     size_t scratch_per_thread;
-    size_t cap;          /* floats in scratch */
+    void * buf;          /* holds pairs, z_of, z and scratch */
+    size_t cap;
 } spice_surrogate_exec;
 
 void spice_surrogate_exec_init(spice_surrogate_exec * ex);
@@ -80,8 +84,10 @@ void spice_surrogate_exec_free(spice_surrogate_exec * ex);
  * n_pairs is 0 (nothing runs). */
 int spice_surrogate_exec_prepare(spice_surrogate_exec * ex, const spice_surrogate_job * job, int nth);
 
-/* Every thread (ith of nth, the nth given to prepare). Adds the surrogate
- * contributions to the rows/columns of out that this thread owns. */
-void spice_surrogate_exec_run(spice_surrogate_exec * ex, int ith, int nth);
+/* Every thread (ith of nth, the nth given to prepare): project, then after a
+ * barrier over all nth threads, combine, which adds the contributions to the
+ * rows/columns of out that this thread owns. */
+void spice_surrogate_exec_project(spice_surrogate_exec * ex, int ith, int nth);
+void spice_surrogate_exec_combine(spice_surrogate_exec * ex, int ith, int nth);
 
 #endif /* SPICE_SURROGATE_H */
