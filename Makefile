@@ -33,7 +33,7 @@ $(VENV)/.pyspice-venv: pyproject.toml upstream.lock
 	@# our patched libraries are installed into its lib/ folder by `make build`.
 	CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" \
 	    $(PY) -m pip install --quiet "$$($(PY) scripts/upstream.py sdist-path)"
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet -e ".[dev,serve]"
 	touch $@
 
 venv: $(VENV)/.pyspice-venv

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
+import importlib.util
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -93,6 +96,11 @@ class Llama(llama_cpp.Llama):
         Policy object. "stock" leaves the hook unregistered.
     max_hook_tokens: micro-batches with more tokens keep upstream's path
         (0 = every micro-batch goes through the hook).
+    device_budget: a device tier ("2GiB", "25%" of routed-expert bytes, or
+        bytes); emulated on CPU-only builds, with a bus of emulate_bandwidth
+        GB/s and emulate_latency us per copy.
+    sidecar: the model's calibration sidecar (`<model>.spice.gguf`), refused
+        when it was made for another model.
     """
 
     def __init__(
@@ -104,10 +112,13 @@ class Llama(llama_cpp.Llama):
         device_budget: str | int | None = None,
         emulate_bandwidth: float | None = None,
         emulate_latency: float | None = None,
+        sidecar: str | Path | None = None,
         **kwargs: Any,
     ) -> None:
         # llama_cpp.Llama.__del__ closes self._stack: make it exist even if loading fails early
         self._stack = contextlib.ExitStack()
+        # checked before loading: a sidecar made for another model fails in milliseconds
+        self.spice_sidecar: Any = load_sidecar(sidecar, model_path) if sidecar is not None else None
         # the buffer type must outlive the model: the instance holds it until it is collected
         self._spice_buft = ExpertBufferType()
         self._spice_overrides = _expert_overrides(self._spice_buft)
@@ -154,6 +165,7 @@ class Llama(llama_cpp.Llama):
         layers = [info for info in runtime.layers() if info.is_moe]
         total = sum(info.bytes_per_expert * info.n_expert for info in layers)
         spec = parse_budget(budget) if isinstance(budget, str) else Budget(bytes=int(budget))
+        check_emulated_budget(spec, spec.resolve(total), total)
         params = StoreParams(
             budget_bytes=spec.resolve(total),
             bandwidth_gbps=bandwidth_gbps if bandwidth_gbps is not None else DEFAULT_EMULATED_GBPS,
@@ -388,6 +400,57 @@ class Llama(llama_cpp.Llama):
 
     def spice_layers(self) -> list[Any]:
         return self._require_runtime().layers()
+
+
+def host_memory_available() -> int | None:
+    """Bytes the kernel says can be allocated without swapping (None: unknown)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError):
+        return None
+
+
+def check_emulated_budget(spec: Budget, budget_bytes: int, expert_bytes_total: int) -> None:
+    """The emulated device keeps its slots in host memory: a budget the machine
+    cannot hold would end in swapping or the OOM killer mid-run, so refuse it now."""
+    try:
+        physical = int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError):
+        physical = 0
+    if physical and budget_bytes > physical:
+        raise ValueError(
+            f"device budget {spec} = {format_bytes(budget_bytes)} is more than this machine's "
+            f"{format_bytes(physical)} of memory, which holds the emulated device; give a smaller "
+            "--device-budget (e.g. 25%)"
+        )
+    need = min(budget_bytes, expert_bytes_total)  # a budget above the model holds all of it
+    free = host_memory_available()
+    if free is not None and need > free:
+        raise ValueError(
+            f"device budget {spec} = {format_bytes(budget_bytes)} does not fit this machine: the emulated "
+            f"device keeps {format_bytes(need)} of expert copies in host memory and only "
+            f"{format_bytes(free)} is available; give a smaller --device-budget (e.g. 25%)"
+        )
+
+
+def load_sidecar(path: str | Path, model_path: str | Path) -> Any:
+    """The calibration sidecar for `model_path`, checked against the model."""
+    if importlib.util.find_spec("pyspice.sidecar") is None:
+        raise ValueError(
+            f"cannot use sidecar {path}: this pyspice has no calibration support (pyspice.sidecar) yet; "
+            "run without --sidecar"
+        )
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"sidecar {path} does not exist (make one with `pyspice calibrate -m MODEL`)")
+    sidecar_module = importlib.import_module("pyspice.sidecar")
+    return sidecar_module.Sidecar.load(Path(path), Path(model_path))
 
 
 def warn(message: str) -> None:

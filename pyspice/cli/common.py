@@ -67,6 +67,15 @@ def add_context_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_sidecar_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--sidecar",
+        type=Path,
+        default=None,
+        help="calibration sidecar of the model (<model>.spice.gguf, made by `pyspice calibrate`)",
+    )
+
+
 def add_prompt_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     group = p.add_mutually_exclusive_group(required=required)
     group.add_argument("-p", "--prompt", help="prompt text")
@@ -138,13 +147,27 @@ def open_model(
     args: argparse.Namespace, policy: str, *, logits_all: bool = False, seed: int | None = None
 ) -> Llama:
     from pyspice.api import Llama  # native code loads here, not at CLI start-up
+    from pyspice.model_info import inspect_model
 
     threads = thread_count(args)
     emulation = args.emulate_bandwidth is not None or args.emulate_latency is not None
     if args.device_budget is None and emulation:
         raise ValueError("--emulate-bandwidth/--emulate-latency need --device-budget")
+    path = resolve_model(args)
+    # header only: a truncated or foreign file fails here with a precise message
+    summary = inspect_model(path)
+    device_budget = args.device_budget
+    if not summary.is_moe and policy != "stock":
+        note(
+            f"{path.name} is a dense {summary.architecture} model: no routed experts, nothing to "
+            "offload; running it with policy 'stock'"
+        )
+        policy = "stock"
+        if device_budget is not None:
+            note("--device-budget ignored: a dense model has no experts to place")
+            device_budget = None
     llm = Llama(
-        str(resolve_model(args)),
+        str(path),
         policy=policy,
         max_hook_tokens=args.max_hook_tokens,
         n_ctx=args.ctx_size,
@@ -155,9 +178,10 @@ def open_model(
         n_gpu_layers=args.n_gpu_layers,
         logits_all=logits_all,
         seed=seed if seed is not None else 0xFFFFFFFF,
-        device_budget=args.device_budget,
+        device_budget=device_budget,
         emulate_bandwidth=args.emulate_bandwidth,
         emulate_latency=args.emulate_latency,
+        sidecar=getattr(args, "sidecar", None),
         verbose=False,
     )
     if llm.spice_device is not None:

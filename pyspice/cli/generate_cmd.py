@@ -13,22 +13,27 @@ from pyspice.cli.common import (
     add_model_args,
     add_prompt_args,
     add_sampling_args,
+    add_sidecar_arg,
     default_policy,
     open_model,
     read_prompt,
 )
 
 
-def register(sub: Any) -> None:
-    p = sub.add_parser("generate", help="generate text from a prompt", description=__doc__)
+def register(sub: Any) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "generate", help="generate text from a prompt", description=__doc__
+    )
     add_model_args(p)
     add_prompt_args(p)
     add_sampling_args(p)
     add_context_args(p)
+    add_sidecar_arg(p)
     p.add_argument(
         "--json", action="store_true", help='print {"text", "tokens", "stats"} instead of streaming'
     )
     p.set_defaults(func=run)
+    return p
 
 
 class _Utf8Stream:

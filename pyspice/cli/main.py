@@ -13,7 +13,18 @@ import sys
 from collections.abc import Sequence
 
 from pyspice import __version__
-from pyspice.cli import bench_cmd, eval_cmd, generate_cmd, models_cmd, probe_cmd, sim_cmd
+from pyspice.cli import (
+    bench_cmd,
+    chat_cmd,
+    eval_cmd,
+    generate_cmd,
+    inspect_cmd,
+    models_cmd,
+    probe_cmd,
+    serve_cmd,
+    sim_cmd,
+)
+from pyspice.cli.errors import add_verbose_arg, run_command
 from pyspice.cli.version import version_report
 
 
@@ -37,25 +48,39 @@ def build_parser() -> argparse.ArgumentParser:
         "in GPU memory (SPICE on llama.cpp)",
     )
     parser.add_argument("--version", action=_VersionAction)
+    add_verbose_arg(parser, top_level=True)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for module in (generate_cmd, bench_cmd, models_cmd, eval_cmd, probe_cmd, sim_cmd):
+    for module in (
+        chat_cmd,
+        generate_cmd,
+        serve_cmd,
+        inspect_cmd,
+        bench_cmd,
+        models_cmd,
+        eval_cmd,
+        probe_cmd,
+        sim_cmd,
+    ):
         module.register(sub)
+    for command in sub.choices.values():
+        _add_verbose_everywhere(command)
     return parser
+
+
+def _add_verbose_everywhere(p: argparse.ArgumentParser) -> None:
+    if not any("--verbose" in action.option_strings for action in p._actions):
+        add_verbose_arg(p)
+    for action in p._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for nested in action.choices.values():
+                _add_verbose_everywhere(nested)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        result: int = args.func(args)
-        return result
-    except KeyboardInterrupt:
-        print("pyspice: interrupted", file=sys.stderr)
-        return 130
-    except (ValueError, FileNotFoundError, RuntimeError) as exc:
-        print(f"pyspice: error: {exc}", file=sys.stderr)
-        return 1
+    return run_command(args.func, args)
 
 
 if __name__ == "__main__":

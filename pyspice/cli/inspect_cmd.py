@@ -1,0 +1,49 @@
+"""`pyspice inspect`: what a GGUF holds for expert offloading, from its header alone.
+
+Architecture, layers, experts, top-k, shared experts, bytes per routed
+expert by quant type, expert vs non-expert bytes, and what a device budget
+holds (experts, and the llama.cpp `--n-cpu-moe N` split it corresponds to).
+No tensor data is read and no native code is loaded: instant on any size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from pyspice.cli.common import add_model_args, resolve_model
+from pyspice.model_info import DEFAULT_BUDGETS, format_summary, inspect_model, summary_record
+from pyspice.units import parse_budget
+
+
+def register(sub: Any) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "inspect", help="show a model's experts, sizes and what a device budget holds"
+    )
+    p.description = __doc__
+    add_model_args(p)
+    p.add_argument(
+        "--device-budget",
+        action="append",
+        default=None,
+        help="budget(s) to size: 2GiB, 512MiB or 25%% (repeatable; default: "
+        + ", ".join(DEFAULT_BUDGETS).replace("%", "%%")
+        + ")",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    summary = inspect_model(resolve_model(args))
+    budgets = [parse_budget(b) for b in (args.device_budget or DEFAULT_BUDGETS)]
+    fits = [summary.fit(b) for b in budgets] if summary.is_moe else []
+    if args.json:
+        json.dump(summary_record(summary, fits), sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        print(format_summary(summary, fits))
+    return 0

@@ -1,0 +1,422 @@
+"""What a GGUF holds, read from its header alone (`pyspice inspect`).
+
+The header (metadata and tensor directory) sits at the start of the file;
+tensor data is never touched, so inspecting a 40 GB model costs the same as a
+tiny one. `gguf.GGUFReader` would also work but maps and parses every array
+and tensor view, which takes seconds on a large vocabulary; this reader skips
+arrays it does not need. Pure Python: no native code is loaded.
+"""
+
+from __future__ import annotations
+
+import mmap
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import gguf
+
+from pyspice.units import Budget, format_bytes
+
+GGUF_MAGIC = b"GGUF"
+# arrays longer than this are summarized (tokenizer vocabularies), not decoded
+_MAX_ARRAY_ITEMS = 64
+
+_SCALAR_FORMATS: dict[int, str] = {
+    gguf.GGUFValueType.UINT8: "<B",
+    gguf.GGUFValueType.INT8: "<b",
+    gguf.GGUFValueType.UINT16: "<H",
+    gguf.GGUFValueType.INT16: "<h",
+    gguf.GGUFValueType.UINT32: "<I",
+    gguf.GGUFValueType.INT32: "<i",
+    gguf.GGUFValueType.FLOAT32: "<f",
+    gguf.GGUFValueType.BOOL: "<?",
+    gguf.GGUFValueType.UINT64: "<Q",
+    gguf.GGUFValueType.INT64: "<q",
+    gguf.GGUFValueType.FLOAT64: "<d",
+}
+
+EXPERT_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
+SHARED_EXPERT_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_shexp\.weight$")
+
+
+class ModelFileError(ValueError):
+    """The file is missing, not a GGUF, or truncated/corrupt."""
+
+
+@dataclass(frozen=True)
+class ArraySummary:
+    """A long metadata array, kept as its element type and length only."""
+
+    item_type: str
+    length: int
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]  # ggml order: ne[0] is the contiguous dimension
+    type_name: str
+    nbytes: int
+    offset: int  # from the start of the data section
+
+
+@dataclass(frozen=True)
+class GGUFHeader:
+    path: Path
+    version: int
+    file_size: int
+    data_offset: int
+    metadata: dict[str, Any]
+    tensors: list[TensorInfo]
+
+
+class _Cursor:
+    def __init__(self, buf: Any, path: Path) -> None:
+        self.buf = buf
+        self.pos = 0
+        self.path = path
+
+    def take(self, fmt: str) -> Any:
+        size = struct.calcsize(fmt)
+        if self.pos + size > len(self.buf):
+            raise ModelFileError(
+                f"{self.path} is truncated or corrupt: its GGUF header ends early "
+                "(re-download or rebuild the file)"
+            )
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += size
+        return value
+
+    def string(self) -> str:
+        n = int(self.take("<Q"))
+        if self.pos + n > len(self.buf):
+            raise ModelFileError(f"{self.path} is truncated or corrupt: a header string runs past the end")
+        raw = bytes(self.buf[self.pos : self.pos + n])
+        self.pos += n
+        return raw.decode("utf-8", errors="replace")
+
+    def skip_string(self) -> None:
+        n = int(self.take("<Q"))
+        self.pos += n
+
+    def value(self, vtype: int) -> Any:
+        if vtype == gguf.GGUFValueType.STRING:
+            return self.string()
+        if vtype == gguf.GGUFValueType.ARRAY:
+            item_type = int(self.take("<I"))
+            length = int(self.take("<Q"))
+            if length > _MAX_ARRAY_ITEMS:
+                self._skip_array(item_type, length)
+                return ArraySummary(gguf.GGUFValueType(item_type).name.lower(), length)
+            return [self.value(item_type) for _ in range(length)]
+        fmt = _SCALAR_FORMATS.get(vtype)
+        if fmt is None:
+            raise ModelFileError(f"{self.path} is corrupt: unknown metadata value type {vtype}")
+        return self.take(fmt)
+
+    def _skip_array(self, item_type: int, length: int) -> None:
+        if item_type == gguf.GGUFValueType.STRING:
+            for _ in range(length):
+                self.skip_string()
+        elif item_type == gguf.GGUFValueType.ARRAY:
+            for _ in range(length):
+                self.value(item_type)
+        else:
+            fmt = _SCALAR_FORMATS.get(item_type)
+            if fmt is None:
+                raise ModelFileError(f"{self.path} is corrupt: unknown array item type {item_type}")
+            self.pos += struct.calcsize(fmt) * length
+        if self.pos > len(self.buf):
+            raise ModelFileError(f"{self.path} is truncated or corrupt: an array runs past the end")
+
+
+def tensor_nbytes(type_name: str, shape: tuple[int, ...]) -> int:
+    qtype = gguf.GGMLQuantizationType[type_name]
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    rows = 1
+    for n in shape[1:]:
+        rows *= n
+    return (shape[0] // block) * type_size * rows
+
+
+def read_header(path: Path | str) -> GGUFHeader:
+    """Metadata and tensor directory of a GGUF, without reading tensor data."""
+    path = Path(path)
+    if not path.is_file():
+        raise ModelFileError(f"model file {path} does not exist")
+    file_size = path.stat().st_size
+    if file_size < 24:
+        raise ModelFileError(f"{path} is not a GGUF model (only {file_size} bytes)")
+    with path.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != GGUF_MAGIC:
+            raise ModelFileError(f"{path} is not a GGUF model (bad magic {bytes(buf[:4])!r})")
+        cur = _Cursor(buf, path)
+        cur.pos = 4
+        version = int(cur.take("<I"))
+        if version < 2:
+            raise ModelFileError(f"{path}: GGUF version {version} is too old (convert it with llama.cpp)")
+        n_tensors = int(cur.take("<Q"))
+        n_kv = int(cur.take("<Q"))
+        metadata: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = cur.string()
+            metadata[key] = cur.value(int(cur.take("<I")))
+        raw: list[tuple[str, tuple[int, ...], str, int]] = []
+        for _ in range(n_tensors):
+            name = cur.string()
+            n_dims = int(cur.take("<I"))
+            shape = tuple(int(cur.take("<Q")) for _ in range(n_dims))
+            type_id = int(cur.take("<I"))
+            offset = int(cur.take("<Q"))
+            try:
+                type_name = gguf.GGMLQuantizationType(type_id).name
+            except ValueError:
+                raise ModelFileError(f"{path} is corrupt: tensor {name} has unknown type {type_id}") from None
+            raw.append((name, shape, type_name, offset))
+        alignment = int(metadata.get("general.alignment", 32))
+        data_offset = (cur.pos + alignment - 1) // alignment * alignment
+    tensors = [TensorInfo(n, s, t, tensor_nbytes(t, s), o) for n, s, t, o in raw]
+    end = max((data_offset + t.offset + t.nbytes for t in tensors), default=data_offset)
+    if end > file_size:
+        raise ModelFileError(
+            f"{path} is truncated: its tensors need {end} bytes but the file has {file_size} "
+            "(an interrupted download or copy? fetch or rebuild it)"
+        )
+    return GGUFHeader(path, version, file_size, data_offset, metadata, tensors)
+
+
+# ---- what the model means for expert offloading ------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExpertGroup:
+    """MoE layers whose experts have the same quant types and size."""
+
+    layers: tuple[int, ...]
+    types: tuple[str, str, str]  # gate, up, down
+    bytes_per_expert: int
+
+    def layer_range(self) -> str:
+        runs: list[str] = []
+        start = prev = self.layers[0]
+        for il in (*self.layers[1:], None):
+            if il is not None and il == prev + 1:
+                prev = il
+                continue
+            runs.append(str(start) if start == prev else f"{start}-{prev}")
+            if il is not None:
+                start = prev = il
+        return ("layer " if len(self.layers) == 1 else "layers ") + ",".join(runs)
+
+
+@dataclass(frozen=True)
+class BudgetFit:
+    """What a device budget holds."""
+
+    budget: str
+    budget_bytes: int
+    holds: int  # experts of average size
+    experts: int
+    n_cpu_moe: int  # llama.cpp --n-cpu-moe N: whole layers 0..N-1 keep experts on the host
+    resident_layers: int
+    resident_bytes: int
+
+
+@dataclass
+class ModelSummary:
+    path: Path
+    file_size: int
+    architecture: str
+    name: str
+    n_layers: int
+    n_embd: int
+    n_expert: int
+    n_expert_used: int
+    n_shared: int
+    expert_ff: int
+    moe_layers: list[int]
+    expert_bytes_by_layer: dict[int, int]  # routed-expert bytes of each MoE layer (all experts)
+    experts_by_layer: dict[int, int]
+    groups: list[ExpertGroup]
+    expert_bytes: int
+    shared_expert_bytes: int
+    non_expert_bytes: int
+    tensor_types: dict[str, int] = field(default_factory=dict)  # bytes by quant type, all tensors
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.moe_layers)
+
+    @property
+    def n_routed_experts(self) -> int:
+        return sum(self.experts_by_layer.values())
+
+    def fit(self, budget: Budget) -> BudgetFit:
+        total = self.expert_bytes
+        budget_bytes = budget.resolve(total)
+        experts = self.n_routed_experts
+        holds = min(experts, int(budget_bytes * experts / total)) if total else 0
+        # llama.cpp's --n-cpu-moe N keeps the experts of layers 0..N-1 on the host: the
+        # smallest N whose remaining layers fit is the split this budget corresponds to
+        resident_bytes = 0
+        n_cpu_moe = self.n_layers
+        for il in reversed(range(self.n_layers)):
+            layer_bytes = self.expert_bytes_by_layer.get(il, 0)
+            if resident_bytes + layer_bytes > budget_bytes:
+                break
+            resident_bytes += layer_bytes
+            n_cpu_moe = il
+        resident_layers = sum(1 for il in self.moe_layers if il >= n_cpu_moe)
+        return BudgetFit(
+            budget=str(budget),
+            budget_bytes=budget_bytes,
+            holds=holds,
+            experts=experts,
+            n_cpu_moe=n_cpu_moe,
+            resident_layers=resident_layers,
+            resident_bytes=resident_bytes,
+        )
+
+
+def _meta_int(meta: dict[str, Any], key: str, default: int = 0) -> int:
+    value = meta.get(key, default)
+    if isinstance(value, list):  # per-layer arrays (some architectures): take the largest
+        value = max((int(v) for v in value), default=default)
+    return int(value) if isinstance(value, int | float) else default
+
+
+def summarize(header: GGUFHeader) -> ModelSummary:
+    meta = header.metadata
+    arch = str(meta.get("general.architecture", "unknown"))
+    n_layers = _meta_int(meta, f"{arch}.block_count")
+    per_layer: dict[int, dict[str, TensorInfo]] = {}
+    shared_layers: set[int] = set()
+    expert_bytes = shared_bytes = other_bytes = 0
+    by_type: dict[str, int] = {}
+    for t in header.tensors:
+        by_type[t.type_name] = by_type.get(t.type_name, 0) + t.nbytes
+        m = EXPERT_TENSOR.match(t.name)
+        if m:
+            per_layer.setdefault(int(m.group(1)), {})[m.group(2)] = t
+            expert_bytes += t.nbytes
+            continue
+        m = SHARED_EXPERT_TENSOR.match(t.name)
+        if m:
+            shared_layers.add(int(m.group(1)))
+            shared_bytes += t.nbytes
+        other_bytes += t.nbytes
+    layer_bytes: dict[int, int] = {}
+    layer_experts: dict[int, int] = {}
+    groups: list[ExpertGroup] = []
+    for il in sorted(per_layer):
+        parts = per_layer[il]
+        if set(parts) != {"gate", "up", "down"}:
+            raise ModelFileError(f"{header.path}: layer {il} has only {sorted(parts)} expert tensors")
+        n_exp = parts["gate"].shape[-1]
+        layer_bytes[il] = sum(p.nbytes for p in parts.values())
+        layer_experts[il] = n_exp
+        types = (parts["gate"].type_name, parts["up"].type_name, parts["down"].type_name)
+        per_expert = layer_bytes[il] // max(1, n_exp)
+        same = [k for k, g in enumerate(groups) if g.types == types and g.bytes_per_expert == per_expert]
+        if same:
+            g = groups[same[0]]
+            groups[same[0]] = ExpertGroup((*g.layers, il), types, per_expert)
+        else:
+            groups.append(ExpertGroup((il,), types, per_expert))
+    n_shared = _meta_int(meta, f"{arch}.expert_shared_count")
+    if n_shared == 0 and shared_layers:
+        n_shared = 1  # qwen2moe: one shared expert per layer, sized by its own ff length
+    return ModelSummary(
+        path=header.path,
+        file_size=header.file_size,
+        architecture=arch,
+        name=str(meta.get("general.name", header.path.stem)),
+        n_layers=n_layers,
+        n_embd=_meta_int(meta, f"{arch}.embedding_length"),
+        n_expert=_meta_int(meta, f"{arch}.expert_count", max(layer_experts.values(), default=0)),
+        n_expert_used=_meta_int(meta, f"{arch}.expert_used_count"),
+        n_shared=n_shared,
+        expert_ff=_meta_int(meta, f"{arch}.expert_feed_forward_length"),
+        moe_layers=sorted(per_layer),
+        expert_bytes_by_layer=layer_bytes,
+        experts_by_layer=layer_experts,
+        groups=groups,
+        expert_bytes=expert_bytes,
+        shared_expert_bytes=shared_bytes,
+        non_expert_bytes=other_bytes,
+        tensor_types=by_type,
+    )
+
+
+def inspect_model(path: Path | str) -> ModelSummary:
+    return summarize(read_header(path))
+
+
+DEFAULT_BUDGETS = ("10%", "25%", "50%")
+
+
+def _share(part: int, whole: int) -> str:
+    return f"{part / whole:.0%}" if whole else "-"
+
+
+def format_summary(s: ModelSummary, fits: list[BudgetFit]) -> str:
+    total = s.expert_bytes + s.non_expert_bytes
+    lines = [
+        f"model        {s.path.name} ({format_bytes(s.file_size)}): {s.name}",
+        f"architecture {s.architecture}, {s.n_layers} layers, n_embd {s.n_embd}",
+    ]
+    if not s.is_moe:
+        lines.append("experts      none: a dense model, nothing to offload (pyspice runs it with 'stock')")
+        lines.append(f"weights      {format_bytes(total)}")
+        return "\n".join(lines)
+    dense = s.n_layers - len(s.moe_layers)
+    lines += [
+        f"MoE layers   {len(s.moe_layers)}" + (f" ({dense} dense)" if dense else ""),
+        f"experts      {s.n_expert} routed per layer, top-{s.n_expert_used}, "
+        f"{s.n_shared} shared" + (f", expert ff {s.expert_ff}" if s.expert_ff else ""),
+        f"routed-expert bytes  {format_bytes(s.expert_bytes)} ({_share(s.expert_bytes, total)}) "
+        f"in {s.n_routed_experts} experts",
+        f"non-expert bytes     {format_bytes(s.non_expert_bytes)} ({_share(s.non_expert_bytes, total)})"
+        + (
+            f", of which shared experts {format_bytes(s.shared_expert_bytes)}"
+            if s.shared_expert_bytes
+            else ""
+        ),
+        "bytes per routed expert (gate/up/down quant types):",
+    ]
+    for g in s.groups:
+        lines.append(f"  {'/'.join(g.types):<20} {g.layer_range():<14} {format_bytes(g.bytes_per_expert)}")
+    lines.append("device budget (pooled over layers):")
+    for f in fits:
+        lines.append(
+            f"  {f.budget:>10} = {format_bytes(f.budget_bytes):>11}: about {f.holds} of {f.experts} experts; "
+            f"llama.cpp --n-cpu-moe {f.n_cpu_moe} ({f.resident_layers} whole layers resident, "
+            f"{format_bytes(f.resident_bytes)})"
+        )
+    return "\n".join(lines)
+
+
+def summary_record(s: ModelSummary, fits: list[BudgetFit]) -> dict[str, Any]:
+    return {
+        "path": str(s.path),
+        "file_size": s.file_size,
+        "architecture": s.architecture,
+        "name": s.name,
+        "n_layers": s.n_layers,
+        "n_embd": s.n_embd,
+        "moe_layers": s.moe_layers,
+        "n_expert": s.n_expert,
+        "n_expert_used": s.n_expert_used,
+        "n_shared": s.n_shared,
+        "expert_bytes": s.expert_bytes,
+        "non_expert_bytes": s.non_expert_bytes,
+        "shared_expert_bytes": s.shared_expert_bytes,
+        "bytes_per_expert": [
+            {"layers": list(g.layers), "types": list(g.types), "bytes": g.bytes_per_expert} for g in s.groups
+        ],
+        "bytes_by_type": s.tensor_types,
+        "budgets": [vars(f) for f in fits],
+    }
