@@ -1,0 +1,225 @@
+"""What validating the simulator against `pyspice bench` needs from the real engine.
+
+`python -m pyspice.sim.record trace MODEL OUT [--prompt-tokens 128] [-n 32] [-t 2]`
+writes a pyspice.trace directory (TraceWriter: the one trace format) of
+exactly what bench runs: its default prompt cut to --prompt-tokens tokens,
+then -n greedy tokens. The prompt is evaluated one token per call so every
+layer records every row (in a batch llama.cpp hands the last layer only the
+rows whose logits are wanted); the KV cache, and so the decoded tokens, are
+the ones bench's batched prompt gives (tokens.json lets you check), and
+`meta.extra["prompt_tokens"]` has the simulator replay those rows as one
+untimed prompt step that warms the device tier as bench's prompt does.
+
+`python -m pyspice.sim.record costs MODEL OUT.json [--position 128]` measures
+this machine's per-layer and per-expert times where bench measures TPOT: one
+token decoded at KV position --position (not 0, as `pyspice probe` does), a
+different token each repeat (so routing, and what the caches hold, varies as in
+decoding), all routed experts exact versus all dropped, interleaved, with the
+dropping policy's own Python cost taken out of the rest of the layer. It writes a cost
+profile in `pyspice probe`'s format for `pyspice sim --probe`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pyspice.policy import ACTION_DROP, HookCall, Plan
+
+
+class _Recorder:
+    """A policy that writes every call's rows to a TraceWriter and runs the exact default plan."""
+
+    name = "record"
+
+    def __init__(self, writer: Any) -> None:
+        self.writer = writer
+        self.next_token: dict[int, int] = {}
+
+    def decide(self, call: HookCall) -> Plan:
+        start = self.next_token.get(call.layer, 0)
+        fields = {name: np.array(getattr(call, name), copy=True) for name in self.writer.meta.fields}
+        self.writer.add(call.layer, start, **fields)
+        self.next_token[call.layer] = start + call.n_tokens
+        return Plan()
+
+
+class _DropAll:
+    name = "drop-all"
+
+    def decide(self, call: HookCall) -> Plan:
+        return Plan(actions=np.full((call.n_tokens, call.n_expert_used), ACTION_DROP, np.int32))
+
+
+def _open(model: Path, threads: int) -> Any:
+    from pyspice.api import Llama
+
+    return Llama(
+        str(model), policy="exact", n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False
+    )
+
+
+def bench_prompt(llm: Any, prompt_tokens: int) -> list[int]:
+    """bench's default prompt cut or repeated to `prompt_tokens` tokens, as bench does."""
+    from pyspice.cli.bench_cmd import DEFAULT_PROMPT
+
+    tokens = tuple(llm.tokenize(DEFAULT_PROMPT.encode("utf-8"), add_bos=True))
+    body = tokens[1:] or tokens
+    return list((tokens[:1] + body * (prompt_tokens // len(body) + 1))[:prompt_tokens])
+
+
+def record_bench_trace(
+    model: Path, out: Path, *, prompt_tokens: int = 128, n_predict: int = 32, threads: int = 2
+) -> list[int]:
+    from pyspice.bench import _greedy_next
+    from pyspice.trace import TraceMeta, TraceWriter
+
+    llm = _open(model, threads)
+    try:
+        layers = llm.spice_layers()
+        moe = [info.il for info in layers if info.is_moe]
+        prompt = bench_prompt(llm, prompt_tokens)
+        meta = TraceMeta(
+            model=model.name,
+            fingerprint="",
+            n_layers=len(layers),
+            moe_layers=moe,
+            n_expert=layers[moe[0]].n_expert,
+            n_expert_used=llm.policy_context().n_expert_used,
+            n_embd=layers[moe[0]].n_embd,
+            source="decode",
+            extra={
+                "prompt_tokens": len(prompt),
+                "prompt": "pyspice bench's default prompt, one token per call",
+            },
+        )
+        writer = TraceWriter(out, meta)
+        llm.set_policy(_Recorder(writer))
+        llm.reset()
+        for t in prompt:
+            llm.eval([t])
+        generated = [_greedy_next(llm)]
+        for _ in range(n_predict - 1):
+            llm.eval([generated[-1]])
+            generated.append(_greedy_next(llm))
+        writer.close()
+    finally:
+        llm.close()
+    (out / "tokens.json").write_text(json.dumps(generated) + "\n")
+    return generated
+
+
+def measure_decode_costs(
+    model: Path,
+    *,
+    position: int = 128,
+    repeats: int = 30,
+    threads: int = 2,
+    bus_gbps: float = 12.0,
+    bus_latency_us: float = 10.0,
+) -> Any:
+    """A pyspice.probe.CostProfile for one-token decode steps at KV position `position`."""
+    from pyspice.probe import PROFILE_VERSION, BatchCost, CostProfile, model_fingerprint
+
+    llm = _open(model, threads)
+    try:
+        layers = llm.spice_layers()
+        n_moe = sum(1 for info in layers if info.is_moe)
+        # a different next token each repeat, as decoding has: the same token every time would
+        # route to the same experts and find their weights in cache
+        prompt = bench_prompt(llm, position + repeats)
+        llm.reset()
+        llm.eval(prompt[:position])
+        times: dict[str, list[float]] = {"exact": [], "drop": []}
+        drop_us: list[float] = []
+        activations = 0.0
+        for r in range(repeats):
+            for kind in ("exact", "drop") if r % 2 == 0 else ("drop", "exact"):
+                llm.set_policy("exact" if kind == "exact" else _DropAll())
+                llm.spice_reset_stats()
+                llm.n_tokens = position  # llama_cpp's eval drops the KV cells from here on
+                start = time.perf_counter()
+                llm.eval([prompt[position + r]])
+                times[kind].append(time.perf_counter() - start)
+                stats = llm.spice_stats()
+                if kind == "drop":
+                    drop_us.append(float(stats["policy_us_per_call"]))
+                else:
+                    activations = float(stats["activations"])
+        exact_us = statistics.median(times["exact"]) * 1e6
+        drop_total = statistics.median(times["drop"]) * 1e6
+        policy_us = statistics.median(drop_us) * n_moe  # the dropping policy's own Python time
+        rest = (drop_total - policy_us) / len(layers)
+        expert = max(0.0, exact_us - (drop_total - policy_us)) / max(1.0, activations)
+        types = {
+            "/".join(str(t) for t in (i.type_gate, i.type_up, i.type_down)): i.bytes_per_expert
+            for i in layers
+            if i.is_moe
+        }
+        return CostProfile(
+            version=PROFILE_VERSION,
+            model=str(model),
+            model_sha=model_fingerprint(model),
+            threads=int(llm.n_threads),
+            n_layers=len(layers),
+            n_moe_layers=n_moe,
+            expert_bytes=types,
+            bus_gbps=bus_gbps,
+            bus_latency_us=bus_latency_us,
+            bus_source="emulated (set by the user)",
+            device_expert_us=expert,
+            device_source=f"emulated: the host's own time, one token at KV position {position}",
+            batches=[BatchCost(tokens=1, expert_us=expert, rest_us_per_layer=rest)],
+        )
+    finally:
+        llm.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pyspice.sim.record", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="what", required=True)
+    t = sub.add_parser("trace", help="record bench's workload as a trace")
+    t.add_argument("model", type=Path)
+    t.add_argument("out", type=Path)
+    t.add_argument("--prompt-tokens", type=int, default=128)
+    t.add_argument("-n", "--n-predict", type=int, default=32)
+    t.add_argument("-t", "--threads", type=int, default=2)
+    c = sub.add_parser("costs", help="measure decode-step costs at bench's KV position")
+    c.add_argument("model", type=Path)
+    c.add_argument("out", type=Path)
+    c.add_argument("--position", type=int, default=128)
+    c.add_argument("--repeat", type=int, default=30)
+    c.add_argument("-t", "--threads", type=int, default=2)
+    args = p.parse_args(argv)
+    if args.what == "trace":
+        tokens = record_bench_trace(
+            args.model,
+            args.out,
+            prompt_tokens=args.prompt_tokens,
+            n_predict=args.n_predict,
+            threads=args.threads,
+        )
+        print(f"recorded {args.prompt_tokens} prompt + {len(tokens) - 1} decoded tokens into {args.out}")
+    else:
+        from pyspice.probe import save_profile
+
+        profile = measure_decode_costs(
+            args.model, position=args.position, repeats=args.repeat, threads=args.threads
+        )
+        save_profile(profile, args.out)
+        b = profile.batches[0]
+        print(
+            f"{args.out}: {b.rest_us_per_layer:.1f} us per layer, {b.expert_us:.2f} us per expert activation"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
