@@ -241,3 +241,57 @@ def test_surrogate_bytes_come_out_of_the_device_budget(synth_model: Any) -> None
             llm.set_device(2 * expert_bytes, 8.0, 5.0, manual_clock=True)
     finally:
         llm.close()
+
+
+class RecordingDrop:
+    """Drops every activation and records which (layer, expert) were selected."""
+
+    name = "recording-drop"
+
+    def __init__(self) -> None:
+        self.selected: set[tuple[int, int]] = set()
+
+    def decide(self, call: HookCall) -> Plan:
+        self.selected.update((call.layer, int(e)) for e in np.unique(call.ids))
+        return Plan(actions=np.full((call.n_tokens, call.n_expert_used), ACTION_DROP, np.int32))
+
+
+class Only(Table):
+    """Non-zero surrogates for the pairs in `live`, zero (a drop) for the others."""
+
+    def __init__(self, n_embd: int, live: set[tuple[int, int]]) -> None:
+        super().__init__(n_embd, 3, 0.7, zero_b=False)
+        self.live = live
+
+    def surrogate(
+        self, layer: int, expert: int
+    ) -> tuple[float, npt.NDArray[np.float32], npt.NDArray[np.float32]] | None:
+        alpha, a, b = super().surrogate(layer, expert)  # type: ignore[misc]
+        if (layer, expert) in self.live:
+            return alpha, a, b
+        return 0.0, a, np.zeros_like(b)
+
+
+def short_run(llm: Llama, policy: Any) -> np.ndarray:
+    llm.set_policy(policy)
+    llm.reset()
+    llm.eval([1, 450, 4996])  # three tokens: few selections, so some experts stay unused
+    return llm.scores[: llm.n_tokens].copy()  # type: ignore[no-any-return]
+
+
+def test_each_activation_uses_its_own_experts_surrogate(model: Llama) -> None:
+    """Surrogates are looked up by (layer, selected expert): a non-zero
+    surrogate of an expert nobody selects changes nothing, one of a selected
+    expert changes the output."""
+    recorder = RecordingDrop()
+    dropped = short_run(model, recorder)
+    unused = sorted(set(all_experts(model)) - recorder.selected)
+    assert unused and recorder.selected  # three tokens cannot select every expert of every layer
+    surrogate_all = Everything(ACTION_SURROGATE)
+    model.set_surrogates(Only(n_embd_of(model), set(unused)))
+    assert np.array_equal(short_run(model, surrogate_all), dropped)
+    # the first MoE layer sees the same inputs in both runs, so its selections are the recorded ones
+    first = min(il for il, _ in recorder.selected)
+    used_first = {(il, e) for il, e in recorder.selected if il == first}
+    model.set_surrogates(Only(n_embd_of(model), used_first))
+    assert not np.array_equal(short_run(model, surrogate_all), dropped)
