@@ -24,7 +24,7 @@ def register(sub: Any) -> None:
     )
     add_model_args(p)
     p.add_argument("--sidecar", type=Path, help="the source model's sidecar (for policies that use one)")
-    p.add_argument("--trace", type=Path, required=True, help="trace directory (generate/bench --trace)")
+    p.add_argument("--trace", type=Path, help="trace directory (generate/bench --trace); required")
     p.add_argument(
         "--target",
         default="qwen2-57b-a14b:Q5_K_M",
@@ -59,6 +59,11 @@ def register(sub: Any) -> None:
         help="validate: compare simulated TPOT with `pyspice bench --json` runs of the same budgets",
     )
     p.add_argument("--probe", type=Path, help="cost profile for `emulated` (default: the source model's)")
+    p.add_argument(
+        "--show-profiles",
+        action="store_true",
+        help="print every value of the --profile list with its source (measured, derived, ...) and exit",
+    )
     p.add_argument("--json", action="store_true", help='print {"rows": [...]} as JSON')
     p.add_argument("--plot", metavar="PNG", help="draw speedup over adapmoe (paper Fig. 7 style)")
     p.set_defaults(func=run)
@@ -90,6 +95,13 @@ def run(args: argparse.Namespace) -> int:
     from pyspice.sim.targets import load_target
     from pyspice.sim.workload import from_trace
 
+    if args.show_profiles:
+        for name in _split(args.profile):
+            if name != EMULATED:
+                print("\n".join(load_profile(name).describe()))
+        return 0
+    if args.trace is None:
+        raise ValueError("pyspice sim needs --trace DIR (a trace recorded with --trace)")
     model = resolve_model(args)
     if args.sidecar is not None and not args.sidecar.is_file():
         raise ValueError(f"sidecar {args.sidecar} does not exist")

@@ -102,3 +102,13 @@ def test_rows_have_every_policy_and_a_belady_row(tmp_path: Path) -> None:
     assert "tolerance" in format_comparison(entries)
     with pytest.raises(ValueError, match="stock"):
         simulate_all(wl, SimConfig(cfg.profiles, ("25%",), ("stock",), cfg.target, (1000,) * 4))
+
+
+def test_cli_shows_profiles_and_asks_for_a_trace(capsys: pytest.CaptureFixture[str]) -> None:
+    from pyspice.cli.main import main
+
+    assert main(["sim", "--profile", "a800,rtx4060", "--show-profiles"]) == 0
+    out = capsys.readouterr().out
+    assert "a800:" in out and "rtx4060:" in out and "derived: 31.5 peak x 0.8" in out
+    assert main(["sim", "--profile", "a800"]) != 0
+    assert "--trace" in capsys.readouterr().err
