@@ -16,10 +16,15 @@ new expert fits: a heuristic, not a bound, and labelled so.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
+from pyspice.policy.base import ACTION_DEVICE, RESIDENCY_ABSENT, RESIDENCY_COPYING, HookCall, Plan
+from pyspice.policy.context import PolicyContext
 from pyspice.sim.workload import Workload
 
 Key = tuple[int, int]
@@ -131,3 +136,57 @@ def belady(workload: Workload, expert_bytes: Sequence[int], budget_bytes: int) -
         mean = sum(sizes.values()) / len(sizes)
         results.append(BeladyResult("size-aware (heuristic)", int(budget_bytes // mean), *sized))
     return results
+
+
+class BeladyOracle:
+    """MIN as a policy, for the simulator only: it knows the whole trace, fetches what a
+    call needs on demand and evicts what is used farthest in the future (never what the
+    call needs, nor a copy in flight). Its simulated TPOT is that of optimal replacement
+    without prefetching; it is a bound, not something that could ship."""
+
+    name = "belady"
+
+    def __init__(self, workload: Workload) -> None:
+        self.uses: dict[Key, list[int]] = {}
+        for i, (_, keys) in enumerate(_requests(workload)):
+            for key, _count in keys:
+                self.uses.setdefault(key, []).append(i)
+        self.i = 0
+        self.expert_bytes: tuple[int, ...] = ()
+        self.budget = 0
+
+    def attach(self, ctx: PolicyContext) -> None:
+        self.i = 0
+        self.expert_bytes = ctx.expert_bytes
+        self.budget = ctx.budget_bytes or 0
+
+    def _next_use(self, key: Key) -> int:
+        uses = self.uses.get(key, [])
+        j = bisect.bisect_right(uses, self.i)
+        return uses[j] if j < len(uses) else _NEVER
+
+    def decide(self, call: HookCall) -> Plan:
+        residency = call.residency
+        if residency is None:
+            raise RuntimeError("the Belady oracle needs a device tier")
+        layer = call.layer
+        needed = {int(e) for e in np.unique(call.ids)}
+        held = np.argwhere(residency != RESIDENCY_ABSENT)
+        used = sum(self.expert_bytes[int(il)] for il, _ in held)
+        need = sum(self.expert_bytes[layer] for e in needed if residency[layer, e] == RESIDENCY_ABSENT)
+        candidates = sorted(
+            (
+                (self._next_use((int(il), int(e))), (int(il), int(e)))
+                for il, e in held
+                if not (il == layer and int(e) in needed) and residency[il, e] != RESIDENCY_COPYING
+            ),
+            reverse=True,
+        )
+        evict = []
+        for _, key in candidates:
+            if used + need <= self.budget:
+                break
+            evict.append(key)
+            used -= self.expert_bytes[key[0]]
+        self.i += 1
+        return Plan(actions=np.full(call.ids.shape, ACTION_DEVICE, np.int32), evict=evict)

@@ -69,3 +69,25 @@ def test_no_policy_misses_less_than_min() -> None:
         result = sim.run(name, make_policy(name), policy_us=0.0)
         assert result.activations == bound.activations
         assert result.misses >= bound.misses, name
+
+
+def test_the_oracle_policy_meets_the_min_bound_in_the_simulator() -> None:
+    from pyspice.sim.belady import BeladyOracle
+
+    rng = np.random.default_rng(5)
+    ids = rng.integers(0, 8, size=(150, 3, 1)).astype(np.int32)
+    wl = Workload.from_arrays(3, [0, 1, 2], 8, ids)
+    costs = Costs(
+        expert_bytes=(100, 100, 100),
+        bus_gbps=1.0,
+        bus_latency_us=1.0,
+        rest_us=((1, 10.0),),
+        device_expert_us=((1, 1.0),),
+        host_expert_us=((1, 2.0),),
+    )
+    bound = belady(wl, costs.expert_bytes, 900)[0]
+    result = Simulator(wl, costs, 900).run("belady", BeladyOracle(wl), policy_us=0.0)
+    assert result.policy_fallbacks == 0
+    assert result.misses == bound.misses
+    lru = Simulator(wl, costs, 900).run("lru", make_policy("lru"), policy_us=0.0)
+    assert lru.misses > result.misses
