@@ -24,6 +24,7 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
+from pyspice.blas_threads import limit_blas_threads
 from pyspice.policy import Policy, PolicyContext, make_policy, policy_spec
 from pyspice.routers import RouterReader
 from pyspice.runtime import ExpertBufferType, IncompatibleModelError, Runtime, SpiceError, StoreParams
@@ -287,14 +288,21 @@ class Llama(llama_cpp.Llama):
                 policy_obj = make_policy(policy)
                 assert policy_obj is not None
                 self._attach(policy_obj)
+                self._limit_blas()
                 runtime.enable_policy(policy_obj, max_tokens)
             self._spice_policy_name = policy
         else:
             runtime = self._require_runtime()
             self._reset_device()
             self._attach(policy)
+            self._limit_blas()
             runtime.enable_policy(policy, max_tokens)
             self._spice_policy_name = getattr(policy, "name", type(policy).__name__)
+
+    def _limit_blas(self) -> None:
+        """Python policies run inside ggml's threads: numpy's BLAS must not start its own."""
+        if getattr(self, "_spice_blas_limit", None) is None:
+            self._spice_blas_limit = limit_blas_threads()
 
     def _reset_device(self) -> None:
         """Each policy starts from an empty device tier (comparisons stay fair)."""

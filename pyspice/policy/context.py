@@ -22,6 +22,13 @@ def _no_router(layer: int) -> npt.NDArray[np.float32] | None:
     return None
 
 
+ErrorLoader = Callable[[int], "npt.NDArray[np.float32] | None"]
+
+
+def _no_errors(layer: int) -> npt.NDArray[np.float32] | None:
+    return None
+
+
 @dataclass(frozen=True)
 class PolicyContext:
     n_layers: int
@@ -33,6 +40,12 @@ class PolicyContext:
     router: RouterLoader = field(default=_no_router, compare=False)
     # cost profile from `pyspice probe` (pyspice.probe.CostProfile), if one was measured
     profile: Any = field(default=None, compare=False)
+    # the sidecar's draft predictor (rollout(layer, hidden, depth) -> [(layer, probs)]), if any
+    predictor: Any = field(default=None, compare=False)
+    # surrogate_error(layer) -> held-out relative error per expert (inf: none), when loaded
+    surrogate_error: ErrorLoader = field(default=_no_errors, compare=False)
+    surrogates_loaded: bool = False
+    reserved_bytes: int = 0  # device bytes held besides experts (surrogate matrices)
 
     @property
     def moe_layers(self) -> tuple[int, ...]:

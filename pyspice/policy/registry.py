@@ -11,10 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal
 
 from pyspice.policy.base import HookCall, Plan, Policy
 from pyspice.policy.baselines import AdapMoE, HostOnly, LruCache, OnDemand, StaticLayers
+from pyspice.policy.spice import SpicePolicy
+from pyspice.policy.spice.config import ABLATION_DESCRIPTIONS
 
 PolicyKind = Literal["stock", "native", "python"]
 
@@ -50,6 +53,21 @@ _SPECS: dict[str, PolicySpec] = {
         PolicySpec(
             "adapmoe", "python", True, "next-layer gate prefetch, per-layer caches by miss cost", True
         ),
+        PolicySpec("spice", "python", True, "SPICE at its default quality level (spice:exact)", True),
+        PolicySpec(
+            "spice:exact", "python", True, "SPICE: deep prefetch + cost-aware fetch-or-host, lossless", True
+        ),
+        PolicySpec(
+            "spice:balanced",
+            "python",
+            False,
+            "SPICE, lossy: surrogates for low-weight misses (<= +1% ppl)",
+            True,
+        ),
+        PolicySpec(
+            "spice:fast", "python", False, "SPICE, lossy: more surrogate substitution (<= +5% ppl)", True
+        ),
+        *(PolicySpec(name, "python", True, text, True) for name, text in ABLATION_DESCRIPTIONS.items()),
     )
 }
 
@@ -60,6 +78,8 @@ _FACTORIES: dict[str, Callable[[], Policy]] = {
     "ondemand": OnDemand,
     "lru": LruCache,
     "adapmoe": AdapMoE,
+    **{name: partial(SpicePolicy, name) for name in ("spice", "spice:exact", "spice:balanced", "spice:fast")},
+    **{name: partial(SpicePolicy, name) for name in ABLATION_DESCRIPTIONS},
 }
 
 NATIVE_POLICIES = frozenset(name for name, spec in _SPECS.items() if spec.kind != "python")

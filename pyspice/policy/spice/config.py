@@ -1,0 +1,74 @@
+"""What distinguishes one SPICE variant from another: plain settings.
+
+The quality levels (`spice:exact`, `spice:balanced`, `spice:fast`) differ only
+in which misses may be replaced by a LoRE surrogate; the ablations of the
+paper's Fig. 9 (`abl-a` … `abl-d`) switch off one mechanism at a time. Every
+variant is the same `SpicePolicy` with a different `SpiceConfig`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+MissMode = Literal["cost", "host", "fetch"]
+
+
+@dataclass(frozen=True)
+class SpiceConfig:
+    name: str
+    # --- prediction (paper Algorithm 1) ---
+    deep: bool = True  # False: next MoE layer only (H = 1)
+    tau: float = 0.6  # stop rolling out below this confidence once past H_min
+    h_max: int = 4  # never look further than this many MoE layers ahead
+    # --- misses ---
+    miss_mode: MissMode = "cost"  # cost: fetch-or-host by the cost model; host: all host; fetch: all fetched
+    fetch_margin: float = 0.2  # fetch only when it beats all-host by this fraction (paper section 4.3)
+    # --- surrogates (lossy; 0 disables) ---
+    surrogate_max_weight: float = 0.0  # a miss whose gate weight is below this may be substituted
+    surrogate_max_error: float = 0.0  # ... if its surrogate's held-out relative error is below this
+    prefetch: bool = True  # False: no speculative copies at all
+
+    @property
+    def lossless(self) -> bool:
+        return self.surrogate_max_weight <= 0.0 or self.surrogate_max_error <= 0.0
+
+    def with_name(self, name: str) -> SpiceConfig:
+        return replace(self, name=name)
+
+
+# Quality levels. The surrogate thresholds are budgets on how much a level may
+# change the output: they were chosen so that held-out perplexity, measured
+# token by token, stays within +1% (balanced) and +5% (fast) of exact on the
+# default model; the measurement is in the SPICE issue's note and the bench.
+QUALITY_LEVELS: dict[str, SpiceConfig] = {
+    "spice:exact": SpiceConfig("spice:exact"),
+    "spice:balanced": SpiceConfig("spice:balanced", surrogate_max_weight=0.04, surrogate_max_error=0.5),
+    "spice:fast": SpiceConfig("spice:fast", surrogate_max_weight=0.08, surrogate_max_error=0.8),
+}
+DEFAULT_LEVEL = "spice:exact"
+
+# The paper's Fig. 9 ablations: prediction depth x what happens to a miss.
+ABLATIONS: dict[str, SpiceConfig] = {
+    "abl-a": SpiceConfig("abl-a", deep=True, miss_mode="fetch"),
+    "abl-b": SpiceConfig("abl-b", deep=True, miss_mode="host"),
+    "abl-c": SpiceConfig("abl-c", deep=False, miss_mode="host"),
+    "abl-d": SpiceConfig("abl-d", deep=False, miss_mode="cost"),
+}
+
+ABLATION_DESCRIPTIONS = {
+    "abl-a": "SPICE ablation (a): deep prediction + fetch every miss",
+    "abl-b": "SPICE ablation (b): deep prediction + host fallback for every miss",
+    "abl-c": "SPICE ablation (c): next-layer prediction + host fallback",
+    "abl-d": "SPICE ablation (d): next-layer prediction + cost-aware transfer scheduling",
+}
+
+
+def spice_config(name: str) -> SpiceConfig:
+    if name == "spice":
+        return QUALITY_LEVELS[DEFAULT_LEVEL].with_name("spice")
+    if name in QUALITY_LEVELS:
+        return QUALITY_LEVELS[name]
+    if name in ABLATIONS:
+        return ABLATIONS[name]
+    raise ValueError(f"unknown SPICE variant {name!r}")

@@ -1,0 +1,164 @@
+"""The cost model SPICE decides with: copy vs host vs device time, from `pyspice probe`.
+
+All times in microseconds. The profile gives the bus (bandwidth, latency per
+copy), host time per expert activation at a few batch sizes, device time per
+expert and the rest of a layer's time. On a CPU-only build the device is
+emulated and its compute IS the host's, on the same threads, after any wait
+for copies: device work then adds to host work instead of overlapping it,
+and the model says so (`overlap=False`).
+
+Without a profile the model falls back to the emulator's default bus
+(12 GB/s, 10 µs) and estimates expert time from its bytes at a nominal
+host memory bandwidth; a policy works, but `pyspice probe` makes it better.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left
+from dataclasses import dataclass
+from typing import Any
+
+from pyspice.policy.context import PolicyContext
+
+DEFAULT_BUS_GBPS = 12.0
+DEFAULT_LATENCY_US = 10.0
+NOMINAL_HOST_GBPS = 8.0  # bytes of weights a decode step streams per µs x 1e3, without a profile
+NOMINAL_REST_US = 200.0
+
+
+@dataclass(frozen=True)
+class CostModel:
+    bus_gbps: float
+    latency_us: float
+    # (batch tokens, host µs per activation), ascending by tokens
+    host_points: tuple[tuple[int, float], ...]
+    device_expert_us: float  # one activation on the device, batch 1
+    rest_us_per_layer: float  # decode: everything in a layer but the routed experts
+    overlap: bool  # device and host work of one layer run at the same time
+    expert_bytes: tuple[int, ...]
+    measured: bool
+
+    @staticmethod
+    def from_context(ctx: PolicyContext) -> CostModel:
+        profile: Any = ctx.profile
+        nbytes = tuple(ctx.expert_bytes)
+        if profile is None or not getattr(profile, "batches", None):
+            mean_bytes = max(1, max(nbytes, default=1))
+            host = mean_bytes / (NOMINAL_HOST_GBPS * 1e3)
+            return CostModel(
+                DEFAULT_BUS_GBPS,
+                DEFAULT_LATENCY_US,
+                ((1, host),),
+                host,
+                NOMINAL_REST_US,
+                False,
+                nbytes,
+                False,
+            )
+        points = tuple(sorted((int(b.tokens), float(b.expert_us)) for b in profile.batches))
+        rest = float(min(profile.batches, key=lambda b: b.tokens).rest_us_per_layer)
+        emulated = str(getattr(profile, "device_source", "")).startswith("emulated")
+        return CostModel(
+            bus_gbps=float(profile.bus_gbps),
+            latency_us=float(profile.bus_latency_us),
+            host_points=points,
+            device_expert_us=float(profile.device_expert_us),
+            rest_us_per_layer=rest,
+            overlap=not emulated,
+            expert_bytes=nbytes,
+            measured=True,
+        )
+
+    # -- unit costs ----------------------------------------------------------------
+
+    def copy_us(self, layer: int) -> float:
+        """One expert host -> device: latency + bytes / bandwidth."""
+        return self.latency_us + self.expert_bytes[layer] / (self.bus_gbps * 1e3)
+
+    def host_us(self, n_tokens: int) -> float:
+        """One expert over n_tokens tokens on the host (per-activation cost falls with batch size)."""
+        pts = self.host_points
+        i = bisect_left(pts, (n_tokens, -math.inf))
+        if i == 0:
+            per = pts[0][1]
+        elif i >= len(pts):
+            per = pts[-1][1]
+        else:
+            (t0, c0), (t1, c1) = pts[i - 1], pts[i]
+            per = c0 + (c1 - c0) * (n_tokens - t0) / (t1 - t0)
+        return per * n_tokens
+
+    def device_us(self, n_tokens: int) -> float:
+        return self.host_us(n_tokens) if not self.overlap else self.device_expert_us * n_tokens
+
+    def layer_us(self, n_expert_used: int) -> float:
+        """T_comp: one decode step's time in one MoE layer (rest + its experts on the device)."""
+        return self.rest_us_per_layer + n_expert_used * self.device_us(1)
+
+    # -- decisions -----------------------------------------------------------------
+
+    def h_min(self, layer: int, experts_per_layer: int, n_expert_used: int) -> int:
+        """Paper eq. 4: how many layers ahead a prefetch must be issued to land in time,
+        ceil(P * M_e / (B * T_comp)), with the per-copy latency included in the copy time."""
+        return max(1, math.ceil(experts_per_layer * self.copy_us(layer) / self.layer_us(n_expert_used)))
+
+    def layer_time(
+        self,
+        layer: int,
+        host_tokens: list[int],
+        fetched_tokens: list[int],
+        device_us: float,
+        bus_ahead_us: float,
+    ) -> float:
+        """A layer's routed-expert time when the experts with `fetched_tokens` tokens each are
+        copied now (in that order, behind `bus_ahead_us` of copies already on the bus) and
+        the ones with `host_tokens` run on the host; `device_us` of device work is already
+        due (hits). Host and device overlap on a real device; on the emulated one the
+        wait for the copies and all compute add up."""
+        host = sum(self.host_us(n) for n in host_tokens)
+        copy = self.copy_us(layer)
+        if not self.overlap:
+            wait = bus_ahead_us + copy * len(fetched_tokens) if fetched_tokens else 0.0
+            return wait + host + device_us + sum(self.device_us(n) for n in fetched_tokens)
+        device = device_us
+        for i, n in enumerate(fetched_tokens):
+            landed = bus_ahead_us + copy * (i + 1)
+            device = max(device, landed) + self.device_us(n)
+        return max(host, device)
+
+    def choose_fetches(
+        self,
+        layer: int,
+        miss_tokens: list[int],
+        device_us: float,
+        bus_ahead_us: float,
+        margin: float,
+    ) -> int:
+        """How many of the misses (sorted by tokens, most first) to fetch rather than run on
+        the host: the count with the least layer time (`layer_time`, evaluated
+        incrementally), and only if it beats all-host by `margin` (paper section 4.3)."""
+        if not miss_tokens:
+            return 0
+        order = sorted(miss_tokens, reverse=True)
+        host = [self.host_us(n) for n in order]
+        dev = [self.device_us(n) for n in order]
+        copy = self.copy_us(layer)
+        host_left = sum(host)
+        all_host = host_left + device_us if not self.overlap else max(host_left, device_us)
+        best_j, best_t = 0, all_host
+        device = device_us  # overlap: when the device finishes the fetched ones
+        dev_sum = 0.0  # serial: device work of the fetched ones
+        for j in range(1, len(order) + 1):
+            host_left -= host[j - 1]
+            if self.overlap:
+                device = max(device, bus_ahead_us + copy * j) + dev[j - 1]
+                t = max(host_left, device)
+            else:
+                dev_sum += dev[j - 1]
+                t = bus_ahead_us + copy * j + host_left + device_us + dev_sum
+            if t < best_t:
+                best_j, best_t = j, t
+        if best_j and best_t <= all_host * (1.0 - margin):
+            return best_j
+        return 0

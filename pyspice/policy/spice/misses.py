@@ -1,0 +1,146 @@
+"""Miss handler: one action for every (token, selected expert) of a call.
+
+- resident -> device, exact;
+- copy on its way (a prefetch) -> device if waiting for it is cheaper than
+  running it on the host, else host;
+- absent, gate weight low and surrogate error within the quality budget
+  (lossy levels only) -> surrogate;
+- every other miss -> fetched now (high priority) or run on the host,
+  choosing how many to fetch by the cost model and what is already on the
+  bus, and fetching only when that beats all-host by a margin (paper 4.3).
+  Ablations force all-host or all-fetch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from pyspice.policy.base import (
+    ACTION_DEVICE,
+    ACTION_HOST,
+    ACTION_SURROGATE,
+    RESIDENCY_ABSENT,
+    RESIDENCY_COPYING,
+    RESIDENCY_QUEUED,
+    RESIDENCY_RESIDENT,
+)
+from pyspice.policy.spice.config import SpiceConfig
+from pyspice.policy.spice.cost import CostModel
+
+ErrorLookup = Callable[[int], "npt.NDArray[np.float32] | None"]
+
+
+@dataclass
+class MissDecision:
+    actions: npt.NDArray[np.int32]  # [n_tokens, n_expert_used]
+    fetch: list[int]  # experts of this layer to copy now
+    busy: list[int]  # experts this call runs on the device (resident, awaited or fetched)
+
+
+class MissHandler:
+    def __init__(self, config: SpiceConfig, cost: CostModel, surrogate_error: ErrorLookup | None) -> None:
+        self.config = config
+        self.cost = cost
+        self.surrogate_error = surrogate_error if not config.lossless else None
+        # decode-step constants, so a call does no cost-model arithmetic it can skip
+        self.host1 = cost.host_us(1)
+        self.dev1 = cost.device_us(1)
+        # with the device no faster than the host and no overlap (the emulated device),
+        # fetching a miss can only add the copy's wait: never worth it in the cost model
+        self.fetch_can_win = cost.overlap or self.dev1 < self.host1
+
+    def decide(
+        self,
+        layer: int,
+        ids: npt.NDArray[np.int32],
+        weights: npt.NDArray[np.float32],
+        residency: npt.NDArray[np.int8],
+    ) -> MissDecision:
+        cfg, cost = self.config, self.cost
+        decode = ids.shape[0] == 1
+        if decode:  # top-k ids are distinct, one token each
+            experts = ids[0]
+            inverse: npt.NDArray[np.intp] | None = None
+            counts: npt.NDArray[np.int64] | None = None
+        else:
+            experts, inv, counts = np.unique(ids, return_inverse=True, return_counts=True)
+            inverse = inv.reshape(ids.shape)
+        states = residency[layer, experts]
+        resident = states == RESIDENCY_RESIDENT
+        per_expert = np.where(resident, ACTION_DEVICE, ACTION_HOST).astype(np.int32)
+
+        # lossy levels: low-weight activations of absent experts with a good surrogate
+        surrogate: npt.NDArray[np.bool_] | None = None
+        errors = self.surrogate_error(layer) if self.surrogate_error is not None else None
+        if errors is not None:
+            absent = states == RESIDENCY_ABSENT
+            absent_act = absent[None, :] if inverse is None else absent[inverse]
+            surrogate = (
+                absent_act & (errors[ids] <= cfg.surrogate_max_error) & (weights < cfg.surrogate_max_weight)
+            )
+            if not surrogate.any():
+                surrogate = None
+
+        def tokens(i: int) -> int:
+            n = 1 if counts is None else int(counts[i])
+            if surrogate is not None:
+                n -= (
+                    int(surrogate[0, i])
+                    if inverse is None
+                    else int(np.count_nonzero(surrogate[inverse == i]))
+                )
+            return n
+
+        misses: list[int] = []  # indices into experts
+        if not resident.all():
+            copy_us = cost.copy_us(layer)
+            n_queued = -1  # counted when first needed
+            for i in np.flatnonzero(~resident).tolist():
+                n = tokens(i)
+                if n == 0:
+                    continue  # every activation substituted
+                s = states[i]
+                if s == RESIDENCY_ABSENT:
+                    misses.append(i)
+                    continue
+                # a prefetch on its way: wait for it, or run it on the host meanwhile
+                if cfg.miss_mode == "fetch":
+                    per_expert[i] = ACTION_DEVICE
+                    continue
+                if s == RESIDENCY_COPYING:
+                    wait = copy_us
+                else:
+                    if n_queued < 0:
+                        n_queued = int(np.count_nonzero(residency == RESIDENCY_QUEUED))
+                    wait = copy_us * (1.0 + n_queued / 2.0)
+                host, dev = (self.host1, self.dev1) if decode else (cost.host_us(n), cost.device_us(n))
+                if wait + dev <= host:
+                    per_expert[i] = ACTION_DEVICE
+
+        fetch: list[int] = []
+        if misses and cfg.miss_mode == "fetch":
+            fetch = [int(experts[i]) for i in misses]
+        elif misses and cfg.miss_mode == "cost" and self.fetch_can_win:
+            miss_tokens = [tokens(i) for i in misses]
+            due = np.flatnonzero(per_expert == ACTION_DEVICE)
+            device_due = sum(cost.device_us(1 if counts is None else int(counts[i])) for i in due.tolist())
+            bus_busy = bool(np.count_nonzero(residency == RESIDENCY_COPYING))
+            j = cost.choose_fetches(
+                layer, miss_tokens, device_due, cost.copy_us(layer) if bus_busy else 0.0, cfg.fetch_margin
+            )
+            if j:
+                ranked = sorted(range(len(misses)), key=lambda m: -miss_tokens[m])[:j]
+                fetch = [int(experts[misses[m]]) for m in ranked]
+        for e in fetch:
+            per_expert[experts == e] = ACTION_DEVICE
+
+        actions = per_expert[None, :] if inverse is None else per_expert[inverse]
+        if surrogate is not None:
+            actions = actions.copy()
+            actions[surrogate] = ACTION_SURROGATE
+        busy = experts[per_expert == ACTION_DEVICE].tolist()
+        return MissDecision(actions, fetch, busy)

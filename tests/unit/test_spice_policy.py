@@ -1,0 +1,318 @@
+"""The SPICE policy over hand-made and random calls (pure Python, no model).
+
+Properties (hypothesis): every selected expert gets exactly one valid action;
+what a plan asks the device to hold never exceeds the budget; the exact
+quality level never substitutes. Behaviour: a confident prediction is
+prefetched and turns into hits, stale prefetches are cancelled, victims are
+the experts needed last, misses go to the host when fetching cannot win and
+are fetched when the cost model says so, lossy levels substitute only
+low-weight misses with good surrogates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pyspice.policy import (
+    ACTION_DEVICE,
+    ACTION_HOST,
+    ACTION_SURROGATE,
+    RESIDENCY_ABSENT,
+    RESIDENCY_COPYING,
+    RESIDENCY_QUEUED,
+    RESIDENCY_RESIDENT,
+    HookCall,
+    PolicyContext,
+    make_policy,
+)
+from pyspice.policy.spice import SpicePolicy, spice_config
+from pyspice.policy.spice.cost import CostModel
+
+from .fake_tier import FakeTier
+
+N_EMBD = 16
+EXPERT_BYTES = 1000
+
+
+class ScriptedPredictor:
+    """Predicts what the test says the next layers will pick (a perfect predictor)."""
+
+    def __init__(self, n_expert: int) -> None:
+        self.n_expert = n_expert
+        self.future: dict[int, list[int]] = {}
+
+    def rollout_logits(self, layer: int, hidden: Any, depth: int) -> list[tuple[int, Any]]:
+        out = []
+        for il in range(layer + 1, layer + 1 + depth):
+            if il not in self.future:
+                break
+            logits = np.full(self.n_expert, -10.0, np.float32)
+            logits[self.future[il]] = 10.0
+            out.append((il, logits))
+        return out
+
+
+def profile(bus_gbps: float, host_us: float, device_us: float, emulated: bool) -> Any:
+    batch = SimpleNamespace(tokens=1, expert_us=host_us, rest_us_per_layer=50.0)
+    return SimpleNamespace(
+        bus_gbps=bus_gbps,
+        bus_latency_us=1.0,
+        batches=[batch],
+        device_expert_us=device_us,
+        device_source="emulated: the host's own time" if emulated else "measured",
+    )
+
+
+def context(
+    budget_experts: int,
+    n_layers: int = 4,
+    n_expert: int = 8,
+    k: int = 2,
+    prof: Any = None,
+    predictor: Any = None,
+    errors: Any = None,
+) -> PolicyContext:
+    return PolicyContext(
+        n_layers=n_layers,
+        n_expert=(n_expert,) * n_layers,
+        n_expert_used=k,
+        expert_bytes=(EXPERT_BYTES,) * n_layers,
+        budget_bytes=EXPERT_BYTES * budget_experts,
+        profile=prof,
+        predictor=predictor,
+        surrogate_error=errors or (lambda il: None),
+        surrogates_loaded=errors is not None,
+    )
+
+
+def hook_call(
+    layer: int, ids: list[list[int]], weights: Any, residency: np.ndarray, n_expert: int
+) -> HookCall:
+    ids_arr = np.asarray(ids, dtype=np.int32)
+    n = ids_arr.shape[0]
+    return HookCall(
+        layer,
+        np.ones((n, N_EMBD), np.float32),
+        np.full((n, n_expert), 1.0 / n_expert, np.float32),
+        ids_arr,
+        np.asarray(weights, dtype=np.float32).reshape(ids_arr.shape),
+        None,
+        residency,
+    )
+
+
+def attached(name: str, ctx: PolicyContext) -> SpicePolicy:
+    policy = make_policy(name)
+    assert isinstance(policy, SpicePolicy)
+    policy.attach(ctx)
+    return policy
+
+
+# ---- properties --------------------------------------------------------------------------
+
+
+@st.composite
+def situations(draw: Any) -> tuple[str, PolicyContext, HookCall]:
+    n_layers = draw(st.integers(2, 5))
+    n_expert = draw(st.integers(2, 10))
+    k = draw(st.integers(1, n_expert))
+    budget = draw(st.integers(1, n_layers * n_expert))
+    n_tokens = draw(st.sampled_from([1, 1, 1, 3]))
+    layer = draw(st.integers(0, n_layers - 1))
+    name = draw(
+        st.sampled_from(["spice:exact", "spice:balanced", "spice:fast", "abl-a", "abl-b", "abl-c", "abl-d"])
+    )
+    emulated = draw(st.booleans())
+    prof = profile(draw(st.sampled_from([1.0, 12.0, 64.0])), 5.0, 0.5 if not emulated else 5.0, emulated)
+    rng = np.random.default_rng(draw(st.integers(0, 2**31)))
+    predictor = ScriptedPredictor(n_expert)
+    predictor.future = {il: rng.choice(n_expert, k, replace=False).tolist() for il in range(n_layers)}
+    errors = rng.uniform(0, 1, size=(n_layers, n_expert)).astype(np.float32)
+    ctx = context(budget, n_layers, n_expert, k, prof, predictor, lambda il: errors[il])
+    # a residency table the budget can hold
+    residency = np.zeros((n_layers, n_expert), np.int8)
+    cells = rng.permutation(n_layers * n_expert)[: draw(st.integers(0, budget))]
+    states = rng.choice(
+        [RESIDENCY_RESIDENT, RESIDENCY_QUEUED, RESIDENCY_COPYING], size=cells.size, p=[0.7, 0.2, 0.1]
+    )
+    residency.flat[cells] = states
+    ids = [rng.choice(n_expert, k, replace=False).tolist() for _ in range(n_tokens)]
+    weights = rng.uniform(0, 0.2, size=(n_tokens, k))
+    return name, ctx, hook_call(layer, ids, weights, residency, n_expert)
+
+
+@settings(max_examples=300, deadline=None)
+@given(situations())
+def test_every_activation_gets_one_action_and_the_budget_holds(
+    case: tuple[str, PolicyContext, HookCall],
+) -> None:
+    name, ctx, call = case
+    residency = call.residency.copy()
+    plan = attached(name, ctx).decide(call)
+    actions = np.asarray(plan.actions)
+    assert actions.shape == call.ids.shape  # one action per (token, selected expert)
+    assert set(np.unique(actions).tolist()) <= {ACTION_DEVICE, ACTION_HOST, ACTION_SURROGATE}
+    if spice_config(name).lossless:
+        assert not (actions == ACTION_SURROGATE).any()
+    # apply the plan as the store would, counting bytes: evictions first, then copies
+    for il, e in plan.evict:
+        assert residency[il, e] != RESIDENCY_COPYING, "a copy on the bus cannot be taken back"
+        residency[il, e] = RESIDENCY_ABSENT
+    wanted = list(plan.fetch) + [
+        e for e, a in zip(call.ids.ravel(), actions.ravel(), strict=True) if a == ACTION_DEVICE
+    ]
+    for e in wanted:
+        if residency[call.layer, e] == RESIDENCY_ABSENT:
+            residency[call.layer, e] = RESIDENCY_QUEUED
+    for il, e in plan.prefetch:
+        assert residency[il, e] == RESIDENCY_ABSENT, "queued something resident or on its way"
+        residency[il, e] = RESIDENCY_QUEUED
+    used = int(np.count_nonzero(residency)) * EXPERT_BYTES
+    device_needed = {e for e, a in zip(call.ids.ravel(), actions.ravel(), strict=True) if a == ACTION_DEVICE}
+    over = used - (ctx.budget_bytes or 0)
+    # demand copies of experts this call runs may fail for room (they then run on the host),
+    # but what the policy adds on its own (prefetches) must fit
+    assert over <= 0 or not plan.prefetch, f"plan exceeds the budget by {over} bytes"
+    assert set(plan.fetch) <= device_needed | set(plan.fetch)
+
+
+@settings(max_examples=100, deadline=None)
+@given(situations())
+def test_exact_level_never_substitutes_even_with_surrogates_loaded(
+    case: tuple[str, PolicyContext, HookCall],
+) -> None:
+    _, ctx, call = case
+    plan = attached("spice:exact", ctx).decide(call)
+    assert not (np.asarray(plan.actions) == ACTION_SURROGATE).any()
+
+
+# ---- behaviour ---------------------------------------------------------------------------
+
+
+def decode_trace(policy: Any, tier: FakeTier, picks: list[list[list[int]]]) -> None:
+    """picks[token][layer] = selected experts."""
+    for token in picks:
+        for il, ids in enumerate(token):
+            tier.call(policy, il, ids, np.ones((1, N_EMBD), np.float32))
+
+
+def test_a_perfect_prediction_turns_into_hits() -> None:
+    n_layers, n_expert, k = 4, 8, 2
+    predictor = ScriptedPredictor(n_expert)
+    rng = np.random.default_rng(1)
+    picks = [[rng.choice(n_expert, k, replace=False).tolist() for _ in range(n_layers)] for _ in range(20)]
+    ctx = context(budget_experts=6, n_layers=n_layers, n_expert=n_expert, k=k, predictor=predictor)
+    tier = FakeTier(ctx)
+    policy = attached("spice:exact", ctx)
+    for token in picks:
+        for il, ids in enumerate(token):
+            predictor.future = {j: token[j] for j in range(n_layers)}
+            tier.call(policy, il, ids, np.ones((1, N_EMBD), np.float32))
+    # every layer but each token's first is predicted from the one before and lands in time
+    assert tier.hits >= (len(picks) - 1) * (n_layers - 1) * k
+    assert tier.prefetch_hits > 0
+
+
+def test_the_cross_layer_baseline_is_used_without_a_sidecar() -> None:
+    routers = {il: np.eye(8, N_EMBD, dtype=np.float32) for il in range(4)}
+    ctx = replace(context(budget_experts=8), router=lambda il: routers[il])
+    policy = attached("spice:exact", ctx)
+    residency = np.zeros((4, 8), np.int8)
+    hidden = np.zeros((1, N_EMBD), np.float32)
+    hidden[0, [3, 5]] = 5.0  # the next layers' routers all pick experts 3 and 5
+    call = HookCall(
+        0,
+        hidden,
+        np.full((1, 8), 0.125, np.float32),
+        np.array([[0, 1]], np.int32),
+        np.full((1, 2), 0.5, np.float32),
+        None,
+        residency,
+    )
+    plan = policy.decide(call)
+    assert (1, 3) in plan.prefetch and (1, 5) in plan.prefetch
+
+
+def test_stale_prefetches_are_cancelled() -> None:
+    predictor = ScriptedPredictor(8)
+    ctx = context(budget_experts=8, predictor=predictor)
+    policy = attached("abl-c", ctx)  # next layer only: predictions for layer 1 made at layer 0
+    residency = np.zeros((4, 8), np.int8)
+    predictor.future = {1: [2, 3]}
+    plan = policy.decide(hook_call(0, [[0, 1]], [0.5, 0.5], residency, 8))
+    assert sorted(plan.prefetch) == [(1, 2), (1, 3)]
+    residency[1, [2, 3]] = RESIDENCY_QUEUED  # still waiting for the bus
+    predictor.future = {2: [4, 5]}
+    # layer 1 runs them on the host rather than wait (emulated device): the copies are stale
+    plan = policy.decide(hook_call(1, [[2, 3]], [0.5, 0.5], residency, 8))
+    assert (np.asarray(plan.actions) == ACTION_HOST).all()
+    assert {(1, 2), (1, 3)} <= set(plan.evict)
+
+
+def test_victims_are_the_experts_needed_last() -> None:
+    predictor = ScriptedPredictor(8)
+    ctx = context(budget_experts=4, predictor=predictor)
+    policy = attached("abl-c", ctx)
+    residency = np.zeros((4, 8), np.int8)
+    residency[0, [6, 7]] = RESIDENCY_RESIDENT  # layer 0: just run, needed again last
+    residency[3, [6, 7]] = RESIDENCY_RESIDENT  # layer 3: needed before layer 0 comes back
+    predictor.future = {2: [0, 1]}
+    plan = policy.decide(hook_call(1, [[4, 5]], [0.5, 0.5], residency, 8))
+    assert sorted(plan.prefetch) == [(2, 0), (2, 1)]
+    assert sorted(plan.evict) == [(0, 6), (0, 7)]
+
+
+def test_emulated_device_runs_misses_on_the_host() -> None:
+    ctx = context(budget_experts=8, prof=profile(12.0, 5.0, 5.0, emulated=True))
+    policy = attached("spice:exact", ctx)
+    plan = policy.decide(hook_call(0, [[0, 1]], [0.5, 0.5], np.zeros((4, 8), np.int8), 8))
+    assert plan.fetch == [] and (np.asarray(plan.actions) == ACTION_HOST).all()
+
+
+def test_cheap_copies_are_fetched_on_a_real_device() -> None:
+    # 1000-byte experts over a fast bus cost ~1 us to copy; the host needs 50 us, the device 1
+    ctx = context(budget_experts=8, prof=profile(64.0, 50.0, 1.0, emulated=False))
+    policy = attached("spice:exact", ctx)
+    plan = policy.decide(hook_call(0, [[0, 1]], [0.5, 0.5], np.zeros((4, 8), np.int8), 8))
+    assert sorted(plan.fetch) == [0, 1] and (np.asarray(plan.actions) == ACTION_DEVICE).all()
+
+
+def test_ablation_a_fetches_every_miss_and_b_none() -> None:
+    ctx = context(budget_experts=8, prof=profile(12.0, 5.0, 5.0, emulated=True))
+    call = hook_call(0, [[0, 1]], [0.5, 0.5], np.zeros((4, 8), np.int8), 8)
+    assert sorted(attached("abl-a", ctx).decide(call).fetch) == [0, 1]
+    assert attached("abl-b", ctx).decide(call).fetch == []
+
+
+def test_lossy_levels_substitute_only_low_weight_misses_with_good_surrogates() -> None:
+    errors = np.array([0.1, 0.1, 0.95, 0.1, 0.1, 0.1, 0.1, 0.1], np.float32)
+    ctx = context(budget_experts=8, errors=lambda il: errors)
+    residency = np.zeros((4, 8), np.int8)
+    residency[0, 3] = RESIDENCY_RESIDENT
+    # expert 0: low weight, good surrogate -> substituted; 1: high weight; 2: bad surrogate;
+    # 3: resident, never substituted
+    call = hook_call(0, [[0, 1, 2, 3]], [0.01, 0.9, 0.01, 0.01], residency, 8)
+    actions = np.asarray(attached("spice:fast", ctx).decide(call).actions)[0]
+    assert actions.tolist() == [ACTION_SURROGATE, ACTION_HOST, ACTION_HOST, ACTION_DEVICE]
+    assert not (np.asarray(attached("spice:exact", ctx).decide(call).actions) == ACTION_SURROGATE).any()
+
+
+def test_a_lossy_level_without_surrogates_says_so_and_stays_exact(capsys: pytest.CaptureFixture[str]) -> None:
+    policy = attached("spice:balanced", context(budget_experts=8))
+    assert "no surrogates loaded" in capsys.readouterr().err
+    plan = policy.decide(hook_call(0, [[0, 1]], [0.01, 0.01], np.zeros((4, 8), np.int8), 8))
+    assert not (np.asarray(plan.actions) == ACTION_SURROGATE).any()
+
+
+def test_h_min_follows_the_transfer_cost() -> None:
+    slow_bus = CostModel.from_context(context(8, prof=profile(0.001, 5.0, 5.0, emulated=False)))
+    fast_bus = CostModel.from_context(context(8, prof=profile(1000.0, 5.0, 5.0, emulated=False)))
+    # eq. 4: P * M_e / (B * T_comp): a 1 MB/s bus needs many layers of warning, a fast one one
+    assert slow_bus.h_min(0, 2, 2) > 1 and fast_bus.h_min(0, 2, 2) == 1
