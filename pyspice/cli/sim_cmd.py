@@ -55,8 +55,9 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--compare",
         default="",
-        metavar="BUDGET=BENCH_JSON,...",
-        help="validate: compare simulated TPOT with `pyspice bench --json` runs of the same budgets",
+        metavar="BUDGET=BENCH_JSON[+BENCH_JSON],...",
+        help="validate: compare simulated TPOT with `pyspice bench --json` runs of the same budgets "
+        "(repeats of several runs pool); without --policy-us-from, each policy's us per call is theirs",
     )
     p.add_argument("--probe", type=Path, help="cost profile for `emulated` (default: the source model's)")
     p.add_argument(
@@ -124,8 +125,19 @@ def run(args: argparse.Namespace) -> int:
         name, _, value = item.partition("=")
         policy_us[name.strip()] = float(value)
     expert_bytes = source_expert_bytes(model, workload.n_layers)
+    policy_us_by_budget = None
+    if args.compare and args.policy_us_from is None:
+        from pyspice.sim.validate import measured_policy_us, parse_compare
+
+        policy_us_by_budget = measured_policy_us(parse_compare(args.compare))
     cfg = SimConfig(
-        profiles, _split(args.device_budget), _split(args.policies), target, expert_bytes, policy_us
+        profiles,
+        _split(args.device_budget),
+        _split(args.policies),
+        target,
+        expert_bytes,
+        policy_us,
+        policy_us_by_budget,
     )
     note(
         f"simulating {workload.decoded_tokens} decoded tokens of {args.trace} "

@@ -26,6 +26,8 @@ class SimConfig:
     target: TargetModel | None  # None: the source model itself (emulated profile)
     source_expert_bytes: tuple[int, ...]  # per layer, of the source model
     policy_us: dict[str, float] | None = None  # measured us per call, by policy
+    # measured us per call by budget, then policy (bench runs of each budget); before policy_us
+    policy_us_by_budget: dict[str, dict[str, float]] | None = None
 
 
 def _check_policies(names: Sequence[str]) -> None:
@@ -68,7 +70,9 @@ def simulate_all(
                     progress(f"{prof.name} {budget} {name}")
                 spec = policy_spec(name)
                 policy = make_policy(name)
-                us = (cfg.policy_us or {}).get(name)
+                us = (cfg.policy_us_by_budget or {}).get(budget, {}).get(name)
+                if us is None:
+                    us = (cfg.policy_us or {}).get(name)
                 if spec.kind != "python":
                     us = 0.0  # decided natively: no Python per call
                 result = sim.run(name, policy, policy_us=us, preload=name == "exact")
