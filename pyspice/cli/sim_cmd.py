@@ -88,7 +88,6 @@ def source_expert_bytes(model: Path, n_layers: int) -> tuple[int, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pyspice.probe import load_profile as load_probe
     from pyspice.probe import profile_path
     from pyspice.routers import RouterReader
     from pyspice.sim.hardware import EMULATED, load_profile
@@ -144,8 +143,23 @@ def run(args: argparse.Namespace) -> int:
         f"({len(workload.moe_layers)} MoE layers x {max(workload.n_expert)} experts, "
         f"top-{workload.n_expert_used})" + (f" with the sizes of {target.name}" if target else "")
     )
-    probe = load_probe(probe_file) if probe_file is not None else None
-    rows = simulate_all(workload, cfg, router=RouterReader(model), probe=probe, progress=stderr_progress)
+    router = RouterReader(model)
+    extra: dict[str, Any] = {}
+    if args.sidecar is not None:
+        import numpy as np
+
+        from pyspice.sidecar import Sidecar
+
+        sidecar = Sidecar.load(args.sidecar, model)
+        errors = sidecar.surrogate_error
+        extra = {
+            "predictor": sidecar.predictor(router),
+            "surrogate_error": lambda il: np.asarray(errors[il], np.float32) if il in errors else None,
+            "surrogates_loaded": bool(errors),
+            "reserved_bytes": sidecar.surrogate_bytes() if errors else 0,
+        }
+        note(f"sidecar {args.sidecar}: draft predictor and {len(errors)} layers of surrogates")
+    rows = simulate_all(workload, cfg, router=router, context_extra=extra, progress=stderr_progress)
     if args.plot:
         plot(rows, args.plot, f"{target.name if target else model.name}, trace {args.trace.name}")
         note(f"plot written to {args.plot}")

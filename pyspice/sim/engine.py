@@ -203,13 +203,17 @@ class Simulator:
         router: RouterLoader | None = None,
         profile: Any = None,
         n_expert_used: int | None = None,
+        context_extra: dict[str, Any] | None = None,
     ) -> None:
+        """`context_extra`: further PolicyContext fields (a sidecar's predictor, surrogate
+        errors, `reserved_bytes` of surrogates, which the tier charges to its budget)."""
         self.workload = workload
         self.costs = costs
         self.budget_bytes = budget_bytes
         self.router = router
         self.profile = profile
         self.n_expert_used = n_expert_used or workload.n_expert_used
+        self.context_extra = dict(context_extra or {})
 
     def context(self) -> PolicyContext:
         kwargs: dict[str, Any] = {}
@@ -223,6 +227,7 @@ class Simulator:
             budget_bytes=self.budget_bytes,
             profile=self.profile,
             **kwargs,
+            **self.context_extra,
         )
 
     def make_tier(self) -> SimTier | None:
@@ -235,6 +240,7 @@ class Simulator:
             bandwidth_gbps=self.costs.bus_gbps,
             latency_us=self.costs.bus_latency_us,
             prefetch_queue_max=self.costs.prefetch_queue_max,
+            used_bytes=int(self.context_extra.get("reserved_bytes", 0)),
         )
 
     def run(

@@ -265,6 +265,35 @@ def target_costs(profile: HardwareProfile, target: TargetModel, workload: Worklo
     )
 
 
+def policy_profile(profile: HardwareProfile, costs: Costs) -> Any:
+    """What `pyspice probe` would have measured on the simulated machine (a
+    pyspice.probe.CostProfile), so policies that weigh copies against host work
+    (adapmoe, spice) weigh them as on that hardware. The emulated profile hands
+    over the measured one itself."""
+    if profile.emulated:
+        return profile.probe
+    from pyspice.probe import PROFILE_VERSION, BatchCost, CostProfile
+
+    moe_bytes = [b for b in costs.expert_bytes if b > 0]
+    host = dict(costs.host_expert_us)
+    rest = dict(costs.rest_us)
+    return CostProfile(
+        version=PROFILE_VERSION,
+        model="(simulated target)",
+        model_sha="",
+        threads=0,
+        n_layers=len(costs.expert_bytes),
+        n_moe_layers=len(moe_bytes),
+        expert_bytes={"simulated": max(moe_bytes, default=0)},
+        bus_gbps=costs.bus_gbps,
+        bus_latency_us=costs.bus_latency_us,
+        bus_source=f"simulated: {profile.name}",
+        device_expert_us=dict(costs.device_expert_us)[1],
+        device_source=f"simulated: {profile.name}",
+        batches=[BatchCost(tokens=n, expert_us=host[n], rest_us_per_layer=rest[n]) for n in sorted(host)],
+    )
+
+
 def budget_bytes(spec: str, routed_bytes: int, target_routed: int | None = None) -> int:
     """A --device-budget entry: a share ("25%") of the simulated routed-expert bytes, or
     bytes with a unit ("8GiB"), which for a target mean target bytes (taken as a share)."""

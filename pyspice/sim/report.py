@@ -11,7 +11,7 @@ from typing import Any
 from pyspice.policy import make_policy, policy_spec
 from pyspice.sim.belady import BeladyOracle, belady
 from pyspice.sim.engine import Simulator
-from pyspice.sim.hardware import HardwareProfile, budget_bytes, emulated_costs, target_costs
+from pyspice.sim.hardware import HardwareProfile, budget_bytes, emulated_costs, policy_profile, target_costs
 from pyspice.sim.targets import TargetModel
 from pyspice.sim.workload import Workload
 
@@ -42,7 +42,7 @@ def simulate_all(
     cfg: SimConfig,
     *,
     router: Any = None,
-    probe: Any = None,
+    context_extra: dict[str, Any] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
     """One row per (profile, budget, policy) plus a `belady` row per (profile, budget)."""
@@ -64,7 +64,14 @@ def simulate_all(
             nbytes = budget_bytes(budget, routed, target_routed)
             base = {"profile": prof.name, "budget": budget, "target": target_name, "simulated": True}
             note = _fit_note(prof, cfg.target, budget, target_routed)
-            sim = Simulator(workload, costs, nbytes, router=router, profile=probe)
+            sim = Simulator(
+                workload,
+                costs,
+                nbytes,
+                router=router,
+                profile=policy_profile(prof, costs),
+                context_extra=context_extra,
+            )
             for name in cfg.policies:
                 if progress:
                     progress(f"{prof.name} {budget} {name}")

@@ -6,7 +6,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pyspice.policy import ACTION_DEVICE, HookCall, Plan, PolicyContext, make_policy
+from pyspice.policy import (
+    ACTION_DEVICE,
+    HookCall,
+    Plan,
+    PolicyContext,
+    make_policy,
+    policy_names,
+    policy_spec,
+)
 from pyspice.sim.engine import Costs, Simulator, interpolate
 from pyspice.sim.workload import Workload
 
@@ -132,10 +140,21 @@ def test_policies_get_the_engine_context() -> None:
     assert seen[0].n_expert_used == K
 
 
-def test_every_baseline_runs_in_the_simulator() -> None:
-    wl = workload()
-    sim = Simulator(wl, costs(), budget_bytes=N_LAYERS * N_EXPERT * 10_000 // 4)
-    for name in ("host", "static", "ondemand", "lru", "adapmoe"):
+def test_every_python_policy_of_the_registry_runs_in_the_simulator() -> None:
+    rng = np.random.default_rng(2)
+    base = workload()
+    n_tok = sum(s.n_tokens for s in base.steps)
+    ids = np.concatenate([np.stack([c.ids for c in s.calls], axis=1) for s in base.steps])
+    hidden = rng.standard_normal((n_tok, N_LAYERS, 16)).astype(np.float32)
+    probs = rng.random((n_tok, N_LAYERS, N_EXPERT)).astype(np.float32)
+    wl = Workload.from_arrays(
+        N_LAYERS, list(range(N_LAYERS)), N_EXPERT, ids, probs=probs, hidden=hidden, prompt_tokens=4
+    )
+    routers = {il: rng.standard_normal((N_EXPERT, 16)).astype(np.float32) for il in range(N_LAYERS)}
+    sim = Simulator(wl, costs(), budget_bytes=N_LAYERS * N_EXPERT * 10_000 // 4, router=routers.get)
+    names = [n for n in policy_names() if policy_spec(n).kind == "python"]
+    assert {"host", "static", "ondemand", "lru", "adapmoe"} <= set(names)
+    for name in names:
         result = sim.run(name, make_policy(name))
         assert result.policy_fallbacks == 0, name
         assert result.activations == wl.decoded_tokens * N_LAYERS * K

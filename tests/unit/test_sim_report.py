@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pyspice.sim.hardware import Value, load_profile, profile_names, target_costs
+from pyspice.sim.hardware import Value, load_profile, policy_profile, profile_names, target_costs
 from pyspice.sim.report import SimConfig, format_tables, simulate_all
 from pyspice.sim.targets import load_target, use_more_bits
 from pyspice.sim.validate import compare, format_comparison, parse_compare
@@ -68,6 +68,9 @@ def test_target_mapping_keeps_the_targets_per_expert_and_per_layer_ratios() -> N
     assert set(costs.expert_bytes) <= set(t.expert_bytes)
     assert costs.expert_bytes[0] == t.expert_bytes[0] and costs.expert_bytes[3] == t.expert_bytes[27]
     assert costs.layer_scale == pytest.approx(28 / 4)
+    # policies are told the simulated machine's costs, as `pyspice probe` would measure them there
+    told = policy_profile(prof, costs)
+    assert told.bus_gbps == prof["bus_gbps"] and told.device_source == "simulated: rtx4060"
     host_us = costs.host_expert_us[0][1]
     assert host_us == pytest.approx(
         sum(t.expert_bytes) / 28 / (prof["host_mem_gbps"] * 1e3)
