@@ -68,14 +68,18 @@ def perplexity(
     *,
     reference: Any = None,
     on_chunk: Callable[[int, int, float], None] | None = None,
+    max_chunks: int | None = None,
 ) -> PplResult:
     """Perplexity of `llm` (a llama_cpp.Llama made with logits_all=True, n_ctx >= `n_ctx`) on `text`.
 
     With `reference` (another such Llama on the same vocabulary), also the share
-    of scored positions where both models' greedy next tokens agree.
+    of scored positions where both models' greedy next tokens agree. With
+    `max_chunks`, only the first that many chunks are scored.
     """
     tokens = llm.tokenize(text.encode("utf-8"), add_bos=True, special=False)
     chunks = chunk_tokens(tokens, n_ctx)
+    if max_chunks is not None:
+        chunks = chunks[: max(1, max_chunks)]
     first = n_ctx // 2
     nll = ref_nll = 0.0
     count = agree = 0

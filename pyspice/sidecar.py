@@ -14,6 +14,7 @@ MoE layers, geometry, gating, draft and LoRE ranks. Tensors, per MoE layer l:
     spice.lore.{l}.rank    [n_expert]         i32   rank used (0: no surrogate for this expert)
     spice.lore.{l}.error   [n_expert]         f32   held-out relative error of the surrogate
     spice.lore.{l}.error_shared / error_drop  f32   same for "shared expert alone" and "drop"
+    spice.lore.{l}.count   [n_expert]         i32   calibration tokens routed to each expert
 
 The fingerprint identifies the target model without reading it whole: a hash
 of every tensor's name, shape and type plus 16 blocks of 64 KiB at fixed
@@ -47,11 +48,11 @@ class SidecarMismatchError(ValueError):
 
 
 def tensor_signature(model_path: str | os.PathLike[str]) -> list[tuple[str, tuple[int, ...], str]]:
-    """(name, ggml shape, type name) of every tensor of a GGUF, in file order."""
-    from gguf import GGUFReader
+    """(name, ggml shape, type name) of every tensor of a GGUF, in file order (header only)."""
+    from pyspice.model_info import read_header
 
-    reader = GGUFReader(model_path)
-    return [(t.name, tuple(int(x) for x in t.shape), t.tensor_type.name) for t in reader.tensors]
+    header = read_header(Path(model_path))
+    return [(t.name, tuple(int(x) for x in t.shape), t.type_name) for t in header.tensors]
 
 
 def fingerprint(model_path: str | os.PathLike[str]) -> str:
@@ -90,6 +91,7 @@ class LayerSurrogates:
     error: F32  # [n_expert] held-out relative error
     error_shared: F32  # [n_expert] error of alpha=1 shared expert alone (nan without one)
     error_drop: F32  # [n_expert] error of dropping the expert (1 by definition where defined)
+    count: npt.NDArray[np.int64] | None = None  # [n_expert] calibration tokens routed to each expert
 
 
 @dataclass
@@ -146,6 +148,8 @@ def write_sidecar(path: str | os.PathLike[str], data: SidecarData) -> Path:
         w.add_tensor(f"spice.lore.{il}.error", np.ascontiguousarray(s.error, dtype=np.float32))
         w.add_tensor(f"spice.lore.{il}.error_shared", np.ascontiguousarray(s.error_shared, dtype=np.float32))
         w.add_tensor(f"spice.lore.{il}.error_drop", np.ascontiguousarray(s.error_drop, dtype=np.float32))
+        if s.count is not None:
+            w.add_tensor(f"spice.lore.{il}.count", np.ascontiguousarray(s.count, dtype=np.int32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -216,8 +220,31 @@ def read_sidecar(path: str | os.PathLike[str]) -> SidecarData:
                 error=arr(f"spice.lore.{il}.error"),
                 error_shared=arr(f"spice.lore.{il}.error_shared"),
                 error_drop=arr(f"spice.lore.{il}.error_drop"),
+                count=(
+                    arr(f"spice.lore.{il}.count", np.int64) if f"spice.lore.{il}.count" in tensors else None
+                ),
             )
     return data
+
+
+class TruncatedSurrogates:
+    """A sidecar's surrogates cut to rank <= `rank` (the first columns of B, rows of A).
+
+    B's columns are the fit's nested singular basis, and A's rows for a
+    smaller basis are the same ridge solution's first rows, so this is the
+    rank-r fit with the stored rank's α (refitting α per rank is the only
+    difference from calibrating at that rank)."""
+
+    def __init__(self, sidecar: Sidecar, rank: int) -> None:
+        self.sidecar = sidecar
+        self.rank = int(rank)
+
+    def surrogate(self, layer: int, expert: int) -> tuple[float, F32, F32] | None:
+        entry = self.sidecar.surrogate(layer, expert)
+        if entry is None:
+            return None
+        alpha, A, B = entry
+        return alpha, np.ascontiguousarray(A[: self.rank]), np.ascontiguousarray(B[:, : self.rank])
 
 
 class Sidecar:
@@ -280,6 +307,11 @@ class Sidecar:
         return DraftPredictor(self.data.moe_layers, table, self.data.transitions, self.data.gating)
 
     # ---- surrogates ----------------------------------------------------------------
+
+    def expert_counts(self, layer: int) -> npt.NDArray[np.int64] | None:
+        """Calibration tokens routed to each expert of a layer (None if not recorded)."""
+        s = self.data.surrogates.get(layer)
+        return None if s is None or s.count is None else s.count
 
     def surrogate(self, layer: int, expert: int) -> tuple[float, F32, F32] | None:
         """(alpha, A [r, n_embd], B [n_embd, r]) in float32, or None where none was fitted."""

@@ -43,17 +43,16 @@ _GATING = {1: "softmax", 2: "sigmoid"}
 
 
 def model_geometry(model_path: str | os.PathLike[str]) -> ModelGeometry:
-    """Layer geometry of a MoE GGUF from its metadata and tensor names."""
-    from gguf import GGUFReader
+    """Layer geometry of a MoE GGUF from its metadata and tensor names (header only)."""
+    from pyspice.model_info import read_header
 
-    reader = GGUFReader(model_path)
+    header = read_header(Path(model_path))
 
     def kv(key: str, default: Any = None) -> Any:
-        f = reader.fields.get(key)
-        return f.contents() if f is not None else default
+        return header.metadata.get(key, default)
 
     arch = str(kv("general.architecture", ""))
-    names = {t.name for t in reader.tensors}
+    names = {t.name for t in header.tensors}
     n_layers = int(kv(f"{arch}.block_count", 0))
     moe = [il for il in range(n_layers) if f"blk.{il}.ffn_gate_inp.weight" in names]
     if not moe:

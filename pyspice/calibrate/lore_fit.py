@@ -8,12 +8,12 @@ quantize activations first): fit targets, not a reference.
 
 Fit for one expert, over the tokens routed to it (rows H [n, d], shared-expert
 outputs S [n, d] before their gate, exact outputs Y [n, d]):
-1. ridge regression of Y and S on H gives residuals; α is the least-squares
-   coefficient of S's residual on Y's (so α, like B·A, is chosen jointly);
+1. α starts as the least-squares coefficient of Y on S alone;
 2. reduced-rank regression of Z = Y - α S on H: the ridge fit's fitted values
    are projected on their top-r right singular vectors Q, B = Q, A = (M Q)ᵀ
    with M the ridge coefficients;
-3. α is refitted for the rank-r B·A, and A recomputed for that α.
+3. α is refitted for that B·A; steps 2-3 alternate a few times (each step
+   lowers the training error), and A is recomputed for the final α.
 Without a shared expert α = 0. λ grows as the token count falls below the
 width (rarely used experts are shrunk towards "shared expert alone").
 Relative error ||Y - Ŷ|| / ||Y|| is measured on held-out tokens only.
@@ -103,42 +103,17 @@ class ExpertFit:
     error_drop: float = 1.0
 
 
-class _Ridge:
-    """Ridge regression on rows H, in primal (n >= d) or dual (n < d) form."""
-
-    def __init__(self, H: F64, lam_scale: float) -> None:
-        self.H = H
-        n, d = H.shape
-        self.primal = n >= d
-        if self.primal:
-            gram = H.T @ H
-            lam = lam_scale * max(float(np.trace(gram)) / d, 1e-12)
-            self._chol = np.linalg.cholesky(gram + lam * np.eye(d))
-        else:
-            kern = H @ H.T
-            lam = lam_scale * max(float(np.trace(kern)) / d, 1e-12)
-            self._chol = np.linalg.cholesky(kern + lam * np.eye(n))
-
-    def _solve(self, rhs: F64) -> F64:
-        y = np.linalg.solve(self._chol, rhs)
-        out: F64 = np.linalg.solve(self._chol.T, y)
-        return out
-
-    def coef(self, Z: F64) -> F64:
-        """M [d, m] minimising ||Z - H M||² + λ||M||² for targets Z [n, m]."""
-        if self.primal:
-            return self._solve(self.H.T @ Z)
-        out: F64 = self.H.T @ self._solve(Z)
-        return out
-
-    def fitted(self, Z: F64) -> F64:
-        out: F64 = self.H @ self.coef(Z)
-        return out
-
-
 def _rel_error(Y: F64, pred: F64) -> float:
     den = float(np.linalg.norm(Y))
     return float(np.linalg.norm(Y - pred)) / den if den > 0 else float("nan")
+
+
+def _alpha(S: npt.NDArray[np.floating[Any]] | None, target: npt.NDArray[np.floating[Any]]) -> float:
+    """Least-squares α of target ≈ α S (0 without a shared expert)."""
+    if S is None:
+        return 0.0
+    den = float(np.vdot(S, S))
+    return float(np.vdot(S, target)) / den if den > 0 else 0.0
 
 
 def fit_expert(
@@ -148,46 +123,70 @@ def fit_expert(
     ranks: Sequence[int],
     ridge: float = 1e-2,
     min_tokens: int = 4,
+    *,
+    iterations: int = 2,
+    seed: int = 0,
 ) -> dict[int, tuple[float, F32, F32]]:
-    """(α, A [r, d], B [d, r]) for each rank in `ranks` (rank 0 allowed: α only)."""
-    Hm = np.asarray(H, dtype=np.float64)
-    Ym = np.asarray(Y, dtype=np.float64)
-    Sm = np.asarray(S, dtype=np.float64) if S is not None else None
-    n, d = Hm.shape
-    out: dict[int, tuple[float, F32, F32]] = {}
+    """(α, A [r, d], B [d, r]) for each rank in `ranks` (rank 0 allowed: α only).
 
-    def alpha_for(resid_target: F64) -> float:
-        if Sm is None:
-            return 0.0
-        den = float((Sm * Sm).sum())
-        return float((Sm * resid_target).sum()) / den if den > 0 else 0.0
+    The ridge solution's fitted values H M(Z) are never formed: their top
+    right singular vectors come from a randomized range finder with one power
+    iteration (M(Z) Ω = M(Z Ω), so every product is n x d x (r + 8)). α and
+    the subspace are alternated `iterations` times, starting from α of S alone.
+    Cost per expert: one HᵀH (n d²), one d x d inverse, and O(n d r) products.
+    """
+    # float32 products (fit targets carry f16 inputs anyway); the inverse is taken in float64
+    Hf = np.asarray(H, dtype=np.float32)
+    Ym = np.asarray(Y, dtype=np.float32)
+    Sm = np.asarray(S, dtype=np.float32) if S is not None else None
+    n, d = Hf.shape
+    empty = (np.zeros((0, d), np.float32), np.zeros((d, 0), np.float32))
+    if n < max(min_tokens, 1) or max(ranks, default=0) <= 0:
+        a0 = _alpha(Sm, Ym) if n > 0 else 0.0
+        return {r: (a0, *empty) for r in ranks}
+    Hm = Hf
+    gram = (Hf.T @ Hf).astype(np.float64)
+    lam = ridge * max(1.0, d / n) * max(float(np.trace(gram)) / d, 1e-12)
+    ginv = np.linalg.inv(gram + lam * np.eye(d)).astype(np.float32)
 
-    if n < max(min_tokens, 1):
-        a0 = alpha_for(Ym) if n > 0 else 0.0
-        for r in ranks:
-            out[r] = (a0, np.zeros((0, d), np.float32), np.zeros((d, 0), np.float32))
+    def coef(Z: npt.NDArray[Any]) -> F32:  # ridge coefficients [d, m] for targets Z [n, m]
+        out: F32 = ginv @ (Hm.T @ Z.astype(np.float32, copy=False))
         return out
-    ridge_ = _Ridge(Hm, ridge * max(1.0, d / n))
-    alpha = 0.0
-    if Sm is not None:
-        ry = Ym - ridge_.fitted(Ym)
-        rs = Sm - ridge_.fitted(Sm)
-        den = float((rs * rs).sum())
-        alpha = float((rs * ry).sum()) / den if den > 0 else 0.0
-    Z = Ym - alpha * Sm if Sm is not None else Ym
-    fitted = ridge_.fitted(Z)
-    _, _, vt = np.linalg.svd(fitted, full_matrices=False)
+
+    rmax = min(max(ranks), n, d)
+    rng = np.random.default_rng(seed)
+    omega = rng.standard_normal((d, min(rmax + 8, d))).astype(np.float32)
+    alpha = _alpha(Sm, Ym)
+    Q = np.zeros((d, 0))
+    for _ in range(max(1, iterations)):
+        Z = Ym - alpha * Sm if Sm is not None else Ym
+        basis, _ = np.linalg.qr(Hm @ coef(Z @ omega))  # range of the fitted values F = H M(Z)
+        basis, _ = np.linalg.qr(Hm @ coef(Z @ (Z.T @ (Hm @ (ginv @ (Hm.T @ basis))))))  # power step
+        ft = Z.T @ (Hm @ (ginv @ (Hm.T @ basis)))  # Fᵀ basis [d, l]
+        u, _, _ = np.linalg.svd(ft, full_matrices=False)
+        Q = u[:, :rmax]  # top right singular vectors of F
+        if Sm is None:
+            break
+        C = coef(Z @ Q)
+        alpha = _alpha(Sm, Ym - (Hm @ C) @ Q.T)
+    out: dict[int, tuple[float, F32, F32]] = {}
     for r in ranks:
-        rr = min(r, vt.shape[0])
+        rr = min(r, rmax)
         if rr <= 0:
-            out[r] = (alpha_for(Ym), np.zeros((0, d), np.float32), np.zeros((d, 0), np.float32))
+            out[r] = (_alpha(Sm, Ym), *empty)
             continue
-        Q = vt[:rr].T  # [d, r]
-        C = ridge_.coef(Z @ Q)  # [d, r]: h -> code
-        a_r = alpha_for(Ym - Hm @ C @ Q.T) if Sm is not None else 0.0
-        if Sm is not None:
-            C = ridge_.coef((Ym - a_r * Sm) @ Q)
-        out[r] = (a_r, np.ascontiguousarray(C.T, dtype=np.float32), np.ascontiguousarray(Q, dtype=np.float32))
+        Qr = Q[:, :rr]
+        Z = Ym - alpha * Sm if Sm is not None else Ym
+        C = coef(Z @ Qr)
+        a_r = alpha
+        if Sm is not None:  # α for this rank, then the map for that α
+            a_r = _alpha(Sm, Ym - (Hm @ C) @ Qr.T)
+            C = coef((Ym - a_r * Sm) @ Qr)
+        out[r] = (
+            a_r,
+            np.ascontiguousarray(C.T, dtype=np.float32),
+            np.ascontiguousarray(Qr, dtype=np.float32),
+        )
     return out
 
 

@@ -138,6 +138,7 @@ def calibrate(
             error=saved["lore_error"],
             error_shared=saved["lore_error_shared"],
             error_drop=saved["lore_error_drop"],
+            count=saved.get("lore_count"),
         )
         summaries.append(_summary(il, saved, k))
         bar.update(1)
@@ -243,6 +244,7 @@ def _fit_one(
             [[f.error_by_rank.get(r, np.nan) for r in report] for f in fit.experts], np.float32
         ),
         lore_n_train=np.array([f.n_train for f in fit.experts], np.int32),
+        lore_count=np.bincount(cur["ids"].reshape(-1).astype(np.int64), minlength=E).astype(np.int64),
         expert_bytes=np.int64(fit.expert_bytes),
     )
     return saved

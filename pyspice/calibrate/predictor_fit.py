@@ -43,10 +43,10 @@ def fit_transition(
     mx, my = X.mean(axis=0), Y.mean(axis=0)
     Xc, Yc = X - mx, Y - my
     n, d = Xc.shape
+    gram = Xc.T @ Xc
     # ridge maps for the two targets the fit mixes: T(Yc - a Xc) = Ty - a Tx
     targets = np.concatenate([Yc, Xc], axis=1) if identity else Yc
     if n >= d:
-        gram = Xc.T @ Xc
         lam = ridge_lambda(float(np.trace(gram)), d, ridge)
         both = np.linalg.solve(gram + lam * np.eye(d), Xc.T @ targets)
     else:  # dual form: T = Xcᵀ (Xc Xcᵀ + λI)⁻¹ Yc, cost n²d
@@ -56,17 +56,20 @@ def fit_transition(
     d_out = Yc.shape[1]
     Ty, Tx = both[:, :d_out], both[:, d_out:]
     r = max(1, min(rank, n, d_out))
-    xx = float((Xc * Xc).sum())
-    scale = float((Xc * Yc).sum()) / xx if identity and xx > 0 else 0.0
-    # alternate: rank-r map for the current scale, then the scale for that map
-    for _ in range(8 if identity else 1):
+    xx = float(np.trace(gram))
+    xy = float((Xc * Yc).sum()) if identity else 0.0
+    scale = xy / xx if identity and xx > 0 else 0.0
+    # alternate: rank-r map for the current scale, then the scale for that map. The fitted
+    # values' right singular vectors are the top eigenvectors of (Xc T)ᵀ(Xc T) = Tᵀ G T: d x d work
+    # only, whatever the number of tokens.
+    for _ in range(4 if identity else 1):
         T = Ty - scale * Tx if identity else Ty
-        fitted = Xc @ T
-        _, _, vt = np.linalg.svd(fitted, full_matrices=False)
-        Q = vt[:r].T  # [d_out, r]
+        _, vecs = np.linalg.eigh(T.T @ gram @ T)
+        Q = vecs[:, ::-1][:, :r]  # [d_out, r]
         V = (T @ Q).T  # [r, d_in]
         if identity and xx > 0:
-            scale = float((Xc * (Yc - (Xc @ V.T) @ Q.T)).sum()) / xx
+            # <Xc, Yc - Xc Vᵀ Qᵀ> = <Xc, Yc> - tr(G Vᵀ Qᵀ)
+            scale = (xy - float((gram * (Q @ V)).sum())) / xx
     if identity:  # the rank-r part for the final scale
         V = ((Ty - scale * Tx) @ Q).T
     bias = my - scale * mx - Q @ (V @ mx)

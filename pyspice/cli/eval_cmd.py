@@ -1,4 +1,5 @@
-"""`pyspice eval`: measure model quality. `ppl` is perplexity as llama-perplexity computes it."""
+"""`pyspice eval`: measure model quality. `ppl` is perplexity as llama-perplexity computes it;
+`predictor` and `surrogate` measure a calibration sidecar on held-out text."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from pyspice.cli.common import (
     add_context_args,
@@ -44,6 +47,239 @@ def register(sub: Any) -> None:
     )
     ppl.add_argument("--json", action="store_true", help='print {"ppl", "tokens", ...} as one JSON document')
     ppl.set_defaults(func=run_ppl)
+    _register_sidecar_evals(esub)
+
+
+def _add_sidecar_eval_args(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    p.add_argument(
+        "--sidecar",
+        type=Path,
+        default=None,
+        help="the model's sidecar (default: <model>.spice.gguf next to the model)",
+    )
+    p.add_argument(
+        "-f",
+        "--file",
+        "--text",
+        dest="file",
+        type=Path,
+        default=None,
+        help="held-out text (default: the held-out split of pydoc_data.topics)",
+    )
+    p.add_argument("--tokens", type=int, default=4096, help="cap on evaluated tokens (default 4096)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)")
+    p.add_argument("--json", action="store_true", help="print the results as one JSON document")
+
+
+def _register_sidecar_evals(esub: Any) -> None:
+    pred = esub.add_parser(
+        "predictor",
+        help="recall of the draft predictor vs the cross-layer router baseline",
+        description="Top-K recall at depth 1..H (predicting exactly K experts) of the cross-layer "
+        "baseline (router of layer l+d on layer l's MoE input) and of the draft rollout, plus the "
+        "draft's recall by confidence bin, on held-out text.",
+    )
+    _add_sidecar_eval_args(pred)
+    pred.add_argument("--depth", type=int, default=3, help="deepest look-ahead H (default 3)")
+    pred.set_defaults(func=run_predictor_eval)
+    sur = esub.add_parser(
+        "surrogate",
+        help="surrogate error per expert, and perplexity with non-resident experts substituted",
+        description="Relative error of each expert's surrogate (truncated to each --ranks), of the shared "
+        "expert alone and of dropping it, on held-out tokens; then perplexity when every expert "
+        "outside a resident set (the --resident share of each layer's most used experts in "
+        "calibration) is replaced by its surrogate, by the shared expert alone, or dropped, next to "
+        "exact execution.",
+    )
+    _add_sidecar_eval_args(sur)
+    sur.add_argument("--ranks", default="1,2,4,8", help="surrogate ranks to report (default 1,2,4,8)")
+    sur.add_argument(
+        "--resident",
+        type=float,
+        default=0.5,
+        help="share of each layer's experts kept exact in the perplexity runs (default 0.5)",
+    )
+    sur.add_argument(
+        "-c", "--ctx-size", type=int, default=_PPL_CTX, help=f"perplexity context (default {_PPL_CTX})"
+    )
+    sur.add_argument("--chunks", type=int, default=8, help="perplexity chunks to score (default 8)")
+    sur.add_argument("--no-ppl", action="store_true", help="errors only, no perplexity runs")
+    sur.set_defaults(func=run_surrogate_eval)
+
+
+def _eval_inputs(args: argparse.Namespace) -> tuple[Path, Any, str]:
+    from pyspice.sidecar import Sidecar, default_sidecar_path
+
+    model = resolve_eval_model(args.model or args.model_pos)
+    sidecar_path = args.sidecar or default_sidecar_path(model)
+    sidecar = Sidecar.load(sidecar_path, model)
+    if args.file is not None:
+        if not args.file.is_file():
+            raise FileNotFoundError(f"text file {args.file} does not exist")
+        text = args.file.read_text(encoding="utf-8")
+    else:
+        from pyspice.models.corpus import Split, text_of
+        from pyspice.models.smolmoe_recipe import recipe_dir
+
+        text = text_of(Split.from_file(recipe_dir() / "split.json"), "heldout").text
+    return model, sidecar, text
+
+
+def _capture_eval_trace(args: argparse.Namespace, model: Path, text: str, tmp: Path) -> Any:
+    from pyspice.calibrate.capture import CaptureConfig, capture
+
+    return capture(
+        model,
+        text,
+        tmp / "trace",
+        CaptureConfig(tokens=args.tokens, threads=args.threads),
+        progress=not args.json,
+    )
+
+
+def run_predictor_eval(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from pyspice.calibrate.evaluate import evaluate_predictor
+    from pyspice.paths import cache_dir
+
+    model, sidecar, text = _eval_inputs(args)
+    with tempfile.TemporaryDirectory(prefix="eval-", dir=cache_dir()) as tmp:
+        trace = _capture_eval_trace(args, model, text, Path(tmp))
+        predictor = sidecar.predictor()
+        result = evaluate_predictor(trace, predictor, max(1, args.depth))
+    if args.json:
+        json.dump(result.to_json(), sys.stdout)
+        sys.stdout.write("\n")
+        return 0
+    print(f"top-{trace.meta.n_expert_used} recall on {trace.n_tokens} held-out tokens")
+    print("depth  baseline  draft  predictions")
+    for d, b, r, n in zip(
+        result.depths, result.baseline_recall, result.draft_recall, result.pairs, strict=True
+    ):
+        print(f"{d:5d}  {b:8.3f}  {r:5.3f}  {n:11d}")
+    print("draft recall by confidence (share of predictions):")
+    labels = [f"[{lo:.1f},{hi:.1f})" for lo, hi in result.bins]
+    print("depth  " + "  ".join(f"{lb:>15}" for lb in labels))
+    for d, shares, recs in zip(result.depths, result.bin_share, result.bin_recall, strict=True):
+        cells = [
+            f"{'-' if r != r else format(r, '.3f'):>6} ({100 * sh:4.1f}%)"
+            for sh, r in zip(shares, recs, strict=True)
+        ]
+        print(f"{d:5d}  " + "  ".join(f"{c:>15}" for c in cells))
+    return 0
+
+
+def run_surrogate_eval(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from pyspice.calibrate.evaluate import evaluate_surrogates
+    from pyspice.calibrate.lore_fit import open_gguf
+    from pyspice.paths import cache_dir
+
+    try:
+        ranks = sorted({int(r) for r in str(args.ranks).split(",") if r.strip()})
+    except ValueError:
+        raise ValueError(f"--ranks takes comma-separated integers, not {args.ranks!r}") from None
+    if not 0.0 <= args.resident <= 1.0:
+        raise ValueError("--resident is a share between 0 and 1")
+    model, sidecar, text = _eval_inputs(args)
+    with tempfile.TemporaryDirectory(prefix="eval-", dir=cache_dir()) as tmp:
+        trace = _capture_eval_trace(args, model, text, Path(tmp))
+        errors = evaluate_surrogates(trace, open_gguf(model), sidecar, ranks)
+    doc: dict[str, Any] = {"tokens": trace.n_tokens, "error": errors.means()}
+    doc["error_per_layer"] = {
+        str(il): {"surrogate": dict(zip(map(str, ranks), row, strict=True)), "shared_alone": sh, "drop": dr}
+        for il, row, sh, dr in zip(errors.layers, errors.surrogate, errors.shared, errors.drop, strict=True)
+    }
+    if not args.no_ppl:
+        doc["ppl"] = _substitute_ppl(args, model, sidecar, text, ranks)
+    if args.json:
+        json.dump(doc, sys.stdout)
+        sys.stdout.write("\n")
+        return 0
+    m = doc["error"]
+    print(f"relative error of an expert's output on {trace.n_tokens} held-out tokens (mean over experts)")
+    print("layer  " + "  ".join(f"r{r:<5}" for r in ranks) + "  shared  drop")
+    for il, row, sh, dr in zip(errors.layers, errors.surrogate, errors.shared, errors.drop, strict=True):
+        print(f"{il:5d}  " + "  ".join(f"{v:6.3f}" for v in row) + f"  {sh:6.3f}  {dr:4.2f}")
+    print(
+        " mean  "
+        + "  ".join(f"{v:6.3f}" for v in m["surrogate"])
+        + f"  {m['shared_alone']:6.3f}  {m['drop']:4.2f}"
+    )
+    if "ppl" in doc:
+        p = doc["ppl"]
+        print(
+            f"perplexity, {p['resident_share']:.0%} of each layer's experts resident, the rest substituted "
+            f"({p['tokens']} scored tokens):"
+        )
+        for name, value in p["results"].items():
+            print(f"  {name:14s} {value:.4f}")
+    return 0
+
+
+def _substitute_ppl(
+    args: argparse.Namespace, model: Path, sidecar: Any, text: str, ranks: list[int]
+) -> dict[str, Any]:
+    from pyspice.perplexity import perplexity
+    from pyspice.policy.substitute import SubstitutePolicy
+    from pyspice.sidecar import TruncatedSurrogates
+
+    layers = sidecar.moe_layers
+    resident: set[tuple[int, int]] = set()
+    for il in layers:
+        counts = sidecar.expert_counts(il)
+        n_expert = sidecar.data.n_expert
+        keep = round(args.resident * n_expert)
+        order = np.argsort(-counts, kind="stable") if counts is not None else np.arange(n_expert)
+        resident |= {(il, int(e)) for e in order[:keep]}
+    model_args = argparse.Namespace(
+        model=str(model),
+        model_pos=None,
+        ctx_size=args.ctx_size,
+        batch_size=args.ctx_size,
+        ubatch_size=args.ctx_size,
+        threads=args.threads,
+        n_gpu_layers=0,
+        policy="exact",
+        device_budget=None,
+        emulate_bandwidth=None,
+        emulate_latency=None,
+        max_hook_tokens=0,
+    )
+    llm = _open(model_args, model, "exact")
+    results: dict[str, float] = {}
+    scored = 0
+
+    def run(name: str) -> None:
+        nonlocal scored
+        r = perplexity(llm, text, args.ctx_size, max_chunks=args.chunks)
+        results[name] = r.ppl
+        scored = r.tokens
+        if not args.json:
+            print(f"pyspice: ppl {name}: {r.ppl:.4f}", file=sys.stderr, flush=True)
+
+    try:
+        run("exact")
+        n_embd = sidecar.data.n_embd
+        for r in ranks:
+            policy = SubstitutePolicy(resident, "surrogate")
+            llm.set_surrogates(TruncatedSurrogates(sidecar, r))
+            llm.set_policy(policy)
+            run(f"surrogate r{r}")
+        for mode in ("shared", "drop"):
+            policy = SubstitutePolicy(resident, mode)  # type: ignore[arg-type]
+            source = policy.surrogate_source(sidecar, n_embd)
+            llm.clear_surrogates()
+            if source is not None:
+                llm.set_surrogates(source)
+            llm.set_policy(policy)
+            run("shared alone" if mode == "shared" else "drop")
+    finally:
+        llm.close()
+    return {"resident_share": args.resident, "tokens": scored, "results": results}
 
 
 def _is_moe(path: Path) -> bool:

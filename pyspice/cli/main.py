@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pyspice import __version__
 from pyspice.cli import (
     bench_cmd,
+    calibrate_cmd,
     chat_cmd,
     eval_cmd,
     generate_cmd,
@@ -58,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         inspect_cmd,
         bench_cmd,
         models_cmd,
+        calibrate_cmd,
         eval_cmd,
         probe_cmd,
         sim_cmd,
