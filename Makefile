@@ -66,8 +66,15 @@ patches-export:
 
 # ---- jobs ------------------------------------------------------------------
 
+# The main job: chat with the default model (smolmoe, built on first use) while a
+# policy places its experts on a device tier of RUN_BUDGET; on a CPU-only build
+# that device is emulated and labelled so. Type a question; /stats, /quit.
+RUN_BUDGET ?= 50%
+RUN_POLICY ?= adapmoe
+RUN_ARGS   ?= -n 256 --repeat-penalty 1.3 -t $(JOBS)
+
 run: build
-	$(PY) scripts/main-job.py
+	$(PY) -m pyspice chat --device-budget $(RUN_BUDGET) --policy $(RUN_POLICY) $(RUN_ARGS)
 
 test: build pristine
 	$(PY) -m pytest tests

@@ -74,7 +74,12 @@ class ChatSession:
 
     def banner(self) -> str:
         llm = self.llm
-        device = llm.spice_device.describe() if llm.spice_device is not None else "no device tier"
+        tier = llm.spice_device
+        device = (
+            f"{'emulated ' if tier.emulated else ''}device {format_bytes(tier.budget_bytes)} ({tier.budget})"
+            if tier is not None
+            else "no device tier"
+        )
         return (
             f"pyspice chat: {llm.metadata.get('general.name', llm.model_path)} | policy {llm.spice_policy} | "
             f"{device}\nchat template: {self.template_label()}\ncommands: {COMMANDS}"
@@ -157,6 +162,10 @@ class ChatSession:
                 lines.append(f"  layers: {len(value)} MoE layers (/stats json shows each)")
             elif isinstance(value, dict):
                 lines.append(f"  {key}: " + ", ".join(f"{k} {v}" for k, v in value.items()))
+            elif key.endswith("_rate"):
+                lines.append(f"  {key}: {value:.1%}")
+            elif key.startswith("bytes"):
+                lines.append(f"  {key}: {format_bytes(value)}")
             elif isinstance(value, float):
                 lines.append(f"  {key}: {value:.4g}")
             else:

@@ -298,3 +298,30 @@ def test_a_dense_model_runs_with_stock_and_a_note(tmp_path: Path) -> None:
     doc = json.loads(out.stdout)
     assert len(doc["tokens"]) == 3 and doc["stats"]["policy"] == "stock"
     assert "dense" in run("inspect", "-m", str(dense)).stdout
+
+
+def test_the_dropin_example_runs(tiny: Path) -> None:
+    example = Path(__file__).resolve().parents[2] / "examples" / "dropin.py"
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(example),
+            str(tiny),
+            "-n",
+            "4",
+            "-t",
+            "2",
+            "--policy",
+            "lru",
+            "--device-budget",
+            "50%",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE_S,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "completion:" in out.stdout and "chat (streamed):" in out.stdout
+    stats = json.loads(out.stdout[out.stdout.rindex("\n{\n") :])
+    assert stats["policy"] == "lru" and stats["hook_calls"] > 0
+    assert "emulated device" in out.stderr
