@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import importlib
 import importlib.util
 import os
@@ -23,6 +24,7 @@ from typing import Any
 
 import llama_cpp
 import numpy as np
+import numpy.typing as npt
 
 from pyspice.blas_threads import limit_blas_threads
 from pyspice.policy import Policy, PolicyContext, make_policy, policy_spec
@@ -279,6 +281,7 @@ class Llama(llama_cpp.Llama):
             runtime = self._require_runtime()
             if spec.needs_device and self.spice_device is None:
                 raise ValueError(f"policy {policy!r} manages a device tier: give it one with --device-budget")
+            self._sync_surrogates(spec.lossless)
             self._reset_device()
             if spec.kind == "native":
                 if self.spice_device is not None:
@@ -298,6 +301,44 @@ class Llama(llama_cpp.Llama):
             self._limit_blas()
             runtime.enable_policy(policy, max_tokens)
             self._spice_policy_name = getattr(policy, "name", type(policy).__name__)
+
+    def _sync_surrogates(self, lossless: bool) -> None:
+        """A lossy policy gets the sidecar's surrogates on the device; a lossless one
+        leaves the whole budget to experts (the surrogates would only take room)."""
+        if self.spice_sidecar is None:
+            return
+        loaded = self._require_runtime().n_surrogates() > 0
+        if lossless and loaded:
+            self.clear_surrogates()
+        elif not lossless and not loaded:
+            self.set_surrogates(self.spice_sidecar)
+
+    def _policy_profile(self) -> Any:
+        """The cost profile policies weigh copies with: the one set, else the one
+        `pyspice probe` saved for this model, with the bus of the device tier in use."""
+        profile = self._spice_profile
+        if profile is None:
+            from pyspice.probe import load_profile, profile_path
+
+            path = profile_path(Path(self.model_path))
+            if path.is_file():
+                try:
+                    profile = load_profile(path)
+                except (ValueError, OSError, TypeError, KeyError):
+                    return None  # an old or damaged profile: policies fall back to their defaults
+        params = self._spice_device_params
+        if profile is not None and params is not None and str(profile.bus_source).startswith("emulated"):
+            profile = dataclasses.replace(
+                profile, bus_gbps=params.bandwidth_gbps, bus_latency_us=params.latency_us
+            )
+        return profile
+
+    def _sidecar_predictor(self) -> Any:
+        if self.spice_sidecar is None:
+            return None
+        if getattr(self, "_spice_predictor", None) is None:
+            self._spice_predictor = self.spice_sidecar.predictor(self._spice_routers)
+        return self._spice_predictor
 
     def _limit_blas(self) -> None:
         """Python policies run inside ggml's threads: numpy's BLAS must not start its own."""
@@ -324,8 +365,27 @@ class Llama(llama_cpp.Llama):
             expert_bytes=tuple(info.bytes_per_expert for info in layers),
             budget_bytes=self._spice_device_params.budget_bytes if self._spice_device_params else None,
             router=self._spice_routers,
-            profile=self._spice_profile,
+            profile=self._policy_profile(),
+            predictor=self._sidecar_predictor(),
+            surrogate_error=self._surrogate_errors,
+            surrogates_loaded=runtime.n_surrogates() > 0,
+            reserved_bytes=runtime.surrogate_bytes(),
         )
+
+    def _surrogate_errors(self, layer: int) -> npt.NDArray[np.float32] | None:
+        """Held-out relative error of each of a layer's surrogates (inf: none fitted)."""
+        if self.spice_sidecar is None:
+            return None
+        cache = self.__dict__.setdefault("_spice_surrogate_errors", {})
+        if layer not in cache:
+            errors = self.spice_sidecar.surrogate_error.get(layer)
+            if errors is not None:
+                errors = np.nan_to_num(np.asarray(errors, dtype=np.float32), nan=np.inf)
+                for e in range(errors.shape[0]):  # no surrogate loaded: never a candidate
+                    if self.spice_sidecar.surrogate(layer, e) is None:
+                        errors[e] = np.inf
+            cache[layer] = errors
+        return cache[layer]  # type: ignore[no-any-return]
 
     def _attach(self, policy: Any) -> None:
         attach = getattr(policy, "attach", None)

@@ -58,8 +58,9 @@ class RouterLookahead:
             return []
         layers, stacked = entry
         n_expert = stacked.shape[0] // len(layers)
-        logits = hidden @ stacked.T  # [..., depth_max * n_expert]
-        return [(il, logits[..., i * n_expert : (i + 1) * n_expert]) for i, il in enumerate(layers[:depth])]
+        layers = layers[:depth]
+        logits = hidden @ stacked[: len(layers) * n_expert].T  # [..., depth * n_expert]
+        return [(il, logits[..., i * n_expert : (i + 1) * n_expert]) for i, il in enumerate(layers)]
 
 
 @dataclass
@@ -68,7 +69,7 @@ class Predictions:
 
     layers: list[int]
     experts: list[npt.NDArray[np.int64]]  # per layer, most wanted first
-    confidence: F32  # predicted probability mass of each layer's top-K (computed past H_min only)
+    confidence: F32  # probability mass of each layer's top-K (computed only when looking past H_min)
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -78,25 +79,39 @@ NO_CONFIDENCE = np.zeros(0, dtype=np.float32)
 NO_PREDICTIONS = Predictions([], [], NO_CONFIDENCE)
 
 
+def _confidence(logits: F32, top: npt.NDArray[np.intp]) -> F32:
+    """Probability mass of each row's top-K (softmax of the logits)."""
+    p = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    return np.take_along_axis(p, top, axis=-1).sum(axis=-1) / p.sum(axis=-1)  # type: ignore[no-any-return]
+
+
 def look_ahead(
     predictor: Predictor, layer: int, hidden: F32, k: int, h_min: int, h_max: int, tau: float
 ) -> Predictions:
     """Algorithm 1: predictions for the next MoE layers, depth adapted by confidence.
-    Called on every decode hook call: a handful of numpy calls over one [depth, n_expert] array."""
-    rolled = predictor.rollout_logits(layer, hidden, h_max)
+
+    Runs on every decode hook call, so it first rolls out only H_min layers; only when
+    the deepest of those is still confident (confidence falls with depth) does it roll
+    out to H_max and cut at the first layer below tau."""
+    rolled = predictor.rollout_logits(layer, hidden, h_min)
     if not rolled:
         return NO_PREDICTIONS
-    logits = np.stack([lg for _, lg in rolled])  # [depth, n_expert]
-    top = np.argsort(-logits, axis=1)[:, :k]  # most probable first
-    depth = len(rolled)
-    conf = NO_CONFIDENCE
-    if depth > h_min:  # deeper than H_min only while confident
-        p = np.exp(logits - logits.max(axis=1, keepdims=True))
-        conf = np.take_along_axis(p, top, axis=1).sum(axis=1) / p.sum(axis=1)
-        low = np.flatnonzero(conf[h_min:] < tau)
-        if low.size:
-            depth = h_min + int(low[0])
-    return Predictions([m for m, _ in rolled[:depth]], list(top[:depth]), conf[:depth])
+    if h_max > h_min and len(rolled) == h_min:
+        last = rolled[-1][1]
+        last_top = np.argpartition(-last, k - 1)[:k] if k < last.shape[0] else np.arange(last.shape[0])
+        if float(_confidence(last, last_top)) >= tau:
+            rolled = predictor.rollout_logits(layer, hidden, h_max)
+            logits = np.stack([lg for _, lg in rolled])
+            top = np.argsort(-logits, axis=1)[:, :k]
+            conf = _confidence(logits, top)
+            low = np.flatnonzero(conf[h_min:] < tau)
+            depth = h_min + int(low[0]) if low.size else len(rolled)
+            return Predictions([m for m, _ in rolled[:depth]], list(top[:depth]), conf[:depth])
+    if len(rolled) == 1:
+        return Predictions([rolled[0][0]], [np.argsort(-rolled[0][1])[:k]], NO_CONFIDENCE)
+    logits = np.stack([lg for _, lg in rolled])
+    top = np.argsort(-logits, axis=1)[:, :k]
+    return Predictions([m for m, _ in rolled], list(top), NO_CONFIDENCE)
 
 
 def look_ahead_batch(predictor: Predictor, layer: int, hidden: F32, k: int, depth: int) -> Predictions:

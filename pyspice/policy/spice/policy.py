@@ -66,7 +66,7 @@ class SpicePolicy:
         layer = call.layer
         ids = call.ids
         decision = self.misses.decide(layer, ids, call.weights, residency)
-        self.planner.note_use(layer, np.unique(ids))
+        self.planner.note_use(layer, ids[0] if call.n_tokens == 1 else np.unique(ids))
         if not self.config.prefetch:
             return Plan(actions=decision.actions, fetch=decision.fetch)
         if call.n_tokens == 1:
