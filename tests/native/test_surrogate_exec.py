@@ -114,7 +114,7 @@ class Table:
 
 
 def n_embd_of(llm: Llama) -> int:
-    return next(info.n_embd for info in llm.spice_layers() if info.is_moe)
+    return int(next(info.n_embd for info in llm.spice_layers() if info.is_moe))
 
 
 def all_experts(llm: Llama) -> list[tuple[int, int]]:
@@ -274,7 +274,7 @@ class Only(Table):
 
 def short_run(llm: Llama, policy: Any) -> np.ndarray:
     llm.set_policy(policy)
-    llm.reset()
+    llm.reset()  # type: ignore[no-untyped-call]
     llm.eval([1, 450, 4996])  # three tokens: few selections, so some experts stay unused
     return llm.scores[: llm.n_tokens].copy()  # type: ignore[no-any-return]
 
