@@ -416,6 +416,7 @@ class TraceRecorder:
         self.inner = inner
         self.decode_only = decode_only
         self.skipped_tokens = 0
+        self._in_step = False
         self.name = f"trace+{getattr(inner, 'name', 'exact')}" if inner is not None else "trace"
         self._fields = tuple(writer.meta.fields)
         self._next: dict[int, int] = {il: 0 for il in writer.meta.moe_layers}
@@ -432,10 +433,15 @@ class TraceRecorder:
             self._next[il] = int(token)
 
     def decide(self, call: HookCall) -> Plan:
-        if self.decode_only and call.n_tokens != 1:
+        if self.decode_only:
+            # a micro-batch is a decode step when its first MoE layer sees one token (the last
+            # layer of a prompt batch sees one row too: the one whose logits are wanted)
             if call.layer == self.writer.meta.moe_layers[0]:
-                self.skipped_tokens += call.n_tokens
-            return self._inner_plan(call)
+                self._in_step = call.n_tokens == 1
+                if not self._in_step:
+                    self.skipped_tokens += call.n_tokens
+            if not self._in_step:
+                return self._inner_plan(call)
         fields: dict[str, Any] = {}
         for name in self._fields:
             value = getattr(call, name) if name != "expert_out" else None

@@ -181,3 +181,29 @@ def capture(
     finally:
         llm.close()
     return TraceReader(out_dir)
+
+
+def start_decode_trace(llm: Any, out: str | os.PathLike[str], policy: str | None = None) -> TraceRecorder:
+    """Record the decode steps of `llm` from now on into a new trace directory `out`
+    (`generate/bench --trace`). The model keeps running `policy`'s plans (a Python
+    policy of that name; the exact plan for `exact` and `stock`); one-token calls are
+    recorded, prompt batches are not (see TraceRecorder). Finish with finish_decode_trace."""
+    from pyspice.policy import make_policy, policy_spec
+
+    name: str = policy or str(getattr(llm, "spice_policy", "exact"))
+    inner = make_policy(name) if policy_spec(name).kind == "python" else None
+    model = Path(llm.model_path)
+    geo = model_geometry(model)
+    meta = trace_meta(model, geo, "decode", {"policy": name})
+    writer = TraceWriter(out, meta, chunk_tokens=64)
+    recorder = TraceRecorder(writer, inner, decode_only=True)
+    llm.set_policy(recorder)
+    return recorder
+
+
+def finish_decode_trace(recorder: TraceRecorder, **extra: Any) -> TraceReader:
+    """Close the trace (complete) with `extra` (e.g. prompt_tokens, tokens) in its meta."""
+    recorder.writer.meta.extra.update(extra)
+    recorder.writer.meta.extra["prompt_rows_skipped"] = recorder.skipped_tokens
+    recorder.writer.close()
+    return TraceReader(recorder.writer.path)

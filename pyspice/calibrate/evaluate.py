@@ -27,7 +27,7 @@ from pyspice.calibrate.lore_fit import LayerExperts, expert_forward, surrogate_a
 from pyspice.policy.predictor import DraftPredictor, gate_probs, top_k
 from pyspice.trace import TraceReader
 
-CONFIDENCE_EDGES: tuple[float, ...] = (0.0, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0 + 1e-9)
+CONFIDENCE_BINS = 5
 
 
 def recall_rows(pred_ids: npt.NDArray[Any], true_ids: npt.NDArray[Any]) -> npt.NDArray[np.float64]:
@@ -43,7 +43,7 @@ class PredictorEval:
     baseline_recall: list[float]
     draft_recall: list[float]
     pairs: list[int]  # (token, layer) predictions per depth
-    bins: list[tuple[float, float]] = field(default_factory=list)
+    bins: list[list[tuple[float, float]]] = field(default_factory=list)  # [depth][bin] confidence range
     bin_share: list[list[float]] = field(default_factory=list)  # [depth][bin] share of predictions
     bin_recall: list[list[float]] = field(default_factory=list)  # [depth][bin] draft recall (nan: empty)
 
@@ -53,7 +53,7 @@ class PredictorEval:
             "baseline_recall": self.baseline_recall,
             "draft_recall": self.draft_recall,
             "predictions": self.pairs,
-            "confidence_bins": [list(b) for b in self.bins],
+            "confidence_bins": [[list(b) for b in row] for row in self.bins],
             "confidence_share": self.bin_share,
             "confidence_recall": [[None if v != v else v for v in row] for row in self.bin_recall],
         }
@@ -66,9 +66,8 @@ def evaluate_predictor(trace: TraceReader, predictor: DraftPredictor, max_depth:
     base_sum = np.zeros(max_depth)
     draft_sum = np.zeros(max_depth)
     count = np.zeros(max_depth, dtype=np.int64)
-    nb = len(CONFIDENCE_EDGES) - 1
-    bin_n = np.zeros((max_depth, nb), dtype=np.int64)
-    bin_hit = np.zeros((max_depth, nb))
+    confs: list[list[np.ndarray]] = [[] for _ in range(max_depth)]
+    recs: list[list[np.ndarray]] = [[] for _ in range(max_depth)]
     cache: dict[int, dict[str, np.ndarray]] = {}
 
     def load(il: int) -> dict[str, np.ndarray]:
@@ -93,22 +92,28 @@ def evaluate_predictor(trace: TraceReader, predictor: DraftPredictor, max_depth:
                 probs = draft[d - 1][1]
                 rec = recall_rows(top_k(probs, k), true_ids)
                 draft_sum[d - 1] += rec.sum()
-                conf = np.sort(probs, axis=1)[:, -k:].sum(axis=1) / probs.sum(axis=1)
-                b = np.clip(np.searchsorted(CONFIDENCE_EDGES, conf, side="right") - 1, 0, nb - 1)
-                np.add.at(bin_n[d - 1], b, 1)
-                np.add.at(bin_hit[d - 1], b, rec)
+                confs[d - 1].append(np.sort(probs, axis=1)[:, -k:].sum(axis=1) / probs.sum(axis=1))
+                recs[d - 1].append(rec)
     keep = [i for i in range(max_depth) if count[i] > 0]
+    bins: list[list[tuple[float, float]]] = []
+    shares: list[list[float]] = []
+    bin_recall: list[list[float]] = []
+    for i in keep:
+        conf = np.concatenate(confs[i]) if confs[i] else np.zeros(0)
+        rec = np.concatenate(recs[i]) if recs[i] else np.zeros(0)
+        order = np.argsort(conf, kind="stable")
+        parts = np.array_split(order, CONFIDENCE_BINS) if len(order) else []
+        bins.append([(float(conf[p[0]]), float(conf[p[-1]])) for p in parts if len(p)])
+        shares.append([len(p) / len(order) for p in parts if len(p)])
+        bin_recall.append([float(rec[p].mean()) for p in parts if len(p)])
     return PredictorEval(
         depths=[depths[i] for i in keep],
         baseline_recall=[float(base_sum[i] / count[i]) for i in keep],
         draft_recall=[float(draft_sum[i] / count[i]) for i in keep],
         pairs=[int(count[i]) for i in keep],
-        bins=[(CONFIDENCE_EDGES[b], min(CONFIDENCE_EDGES[b + 1], 1.0)) for b in range(nb)],
-        bin_share=[[float(bin_n[i, b] / max(1, bin_n[i].sum())) for b in range(nb)] for i in keep],
-        bin_recall=[
-            [float(bin_hit[i, b] / bin_n[i, b]) if bin_n[i, b] else float("nan") for b in range(nb)]
-            for i in keep
-        ],
+        bins=bins,
+        bin_share=shares,
+        bin_recall=bin_recall,
     )
 
 

@@ -25,6 +25,8 @@ from pyspice.calibrate.predictor_fit import fit_transition
 from pyspice.policy.predictor import Transition, gate_probs, top_k
 from pyspice.sidecar import LayerSurrogates, SidecarData, fingerprint, write_sidecar
 
+_FIT_VERSION = 2  # per-layer fit files of another version are refitted
+
 
 @dataclass(frozen=True)
 class CalibrateConfig:
@@ -117,11 +119,14 @@ def calibrate(
     for j, il in enumerate(layers):
         done = fit_dir / f"L{il:04d}.npz"
         nxt = layers[j + 1] if j + 1 < len(layers) else None
+        saved = {}
         if done.exists():
             with np.load(done) as z:
                 saved = {key: z[key] for key in z.files}
+            if int(saved.get("fit_version", 0)) != _FIT_VERSION:
+                saved = {}  # made by another version of the fit: redo it
             current = None
-        else:
+        if not saved:
             if current is None:
                 current = trace.layer(il, fields)
             following = trace.layer(nxt, fields) if nxt is not None else None
@@ -129,7 +134,9 @@ def calibrate(
             _save_layer(done, saved)
             current = following
         if "draft_u" in saved:
-            transitions[il] = Transition(saved["draft_u"], saved["draft_v"], saved["draft_bias"])
+            transitions[il] = Transition(
+                saved["draft_u"], saved["draft_v"], saved["draft_bias"], float(saved["draft_scale"])
+            )
         surrogates[il] = LayerSurrogates(
             A=saved["lore_a"],
             B=saved["lore_b"],
@@ -197,7 +204,7 @@ def _fit_one(
     config: CalibrateConfig,
 ) -> dict[str, Any]:
     k = geo.n_expert_used
-    saved: dict[str, Any] = {}
+    saved: dict[str, Any] = {"fit_version": np.int64(_FIT_VERSION)}
     H = cur["hidden"]
     if nxt is not None and following is not None:
         Hn = following["hidden"]
@@ -208,7 +215,7 @@ def _fit_one(
             config.draft_ridge,
             identity=config.draft_identity,
         )
-        saved.update(draft_u=t.U, draft_v=t.V, draft_bias=t.bias)
+        saved.update(draft_u=t.U, draft_v=t.V, draft_bias=t.bias, draft_scale=np.float64(t.scale))
         Xt = H[test_rows].astype(np.float32)
         Yt = Hn[test_rows].astype(np.float64)
         pred = t.apply(Xt).astype(np.float64)

@@ -44,7 +44,30 @@ def register(sub: Any) -> None:
     p.add_argument("--repeat", type=int, default=3, help="runs per policy (default 3)")
     p.add_argument("--json", action="store_true", help="print {policies: {NAME: stats + tokens}} as JSON")
     p.add_argument("--plot", metavar="PNG", help="also draw the comparison into this PNG")
+    p.add_argument(
+        "--trace",
+        metavar="DIR",
+        default=None,
+        help="after the timed runs, decode once more (untimed) with the first policy and record every "
+        "decode step's MoE inputs and routing into this trace directory (pyspice sim)",
+    )
     p.set_defaults(func=run)
+
+
+def _record_trace(llm: Any, out: str, policies: list[str], prompt: tuple[int, ...], n_predict: int) -> None:
+    from pyspice.bench import _greedy_next
+    from pyspice.calibrate.capture import finish_decode_trace, start_decode_trace
+
+    name = policies[0] if policies else "exact"
+    recorder = start_decode_trace(llm, out, "exact" if name == "stock" else name)
+    llm.reset()
+    llm.eval(list(prompt))
+    tokens = [_greedy_next(llm)]
+    for _ in range(n_predict - 1):
+        llm.eval([tokens[-1]])
+        tokens.append(_greedy_next(llm))
+    trace = finish_decode_trace(recorder, prompt_tokens=len(prompt), tokens=tokens)
+    print(f"bench: trace of {trace.n_tokens} decode steps written to {out}", file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,6 +96,10 @@ def run(args: argparse.Namespace) -> int:
         f"{args.repeat} repeats, {llm.n_threads} threads"
     )
     results = run_bench(llm, cfg, stderr_progress)
+    if args.trace:
+        _record_trace(
+            llm, args.trace, [p for p in policies if p != "upstream"], prompt_tokens, args.n_predict
+        )
     llm.close()
     if args.json:
         doc = {

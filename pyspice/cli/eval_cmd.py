@@ -159,15 +159,10 @@ def run_predictor_eval(args: argparse.Namespace) -> int:
         result.depths, result.baseline_recall, result.draft_recall, result.pairs, strict=True
     ):
         print(f"{d:5d}  {b:8.3f}  {r:5.3f}  {n:11d}")
-    print("draft recall by confidence (share of predictions):")
-    labels = [f"[{lo:.1f},{hi:.1f})" for lo, hi in result.bins]
-    print("depth  " + "  ".join(f"{lb:>15}" for lb in labels))
-    for d, shares, recs in zip(result.depths, result.bin_share, result.bin_recall, strict=True):
-        cells = [
-            f"{'-' if r != r else format(r, '.3f'):>6} ({100 * sh:4.1f}%)"
-            for sh, r in zip(shares, recs, strict=True)
-        ]
-        print(f"{d:5d}  " + "  ".join(f"{c:>15}" for c in cells))
+    print("draft recall by confidence quintile (confidence = probability mass of the predicted top-K):")
+    for d, ranges, recs in zip(result.depths, result.bins, result.bin_recall, strict=True):
+        cells = [f"[{lo:.3f},{hi:.3f}] {r:.3f}" for (lo, hi), r in zip(ranges, recs, strict=True)]
+        print(f"depth {d}: " + "  ".join(cells))
     return 0
 
 
@@ -264,8 +259,14 @@ def _substitute_ppl(
     try:
         run("exact")
         n_embd = sidecar.data.n_embd
+        available = [
+            (il, e)
+            for il in layers
+            for e in range(sidecar.data.n_expert)
+            if sidecar.surrogate(il, e) is not None
+        ]
         for r in ranks:
-            policy = SubstitutePolicy(resident, "surrogate")
+            policy = SubstitutePolicy(resident, "surrogate", available)
             llm.set_surrogates(TruncatedSurrogates(sidecar, r))
             llm.set_policy(policy)
             run(f"surrogate r{r}")

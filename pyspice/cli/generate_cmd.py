@@ -32,6 +32,12 @@ def register(sub: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--json", action="store_true", help='print {"text", "tokens", "stats"} instead of streaming'
     )
+    p.add_argument(
+        "--trace",
+        metavar="DIR",
+        default=None,
+        help="record every decode step's MoE inputs and routing into this trace directory (pyspice sim)",
+    )
     p.set_defaults(func=run)
     return p
 
@@ -88,12 +94,21 @@ def run(args: argparse.Namespace) -> int:
     policy = default_policy(args)
     llm = open_model(args, policy, seed=args.seed)
     prompt = read_prompt(args)
+    recorder = None
+    if getattr(args, "trace", None):
+        from pyspice.calibrate.capture import start_decode_trace
+
+        recorder = start_decode_trace(llm, args.trace, llm.spice_policy)
 
     def echo(text: str) -> None:
         sys.stdout.write(text)
         sys.stdout.flush()
 
     text, tokens = generate_tokens(llm, prompt, args, None if args.json else echo)
+    if recorder is not None:
+        from pyspice.calibrate.capture import finish_decode_trace
+
+        finish_decode_trace(recorder, tokens=tokens)
     if args.json:
         json.dump({"text": text, "tokens": tokens, "stats": llm.spice_stats()}, sys.stdout)
         sys.stdout.write("\n")

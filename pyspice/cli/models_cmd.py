@@ -31,6 +31,11 @@ def register(sub: Any) -> None:
     b.add_argument("name", choices=MODEL_NAMES, help="model to build")
     b.add_argument("--quant", type=str.upper, choices=QUANT_TYPES, default=DEFAULT_QUANT)
     b.add_argument("--force", action="store_true", help="rebuild even if the cached file exists")
+    b.add_argument(
+        "--no-sidecar",
+        action="store_true",
+        help="skip the calibration sidecar (<model>.spice.gguf, made on first build; minutes)",
+    )
     b.set_defaults(func=run_build)
 
     d = msub.add_parser(
@@ -78,9 +83,12 @@ def register(sub: Any) -> None:
 
 
 def run_build(args: argparse.Namespace) -> int:
-    from pyspice.models.smolmoe_build import build_smolmoe
+    from pyspice.models.smolmoe_build import build_smolmoe, smolmoe_sidecar
 
-    print(build_smolmoe(args.quant, progress=True, force=args.force))
+    path = build_smolmoe(args.quant, progress=True, force=args.force)
+    if not args.no_sidecar:
+        print(f"sidecar: {smolmoe_sidecar(path, progress=True, force=args.force)}", file=sys.stderr)
+    print(path)
     return 0
 
 

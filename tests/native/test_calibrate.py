@@ -45,6 +45,7 @@ def test_calibrate_writes_a_sidecar_for_the_model(
     expected_layers = [0, 1, 2, 3] if arch == "qwen2moe" else [1, 2, 3]  # deepseek2: one dense lead layer
     assert s.moe_layers == expected_layers and s.tokens == TOKENS
     assert sorted(s.data.transitions) == expected_layers[:-1]
+    assert all(t.scale != 0.0 for t in s.data.transitions.values())  # the identity part is kept
     entry = s.surrogate(expected_layers[0], 0)
     assert entry is not None
     _alpha, A, B = entry
@@ -123,3 +124,29 @@ def test_eval_predictor_and_surrogate(
     assert set(ppl) == {"exact", "surrogate r1", "surrogate r4", "shared alone", "drop"}
     assert all(np.isfinite(v) and v > 1 for v in ppl.values())
     assert ppl["drop"] != ppl["exact"]  # half the experts dropped must change the model
+
+
+@pytest.mark.parametrize("command", ["generate", "bench"])
+def test_decode_trace_from_generate_and_bench(
+    command: str, synth_model: ModelFactory, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pyspice.trace import TraceReader
+
+    model = synth_model("deepseek2")
+    out = tmp_path / "trace"
+    if command == "generate":
+        argv = ["generate", "-m", str(model), "-p", "Hello world", "-n", "6", "--temp", "0", "--json"]
+    else:
+        argv = ["bench", "-m", str(model), "--policies", "exact,host", "--baseline", "exact"]
+        argv += ["-n", "6", "--repeat", "1", "--prompt-tokens", "16", "--json"]
+    assert main([*argv, "--trace", str(out)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    trace = TraceReader(out)
+    assert trace.meta.source == "decode" and trace.meta.moe_layers == [1, 2, 3]
+    ids, weights = trace.routing()
+    # the first generated token comes from the prompt batch (not recorded), the others from decode steps
+    assert ids.shape == (5, 3, 2) and np.isfinite(weights).all()
+    tokens = doc["tokens"] if command == "generate" else doc["policies"]["exact"]["tokens"]
+    assert trace.meta.extra["tokens"] == tokens
+    calls = list(trace.calls())
+    assert len(calls) == 15 and calls[0].layer == 1 and calls[0].shared is not None

@@ -130,3 +130,29 @@ def test_add_checks_fields_and_order(tmp_path: Path) -> None:
         w.add(1, 2, **recs[1])
     with pytest.raises(TraceError, match="not a MoE layer"):
         w.add(3, 0, **recs[1])
+
+
+def test_recorder_keeps_decode_steps_only(tmp_path: Path) -> None:
+    from pyspice.policy.base import HookCall
+    from pyspice.trace import TraceRecorder
+
+    recs = records(6)
+    w = TraceWriter(tmp_path / "t", meta(), chunk_tokens=2)
+    rec = TraceRecorder(w, decode_only=True)
+
+    def call(il: int, rows: slice) -> HookCall:
+        r = recs[il]
+        return HookCall(
+            il, r["hidden"][rows], r["probs"][rows], r["ids"][rows], r["weights"][rows], r["shared"][rows]
+        )
+
+    # a 3-token prompt batch: the last MoE layer sees only the row whose logits are wanted
+    for il in LAYERS:
+        rec.decide(call(il, slice(0, 1) if il == LAYERS[-1] else slice(0, 3)))
+    for t in (3, 4, 5):  # three decode steps
+        for il in LAYERS:
+            rec.decide(call(il, slice(t, t + 1)))
+    w.close()
+    r = TraceReader(tmp_path / "t")
+    assert r.n_tokens == 3 and rec.skipped_tokens == 3
+    np.testing.assert_array_equal(r.layer(4)["ids"], recs[4]["ids"][3:6])
