@@ -68,7 +68,7 @@ class Predictions:
     """Predicted top-K experts of the next MoE layers, nearest first."""
 
     layers: list[int]
-    experts: list[npt.NDArray[np.int64]]  # per layer, most wanted first
+    experts: list[list[int]]  # per layer, most wanted first
     confidence: F32  # probability mass of each layer's top-K (computed only when looking past H_min)
 
     def __len__(self) -> int:
@@ -106,12 +106,12 @@ def look_ahead(
             conf = _confidence(logits, top)
             low = np.flatnonzero(conf[h_min:] < tau)
             depth = h_min + int(low[0]) if low.size else len(rolled)
-            return Predictions([m for m, _ in rolled[:depth]], list(top[:depth]), conf[:depth])
+            return Predictions([m for m, _ in rolled[:depth]], top[:depth].tolist(), conf[:depth])
     if len(rolled) == 1:
-        return Predictions([rolled[0][0]], [np.argsort(-rolled[0][1])[:k]], NO_CONFIDENCE)
+        return Predictions([rolled[0][0]], [np.argsort(-rolled[0][1])[:k].tolist()], NO_CONFIDENCE)
     logits = np.stack([lg for _, lg in rolled])
     top = np.argsort(-logits, axis=1)[:, :k]
-    return Predictions([m for m, _ in rolled], list(top), NO_CONFIDENCE)
+    return Predictions([m for m, _ in rolled], top.tolist(), NO_CONFIDENCE)
 
 
 def look_ahead_batch(predictor: Predictor, layer: int, hidden: F32, k: int, depth: int) -> Predictions:
@@ -119,7 +119,7 @@ def look_ahead_batch(predictor: Predictor, layer: int, hidden: F32, k: int, dept
     predicted to pick, the most often predicted first (what that layer will need most)."""
     rolled = predictor.rollout_logits(layer, hidden, depth)
     layers: list[int] = []
-    experts: list[npt.NDArray[np.int64]] = []
+    experts: list[list[int]] = []
     for il, logits in rolled:
         n_expert = logits.shape[-1]
         kk = min(k, n_expert)
@@ -127,5 +127,5 @@ def look_ahead_batch(predictor: Predictor, layer: int, hidden: F32, k: int, dept
         votes = np.bincount(top.ravel(), minlength=n_expert)
         chosen = np.flatnonzero(votes)
         layers.append(il)
-        experts.append(chosen[np.argsort(-votes[chosen], kind="stable")].astype(np.int64))
+        experts.append(chosen[np.argsort(-votes[chosen], kind="stable")].tolist())
     return Predictions(layers, experts, np.ones(len(layers), dtype=np.float32))

@@ -60,6 +60,8 @@ class MissHandler:
         weights: npt.NDArray[np.float32],
         residency: npt.NDArray[np.int8],
     ) -> MissDecision:
+        if ids.shape[0] == 1 and (self.config.miss_mode != "cost" or not self.fetch_can_win):
+            return self._decide_step(layer, ids, weights, residency)
         cfg, cost = self.config, self.cost
         decode = ids.shape[0] == 1
         if decode:  # top-k ids are distinct, one token each
@@ -144,3 +146,58 @@ class MissHandler:
             actions[surrogate] = ACTION_SURROGATE
         busy = experts[per_expert == ACTION_DEVICE].tolist()
         return MissDecision(actions, fetch, busy)
+
+    def _decide_step(
+        self,
+        layer: int,
+        ids: npt.NDArray[np.int32],
+        weights: npt.NDArray[np.float32],
+        residency: npt.NDArray[np.int8],
+    ) -> MissDecision:
+        """One decode token when no miss can be worth fetching by the cost model (or the
+        ablation decides it): plain Python over a dozen experts, cheaper than numpy calls."""
+        cfg = self.config
+        experts: list[int] = ids[0].tolist()
+        row: list[int] = residency[layer].tolist()
+        errors = self.surrogate_error(layer) if self.surrogate_error is not None else None
+        w: list[float] = weights[0].tolist() if errors is not None else []
+        err: list[float] = errors.tolist() if errors is not None else []
+        copy_us = self.cost.copy_us(layer)
+        actions: list[int] = []
+        fetch: list[int] = []
+        busy: list[int] = []
+        n_queued = -1
+        for k, e in enumerate(experts):
+            s = row[e]
+            if s == RESIDENCY_RESIDENT:
+                actions.append(ACTION_DEVICE)
+                busy.append(e)
+                continue
+            if s == RESIDENCY_ABSENT:
+                if (
+                    errors is not None
+                    and w[k] < cfg.surrogate_max_weight
+                    and err[e] <= cfg.surrogate_max_error
+                ):
+                    actions.append(ACTION_SURROGATE)
+                elif cfg.miss_mode == "fetch":
+                    actions.append(ACTION_DEVICE)
+                    fetch.append(e)
+                    busy.append(e)
+                else:
+                    actions.append(ACTION_HOST)
+                continue
+            # a prefetch on its way: wait for it, or run it on the host meanwhile
+            if cfg.miss_mode != "fetch":
+                if s == RESIDENCY_COPYING:
+                    wait = copy_us
+                else:
+                    if n_queued < 0:
+                        n_queued = int(np.count_nonzero(residency == RESIDENCY_QUEUED))
+                    wait = copy_us * (1.0 + n_queued / 2.0)
+                if wait + self.dev1 > self.host1:
+                    actions.append(ACTION_HOST)
+                    continue
+            actions.append(ACTION_DEVICE)
+            busy.append(e)
+        return MissDecision(np.array([actions], dtype=np.int32), fetch, busy)

@@ -20,6 +20,7 @@ exceeds the byte budget (the store would refuse it anyway).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,17 +63,21 @@ class PrefetchPlanner:
             d[cur] = self.n_moe
             self.distance[cur] = d
             self.farthest[cur] = sorted(moe, key=lambda il: -int(d[il]))
+        self.distance_lists: list[list[int]] = self.distance.tolist()
+        self.byte_list: list[int] = [int(b) for b in self.bytes]
         self.reset()
 
     def reset(self) -> None:
-        shape = (self.ctx.n_layers, max(1, self.ctx.max_expert))
         self.queued: dict[Key, int] = {}  # our prefetches not yet landed -> distance when queued
-        self.last_use = np.zeros(shape, dtype=np.int64)
+        width = max(1, self.ctx.max_expert)
+        self.last_use: list[list[int]] = [[0] * width for _ in range(self.ctx.n_layers)]
         self.clock = 0
 
-    def note_use(self, layer: int, experts: npt.NDArray[np.int64]) -> None:
+    def note_use(self, layer: int, experts: list[int]) -> None:
         self.clock += 1
-        self.last_use[layer, experts] = self.clock
+        row = self.last_use[layer]
+        for e in experts:
+            row[e] = self.clock
 
     def free_bytes(self, state: npt.NDArray[np.int8]) -> int:
         if self.uniform:
@@ -90,51 +95,63 @@ class PrefetchPlanner:
     ) -> PrefetchPlan:
         """`busy`: experts of the current layer this call runs on the device or fetches
         (never evicted); `fetch_bytes`: bytes of the demand fetches this call makes.
-        Runs on every decode hook call: numpy only where a whole table is read."""
-        dist = self.distance[current]
+
+        Runs on every decode hook call, where a numpy call on a tiny array costs more
+        than the Python it would replace: rows of the residency table are read as
+        lists, and numpy is used only to count over the whole table."""
+        dist = self.distance_lists[current]
         horizon = len(pred)
-        predicted = {(il, int(e)) for il, row in zip(pred.layers, pred.experts, strict=True) for e in row}
-        evict: list[Key] = []
-        cancelled: set[Key] = set()
+        rows: dict[int, list[int]] = {}
+
+        def row(il: int) -> list[int]:
+            r = rows.get(il)
+            if r is None:
+                r = rows[il] = residency[il].tolist()
+            return r
+
+        predicted: set[Key] = set()
+        candidates: list[tuple[int, Key]] = []  # (distance, key): nearest layer, most probable first
+        for il, experts in zip(pred.layers, pred.experts, strict=True):
+            r, d = row(il), dist[il]
+            for e in experts:
+                predicted.add((il, e))
+                if r[e] == RESIDENCY_ABSENT:
+                    candidates.append((d, (il, e)))
 
         # our prefetches: landed or dropped ones are forgotten, stale ones cancelled
+        evict: list[Key] = []
         for key, issued_at in list(self.queued.items()):
-            s = residency[key]
+            s = row(key[0])[key[1]]
             if s != RESIDENCY_QUEUED:
                 if s != RESIDENCY_COPYING:
                     del self.queued[key]
                 continue
-            d = int(dist[key[0]])
-            if key in predicted or horizon < d <= issued_at or (key[0] == current and key[1] in busy):
+            if (
+                key in predicted
+                or horizon < dist[key[0]] <= issued_at
+                or (key[0] == current and key[1] in busy)
+            ):
                 continue  # still wanted, beyond this call's horizon and approaching, or awaited now
             evict.append(key)
-            cancelled.add(key)
             del self.queued[key]
-
-        candidates: list[tuple[int, Key]] = []  # (distance, key), nearest and most probable first
-        for il, row in zip(pred.layers, pred.experts, strict=True):
-            absent = row[residency[il, row] == RESIDENCY_ABSENT]
-            d = int(dist[il])
-            candidates.extend((d, (il, int(e))) for e in absent.tolist())
-        candidates.extend((int(dist[k[0]]), k) for k in cancelled if k in predicted)
         if not candidates:
             return PrefetchPlan([], evict)
 
-        n_queued = int(np.count_nonzero(residency == RESIDENCY_QUEUED)) - len(cancelled)
-        free = self.free_bytes(residency) - fetch_bytes + sum(int(self.bytes[k[0]]) for k in cancelled)
+        n_queued = int(np.count_nonzero(residency == RESIDENCY_QUEUED)) - len(evict)
+        free = self.free_bytes(residency) - fetch_bytes + sum(self.byte_list[k[0]] for k in evict)
         victims: list[tuple[int, Key]] | None = None
         prefetch: list[Key] = []
         for depth, key in candidates:
             if n_queued >= self.queue_max:
                 break
-            need = int(self.bytes[key[0]])
+            need = self.byte_list[key[0]]
             if free < need:
                 if victims is None:
-                    victims = self._victims(current, residency, busy, predicted, depth, len(candidates))
+                    victims = self._victims(current, row, busy, predicted, depth, len(candidates))
                 while free < need and victims and victims[-1][0] > depth:
                     v = victims.pop()[1]
                     evict.append(v)
-                    free += int(self.bytes[v[0]])
+                    free += self.byte_list[v[0]]
                 if free < need:
                     break  # nearer predictions came first; nothing farther may displace them
             prefetch.append(key)
@@ -146,7 +163,7 @@ class PrefetchPlanner:
     def _victims(
         self,
         current: int,
-        state: npt.NDArray[np.int8],
+        row: Callable[[int], list[int]],
         busy: list[int],
         predicted: set[Key],
         nearest: int,
@@ -155,19 +172,22 @@ class PrefetchPlanner:
         """Evictable experts as (distance, key), best victim LAST, gathered from the
         farthest layers inward until `count` are found or the layers get as near as
         `nearest` (nothing nearer may be evicted for it)."""
-        dist = self.distance[current]
+        dist = self.distance_lists[current]
         found: list[tuple[int, Key]] = []
         for il in self.farthest[current]:
-            d = int(dist[il])
+            d = dist[il]
             if d <= nearest or len(found) >= count:
                 break
-            ok = state[il] == RESIDENCY_RESIDENT
-            if il == current and busy:
-                ok[busy] = False
-            es = np.flatnonzero(ok)
-            if es.size == 0:
-                continue
-            es = es[np.argsort(self.last_use[il, es], kind="stable")]  # least recent first
-            found.extend((d, (il, e)) for e in es.tolist() if (il, e) not in predicted)
+            r = row(il)
+            skip = busy if il == current else ()
+            held = [
+                e
+                for e, s in enumerate(r)
+                if s == RESIDENCY_RESIDENT and e not in skip and (il, e) not in predicted
+            ]
+            if held:
+                last = self.last_use[il]
+                held.sort(key=last.__getitem__)  # least recent first
+                found.extend((d, (il, e)) for e in held)
         found.reverse()  # pop() takes the farthest, least recent first
         return found

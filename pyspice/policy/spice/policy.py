@@ -14,6 +14,7 @@ predicted to pick next, the most picked first.
 
 from __future__ import annotations
 
+import math
 import sys
 
 import numpy as np
@@ -57,6 +58,7 @@ class SpicePolicy:
                 file=sys.stderr,
             )
         self.misses = MissHandler(cfg, self.cost, errors)
+        self.n_prefetch = max(1, math.ceil(cfg.prefetch_share * k))
 
     def decide(self, call: HookCall) -> Plan:
         assert self.ctx is not None, "attach() first"
@@ -66,7 +68,7 @@ class SpicePolicy:
         layer = call.layer
         ids = call.ids
         decision = self.misses.decide(layer, ids, call.weights, residency)
-        self.planner.note_use(layer, ids[0] if call.n_tokens == 1 else np.unique(ids))
+        self.planner.note_use(layer, ids[0].tolist() if call.n_tokens == 1 else np.unique(ids).tolist())
         if not self.config.prefetch:
             return Plan(actions=decision.actions, fetch=decision.fetch)
         if call.n_tokens == 1:
@@ -79,6 +81,7 @@ class SpicePolicy:
                 self.h_max[layer],
                 self.config.tau,
             )
+            predictions.experts = [row[: self.n_prefetch] for row in predictions.experts]
         else:  # a prompt batch: what the next layers' tokens will pick, by votes
             predictions = look_ahead_batch(
                 self.predictor, layer, call.hidden, self.ctx.n_expert_used, self.h_min[layer]
