@@ -169,6 +169,22 @@ class DraftPredictor:
         probs = gate_probs(logits, self.gating)  # all depths at once: one call's overhead
         return [(m, probs[..., i, :]) for i, m in enumerate(reach)]
 
+    def rollout_with_confidence(
+        self, layer: int, hidden: npt.ArrayLike, depth: int, k: int
+    ) -> list[tuple[int, F32, float]]:
+        """rollout() plus each depth's confidence (mass of its top-k), computed for all depths at
+        once; hidden must be one row [n_embd]."""
+        reach, logits = self._stacked_logits(layer, hidden, depth)
+        if not reach:
+            return []
+        probs = gate_probs(logits, self.gating)  # [n, n_expert]
+        e = probs.shape[-1]
+        if k >= e:
+            conf = np.ones(len(reach), dtype=np.float32)
+        else:
+            conf = np.partition(probs, e - k, axis=-1)[:, e - k :].sum(axis=-1) / probs.sum(axis=-1)
+        return [(m, probs[i], float(conf[i])) for i, m in enumerate(reach)]
+
     def baseline(self, layer: int, hidden: npt.ArrayLike, depth: int) -> list[tuple[int, F32]]:
         """Cross-layer baseline: the router of each later MoE layer applied to this layer's input."""
         x = np.asarray(hidden, dtype=np.float32)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from pyspice.calibrate.predictor_fit import fit_transition, transition_r2
 from pyspice.policy.predictor import DraftPredictor, Transition, gate_probs
@@ -97,3 +98,14 @@ def test_max_depth_cuts_the_rollout() -> None:
     assert [m for m, _ in short.rollout(0, h, 3)] == [1, 3]
     for (_, a), (_, b) in zip(short.rollout(0, h, 2), full.rollout(0, h, 2), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_rollout_with_confidence_matches_rollout() -> None:
+    rng = np.random.default_rng(6)
+    p = _predictor(rng)
+    h = rng.standard_normal(16).astype(np.float32)
+    both = p.rollout_with_confidence(0, h, 3, k=3)
+    for (m, probs), (m2, probs2, conf) in zip(p.rollout(0, h, 3), both, strict=True):
+        assert m == m2
+        np.testing.assert_array_equal(probs, probs2)
+        assert conf == pytest.approx(DraftPredictor.confidence(probs, 3), rel=1e-5)
