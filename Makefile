@@ -70,7 +70,7 @@ patches-export:
 # policy places its experts on a device tier of RUN_BUDGET; on a CPU-only build
 # that device is emulated and labelled so. Type a question; /stats, /quit.
 RUN_BUDGET ?= 50%
-RUN_POLICY ?= adapmoe
+RUN_POLICY ?= spice
 RUN_ARGS   ?= -n 256 --repeat-penalty 1.3 -t $(JOBS)
 
 run: build

@@ -517,6 +517,12 @@ def load_sidecar(path: str | Path, model_path: str | Path) -> Any:
         )
     if not Path(path).is_file():
         raise FileNotFoundError(f"sidecar {path} does not exist (make one with `pyspice calibrate -m MODEL`)")
+    from pyspice.model_info import ModelFileError, read_header
+
+    try:
+        read_header(path)  # the sidecar is a GGUF too: say what is wrong with it in one line
+    except ModelFileError as exc:
+        raise ValueError(f"bad sidecar: {exc}; remake it with `pyspice calibrate -m MODEL`") from None
     sidecar_module = importlib.import_module("pyspice.sidecar")
     return sidecar_module.Sidecar.load(Path(path), Path(model_path))
 

@@ -166,6 +166,14 @@ def open_model(
         if device_budget is not None:
             note("--device-budget ignored: a dense model has no experts to place")
             device_budget = None
+    sidecar = getattr(args, "sidecar", None)
+    if sidecar is None and policy != "stock":
+        from pyspice.sidecar import default_sidecar_path
+
+        beside = default_sidecar_path(path)
+        if beside.is_file():
+            note(f"using the model's calibration sidecar {beside}")
+            sidecar = beside
     llm = Llama(
         str(path),
         policy=policy,
@@ -181,7 +189,7 @@ def open_model(
         device_budget=device_budget,
         emulate_bandwidth=args.emulate_bandwidth,
         emulate_latency=args.emulate_latency,
-        sidecar=getattr(args, "sidecar", None),
+        sidecar=sidecar,
         verbose=False,
     )
     if llm.spice_device is not None:

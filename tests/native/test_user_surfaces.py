@@ -325,3 +325,16 @@ def test_the_dropin_example_runs(tiny: Path) -> None:
     stats = json.loads(out.stdout[out.stdout.rindex("\n{\n") :])
     assert stats["policy"] == "lru" and stats["hook_calls"] > 0
     assert "emulated device" in out.stderr
+
+
+def test_the_sidecar_beside_the_model_is_picked_up(tiny: Path, tmp_path: Path) -> None:
+    model = tmp_path / "m.gguf"
+    model.symlink_to(tiny)
+    (tmp_path / "m.spice.gguf").write_text("not a sidecar")
+    out = run("generate", "-m", str(model), "-p", "x", "-n", "1", "-t", "2", check=False)
+    assert "using the model's calibration sidecar" in out.stderr
+    message = _one_line_error(out)
+    assert "bad sidecar" in message and "pyspice calibrate" in message
+    # stock needs no sidecar and does not look for one
+    stock = run("generate", "-m", str(model), "-p", "x", "-n", "1", "-t", "2", "--policy", "stock")
+    assert "sidecar" not in stock.stderr
