@@ -133,7 +133,8 @@ def fit_expert(
     right singular vectors come from a randomized range finder with one power
     iteration (M(Z) Ω = M(Z Ω), so every product is n x d x (r + 8)). α and
     the subspace are alternated `iterations` times, starting from α of S alone.
-    Cost per expert: one HᵀH (n d²), one d x d inverse, and O(n d r) products.
+    Cost per expert: one HᵀH and a d x d inverse (or, with fewer tokens than the width,
+    HHᵀ and an n x n inverse), and O(n d r) products.
     """
     # float32 products (fit targets carry f16 inputs anyway); the inverse is taken in float64
     Hf = np.asarray(H, dtype=np.float32)
@@ -145,13 +146,23 @@ def fit_expert(
         a0 = _alpha(Sm, Ym) if n > 0 else 0.0
         return {r: (a0, *empty) for r in ranks}
     Hm = Hf
-    gram = (Hf.T @ Hf).astype(np.float64)
-    lam = ridge * max(1.0, d / n) * max(float(np.trace(gram)) / d, 1e-12)
-    ginv = np.linalg.inv(gram + lam * np.eye(d)).astype(np.float32)
+    if n >= d:  # primal: (HᵀH + λI)⁻¹ Hᵀ Z
+        gram = (Hf.T @ Hf).astype(np.float64)
+        lam = ridge * max(1.0, d / n) * max(float(np.trace(gram)) / d, 1e-12)
+        ginv = np.linalg.inv(gram + lam * np.eye(d)).astype(np.float32)
 
-    def coef(Z: npt.NDArray[Any]) -> F32:  # ridge coefficients [d, m] for targets Z [n, m]
-        out: F32 = ginv @ (Hm.T @ Z.astype(np.float32, copy=False))
-        return out
+        def coef(Z: npt.NDArray[Any]) -> F32:  # ridge coefficients [d, m] for targets Z [n, m]
+            out: F32 = ginv @ (Hm.T @ Z.astype(np.float32, copy=False))
+            return out
+
+    else:  # dual, fewer tokens than width (wide models): Hᵀ (HHᵀ + λI)⁻¹ Z, n x n work
+        kern = (Hf @ Hf.T).astype(np.float64)
+        lam = ridge * max(1.0, d / n) * max(float(np.trace(kern)) / d, 1e-12)
+        kinv = np.linalg.inv(kern + lam * np.eye(n)).astype(np.float32)
+
+        def coef(Z: npt.NDArray[Any]) -> F32:
+            out: F32 = Hm.T @ (kinv @ Z.astype(np.float32, copy=False))
+            return out
 
     rmax = min(max(ranks), n, d)
     rng = np.random.default_rng(seed)
@@ -161,8 +172,9 @@ def fit_expert(
     for _ in range(max(1, iterations)):
         Z = Ym - alpha * Sm if Sm is not None else Ym
         basis, _ = np.linalg.qr(Hm @ coef(Z @ omega))  # range of the fitted values F = H M(Z)
-        basis, _ = np.linalg.qr(Hm @ coef(Z @ (Z.T @ (Hm @ (ginv @ (Hm.T @ basis))))))  # power step
-        ft = Z.T @ (Hm @ (ginv @ (Hm.T @ basis)))  # Fᵀ basis [d, l]
+        # F = H M(Z) is linear in Z, and Fᵀ b = Zᵀ H (HᵀH+λ)⁻¹ Hᵀ b = Zᵀ (H coef(b)) by symmetry
+        basis, _ = np.linalg.qr(Hm @ coef(Z @ (Z.T @ (Hm @ coef(basis)))))  # power step
+        ft = Z.T @ (Hm @ coef(basis))  # Fᵀ basis [d, l]
         u, _, _ = np.linalg.svd(ft, full_matrices=False)
         Q = u[:, :rmax]  # top right singular vectors of F
         if Sm is None:

@@ -61,11 +61,14 @@ def fit_transition(
     scale = xy / xx if identity and xx > 0 else 0.0
     # alternate: rank-r map for the current scale, then the scale for that map. The fitted
     # values' right singular vectors are the top eigenvectors of (Xc T)ᵀ(Xc T) = Tᵀ G T: d x d work
-    # only, whatever the number of tokens.
+    # only, whatever the number of tokens (or, with fewer tokens than the width, an n x d SVD).
     for _ in range(4 if identity else 1):
         T = Ty - scale * Tx if identity else Ty
-        _, vecs = np.linalg.eigh(T.T @ gram @ T)
-        Q = vecs[:, ::-1][:, :r]  # [d_out, r]
+        if n >= d:
+            _, vecs = np.linalg.eigh(T.T @ gram @ T)
+            Q = vecs[:, ::-1][:, :r]  # [d_out, r]
+        else:  # fewer tokens than the width: the n x d fitted values directly, n² d
+            Q = np.linalg.svd(Xc @ T, full_matrices=False)[2][:r].T
         V = (T @ Q).T  # [r, d_in]
         if identity and xx > 0:
             # <Xc, Yc - Xc Vᵀ Qᵀ> = <Xc, Yc> - tr(G Vᵀ Qᵀ)
