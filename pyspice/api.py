@@ -34,6 +34,10 @@ from pyspice.stats import StatsSnapshot, Timing, stats_record
 from pyspice.units import Budget, format_bytes, parse_budget
 
 # The emulated device when no --emulate-bandwidth/latency is given: about a
+# Lossy policies keep their surrogates on the device; they get at most this share
+# of its budget (the rank is cut to fit), the rest stays for experts.
+SURROGATE_BUDGET_SHARE = 0.25
+
 # PCIe 4.0 x8 link as seen by real copies (RTX 4060-class machines).
 DEFAULT_EMULATED_GBPS = 12.0
 DEFAULT_EMULATED_LATENCY_US = 10.0
@@ -281,8 +285,8 @@ class Llama(llama_cpp.Llama):
             runtime = self._require_runtime()
             if spec.needs_device and self.spice_device is None:
                 raise ValueError(f"policy {policy!r} manages a device tier: give it one with --device-budget")
+            self._reset_device()  # empty first: surrogates loaded next must find room
             self._sync_surrogates(spec.lossless)
-            self._reset_device()
             if spec.kind == "native":
                 if self.spice_device is not None:
                     runtime.preload()  # `exact` means every expert resident (as far as the budget goes)
@@ -297,6 +301,7 @@ class Llama(llama_cpp.Llama):
         else:
             runtime = self._require_runtime()
             self._reset_device()
+            self._sync_surrogates(bool(getattr(policy, "lossless", True)))
             self._attach(policy)
             self._limit_blas()
             runtime.enable_policy(policy, max_tokens)
@@ -311,7 +316,33 @@ class Llama(llama_cpp.Llama):
         if lossless and loaded:
             self.clear_surrogates()
         elif not lossless and not loaded:
-            self.set_surrogates(self.spice_sidecar)
+            self.set_surrogates(self._surrogates_for_budget())
+
+    def _surrogates_for_budget(self) -> Any:
+        """The sidecar's surrogates, cut to the rank that keeps them within
+        SURROGATE_BUDGET_SHARE of the device budget (the rest stays for experts)."""
+        sidecar = self.spice_sidecar
+        params = self._spice_device_params
+        if params is None:
+            return sidecar
+        data = sidecar.data
+        count = sum(int((s.rank > 0).sum()) for s in data.surrogates.values())
+        per_rank = 2 * data.n_embd * 2  # A row + B column, f16
+        cap = SURROGATE_BUDGET_SHARE * params.budget_bytes
+        if count == 0 or sidecar.surrogate_bytes() <= cap:
+            return sidecar
+        from pyspice.sidecar import TruncatedSurrogates
+
+        rank = max(1, int(cap // (count * per_rank)))
+        if self.__dict__.setdefault("_spice_warned_rank", rank) == rank and not self.__dict__.get(
+            "_spice_rank_said"
+        ):
+            self.__dict__["_spice_rank_said"] = True
+            warn(
+                f"surrogates cut from rank {data.lore_rank} to rank {rank} so that they hold at most "
+                f"{SURROGATE_BUDGET_SHARE:.0%} of the device budget"
+            )
+        return TruncatedSurrogates(sidecar, rank)
 
     def _policy_profile(self) -> Any:
         """The cost profile policies weigh copies with: the one set, else the one

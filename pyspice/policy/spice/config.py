@@ -41,14 +41,17 @@ class SpiceConfig:
         return replace(self, name=name)
 
 
-# Quality levels. The surrogate thresholds are budgets on how much a level may
-# change the output: they were chosen so that held-out perplexity, measured
-# token by token, stays within +1% (balanced) and +5% (fast) of exact on the
-# default model; the measurement is in the SPICE issue's note and the bench.
+# Quality levels. The surrogate thresholds bound how much a level may change
+# the output: on the default model (sidecar at rank 8, cut to rank 1 to fit a
+# 25% device budget), perplexity measured token by token stays within +1%
+# (balanced) and +5% (fast) of exact; the measurement is in the SPICE issue's
+# note. Gate weights of a top-12 of 32 are nearly flat (~1/12), so the weight
+# limits sit just below that; the error limits (held-out relative error of the
+# sidecar's fit) keep only the surrogates that beat dropping the expert clearly.
 QUALITY_LEVELS: dict[str, SpiceConfig] = {
     "spice:exact": SpiceConfig("spice:exact"),
-    "spice:balanced": SpiceConfig("spice:balanced", surrogate_max_weight=0.04, surrogate_max_error=0.5),
-    "spice:fast": SpiceConfig("spice:fast", surrogate_max_weight=0.08, surrogate_max_error=0.8),
+    "spice:balanced": SpiceConfig("spice:balanced", surrogate_max_weight=0.05, surrogate_max_error=0.6),
+    "spice:fast": SpiceConfig("spice:fast", surrogate_max_weight=0.065, surrogate_max_error=0.7),
 }
 DEFAULT_LEVEL = "spice:exact"
 

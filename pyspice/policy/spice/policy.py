@@ -34,6 +34,11 @@ class SpicePolicy:
         self.name = self.config.name
         self.ctx: PolicyContext | None = None
 
+    @property
+    def lossless(self) -> bool:
+        """Whether this variant never substitutes (the engine loads surrogates only if not)."""
+        return self.config.lossless
+
     def attach(self, ctx: PolicyContext) -> None:
         cfg = self.config
         self.ctx = ctx
