@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -203,6 +204,9 @@ def _read_line(prompt: str) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Ctrl-C must stop an answer even when we were started with SIGINT ignored (a
+    # shell's background job, nohup): Python then never installs its own handler
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if sys.stdin.isatty():
         import readline  # noqa: F401  (line editing and history for input())
     policy = default_policy(args)
