@@ -79,7 +79,9 @@ def run(args: argparse.Namespace) -> int:
     if args.n_predict < 1 or args.repeat < 1:
         raise ValueError("-n and --repeat must be at least 1")
     prompt = Path(args.file).read_text(encoding="utf-8") if args.file else (args.prompt or DEFAULT_PROMPT)
-    first = "stock" if "stock" in policies else policies[0]
+    # open as the first policy that is not the reference, so that what it needs
+    # (a device tier, the model's sidecar) is found before any run starts
+    first = next((p for p in policies if p not in ("stock", "upstream")), "stock")
     llm = open_model(args, first)
     prompt_tokens = tuple(llm.tokenize(prompt.encode("utf-8"), add_bos=True))
     if args.prompt_tokens > 0:
