@@ -566,14 +566,20 @@ class Runtime:
 
 
 def _copy_ints(ffi: Any, dst: Any, cap: int, values: Any) -> int:
-    arr = np.ascontiguousarray(np.asarray(list(values), dtype=np.int64))
-    if arr.size and (arr.min() < np.iinfo(np.int32).min or arr.max() > np.iinfo(np.int32).max):
-        raise ValueError("plan ids must fit in int32")
-    arr32 = arr.astype(np.int32)
-    n = min(arr32.size, cap)
+    """Write plan ids into a libspice buffer. cffi's slice assignment converts and
+    range-checks each int in C: for the few dozen ids of a decode step this is
+    several times cheaper than building numpy arrays (measured in-graph)."""
+    vals = values if isinstance(values, list) else list(values)
+    n = min(len(vals), cap)
     if n:
-        ffi.memmove(dst, arr32[:n], n * 4)
-    return int(arr32.size)  # libspice rejects a count above cap by name
+        head = vals[:n]
+        try:
+            dst[0:n] = head
+        except TypeError:  # numpy integers and other int-likes
+            dst[0:n] = [int(v) for v in head]
+        except OverflowError:
+            raise ValueError("plan ids must fit in int32") from None
+    return len(vals)  # libspice rejects a count above cap by name
 
 
 def surrogate_apply(
