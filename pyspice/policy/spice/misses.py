@@ -113,12 +113,7 @@ class MissHandler:
                 if cfg.miss_mode == "fetch":
                     per_expert[i] = ACTION_DEVICE
                     continue
-                if s == RESIDENCY_COPYING:
-                    wait = copy_us
-                else:
-                    if n_queued < 0:
-                        n_queued = int(np.count_nonzero(residency == RESIDENCY_QUEUED))
-                    wait = copy_us * (1.0 + n_queued / 2.0)
+                wait, n_queued = self._prefetch_wait_us(s, copy_us, residency, n_queued)
                 host, dev = (self.host1, self.dev1) if decode else (cost.host_us(n), cost.device_us(n))
                 if wait + dev <= host:
                     per_expert[i] = ACTION_DEVICE
@@ -146,6 +141,19 @@ class MissHandler:
             actions[surrogate] = ACTION_SURROGATE
         busy = experts[per_expert == ACTION_DEVICE].tolist()
         return MissDecision(actions, fetch, busy)
+
+    @staticmethod
+    def _prefetch_wait_us(
+        state: int, copy_us: float, residency: npt.NDArray[np.int8], n_queued: int
+    ) -> tuple[float, int]:
+        """Expected wait for an expert whose prefetch is on its way: one copy if it is on
+        the bus, else about half the queue ahead of it. `n_queued` (< 0: not counted yet)
+        comes back counted, so a call counts the queue at most once."""
+        if state == RESIDENCY_COPYING:
+            return copy_us, n_queued
+        if n_queued < 0:
+            n_queued = int(np.count_nonzero(residency == RESIDENCY_QUEUED))
+        return copy_us * (1.0 + n_queued / 2.0), n_queued
 
     def _decide_step(
         self,
@@ -189,12 +197,7 @@ class MissHandler:
                 continue
             # a prefetch on its way: wait for it, or run it on the host meanwhile
             if cfg.miss_mode != "fetch":
-                if s == RESIDENCY_COPYING:
-                    wait = copy_us
-                else:
-                    if n_queued < 0:
-                        n_queued = int(np.count_nonzero(residency == RESIDENCY_QUEUED))
-                    wait = copy_us * (1.0 + n_queued / 2.0)
+                wait, n_queued = self._prefetch_wait_us(s, copy_us, residency, n_queued)
                 if wait + self.dev1 > self.host1:
                     actions.append(ACTION_HOST)
                     continue
