@@ -5,6 +5,7 @@
 #   make build      venv + patched llama.cpp + libspice, installed into the venv
 #   make lint       ruff + mypy
 #   make bench      pyspice bench on the largest synthetic model that is comfortable here
+#   make cuda-check      compile the CUDA variant (build/cuda), cuBLAS from PyPI if missing
 #   make check-patches   prove patches/series applies to a clean upstream tree
 #   make patches-export  regenerate patches/ from commits in build/upstream/llama.cpp
 
@@ -19,7 +20,7 @@ CMAKE := $(VENV)/bin/cmake
 
 
 .PHONY: all venv upstream build pristine test test-unit test-native lint format bench run \
-        check-patches patches-export clean distclean
+        check-patches patches-export cuda-check clean distclean
 
 all: build
 
@@ -60,6 +61,24 @@ pristine: venv
 
 check-patches: venv
 	$(PY) scripts/upstream.py check
+
+# The CUDA variant in its own build tree, for sm_$(CUDA_ARCHITECTURES) (Hopper by
+# default). cuBLAS comes from the nvidia-cublas wheel when the toolkit lacks it;
+# FlashAttention kernels are left out (the hook does not need them, and they
+# are most of the build), VMM too (no driver library on a build-only machine).
+# On a GPU machine: `make build CMAKE_ARGS="-DGGML_CUDA=ON"` installs CUDA libs.
+CUDA_BUILD_DIR     ?= build/cuda
+CUDA_ARCHITECTURES ?= 90
+CUDA_CMAKE_ARGS    ?= -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=$(CUDA_ARCHITECTURES) \
+                      -DGGML_CUDA_FA=OFF -DGGML_CUDA_NCCL=OFF -DGGML_CUDA_NO_VMM=ON
+
+cuda-check: upstream
+	mkdir -p build/cuda-deps
+	$(PY) scripts/cuda-deps.py --dest build/cuda-deps > build/cuda-deps/cmake-args
+	$(CMAKE) -S . -B $(CUDA_BUILD_DIR) -DCMAKE_BUILD_TYPE=Release --log-level=WARNING -Wno-dev \
+	    $(CUDA_CMAKE_ARGS) $$(cat build/cuda-deps/cmake-args)
+	$(CMAKE) --build $(CUDA_BUILD_DIR) -j $(JOBS)
+	@echo "cuda-check: CUDA build compiled in $(CUDA_BUILD_DIR)"
 
 patches-export:
 	$(PYTHON) scripts/upstream.py export

@@ -29,7 +29,16 @@ import numpy.typing as npt
 from pyspice.blas_threads import limit_blas_threads
 from pyspice.policy import Policy, PolicyContext, make_policy, policy_spec
 from pyspice.routers import RouterReader
-from pyspice.runtime import ExpertBufferType, IncompatibleModelError, Runtime, SpiceError, StoreParams
+from pyspice.runtime import (
+    DEVICE_CUDA,
+    ExpertBufferType,
+    IncompatibleModelError,
+    Runtime,
+    SpiceError,
+    StoreParams,
+    device_count,
+    device_memory,
+)
 from pyspice.stats import StatsSnapshot, Timing, stats_record
 from pyspice.units import Budget, format_bytes, parse_budget
 
@@ -41,6 +50,15 @@ SURROGATE_BUDGET_SHARE = 0.25
 # PCIe 4.0 x8 link as seen by real copies (RTX 4060-class machines).
 DEFAULT_EMULATED_GBPS = 12.0
 DEFAULT_EMULATED_LATENCY_US = 10.0
+
+# A real device measures its own copies; these only seed the store's guess of
+# when a queued prefetch lands (PCIe 4.0 x16 as seen by pinned copies).
+REAL_BUS_GUESS_GBPS = 25.0
+REAL_BUS_GUESS_LATENCY_US = 10.0
+
+# Device memory a real budget leaves free for ggml's own buffers (the
+# executor's activations, the other layers' weights when offloaded).
+REAL_DEVICE_MARGIN = 0.9
 
 
 @dataclass(frozen=True)
@@ -55,9 +73,10 @@ class DeviceTier:
     bandwidth_gbps: float
     latency_us: float
     emulated: bool
+    device_name: str = ""
 
     def describe(self) -> str:
-        kind = "emulated device" if self.emulated else "device"
+        kind = "emulated device" if self.emulated else (self.device_name or "device")
         return (
             f"{kind}: budget {self.budget} = {format_bytes(self.budget_bytes)} of "
             f"{format_bytes(self.expert_bytes)} routed-expert bytes, "
@@ -166,19 +185,31 @@ class Llama(llama_cpp.Llama):
         manual_clock: bool = False,
     ) -> DeviceTier:
         """Give the model a device tier of `budget` (bytes, "2GiB", or "25%" of all
-        routed-expert bytes). On a CPU-only build it is emulated: slots in their
-        own host buffer, copies on a virtual bus of the given bandwidth/latency."""
+        routed-expert bytes). On a CUDA build with a GPU the tier is real (CUDA
+        device 0) unless a bandwidth or latency to emulate is given; otherwise it
+        is emulated: slots in their own host buffer, copies on a virtual bus of
+        the given bandwidth/latency."""
         runtime = self._require_runtime()
         layers = [info for info in runtime.layers() if info.is_moe]
         total = sum(info.bytes_per_expert * info.n_expert for info in layers)
         spec = parse_budget(budget) if isinstance(budget, str) else Budget(bytes=int(budget))
-        check_emulated_budget(spec, spec.resolve(total), total)
-        params = StoreParams(
-            budget_bytes=spec.resolve(total),
-            bandwidth_gbps=bandwidth_gbps if bandwidth_gbps is not None else DEFAULT_EMULATED_GBPS,
-            latency_us=latency_us if latency_us is not None else DEFAULT_EMULATED_LATENCY_US,
-            manual_clock=manual_clock,
-        )
+        real = bandwidth_gbps is None and latency_us is None and not manual_clock and device_count() > 0
+        if real:
+            check_real_budget(spec, spec.resolve(total))
+            params = StoreParams(
+                budget_bytes=spec.resolve(total),
+                bandwidth_gbps=REAL_BUS_GUESS_GBPS,
+                latency_us=REAL_BUS_GUESS_LATENCY_US,
+                device_kind=DEVICE_CUDA,
+            )
+        else:
+            check_emulated_budget(spec, spec.resolve(total), total)
+            params = StoreParams(
+                budget_bytes=spec.resolve(total),
+                bandwidth_gbps=bandwidth_gbps if bandwidth_gbps is not None else DEFAULT_EMULATED_GBPS,
+                latency_us=latency_us if latency_us is not None else DEFAULT_EMULATED_LATENCY_US,
+                manual_clock=manual_clock,
+            )
         runtime.set_device(params)
         self._spice_device_params = params
         n_experts = sum(info.n_expert for info in layers)
@@ -190,7 +221,8 @@ class Llama(llama_cpp.Llama):
             expert_bytes=total,
             bandwidth_gbps=params.bandwidth_gbps,
             latency_us=params.latency_us,
-            emulated=True,
+            emulated=not real,
+            device_name="CUDA device 0" if real else "",
         )
         if self._spice_policy_name != "stock":
             self.set_policy(self._spice_policy_name)
@@ -358,7 +390,10 @@ class Llama(llama_cpp.Llama):
                 except (ValueError, OSError, TypeError, KeyError):
                     return None  # an old or damaged profile: policies fall back to their defaults
         params = self._spice_device_params
-        if profile is not None and params is not None and str(profile.bus_source).startswith("emulated"):
+        emulated_profile = profile is not None and str(profile.bus_source).startswith("emulated")
+        if emulated_profile and params is not None and params.device_kind == DEVICE_CUDA:
+            return None  # measured against an emulated bus: says nothing about this GPU
+        if emulated_profile and params is not None:
             profile = dataclasses.replace(
                 profile, bus_gbps=params.bandwidth_gbps, bus_latency_us=params.latency_us
             )
@@ -514,6 +549,17 @@ def host_memory_available() -> int | None:
         return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
     except (ValueError, OSError):
         return None
+
+
+def check_real_budget(spec: Budget, budget_bytes: int) -> None:
+    """A real device's budget must fit its free memory, with room left for ggml."""
+    free, total = device_memory(0)
+    if budget_bytes > REAL_DEVICE_MARGIN * free:
+        raise ValueError(
+            f"device budget {spec} = {format_bytes(budget_bytes)} does not fit CUDA device 0: "
+            f"{format_bytes(free)} of {format_bytes(total)} are free and "
+            f"{1 - REAL_DEVICE_MARGIN:.0%} of that stays for ggml's buffers; give a smaller --device-budget"
+        )
 
 
 def check_emulated_budget(spec: Budget, budget_bytes: int, expert_bytes_total: int) -> None:

@@ -109,6 +109,25 @@ def native() -> Any:
     return _Native.get().lib
 
 
+DEVICE_EMULATED = 0  # spice_device_kind
+DEVICE_CUDA = 1
+
+
+def device_count() -> int:
+    """CUDA devices this libspice can use (0 on a CPU-only build)."""
+    return int(_Native.get().lib.spice_device_count())
+
+
+def device_memory(index: int = 0) -> tuple[int, int]:
+    """(free, total) bytes of CUDA device `index`."""
+    n = _Native.get()
+    free, total = n.ffi.new("uint64_t *"), n.ffi.new("uint64_t *")
+    status = n.lib.spice_device_memory(index, free, total)
+    if status != 0:
+        raise SpiceError(status, f"no CUDA device {index} in this build")
+    return int(free[0]), int(total[0])
+
+
 class ExpertBufferType:
     """The ggml buffer type routed-expert tensors are loaded into: plain host
     memory, never repacked (pinned host memory on GPU builds). Keep it alive
@@ -145,6 +164,8 @@ class StoreParams:
     latency_us: float = 10.0
     prefetch_queue_max: int = 0  # 0: libspice's default (64)
     manual_clock: bool = False  # tests: time moves only through Store.advance
+    device_kind: int = DEVICE_EMULATED  # DEVICE_CUDA: slots on a real GPU (CUDA builds)
+    device_index: int = 0
 
     def to_c(self, ffi: Any) -> Any:
         p = ffi.new("spice_store_params *")
@@ -153,6 +174,8 @@ class StoreParams:
         p.latency_us = self.latency_us
         p.prefetch_queue_max = self.prefetch_queue_max
         p.manual_clock = int(self.manual_clock)
+        p.device_kind = self.device_kind
+        p.device_index = self.device_index
         return p
 
 
@@ -342,6 +365,20 @@ class Runtime:
             raise SpiceError(status, self.last_error())
         self._check(status, "set_device")
         self._residency = None
+
+    def device_is_real(self) -> bool:
+        """Whether the device tier's slots are on a real (CUDA) device."""
+        store = self._n.lib.spice_runtime_get_store(self._rt)
+        return store != self._n.ffi.NULL and bool(self._n.lib.spice_store_is_real(store))
+
+    def read_slot(self, il: int, e: int, size: int) -> bytes:
+        """The first `size` bytes (gate | up | down) of resident expert (il, e) as the
+        device holds them: lets tests check that copies moved the right bytes."""
+        ffi, lib = self._n.ffi, self._n.lib
+        store = lib.spice_runtime_get_store(self._rt)
+        buf = ffi.new("char[]", size)
+        self._check(lib.spice_store_read_slot(store, il, e, buf, size), "read_slot")
+        return bytes(ffi.buffer(buf, size))
 
     def device_slots(self) -> tuple[int, int]:
         """(slots, bytes per slot) of the device tier; (0, 0) without one."""

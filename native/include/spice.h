@@ -134,15 +134,38 @@ typedef struct spice_counters {
  * (a demand copy overtakes queued prefetches, never one already in flight)
  * and lands latency + bytes / bandwidth later; whoever needs the expert
  * before then waits until then. No thread is added: tests drive the clock by
- * hand (manual_clock) and nothing measures wall time. */
+ * hand (manual_clock) and nothing measures wall time.
+ *
+ * On a CUDA build a store made with kind SPICE_DEVICE_CUDA is REAL: slots in
+ * GPU memory, copies from page-locked host weights on a stream of their own,
+ * completion by CUDA events. Demand copies are issued at once; prefetches
+ * wait in the store's own bounded queue and go to the GPU a few at a time,
+ * so a queued prefetch can still be overtaken or cancelled (one on the GPU
+ * cannot). bandwidth_gbps / latency_us then only estimate ready_at; copy_ns
+ * is measured by events and stall_ns is wall time spent waiting. A CUDA
+ * store needs its host weights bound, so only a runtime creates one
+ * (spice_runtime_set_store); spice_store_create accepts emulated stores. */
 typedef struct spice_store spice_store;
+
+typedef enum spice_device_kind {
+    SPICE_DEVICE_EMULATED = 0, /* slots in host memory, virtual bus */
+    SPICE_DEVICE_CUDA     = 1  /* slots on CUDA device `device_index` */
+} spice_device_kind;
+
+/* CUDA devices this libspice can use: 0 on a CPU-only build. */
+SPICE_API int spice_device_count(void);
+/* Free and total memory of CUDA device `device`, in bytes;
+ * SPICE_ERR_UNSUPPORTED on a CPU-only build, INVALID_ARG for a bad index. */
+SPICE_API int spice_device_memory(int32_t device, uint64_t * free_bytes, uint64_t * total_bytes);
 
 typedef struct spice_store_params {
     uint64_t budget_bytes;       /* pooled device budget */
     double   bandwidth_gbps;     /* bus bandwidth, 1e9 bytes per second */
     double   latency_us;         /* per-copy latency */
     int32_t  prefetch_queue_max; /* prefetches queued but not started; <= 0: 64 */
-    int32_t  manual_clock;       /* 1: time moves only via spice_store_advance */
+    int32_t  manual_clock;       /* 1: time moves only via spice_store_advance (emulated only) */
+    int32_t  device_kind;        /* spice_device_kind; 0 (zeroed params) = emulated */
+    int32_t  device_index;       /* CUDA device for SPICE_DEVICE_CUDA */
 } spice_store_params;
 
 typedef enum spice_residency {
@@ -213,6 +236,14 @@ SPICE_API int spice_store_get_counters(const spice_store * store, int32_t il, sp
 /* Residency of every (layer, expert) as of the last store operation:
  * n_layers rows of max_expert int8 spice_residency values. */
 SPICE_API const int8_t * spice_store_states(spice_store * store, int32_t * n_layers, int32_t * max_expert);
+
+/* Copy the first `size` bytes of resident expert (il, e)'s slot into dst
+ * (host memory), whatever the device: tests check that copies move the right
+ * bytes. SPICE_ERR_STATE when it is not resident or nothing is bound. */
+SPICE_API int spice_store_read_slot(spice_store * store, int32_t il, int32_t e, void * dst, size_t size);
+
+/* 1 when this store's slots are on a real (CUDA) device, 0 when emulated. */
+SPICE_API int spice_store_is_real(const spice_store * store);
 
 /* ---- runtime -------------------------------------------------------------- */
 

@@ -117,7 +117,7 @@ int spice_host_exec_prepare(spice_host_exec * ex, const spice_host_job * job) {
     for (int32_t t = 0; t < job->n_tokens; ++t) {
         const int32_t * ids = ids_row(job, t);
         for (int32_t k = 0; k < job->n_used; ++k) {
-            if (job->exec[(size_t) t * job->n_used + k]) {
+            if (job->exec[(size_t) t * job->n_used + k] == 1) {
                 start[ids[k] + 1]++;
             }
         }
@@ -135,7 +135,7 @@ int spice_host_exec_prepare(spice_host_exec * ex, const spice_host_job * job) {
         const int32_t * ids = ids_row(job, t);
         for (int32_t k = 0; k < job->n_used; ++k) {
             const int32_t pair = t * job->n_used + k;
-            if (job->exec[pair]) {
+            if (job->exec[pair] == 1) {
                 ex->pairs_by_expert[start[ids[k]]++] = pair;
             }
         }
@@ -335,6 +335,9 @@ void spice_host_exec_run(spice_host_exec * ex, int ith, int nth, spice_barrier *
     spice_barrier_wait(barrier, nth);
 
     phase_down(ex);
+    if (ith == 0 && job->before_combine != NULL) {
+        job->before_combine(job->before_combine_data, ex->y);
+    }
     spice_barrier_wait(barrier, nth);
 
     phase_combine(ex, ith, nth);

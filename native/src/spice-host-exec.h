@@ -24,10 +24,15 @@ typedef struct spice_host_job {
     const float   * inp;     size_t inp_nb1;
     const int32_t * ids;     size_t ids_nb1;
     const float   * weights; size_t weights_nb1;
-    const uint8_t * exec;    /* [n_tokens*n_used]: 1 = run exactly, 0 = contributes nothing */
+    const uint8_t * exec;    /* [n_tokens*n_used]: 1 = run here, 2 = y row computed elsewhere (a real
+                                device writes it before combine), 0 = contributes nothing */
     const char * const * device; /* [n_expert] slot memory of experts run from the device tier
                                     (gate | up | down bytes), NULL entries (or no array): host weights */
     float * out;             size_t out_nb1;
+    /* thread 0 calls this before the weighted sum, while the others wait:
+     * the device executor delivers its rows (exec == 2) into y here */
+    void (*before_combine)(void * user_data, float * y);
+    void * before_combine_data;
 } spice_host_job;
 
 typedef struct spice_host_exec {

@@ -52,6 +52,8 @@ struct spice_runtime {
     atomic_int abort_requested;
     uint64_t plan_rejections;
     char last_error[512];
+    int device_work_pending;  /* CUDA: this call's device rows are still to be collected */
+    uint64_t unpinned_bytes; /* CUDA: expert weight bytes that could not be page-locked */
 };
 
 /* Validates the plan the policy wrote into call against the runtime's

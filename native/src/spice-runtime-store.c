@@ -5,7 +5,72 @@
 #include "llama.h"
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
+
+/* Where a CUDA slot puts each matrix: 256-byte aligned (what ggml's CUDA
+ * buffers give every tensor), each followed by the zero padding ggml's
+ * kernels may read. Returns the slot bytes this layer needs. */
+static size_t cuda_layout(const spice_expert_layer * L, spice_store_source * src) {
+    const spice_expert_matrix * mats[3] = { &L->gate, &L->up, &L->down };
+    size_t offset = 0;
+    for (int k = 0; k < 3; ++k) {
+        offset = (offset + 255) & ~(size_t) 255;
+        src->dst_offset[k] = offset;
+        src->pad[k] = spice_cuda_matrix_pad(mats[k]->type, mats[k]->n_cols);
+        offset += src->size[k] + src->pad[k];
+    }
+    return (offset + 255) & ~(size_t) 255;
+}
+
+typedef struct host_range {
+    uintptr_t begin, end;
+} host_range;
+
+static int range_order(const void * a, const void * b) {
+    const host_range * x = (const host_range *) a;
+    const host_range * y = (const host_range *) b;
+    return x->begin < y->begin ? -1 : (x->begin > y->begin);
+}
+
+/* Page-lock the host expert weights so copies are DMA and asynchronous:
+ * every expert tensor's pages, merged into as few ranges as touch. Returns
+ * how many bytes could not be registered (copied from pageable memory). */
+static uint64_t pin_host_weights(spice_runtime * rt) {
+    const uintptr_t page = (uintptr_t) sysconf(_SC_PAGESIZE);
+    host_range * r = (host_range *) malloc((size_t) rt->n_layers * 3 * sizeof(host_range));
+    if (r == NULL) {
+        return 1;
+    }
+    int32_t n = 0;
+    for (int32_t il = 0; il < rt->n_layers; ++il) {
+        const spice_expert_layer * L = &rt->layers[il];
+        const spice_expert_matrix * mats[3] = { &L->gate, &L->up, &L->down };
+        for (int k = 0; L->is_moe && k < 3; ++k) {
+            const uintptr_t b = (uintptr_t) mats[k]->tensor->data;
+            r[n].begin = b & ~(page - 1);
+            r[n].end = (b + ggml_nbytes(mats[k]->tensor) + page - 1) & ~(page - 1);
+            n++;
+        }
+    }
+    qsort(r, (size_t) n, sizeof(*r), range_order);
+    uint64_t unpinned = 0;
+    for (int32_t i = 0; i < n;) {
+        host_range m = r[i++];
+        while (i < n && r[i].begin <= m.end) {
+            if (r[i].end > m.end) {
+                m.end = r[i].end;
+            }
+            i++;
+        }
+        if (spice_cuda_register_host(rt->store->cuda, (const void *) m.begin, m.end - m.begin) != SPICE_OK) {
+            unpinned += m.end - m.begin;
+        }
+    }
+    free(r);
+    return unpinned;
+}
 
 void spice_runtime_apply_store_plan(spice_runtime * rt, const struct llama_moe_hook_call * hc,
                                     spice_policy_call * call) {
@@ -105,21 +170,46 @@ int spice_runtime_set_store(spice_runtime * rt, const spice_store_params * param
     if (status != SPICE_OK) {
         return status;
     }
+    size_t slot_stride = 0;
     for (int32_t il = 0; il < rt->n_layers; ++il) {
         const spice_expert_layer * L = &rt->layers[il];
         if (!L->is_moe) {
             continue;
         }
         spice_store_source src;
+        memset(&src, 0, sizeof(src));
         const spice_expert_matrix * mats[3] = { &L->gate, &L->up, &L->down };
+        size_t packed = 0;
         for (int k = 0; k < 3; ++k) {
             src.base[k] = (const char *) mats[k]->tensor->data;
             src.stride[k] = mats[k]->tensor->nb[2];
             src.size[k] = mats[k]->tensor->nb[2];
+            src.dst_offset[k] = packed;
+            packed += src.size[k];
+        }
+        if (params->device_kind == SPICE_DEVICE_CUDA) {
+            const size_t need = cuda_layout(L, &src);
+            if (need > slot_stride) {
+                slot_stride = need;
+            }
         }
         if ((status = spice_store_bind(store, il, &src)) != SPICE_OK) {
             spice_store_free(store);
             return status;
+        }
+    }
+    if (params->device_kind == SPICE_DEVICE_CUDA) {
+        status = spice_store_attach_cuda(store, slot_stride, rt->last_error, sizeof(rt->last_error));
+        if (status != SPICE_OK) {
+            spice_store_free(store);
+            return status;
+        }
+        rt->store = store; /* pin_host_weights reaches the device through rt */
+        rt->unpinned_bytes = pin_host_weights(rt);
+        rt->store = NULL;
+        if (rt->unpinned_bytes > 0) {
+            fprintf(stderr, "libspice: %llu bytes of expert weights could not be page-locked; "
+                            "copies from them are slower (pageable)\n", (unsigned long long) rt->unpinned_bytes);
         }
     }
     /* loaded surrogates live on the device: a new tier holds them first */

@@ -113,7 +113,44 @@ static void count_actions(spice_counters * c, const int32_t * actions, const uin
 }
 
 /* Thread 0: ask the policy, validate, count, and prepare the executor. */
+/* Real device: queue this call's device pairs on the GPU (their slots are
+ * pinned resident by the store plan); the host executor runs meanwhile. */
+static int start_device_work(spice_runtime * rt, const struct llama_moe_hook_call * hc) {
+    spice_cuda_job job;
+    memset(&job, 0, sizeof(job));
+    job.layer = &rt->layers[hc->il];
+    job.n_tokens = hc->n_tokens;
+    job.n_used = hc->n_expert_used;
+    job.inp = hc->inp; job.inp_nb1 = hc->inp_nb1;
+    job.ids = hc->ids; job.ids_nb1 = hc->ids_nb1;
+    job.run = rt->plan.exec;
+    job.slot_of = rt->plan.device;
+    for (int k = 0; k < 3; ++k) {
+        job.matrix_offset[k] = rt->store->sources[hc->il].dst_offset[k];
+    }
+    char err[256];
+    const int rc = spice_cuda_exec_begin(rt->store->cuda, &job, err, sizeof(err));
+    if (rc != SPICE_OK) {
+        set_error(rt, "layer %d: %s; ran those experts on the host", hc->il, err);
+        return rc;
+    }
+    rt->device_work_pending = 1;
+    return SPICE_OK;
+}
+
+/* before_combine of the host job: the device's rows land in y */
+static void collect_device_work(void * user_data, float * y) {
+    spice_runtime * rt = (spice_runtime *) user_data;
+    char err[256];
+    if (spice_cuda_exec_end(rt->store->cuda, y, err, sizeof(err)) != SPICE_OK) {
+        set_error(rt, "%s", err);
+        atomic_store(&rt->abort_requested, 1);
+    }
+    rt->device_work_pending = 0;
+}
+
 static void plan_call(spice_runtime * rt, const struct llama_moe_hook_call * hc) {
+    rt->device_work_pending = 0;
     const int32_t n_pairs = hc->n_tokens * hc->n_expert_used;
     spice_counters * c = &rt->counters[hc->il];
     const spice_expert_layer * L = &rt->layers[hc->il];
@@ -229,11 +266,22 @@ static void plan_call(spice_runtime * rt, const struct llama_moe_hook_call * hc)
 
     /* the executor's view: exact for device and host, nothing for drop and
      * surrogate (the surrogate executor adds those afterwards) */
-    int any_surrogate = 0;
+    int any_surrogate = 0, any_device = 0;
+    const int real_device = rt->store != NULL && spice_store_is_real(rt->store);
     for (int32_t i = 0; i < n_pairs; ++i) {
         const int32_t a = call.actions[i];
-        rt->plan.exec[i] = (uint8_t) (a == SPICE_ACTION_DEVICE || a == SPICE_ACTION_HOST);
+        /* on a real device, device pairs run there and the host only sums their rows */
+        rt->plan.exec[i] = (uint8_t) (a == SPICE_ACTION_DEVICE ? (real_device ? SPICE_EXEC_DEVICE : 1)
+                                                                : a == SPICE_ACTION_HOST);
         any_surrogate |= a == SPICE_ACTION_SURROGATE;
+        any_device |= a == SPICE_ACTION_DEVICE;
+    }
+    if (real_device && any_device && start_device_work(rt, hc) != SPICE_OK) {
+        for (int32_t i = 0; i < n_pairs; ++i) { /* exact on the host weights instead */
+            if (rt->plan.exec[i] == SPICE_EXEC_DEVICE) {
+                rt->plan.exec[i] = 1;
+            }
+        }
     }
 
     spice_host_job job;
@@ -245,7 +293,11 @@ static void plan_call(spice_runtime * rt, const struct llama_moe_hook_call * hc)
     job.ids = hc->ids;         job.ids_nb1 = hc->ids_nb1;
     job.weights = hc->weights; job.weights_nb1 = hc->weights_nb1;
     job.exec = rt->plan.exec;
-    job.device = rt->store != NULL ? rt->plan.device : NULL;
+    job.device = rt->store != NULL && !real_device ? rt->plan.device : NULL; /* emulated slots are host memory */
+    if (rt->device_work_pending) {
+        job.before_combine = collect_device_work;
+        job.before_combine_data = rt;
+    }
     job.out = hc->out;         job.out_nb1 = hc->out_nb1;
     if (spice_host_exec_prepare(&rt->host, &job) != SPICE_OK) {
         set_error(rt, "layer %d: out of memory for the executor's scratch (%d tokens)", hc->il, hc->n_tokens);

@@ -7,7 +7,14 @@
  * and occupying it for latency + bytes / bandwidth. Copies land lazily:
  * whichever operation first looks at the clock after a copy's end retires it.
  * Bytes move into slot memory when the expert is first used (the cost of the
- * emulation falls where the data is needed, and no thread is added). */
+ * emulation falls where the data is needed, and no thread is added).
+ *
+ * A CUDA store (spice_store_attach_cuda) keeps the same bookkeeping, but the
+ * bus is real: a copy is "started" when it is handed to the GPU's copy
+ * stream and lands when its event fires. Demand copies go to the GPU at
+ * once; prefetches go a few at a time (SPICE_CUDA_IN_FLIGHT), so the rest
+ * stay in our queue where demand overtakes them and a stale one can be
+ * cancelled. */
 #include "spice-store.h"
 
 #include <stdlib.h>
@@ -16,6 +23,10 @@
 
 #define SPICE_PREFETCH_QUEUE_DEFAULT 64
 #define NOT_STARTED UINT64_MAX
+/* Copies a CUDA store keeps on the GPU's stream at once: enough to keep the
+ * bus busy between two hook calls, few enough that queued prefetches stay
+ * cancellable. */
+#define SPICE_CUDA_IN_FLIGHT 4
 
 static uint64_t monotonic_ns(void) {
     struct timespec ts;
@@ -72,8 +83,14 @@ static void remove_copy(spice_store * s, int32_t index) {
     s->n_copies--;
 }
 
+static uint64_t cuda_refresh(spice_store * s);
+static int copy_order(const void * a, const void * b);
+
 /* Retire every copy that has landed by now. */
 static uint64_t refresh(spice_store * s) {
+    if (s->cuda != NULL) {
+        return cuda_refresh(s);
+    }
     const uint64_t now = clock_now(s);
     for (int32_t i = 0; i < s->n_copies;) {
         const spice_copy * c = &s->copies[i];
@@ -101,8 +118,65 @@ static int copy_order(const void * a, const void * b) {
     return x->slot < y->slot ? -1 : (x->slot > y->slot); /* any fixed tie-break */
 }
 
+/* ---- CUDA bus ------------------------------------------------------------------ */
+
+static int cuda_issue(spice_store * s, spice_copy * c, uint64_t now) {
+    const spice_store_source * src = &s->sources[c->il];
+    spice_cuda_segment seg[3];
+    for (int k = 0; k < 3; ++k) {
+        seg[k].src = src->base[k] + (size_t) c->e * src->stride[k];
+        seg[k].dst_offset = src->dst_offset[k];
+        seg[k].size = src->size[k];
+        seg[k].pad = src->pad[k];
+    }
+    if (spice_cuda_copy_issue(s->cuda, c->slot, seg) != SPICE_OK) {
+        return SPICE_ERR_INTERNAL;
+    }
+    c->start_ns = now;
+    c->end_ns = now + occupancy_ns(s, c->bytes); /* an estimate: the event says when */
+    return SPICE_OK;
+}
+
+/* Retire landed copies, then hand the GPU the next ones in priority order. */
+static uint64_t cuda_refresh(spice_store * s) {
+    const uint64_t now = clock_now(s);
+    int32_t in_flight = 0;
+    for (int32_t i = 0; i < s->n_copies;) {
+        const spice_copy * c = &s->copies[i];
+        if (c->start_ns != NOT_STARTED && spice_cuda_copy_done(s->cuda, c->slot) == 1) {
+            spice_slot * slot = &s->slots[c->slot];
+            slot->from_prefetch = c->was_prefetch;
+            slot->filled = 1;
+            s->counters[c->il].copy_ns += spice_cuda_copy_ns(s->cuda, c->slot);
+            *state_ref(s, c->il, c->e) = SPICE_RES_RESIDENT;
+            remove_copy(s, i);
+        } else {
+            in_flight += c->start_ns != NOT_STARTED;
+            ++i;
+        }
+    }
+    while (in_flight < SPICE_CUDA_IN_FLIGHT) {
+        spice_copy * next = NULL;
+        for (int32_t i = 0; i < s->n_copies; ++i) {
+            spice_copy * c = &s->copies[i];
+            if (c->start_ns == NOT_STARTED && (next == NULL || copy_order(&c, &next) < 0)) {
+                next = c;
+            }
+        }
+        if (next == NULL || cuda_issue(s, next, now) != SPICE_OK) {
+            break;
+        }
+        in_flight++;
+    }
+    return now;
+}
+
 /* Lay out the copies that have not started behind those that have. */
 static void reschedule(spice_store * s) {
+    if (s->cuda != NULL) {
+        cuda_refresh(s);
+        return;
+    }
     const uint64_t now = refresh(s);
     uint64_t cursor = now;
     int32_t n_pending = 0;
@@ -149,7 +223,9 @@ static int32_t queued_prefetches(const spice_store * s, uint64_t now) {
 int spice_store_create(const spice_store_params * params, int32_t n_layers, const int32_t * n_expert,
                        const uint64_t * expert_bytes, spice_store ** out) {
     if (out == NULL || params == NULL || n_layers <= 0 || n_expert == NULL || expert_bytes == NULL ||
-        !(params->bandwidth_gbps > 0.0) || params->latency_us < 0.0) {
+        !(params->bandwidth_gbps > 0.0) || params->latency_us < 0.0 ||
+        (params->device_kind != SPICE_DEVICE_EMULATED && params->device_kind != SPICE_DEVICE_CUDA) ||
+        (params->device_kind == SPICE_DEVICE_CUDA && params->manual_clock)) {
         return SPICE_ERR_INVALID_ARG;
     }
     *out = NULL;
@@ -224,6 +300,7 @@ void spice_store_free(spice_store * s) {
     if (s == NULL) {
         return;
     }
+    spice_cuda_free(s->cuda);
     free(s->n_expert);
     free(s->expert_bytes);
     free(s->slot_of);
@@ -277,6 +354,9 @@ int spice_store_request(spice_store * s, int32_t il, int32_t e, int32_t priority
         }
         return SPICE_OK;
     }
+    if (s->params.device_kind == SPICE_DEVICE_CUDA && s->cuda == NULL) {
+        return SPICE_ERR_STATE; /* no device attached (spice_store_attach_cuda) */
+    }
     if (priority == SPICE_PRIORITY_PREFETCH && queued_prefetches(s, now) >= s->params.prefetch_queue_max) {
         return SPICE_ERR_STATE;
     }
@@ -308,7 +388,9 @@ int spice_store_request(spice_store * s, int32_t il, int32_t e, int32_t priority
 
     spice_counters * k = &s->counters[il];
     k->bytes_h2d += c->bytes;
-    k->copy_ns += occupancy_ns(s, c->bytes);
+    if (s->cuda == NULL) {
+        k->copy_ns += occupancy_ns(s, c->bytes); /* a CUDA copy adds its measured time when it lands */
+    }
     if (priority == SPICE_PRIORITY_PREFETCH) {
         k->prefetch_issued++;
     }
@@ -336,7 +418,9 @@ int spice_store_evict(spice_store * s, int32_t il, int32_t e) {
         }
         spice_counters * k = &s->counters[il];
         k->bytes_h2d -= c->bytes;
-        k->copy_ns -= occupancy_ns(s, c->bytes);
+        if (s->cuda == NULL) {
+            k->copy_ns -= occupancy_ns(s, c->bytes);
+        }
         if (c->was_prefetch) {
             k->prefetch_cancelled++;
         }
@@ -422,13 +506,17 @@ uint64_t spice_store_ready_at(const spice_store * s, int32_t il, int32_t e) {
     if (slot < 0 || s->slots[slot].copy < 0) {
         return 0;
     }
-    return s->copies[s->slots[slot].copy].end_ns;
+    const spice_copy * c = &s->copies[s->slots[slot].copy];
+    if (c->end_ns == NOT_STARTED) { /* a CUDA prefetch still in our queue: a guess */
+        return monotonic_ns() - s->epoch_ns + occupancy_ns(s, c->bytes);
+    }
+    return c->end_ns;
 }
 
 static void fill_slot(spice_store * s, int32_t slot) {
     spice_slot * sl = &s->slots[slot];
     const spice_store_source * src = &s->sources[sl->il];
-    if (sl->filled || src->base[0] == NULL) {
+    if (sl->filled || src->base[0] == NULL || s->cuda != NULL) {
         return;
     }
     const size_t need = src->size[0] + src->size[1] + src->size[2];
@@ -459,7 +547,21 @@ int spice_store_wait(spice_store * s, int32_t il, int32_t e, uint64_t * stall_ns
     }
     uint64_t stall = 0;
     const int32_t ci = s->slots[slot].copy;
-    if (ci >= 0) {
+    if (ci >= 0 && s->cuda != NULL) {
+        spice_copy * c = &s->copies[ci];
+        if (c->start_ns == NOT_STARTED) { /* needed now: it leaves our queue as a demand copy */
+            c->priority = SPICE_PRIORITY_DEMAND;
+            if (cuda_issue(s, c, now) != SPICE_OK) {
+                return SPICE_ERR_INTERNAL;
+            }
+        }
+        const uint64_t t0 = monotonic_ns();
+        if (spice_cuda_copy_wait(s->cuda, slot) != SPICE_OK) {
+            return SPICE_ERR_INTERNAL;
+        }
+        stall = monotonic_ns() - t0;
+        now = refresh(s);
+    } else if (ci >= 0) {
         const uint64_t end = s->copies[ci].end_ns;
         if (end == NOT_STARTED) {
             return SPICE_ERR_NO_MEMORY; /* never scheduled: reschedule ran out of memory */
@@ -492,7 +594,7 @@ const char * spice_store_slot_data(const spice_store * s, int32_t il, int32_t e)
     if (slot < 0 || s->slots[slot].copy >= 0 || !s->slots[slot].filled) {
         return NULL;
     }
-    return s->slots[slot].memory;
+    return s->cuda != NULL ? spice_cuda_slot(s->cuda, slot) : s->slots[slot].memory;
 }
 
 uint64_t spice_store_used_bytes(const spice_store * s) {
@@ -550,4 +652,56 @@ const int8_t * spice_store_states(spice_store * s, int32_t * n_layers, int32_t *
         *max_expert = s->max_expert;
     }
     return s->states;
+}
+
+int spice_store_attach_cuda(spice_store * s, size_t slot_stride, char * err, size_t err_len) {
+    if (s == NULL || s->params.device_kind != SPICE_DEVICE_CUDA || s->cuda != NULL) {
+        return SPICE_ERR_STATE;
+    }
+    return spice_cuda_create(s->params.device_index, s->n_slots, slot_stride, &s->cuda, err, err_len);
+}
+
+int spice_store_is_real(const spice_store * s) {
+    return s != NULL && s->cuda != NULL;
+}
+
+int spice_store_read_slot(spice_store * s, int32_t il, int32_t e, void * dst, size_t size) {
+    if (!valid(s, il, e) || dst == NULL) {
+        return SPICE_ERR_INVALID_ARG;
+    }
+    refresh(s);
+    const int32_t slot = *slot_ref(s, il, e);
+    const spice_store_source * src = &s->sources[il];
+    if (slot < 0 || s->slots[slot].copy >= 0 || src->base[0] == NULL) {
+        return SPICE_ERR_STATE;
+    }
+    if (size > src->size[0] + src->size[1] + src->size[2]) {
+        return SPICE_ERR_INVALID_ARG;
+    }
+    if (s->cuda == NULL) {
+        fill_slot(s, slot);
+        if (s->slots[slot].memory == NULL) {
+            return SPICE_ERR_NO_MEMORY;
+        }
+        memcpy(dst, s->slots[slot].memory, size);
+        return SPICE_OK;
+    }
+    char * out = (char *) dst;
+    for (int k = 0; k < 3 && size > 0; ++k) {
+        const size_t n = size < src->size[k] ? size : src->size[k];
+        if (spice_cuda_read(s->cuda, slot, src->dst_offset[k], out, n) != SPICE_OK) {
+            return SPICE_ERR_INTERNAL;
+        }
+        out += n;
+        size -= n;
+    }
+    return SPICE_OK;
+}
+
+int spice_device_count(void) {
+    return spice_cuda_device_count();
+}
+
+int spice_device_memory(int32_t device, uint64_t * free_bytes, uint64_t * total_bytes) {
+    return spice_cuda_device_memory(device, free_bytes, total_bytes);
 }

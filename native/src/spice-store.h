@@ -4,6 +4,7 @@
 #define SPICE_STORE_H
 
 #include "spice.h"
+#include "spice-cuda.h"
 
 #include <stdint.h>
 
@@ -28,11 +29,16 @@ typedef struct spice_slot {
 } spice_slot;
 
 /* Host source of one layer's experts: expert e of kind k starts at
- * base[k] + e * stride[k] and is size[k] bytes. */
+ * base[k] + e * stride[k] and is size[k] bytes. In slot memory the emulated
+ * device packs the three back to back; a CUDA slot puts kind k at
+ * dst_offset[k] followed by pad[k] zero bytes (ggml's CUDA kernels read
+ * past a matrix's last row). */
 typedef struct spice_store_source {
     const char * base[3];
     size_t stride[3];
     size_t size[3];
+    size_t dst_offset[3];
+    size_t pad[3];
 } spice_store_source;
 
 struct spice_store {
@@ -60,7 +66,13 @@ struct spice_store {
     uint64_t epoch_ns;        /* real clock origin */
 
     spice_counters *counters; /* [n_layers]: bytes_h2d, copy_ns, stall_ns, prefetch_* */
+
+    spice_cuda *cuda;         /* real device (SPICE_DEVICE_CUDA), else NULL */
 };
+
+/* Give a CUDA store its device: slots of slot_stride bytes (the largest
+ * bound layer layout). Call after every layer is bound. */
+int spice_store_attach_cuda(spice_store * store, size_t slot_stride, char * err, size_t err_len);
 
 /* Slot memory of a resident expert, or NULL (not resident, or nothing bound). */
 const char * spice_store_slot_data(const spice_store * store, int32_t il, int32_t e);

@@ -1,0 +1,434 @@
+/* CUDA device tier (see spice-cuda.h). Built only with -DGGML_CUDA=ON.
+ *
+ * Slots live in one ggml CUDA buffer, so the device executor can point ggml
+ * tensors straight at them and run ggml's own CUDA kernels (mmvq/mmq, the
+ * same ones llama.cpp uses for experts on the GPU). Copies go on a stream
+ * of our own, created non-blocking so it never serializes with ggml's
+ * compute streams; each slot has a start/end event pair, which gives both
+ * completion (query/synchronize) and the copy's bus time. */
+#include "spice-cuda.h"
+#include "spice.h"
+
+#include "ggml-alloc.h"
+#include "ggml-backend.h"
+#include "ggml-cuda.h"
+
+#include <cuda_runtime_api.h>
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define SPICE_CUDA_ROW_PADDING 512 /* MATRIX_ROW_PADDING in ggml-cuda/common.cuh */
+
+struct spice_cuda {
+    int device;
+    ggml_backend_t backend;          /* compute: ggml's CUDA stream */
+    ggml_backend_buffer_t pool;      /* slot memory */
+    char * base;
+    int32_t n_slots;
+    size_t slot_stride;
+    cudaStream_t copy_stream;
+    cudaEvent_t * ev_start;          /* [n_slots] */
+    cudaEvent_t * ev_end;            /* [n_slots] */
+
+    /* device executor, one layer call at a time */
+    ggml_gallocr_t galloc;
+    struct ggml_context * ctx;
+    float * x_host;  size_t x_cap;   /* pinned staging: gathered input rows */
+    float * y_host;  size_t y_cap;   /* pinned staging: output rows */
+    int32_t * row_pair; size_t row_cap; /* staging row -> pair */
+    int32_t n_rows;
+    int32_t n_embd;
+    int pending;
+
+    void ** registered;              /* host ranges we page-locked (unlocked on free) */
+    int32_t n_registered, cap_registered;
+};
+
+static int fail(char * err, size_t err_len, const char * what, cudaError_t rc) {
+    if (err && err_len) {
+        snprintf(err, err_len, "CUDA: %s: %s", what, cudaGetErrorString(rc));
+    }
+    return SPICE_ERR_INTERNAL;
+}
+
+int spice_cuda_device_count(void) {
+    return ggml_backend_cuda_get_device_count();
+}
+
+int spice_cuda_device_memory(int device, uint64_t * free_bytes, uint64_t * total_bytes) {
+    if (device < 0 || device >= spice_cuda_device_count()) {
+        return SPICE_ERR_INVALID_ARG;
+    }
+    size_t f = 0, t = 0;
+    ggml_backend_cuda_get_device_memory(device, &f, &t);
+    if (free_bytes) {
+        *free_bytes = f;
+    }
+    if (total_bytes) {
+        *total_bytes = t;
+    }
+    return SPICE_OK;
+}
+
+size_t spice_cuda_matrix_pad(enum ggml_type type, int64_t n_cols) {
+    if (!ggml_is_quantized(type) || n_cols % SPICE_CUDA_ROW_PADDING == 0) {
+        return 0;
+    }
+    return ggml_row_size(type, SPICE_CUDA_ROW_PADDING - n_cols % SPICE_CUDA_ROW_PADDING);
+}
+
+int spice_cuda_create(int device, int32_t n_slots, size_t slot_stride, spice_cuda ** out, char * err,
+                      size_t err_len) {
+    if (out == NULL || n_slots <= 0 || slot_stride == 0) {
+        return SPICE_ERR_INVALID_ARG;
+    }
+    *out = NULL;
+    if (device < 0 || device >= spice_cuda_device_count()) {
+        snprintf(err, err_len, "no CUDA device %d (this build sees %d)", device, spice_cuda_device_count());
+        return SPICE_ERR_UNSUPPORTED;
+    }
+    spice_cuda * cu = (spice_cuda *) calloc(1, sizeof(*cu));
+    if (cu == NULL) {
+        return SPICE_ERR_NO_MEMORY;
+    }
+    cu->device = device;
+    cu->n_slots = n_slots;
+    cu->slot_stride = slot_stride;
+    cudaError_t rc = cudaSetDevice(device);
+    if (rc != cudaSuccess) {
+        free(cu);
+        return fail(err, err_len, "cudaSetDevice", rc);
+    }
+    size_t free_b = 0, total_b = 0;
+    ggml_backend_cuda_get_device_memory(device, &free_b, &total_b);
+    const size_t pool_bytes = (size_t) n_slots * slot_stride;
+    if (pool_bytes > free_b) {
+        snprintf(err, err_len, "the device budget needs %zu bytes of slots; CUDA device %d has %zu free",
+                 pool_bytes, device, free_b);
+        free(cu);
+        return SPICE_ERR_BUDGET;
+    }
+    cu->backend = ggml_backend_cuda_init(device);
+    if (cu->backend == NULL) {
+        snprintf(err, err_len, "CUDA: could not start ggml's CUDA backend on device %d", device);
+        free(cu);
+        return SPICE_ERR_UNSUPPORTED;
+    }
+    cu->pool = ggml_backend_buft_alloc_buffer(ggml_backend_cuda_buffer_type(device), pool_bytes);
+    if (cu->pool == NULL) {
+        snprintf(err, err_len, "CUDA: could not allocate %zu bytes of slots on device %d", pool_bytes, device);
+        spice_cuda_free(cu);
+        return SPICE_ERR_NO_MEMORY;
+    }
+    ggml_backend_buffer_set_usage(cu->pool, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    ggml_backend_buffer_clear(cu->pool, 0);
+    cu->base = (char *) ggml_backend_buffer_get_base(cu->pool);
+    if ((rc = cudaStreamCreateWithFlags(&cu->copy_stream, cudaStreamNonBlocking)) != cudaSuccess) {
+        spice_cuda_free(cu);
+        return fail(err, err_len, "cudaStreamCreateWithFlags", rc);
+    }
+    cu->ev_start = (cudaEvent_t *) calloc((size_t) n_slots, sizeof(cudaEvent_t));
+    cu->ev_end = (cudaEvent_t *) calloc((size_t) n_slots, sizeof(cudaEvent_t));
+    if (cu->ev_start == NULL || cu->ev_end == NULL) {
+        spice_cuda_free(cu);
+        return SPICE_ERR_NO_MEMORY;
+    }
+    for (int32_t i = 0; i < n_slots; ++i) {
+        if ((rc = cudaEventCreate(&cu->ev_start[i])) != cudaSuccess ||
+            (rc = cudaEventCreate(&cu->ev_end[i])) != cudaSuccess) {
+            spice_cuda_free(cu);
+            return fail(err, err_len, "cudaEventCreate", rc);
+        }
+    }
+    cu->galloc = ggml_gallocr_new(ggml_backend_cuda_buffer_type(device));
+    if (cu->galloc == NULL) {
+        spice_cuda_free(cu);
+        return SPICE_ERR_NO_MEMORY;
+    }
+    *out = cu;
+    return SPICE_OK;
+}
+
+void spice_cuda_free(spice_cuda * cu) {
+    if (cu == NULL) {
+        return;
+    }
+    cudaSetDevice(cu->device);
+    if (cu->copy_stream) {
+        cudaStreamSynchronize(cu->copy_stream);
+    }
+    if (cu->backend) {
+        ggml_backend_synchronize(cu->backend);
+    }
+    for (int32_t i = 0; cu->ev_start && i < cu->n_slots; ++i) {
+        if (cu->ev_start[i]) {
+            cudaEventDestroy(cu->ev_start[i]);
+        }
+        if (cu->ev_end && cu->ev_end[i]) {
+            cudaEventDestroy(cu->ev_end[i]);
+        }
+    }
+    free(cu->ev_start);
+    free(cu->ev_end);
+    if (cu->copy_stream) {
+        cudaStreamDestroy(cu->copy_stream);
+    }
+    if (cu->ctx) {
+        ggml_free(cu->ctx);
+    }
+    if (cu->galloc) {
+        ggml_gallocr_free(cu->galloc);
+    }
+    if (cu->pool) {
+        ggml_backend_buffer_free(cu->pool);
+    }
+    if (cu->backend) {
+        ggml_backend_free(cu->backend);
+    }
+    if (cu->x_host) {
+        cudaFreeHost(cu->x_host);
+    }
+    if (cu->y_host) {
+        cudaFreeHost(cu->y_host);
+    }
+    for (int32_t i = 0; i < cu->n_registered; ++i) {
+        cudaHostUnregister(cu->registered[i]);
+    }
+    free(cu->registered);
+    free(cu->row_pair);
+    free(cu);
+}
+
+char * spice_cuda_slot(spice_cuda * cu, int32_t slot) {
+    return cu->base + (size_t) slot * cu->slot_stride;
+}
+
+int spice_cuda_register_host(spice_cuda * cu, const void * data, size_t size) {
+    cudaSetDevice(cu->device);
+    if (cu->n_registered == cu->cap_registered) {
+        const int32_t cap = cu->cap_registered ? 2 * cu->cap_registered : 16;
+        void ** grown = (void **) realloc(cu->registered, (size_t) cap * sizeof(void *));
+        if (grown == NULL) {
+            return SPICE_ERR_NO_MEMORY;
+        }
+        cu->registered = grown;
+        cu->cap_registered = cap;
+    }
+    const cudaError_t rc = cudaHostRegister((void *) data, size, cudaHostRegisterPortable);
+    if (rc == cudaSuccess) {
+        cu->registered[cu->n_registered++] = (void *) data;
+        return SPICE_OK;
+    }
+    if (rc == cudaErrorHostMemoryAlreadyRegistered) {
+        (void) cudaGetLastError(); /* the already-registered error is not sticky; clear it */
+        return SPICE_OK;
+    }
+    (void) cudaGetLastError();
+    return SPICE_ERR_UNSUPPORTED;
+}
+
+int spice_cuda_copy_issue(spice_cuda * cu, int32_t slot, const spice_cuda_segment seg[3]) {
+    if (slot < 0 || slot >= cu->n_slots) {
+        return SPICE_ERR_INVALID_ARG;
+    }
+    cudaSetDevice(cu->device);
+    char * dst = spice_cuda_slot(cu, slot);
+    cudaError_t rc = cudaEventRecord(cu->ev_start[slot], cu->copy_stream);
+    for (int k = 0; k < 3 && rc == cudaSuccess; ++k) {
+        if (seg[k].size == 0) {
+            continue;
+        }
+        rc = cudaMemcpyAsync(dst + seg[k].dst_offset, seg[k].src, seg[k].size, cudaMemcpyHostToDevice,
+                             cu->copy_stream);
+        if (rc == cudaSuccess && seg[k].pad > 0) {
+            /* a slot reused by another layer may hold weight bytes there */
+            rc = cudaMemsetAsync(dst + seg[k].dst_offset + seg[k].size, 0, seg[k].pad, cu->copy_stream);
+        }
+    }
+    if (rc == cudaSuccess) {
+        rc = cudaEventRecord(cu->ev_end[slot], cu->copy_stream);
+    }
+    return rc == cudaSuccess ? SPICE_OK : SPICE_ERR_INTERNAL;
+}
+
+int spice_cuda_copy_done(spice_cuda * cu, int32_t slot) {
+    const cudaError_t rc = cudaEventQuery(cu->ev_end[slot]);
+    if (rc == cudaSuccess) {
+        return 1;
+    }
+    if (rc == cudaErrorNotReady) {
+        (void) cudaGetLastError();
+        return 0;
+    }
+    return -1;
+}
+
+int spice_cuda_copy_wait(spice_cuda * cu, int32_t slot) {
+    return cudaEventSynchronize(cu->ev_end[slot]) == cudaSuccess ? SPICE_OK : SPICE_ERR_INTERNAL;
+}
+
+int spice_cuda_read(spice_cuda * cu, int32_t slot, size_t offset, void * dst, size_t n) {
+    if (slot < 0 || slot >= cu->n_slots || offset + n > cu->slot_stride) {
+        return SPICE_ERR_INVALID_ARG;
+    }
+    cudaSetDevice(cu->device);
+    return cudaMemcpy(dst, spice_cuda_slot(cu, slot) + offset, n, cudaMemcpyDeviceToHost) == cudaSuccess
+               ? SPICE_OK
+               : SPICE_ERR_INTERNAL;
+}
+
+uint64_t spice_cuda_copy_ns(spice_cuda * cu, int32_t slot) {
+    float ms = 0.0f;
+    if (cudaEventElapsedTime(&ms, cu->ev_start[slot], cu->ev_end[slot]) != cudaSuccess) {
+        (void) cudaGetLastError();
+        return 0;
+    }
+    return (uint64_t) ((double) ms * 1e6);
+}
+
+/* ---- device executor ----------------------------------------------------------- */
+
+static int grow_pinned(float ** p, size_t * cap, size_t need) {
+    if (need <= *cap) {
+        return SPICE_OK;
+    }
+    if (*p) {
+        cudaFreeHost(*p);
+        *p = NULL;
+        *cap = 0;
+    }
+    const size_t n = need + need / 2;
+    if (cudaMallocHost((void **) p, n) != cudaSuccess) {
+        (void) cudaGetLastError();
+        return SPICE_ERR_NO_MEMORY;
+    }
+    *cap = n;
+    return SPICE_OK;
+}
+
+/* A weight tensor over slot memory; bypasses init_tensor (its padding was
+ * zeroed when the pool was cleared and after every copy). */
+static struct ggml_tensor * slot_matrix(spice_cuda * cu, const spice_expert_matrix * m, const char * addr) {
+    struct ggml_tensor * t = ggml_new_tensor_2d(cu->ctx, m->type, m->n_cols, m->n_rows);
+    t->data = (void *) addr;
+    t->buffer = cu->pool;
+    return t;
+}
+
+int spice_cuda_exec_begin(spice_cuda * cu, const spice_cuda_job * job, char * err, size_t err_len) {
+    const spice_expert_layer * L = job->layer;
+    const int32_t n_pairs = job->n_tokens * job->n_used;
+    if (cu->pending) { /* the last call's work was never collected (its layer failed): finish it first */
+        ggml_backend_synchronize(cu->backend);
+    }
+    cu->pending = 0;
+    cu->n_rows = 0;
+    cu->n_embd = L->n_embd;
+
+    /* rows grouped by expert (each expert's weights read once for all its tokens) */
+    int32_t n_run = 0;
+    for (int32_t i = 0; i < n_pairs; ++i) {
+        n_run += job->run[i] == SPICE_EXEC_DEVICE;
+    }
+    if (n_run == 0) {
+        return SPICE_OK;
+    }
+    if ((size_t) n_run > cu->row_cap) {
+        int32_t * rp = (int32_t *) realloc(cu->row_pair, (size_t) n_run * sizeof(int32_t));
+        if (rp == NULL) {
+            return SPICE_ERR_NO_MEMORY;
+        }
+        cu->row_pair = rp;
+        cu->row_cap = (size_t) n_run;
+    }
+    const size_t row_bytes = (size_t) L->n_embd * sizeof(float);
+    if (grow_pinned(&cu->x_host, &cu->x_cap, (size_t) n_run * row_bytes) != SPICE_OK ||
+        grow_pinned(&cu->y_host, &cu->y_cap, (size_t) n_run * row_bytes) != SPICE_OK) {
+        snprintf(err, err_len, "CUDA: no pinned host memory for %d staging rows", n_run);
+        return SPICE_ERR_NO_MEMORY;
+    }
+
+    const size_t max_tensors = 1 + 8 * (size_t) L->n_expert;
+    const size_t max_nodes = 8 * (size_t) L->n_expert + 8;
+    if (cu->ctx) {
+        ggml_free(cu->ctx);
+        cu->ctx = NULL;
+    }
+    struct ggml_init_params ip = {
+        /* .mem_size   = */ max_tensors * ggml_tensor_overhead() + ggml_graph_overhead_custom(max_nodes, false),
+        /* .mem_buffer = */ NULL,
+        /* .no_alloc   = */ true,
+    };
+    cu->ctx = ggml_init(ip);
+    if (cu->ctx == NULL) {
+        return SPICE_ERR_NO_MEMORY;
+    }
+    struct ggml_cgraph * gf = ggml_new_graph_custom(cu->ctx, max_nodes, false);
+    struct ggml_tensor * x = ggml_new_tensor_2d(cu->ctx, GGML_TYPE_F32, L->n_embd, n_run);
+    ggml_set_input(x);
+
+    struct ggml_tensor * outs[L->n_expert > 0 ? L->n_expert : 1];
+    int32_t out_rows[L->n_expert > 0 ? L->n_expert : 1];
+    int32_t n_out = 0;
+    for (int32_t e = 0; e < L->n_expert; ++e) {
+        const int32_t r0 = cu->n_rows;
+        for (int32_t t = 0; t < job->n_tokens; ++t) {
+            const int32_t * ids = (const int32_t *) ((const char *) job->ids + (size_t) t * job->ids_nb1);
+            for (int32_t k = 0; k < job->n_used; ++k) {
+                const int32_t pair = t * job->n_used + k;
+                if (job->run[pair] == SPICE_EXEC_DEVICE && ids[k] == e) {
+                    memcpy((char *) cu->x_host + (size_t) cu->n_rows * row_bytes,
+                           (const char *) job->inp + (size_t) t * job->inp_nb1, row_bytes);
+                    cu->row_pair[cu->n_rows++] = pair;
+                }
+            }
+        }
+        const int32_t n = cu->n_rows - r0;
+        if (n == 0) {
+            continue;
+        }
+        const char * slot = job->slot_of[e];
+        struct ggml_tensor * xe = ggml_view_2d(cu->ctx, x, L->n_embd, n, x->nb[1], (size_t) r0 * x->nb[1]);
+        struct ggml_tensor * g = ggml_mul_mat(cu->ctx, slot_matrix(cu, &L->gate, slot + job->matrix_offset[0]), xe);
+        struct ggml_tensor * u = ggml_mul_mat(cu->ctx, slot_matrix(cu, &L->up, slot + job->matrix_offset[1]), xe);
+        struct ggml_tensor * a = ggml_swiglu_split(cu->ctx, g, u);
+        struct ggml_tensor * y = ggml_mul_mat(cu->ctx, slot_matrix(cu, &L->down, slot + job->matrix_offset[2]), a);
+        ggml_set_output(y);
+        ggml_build_forward_expand(gf, y);
+        outs[n_out] = y;
+        out_rows[n_out++] = r0;
+    }
+    if (!ggml_gallocr_alloc_graph(cu->galloc, gf)) {
+        snprintf(err, err_len, "CUDA: could not allocate the device executor's activations (%d rows)", n_run);
+        return SPICE_ERR_NO_MEMORY;
+    }
+    ggml_backend_tensor_set_async(cu->backend, x, cu->x_host, 0, (size_t) n_run * row_bytes);
+    if (ggml_backend_graph_compute_async(cu->backend, gf) != GGML_STATUS_SUCCESS) {
+        snprintf(err, err_len, "CUDA: the device executor's graph failed");
+        return SPICE_ERR_INTERNAL;
+    }
+    for (int32_t i = 0; i < n_out; ++i) {
+        ggml_backend_tensor_get_async(cu->backend, outs[i], (char *) cu->y_host + (size_t) out_rows[i] * row_bytes,
+                                      0, ggml_nbytes(outs[i]));
+    }
+    cu->pending = 1;
+    return SPICE_OK;
+}
+
+int spice_cuda_exec_end(spice_cuda * cu, float * y, char * err, size_t err_len) {
+    (void) err;
+    (void) err_len;
+    if (!cu->pending) {
+        return SPICE_OK;
+    }
+    ggml_backend_synchronize(cu->backend);
+    cu->pending = 0;
+    const size_t row_bytes = (size_t) cu->n_embd * sizeof(float);
+    for (int32_t r = 0; r < cu->n_rows; ++r) {
+        memcpy((char *) y + (size_t) cu->row_pair[r] * row_bytes, (const char *) cu->y_host + (size_t) r * row_bytes,
+               row_bytes);
+    }
+    return SPICE_OK;
+}

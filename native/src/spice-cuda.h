@@ -1,0 +1,90 @@
+/* The CUDA device tier: slot memory on the GPU, a copy engine on its own
+ * stream fed from pinned host weights, completion events, and a device
+ * executor that runs resident experts with ggml's CUDA kernels.
+ *
+ * Built only with -DGGML_CUDA=ON (spice-cuda.c); a CPU-only build links
+ * spice-cuda-none.c, whose functions all report SPICE_ERR_UNSUPPORTED, so
+ * the store and the runtime need no #ifdefs.
+ *
+ * Ownership: the store owns one spice_cuda (slots + copies); the runtime asks
+ * it to execute a layer's device pairs. Every call comes from thread 0 of the
+ * graph (the thread that runs the hook's planning), never from two threads. */
+#ifndef SPICE_CUDA_H
+#define SPICE_CUDA_H
+
+#include "spice-experts.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct spice_cuda spice_cuda;
+
+/* Number of CUDA devices this build can use (0 on a CPU-only build). */
+int spice_cuda_device_count(void);
+
+/* Free and total memory of a device, bytes. */
+int spice_cuda_device_memory(int device, uint64_t * free_bytes, uint64_t * total_bytes);
+
+/* A slot pool of n_slots * slot_stride bytes on `device` (zeroed: the
+ * padding ggml's CUDA kernels may read past a matrix must hold zeros), a
+ * copy stream and one pair of timing events per slot. */
+int spice_cuda_create(int device, int32_t n_slots, size_t slot_stride, spice_cuda ** out, char * err,
+                      size_t err_len);
+void spice_cuda_free(spice_cuda * cu);
+
+/* Device address of a slot. */
+char * spice_cuda_slot(spice_cuda * cu, int32_t slot);
+
+/* Page-lock host memory the copies read from (so they are real DMA,
+ * asynchronous to the host). Already-registered pages are not an error; a
+ * range that cannot be registered is copied from pageable memory (slower,
+ * still correct), and the function returns SPICE_ERR_UNSUPPORTED. */
+int spice_cuda_register_host(spice_cuda * cu, const void * data, size_t size);
+
+/* One host -> slot copy of up to three segments on the copy stream, plus
+ * zeroing `pad` bytes after each segment; completion recorded on the slot's
+ * events. */
+typedef struct spice_cuda_segment {
+    const void * src;
+    size_t dst_offset;
+    size_t size;
+    size_t pad;
+} spice_cuda_segment;
+
+int spice_cuda_copy_issue(spice_cuda * cu, int32_t slot, const spice_cuda_segment seg[3]);
+/* 1 when the slot's last issued copy has landed, 0 when not yet, <0 on error. */
+int spice_cuda_copy_done(spice_cuda * cu, int32_t slot);
+/* Block until the slot's last issued copy has landed. */
+int spice_cuda_copy_wait(spice_cuda * cu, int32_t slot);
+/* Synchronous device -> host read of n bytes at offset inside a slot (tests). */
+int spice_cuda_read(spice_cuda * cu, int32_t slot, size_t offset, void * dst, size_t n);
+/* Bus time of the slot's landed copy, ns (0 if unknown). */
+uint64_t spice_cuda_copy_ns(spice_cuda * cu, int32_t slot);
+
+/* exec value (spice_host_job.exec) of a pair the device executor computes */
+#define SPICE_EXEC_DEVICE 2
+
+/* Device executor for one layer call: pairs with run[pair] == SPICE_EXEC_DEVICE are computed
+ * on the GPU from their expert's slot (slot_of[e], a device address) with
+ * ggml's CUDA kernels: y = down(swiglu(gate x, up x)), unweighted. begin()
+ * queues the work and returns at once; end() waits and writes each pair's
+ * row into y[pair * n_embd]. The host executor weights and sums them with
+ * its own rows, in selection order. */
+typedef struct spice_cuda_job {
+    const spice_expert_layer * layer;
+    int32_t n_tokens, n_used;
+    const float   * inp; size_t inp_nb1;
+    const int32_t * ids; size_t ids_nb1;
+    const uint8_t * run;             /* [n_tokens * n_used] spice_host_job.exec values */
+    const char * const * slot_of;    /* [n_expert] device addresses */
+    size_t matrix_offset[3];         /* gate, up, down inside a slot */
+} spice_cuda_job;
+
+int spice_cuda_exec_begin(spice_cuda * cu, const spice_cuda_job * job, char * err, size_t err_len);
+int spice_cuda_exec_end(spice_cuda * cu, float * y, char * err, size_t err_len);
+
+/* Bytes ggml's CUDA kernels may read past the end of a matrix whose rows are
+ * n_cols wide (they round rows up to 512 columns). */
+size_t spice_cuda_matrix_pad(enum ggml_type type, int64_t n_cols);
+
+#endif /* SPICE_CUDA_H */
