@@ -228,6 +228,16 @@ class Llama(llama_cpp.Llama):
             self.set_policy(self._spice_policy_name)
         return self.spice_device
 
+    def automatic_device_budget(self) -> int:
+        """Bytes for a real device tier when none is given (DESIGN section 11): the
+        GPU's free memory now (after this model's other weights and KV cache are
+        allocated), less the margin ggml's buffers need, and never more than all
+        routed experts."""
+        layers = [info for info in self._require_runtime().layers() if info.is_moe]
+        total = sum(info.bytes_per_expert * info.n_expert for info in layers)
+        free, _ = device_memory(0)
+        return int(min(total, REAL_DEVICE_MARGIN * free))
+
     def clear_device(self) -> None:
         self._require_runtime().set_device(None)
         self._spice_device_params = None

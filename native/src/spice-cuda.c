@@ -216,7 +216,11 @@ int spice_cuda_register_host(spice_cuda * cu, const void * data, size_t size) {
         cu->registered = grown;
         cu->cap_registered = cap;
     }
-    const cudaError_t rc = cudaHostRegister((void *) data, size, cudaHostRegisterPortable);
+    cudaError_t rc = cudaHostRegister((void *) data, size, cudaHostRegisterPortable);
+    if (rc != cudaSuccess && rc != cudaErrorHostMemoryAlreadyRegistered) {
+        (void) cudaGetLastError(); /* a read-only mapping (mmap'd weights) needs the read-only flag */
+        rc = cudaHostRegister((void *) data, size, cudaHostRegisterPortable | cudaHostRegisterReadOnly);
+    }
     if (rc == cudaSuccess) {
         cu->registered[cu->n_registered++] = (void *) data;
         return SPICE_OK;

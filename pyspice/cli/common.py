@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from pyspice.build_info import BuildNotFoundError, load_build_info
 from pyspice.policy import policy_names
+from pyspice.units import format_bytes
 
 if TYPE_CHECKING:
     from pyspice.api import Llama
@@ -32,12 +33,20 @@ def add_context_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-b", "--batch-size", type=int, default=512, help="logical batch size (default 512)")
     p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="physical batch size (default 512)")
     p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)")
-    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers to offload to the GPU")
+    p.add_argument(
+        "-ngl",
+        "--n-gpu-layers",
+        type=int,
+        default=None,
+        help="layers to offload to the GPU (default: all on a CUDA build with a GPU, else 0); "
+        "routed experts always stay on the host, where the device tier fetches them from",
+    )
     p.add_argument(
         "--policy",
         choices=policy_names(),
         default=None,
-        help="expert policy (default: exact on a CPU-only build); see DESIGN section 6",
+        help="expert policy (default: exact on a CPU-only build; with a GPU, spice when the "
+        "model has a sidecar, else lru); see DESIGN section 6",
     )
     p.add_argument(
         "--device-budget",
@@ -120,6 +129,18 @@ def read_prompt(args: argparse.Namespace) -> str:
     return str(args.prompt)
 
 
+def gpu_present() -> bool:
+    """A CUDA build that sees a GPU (the real device tier is available)."""
+    try:
+        if not load_build_info().cuda:
+            return False
+    except BuildNotFoundError:
+        return False
+    from pyspice.runtime import device_count
+
+    return device_count() > 0
+
+
 def default_policy(args: argparse.Namespace) -> str:
     if args.policy is not None:
         return str(args.policy)
@@ -127,6 +148,15 @@ def default_policy(args: argparse.Namespace) -> str:
         cuda = load_build_info().cuda
     except BuildNotFoundError:
         cuda = False
+    if args.device_budget is None and args.emulate_bandwidth is None and gpu_present():
+        from pyspice.sidecar import default_sidecar_path
+
+        sidecar = getattr(args, "sidecar", None) or default_sidecar_path(resolve_model(args))
+        if sidecar.is_file():
+            note("GPU found, no --policy: using 'spice' (the model has a calibration sidecar)")
+            return "spice"
+        note("GPU found, no --policy: using 'lru' (no calibration sidecar; `pyspice calibrate` makes one)")
+        return "lru"
     if args.device_budget is not None:
         note("device budget given, no --policy: using 'exact' (the tier preloaded as far as it goes)")
     elif cuda:
@@ -151,6 +181,12 @@ def open_model(
 
     threads = thread_count(args)
     emulation = args.emulate_bandwidth is not None or args.emulate_latency is not None
+    gpu = not emulation and gpu_present()
+    n_gpu_layers = args.n_gpu_layers
+    if n_gpu_layers is None:
+        n_gpu_layers = 999 if gpu else 0
+        if gpu:
+            note("GPU found: every layer's non-expert weights go to it (-ngl to change)")
     if args.device_budget is None and emulation:
         raise ValueError("--emulate-bandwidth/--emulate-latency need --device-budget")
     path = resolve_model(args)
@@ -174,24 +210,40 @@ def open_model(
         if beside.is_file():
             note(f"using the model's calibration sidecar {beside}")
             sidecar = beside
+    auto_budget = device_budget is None and gpu and summary.is_moe and policy_needs_device(policy)
     llm = Llama(
         str(path),
-        policy=policy,
+        policy="stock" if auto_budget else policy,  # the policy starts once its tier exists
         max_hook_tokens=args.max_hook_tokens,
         n_ctx=args.ctx_size,
         n_batch=args.batch_size,
         n_ubatch=args.ubatch_size,
         n_threads=threads,
         n_threads_batch=threads,
-        n_gpu_layers=args.n_gpu_layers,
+        n_gpu_layers=n_gpu_layers,
         logits_all=logits_all,
         seed=seed if seed is not None else 0xFFFFFFFF,
+        # an automatic budget is sized after loading, from what the GPU has left
         device_budget=device_budget,
         emulate_bandwidth=args.emulate_bandwidth,
         emulate_latency=args.emulate_latency,
         sidecar=sidecar,
         verbose=False,
     )
+    if auto_budget:
+        budget = llm.automatic_device_budget()
+        note(
+            f"no --device-budget: using {format_bytes(budget)}, what the GPU has free after the "
+            "model's other weights and the KV cache, less a margin (or all routed experts if less)"
+        )
+        llm.set_device(budget)
+        llm.set_policy(policy)
     if llm.spice_device is not None:
         note(llm.spice_device.describe())
     return llm
+
+
+def policy_needs_device(policy: str) -> bool:
+    from pyspice.policy import policy_spec
+
+    return bool(policy_spec(policy).needs_device)
