@@ -7,7 +7,10 @@ several batch sizes, device time per expert, and the rest of a layer's time
 model: the same evaluation with every routed expert executed and with every
 routed expert dropped; what the experts add, divided by how many ran, is
 their cost. On a CPU-only build the device is emulated: its bus is what the
-user set, and its compute is the host's (labelled so).
+user set, and its compute is the host's (labelled so). With a real (CUDA)
+device the bus is measured from the copy engine's own events while every
+expert is fetched once, and device time per expert by the same difference
+with every expert resident on the GPU.
 """
 
 from __future__ import annotations
@@ -125,6 +128,17 @@ def measure_profile(
                 rest_us_per_layer=empty * 1e6 / n / max(1, n_layers),
             )
         )
+    bus_source = "emulated (set by the user)"
+    device_us = batches[0].expert_us
+    device_source = "emulated: the host's own time (CPU-only build)"
+    tier = getattr(llm, "spice_device", None)
+    if tier is not None and not tier.emulated:
+        if progress:
+            progress("real device: bus (every expert fetched once), then device time per expert")
+        bus_gbps, bus_latency_us = _measure_bus(llm, layers)
+        bus_source = "measured (CUDA events; latency folded into the effective bandwidth)"
+        device_us = _measure_device_expert_us(llm, layers, vocab, rng, repeats)
+        device_source = "measured: batch of 1, every expert resident, minus every expert dropped"
     llm.set_policy("exact")
     types = {
         f"{_type_name(i.type_gate)}/{_type_name(i.type_up)}/{_type_name(i.type_down)}": i.bytes_per_expert
@@ -140,11 +154,56 @@ def measure_profile(
         expert_bytes=types,
         bus_gbps=bus_gbps,
         bus_latency_us=bus_latency_us,
-        bus_source="emulated (set by the user)",
-        device_expert_us=batches[0].expert_us,
-        device_source="emulated: the host's own time (CPU-only build)",
+        bus_source=bus_source,
+        device_expert_us=device_us,
+        device_source=device_source,
         batches=batches,
     )
+
+
+def _whole_tier(llm: Any, layers: list[Any]) -> int:
+    """Every routed expert, or as much of them as the GPU has room for."""
+    total = sum(info.bytes_per_expert * info.n_expert for info in layers)
+    return int(min(total, llm.automatic_device_budget()))
+
+
+def _measure_bus(llm: Any, layers: list[Any]) -> tuple[float, float]:
+    """Fetch every expert once (a full tier, emptied first) and read back what the
+    copy engine timed with CUDA events: (GB/s, 0 us latency)."""
+    from pyspice.policy import ACTION_DEVICE
+
+    llm.set_policy("stock")
+    llm.set_device(_whole_tier(llm, layers))
+
+    class _FetchAll:
+        name = "probe-fetch-all"
+
+        def decide(self, call: HookCall) -> Plan:
+            return Plan(actions=np.full((call.n_tokens, call.n_expert_used), ACTION_DEVICE, np.int32))
+
+    llm.set_policy(_FetchAll())
+    llm.spice_reset_stats()
+    llm.reset()
+    llm.eval([int(t) for t in range(100, 164)])
+    c = llm.spice_snapshot().total
+    if c.copy_ns <= 0 or c.bytes_h2d <= 0:
+        raise RuntimeError("probe: the real device copied nothing; cannot measure its bus")
+    return c.bytes_h2d / c.copy_ns, 0.0
+
+
+def _measure_device_expert_us(llm: Any, layers: list[Any], vocab: int, rng: Any, repeats: int) -> float:
+    """Batch of 1 with every expert resident on the device vs every expert dropped."""
+    llm.set_policy("stock")
+    llm.set_device(_whole_tier(llm, layers))
+    llm.set_policy("exact")  # preloads the tier (every expert, where the GPU holds them all)
+    tokens = [int(rng.integers(100, min(vocab, 30000)))]
+    llm.spice_reset_stats()
+    full = _timed_eval(llm, tokens, repeats)
+    activations = float(llm.spice_stats()["activations"]) / repeats
+    llm.set_policy(_DropAll())
+    empty = _timed_eval(llm, tokens, repeats)
+    llm.clear_device()
+    return max(0.0, full - empty) * 1e6 / max(1.0, activations)
 
 
 def profile_path(model_path: Path) -> Path:
