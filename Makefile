@@ -66,11 +66,15 @@ check-patches: venv
 # default). cuBLAS comes from the nvidia-cublas wheel when the toolkit lacks it;
 # FlashAttention kernels are left out (the hook does not need them, and they
 # are most of the build), VMM too (no driver library on a build-only machine).
+# The CPU kernels target a portable x86-64-v3 baseline (AVX2/FMA/F16C), not this
+# machine's: these libraries are built here to run on the GPU machine.
 # On a GPU machine: `make build CMAKE_ARGS="-DGGML_CUDA=ON"` installs CUDA libs.
 CUDA_BUILD_DIR     ?= build/cuda
 CUDA_ARCHITECTURES ?= 90
 CUDA_CMAKE_ARGS    ?= -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=$(CUDA_ARCHITECTURES) \
-                      -DGGML_CUDA_FA=OFF -DGGML_CUDA_NCCL=OFF -DGGML_CUDA_NO_VMM=ON
+                      -DGGML_CUDA_FA=OFF -DGGML_CUDA_NCCL=OFF -DGGML_CUDA_NO_VMM=ON \
+                      -DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON \
+                      -DGGML_BMI2=ON -DGGML_FMA=ON -DGGML_F16C=ON
 
 cuda-check: upstream
 	mkdir -p build/cuda-deps

@@ -15,6 +15,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -216,13 +217,13 @@ int spice_cuda_register_host(spice_cuda * cu, const void * data, size_t size) {
         cu->registered = grown;
         cu->cap_registered = cap;
     }
-    cudaError_t rc = cudaHostRegister((void *) data, size, cudaHostRegisterPortable);
+    cudaError_t rc = cudaHostRegister((void *) (uintptr_t) data, size, cudaHostRegisterPortable);
     if (rc != cudaSuccess && rc != cudaErrorHostMemoryAlreadyRegistered) {
         (void) cudaGetLastError(); /* a read-only mapping (mmap'd weights) needs the read-only flag */
-        rc = cudaHostRegister((void *) data, size, cudaHostRegisterPortable | cudaHostRegisterReadOnly);
+        rc = cudaHostRegister((void *) (uintptr_t) data, size, cudaHostRegisterPortable | cudaHostRegisterReadOnly);
     }
     if (rc == cudaSuccess) {
-        cu->registered[cu->n_registered++] = (void *) data;
+        cu->registered[cu->n_registered++] = (void *) (uintptr_t) data;
         return SPICE_OK;
     }
     if (rc == cudaErrorHostMemoryAlreadyRegistered) {
@@ -316,7 +317,7 @@ static int grow_pinned(float ** p, size_t * cap, size_t need) {
  * zeroed when the pool was cleared and after every copy). */
 static struct ggml_tensor * slot_matrix(spice_cuda * cu, const spice_expert_matrix * m, const char * addr) {
     struct ggml_tensor * t = ggml_new_tensor_2d(cu->ctx, m->type, m->n_cols, m->n_rows);
-    t->data = (void *) addr;
+    t->data = (void *) (uintptr_t) addr;
     t->buffer = cu->pool;
     return t;
 }

@@ -112,7 +112,6 @@ static void count_actions(spice_counters * c, const int32_t * actions, const uin
     }
 }
 
-/* Thread 0: ask the policy, validate, count, and prepare the executor. */
 /* Real device: queue this call's device pairs on the GPU (their slots are
  * pinned resident by the store plan); the host executor runs meanwhile. */
 static int start_device_work(spice_runtime * rt, const struct llama_moe_hook_call * hc) {
@@ -149,6 +148,7 @@ static void collect_device_work(void * user_data, float * y) {
     rt->device_work_pending = 0;
 }
 
+/* Thread 0: ask the policy, validate, count, and prepare the executor. */
 static void plan_call(spice_runtime * rt, const struct llama_moe_hook_call * hc) {
     rt->device_work_pending = 0;
     const int32_t n_pairs = hc->n_tokens * hc->n_expert_used;
