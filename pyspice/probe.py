@@ -104,7 +104,9 @@ def measure_profile(
     batch_sizes: tuple[int, ...] = (1, 8, 32),
     repeats: int = 5,
     progress: Any = None,
+    real_device: bool = False,
 ) -> CostProfile:
+    """real_device: also measure the real (CUDA) device tier's bus and compute."""
     layers = [info for info in llm.spice_layers() if info.is_moe]
     n_layers = len(llm.spice_layers())
     vocab = llm.n_vocab()
@@ -131,8 +133,7 @@ def measure_profile(
     bus_source = "emulated (set by the user)"
     device_us = batches[0].expert_us
     device_source = "emulated: the host's own time (CPU-only build)"
-    tier = getattr(llm, "spice_device", None)
-    if tier is not None and not tier.emulated:
+    if real_device:
         if progress:
             progress("real device: bus (every expert fetched once), then device time per expert")
         bus_gbps, bus_latency_us = _measure_bus(llm, layers)

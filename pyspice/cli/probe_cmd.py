@@ -7,7 +7,14 @@ import json
 import sys
 from typing import Any
 
-from pyspice.cli.common import add_context_args, add_model_args, note, open_model, resolve_model
+from pyspice.cli.common import (
+    add_context_args,
+    add_model_args,
+    gpu_present,
+    note,
+    open_model,
+    resolve_model,
+)
 
 
 def register(sub: Any) -> None:
@@ -39,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
         batch_sizes=sizes,
         repeats=args.repeat,
         progress=lambda m: print(f"probe: {m}", file=sys.stderr, flush=True),
+        real_device=args.emulate_bandwidth is None and args.emulate_latency is None and gpu_present(),
     )
     llm.close()
     saved = save_profile(profile, profile_path(path))
@@ -50,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"bus ({profile.bus_source}): {profile.bus_gbps:g} GB/s, {profile.bus_latency_us:g} us per copy"
         )
+        print(f"device ({profile.device_source}): {profile.device_expert_us:.1f} us per expert activation")
         for b in profile.batches:
             print(
                 f"batch {b.tokens:>4}: {b.expert_us:8.1f} us per expert activation, "
