@@ -47,6 +47,15 @@ struct spice_cuda {
     int32_t n_registered, cap_registered;
 };
 
+/* Our failed CUDA calls must not leave their error behind: ggml checks
+ * cudaGetLastError() after its own launches and aborts on anything it finds. */
+static cudaError_t cleared(cudaError_t rc) {
+    if (rc != cudaSuccess) {
+        (void) cudaGetLastError();
+    }
+    return rc;
+}
+
 static int fail(char * err, size_t err_len, const char * what, cudaError_t rc) {
     if (err && err_len) {
         snprintf(err, err_len, "CUDA: %s: %s", what, cudaGetErrorString(rc));
@@ -97,7 +106,7 @@ int spice_cuda_create(int device, int32_t n_slots, size_t slot_stride, spice_cud
     cu->device = device;
     cu->n_slots = n_slots;
     cu->slot_stride = slot_stride;
-    cudaError_t rc = cudaSetDevice(device);
+    cudaError_t rc = cleared(cudaSetDevice(device));
     if (rc != cudaSuccess) {
         free(cu);
         return fail(err, err_len, "cudaSetDevice", rc);
@@ -126,7 +135,7 @@ int spice_cuda_create(int device, int32_t n_slots, size_t slot_stride, spice_cud
     ggml_backend_buffer_set_usage(cu->pool, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
     ggml_backend_buffer_clear(cu->pool, 0);
     cu->base = (char *) ggml_backend_buffer_get_base(cu->pool);
-    if ((rc = cudaStreamCreateWithFlags(&cu->copy_stream, cudaStreamNonBlocking)) != cudaSuccess) {
+    if ((rc = cleared(cudaStreamCreateWithFlags(&cu->copy_stream, cudaStreamNonBlocking))) != cudaSuccess) {
         spice_cuda_free(cu);
         return fail(err, err_len, "cudaStreamCreateWithFlags", rc);
     }
@@ -137,8 +146,8 @@ int spice_cuda_create(int device, int32_t n_slots, size_t slot_stride, spice_cud
         return SPICE_ERR_NO_MEMORY;
     }
     for (int32_t i = 0; i < n_slots; ++i) {
-        if ((rc = cudaEventCreate(&cu->ev_start[i])) != cudaSuccess ||
-            (rc = cudaEventCreate(&cu->ev_end[i])) != cudaSuccess) {
+        if ((rc = cleared(cudaEventCreate(&cu->ev_start[i]))) != cudaSuccess ||
+            (rc = cleared(cudaEventCreate(&cu->ev_end[i]))) != cudaSuccess) {
             spice_cuda_free(cu);
             return fail(err, err_len, "cudaEventCreate", rc);
         }
@@ -156,9 +165,9 @@ void spice_cuda_free(spice_cuda * cu) {
     if (cu == NULL) {
         return;
     }
-    cudaSetDevice(cu->device);
+    cleared(cudaSetDevice(cu->device));
     if (cu->copy_stream) {
-        cudaStreamSynchronize(cu->copy_stream);
+        cleared(cudaStreamSynchronize(cu->copy_stream));
     }
     if (cu->backend) {
         ggml_backend_synchronize(cu->backend);
@@ -195,7 +204,7 @@ void spice_cuda_free(spice_cuda * cu) {
         cudaFreeHost(cu->y_host);
     }
     for (int32_t i = 0; i < cu->n_registered; ++i) {
-        cudaHostUnregister(cu->registered[i]);
+        cleared(cudaHostUnregister(cu->registered[i]));
     }
     free(cu->registered);
     free(cu->row_pair);
@@ -207,7 +216,7 @@ char * spice_cuda_slot(spice_cuda * cu, int32_t slot) {
 }
 
 int spice_cuda_register_host(spice_cuda * cu, const void * data, size_t size) {
-    cudaSetDevice(cu->device);
+    cleared(cudaSetDevice(cu->device));
     if (cu->n_registered == cu->cap_registered) {
         const int32_t cap = cu->cap_registered ? 2 * cu->cap_registered : 16;
         void ** grown = (void **) realloc(cu->registered, (size_t) cap * sizeof(void *));
@@ -217,10 +226,10 @@ int spice_cuda_register_host(spice_cuda * cu, const void * data, size_t size) {
         cu->registered = grown;
         cu->cap_registered = cap;
     }
-    cudaError_t rc = cudaHostRegister((void *) (uintptr_t) data, size, cudaHostRegisterPortable);
+    cudaError_t rc = cleared(cudaHostRegister((void *) (uintptr_t) data, size, cudaHostRegisterPortable));
     if (rc != cudaSuccess && rc != cudaErrorHostMemoryAlreadyRegistered) {
         (void) cudaGetLastError(); /* a read-only mapping (mmap'd weights) needs the read-only flag */
-        rc = cudaHostRegister((void *) (uintptr_t) data, size, cudaHostRegisterPortable | cudaHostRegisterReadOnly);
+        rc = cleared(cudaHostRegister((void *) (uintptr_t) data, size, cudaHostRegisterPortable | cudaHostRegisterReadOnly));
     }
     if (rc == cudaSuccess) {
         cu->registered[cu->n_registered++] = (void *) (uintptr_t) data;
@@ -238,55 +247,54 @@ int spice_cuda_copy_issue(spice_cuda * cu, int32_t slot, const spice_cuda_segmen
     if (slot < 0 || slot >= cu->n_slots) {
         return SPICE_ERR_INVALID_ARG;
     }
-    cudaSetDevice(cu->device);
+    cleared(cudaSetDevice(cu->device));
     char * dst = spice_cuda_slot(cu, slot);
-    cudaError_t rc = cudaEventRecord(cu->ev_start[slot], cu->copy_stream);
+    cudaError_t rc = cleared(cudaEventRecord(cu->ev_start[slot], cu->copy_stream));
     for (int k = 0; k < 3 && rc == cudaSuccess; ++k) {
         if (seg[k].size == 0) {
             continue;
         }
-        rc = cudaMemcpyAsync(dst + seg[k].dst_offset, seg[k].src, seg[k].size, cudaMemcpyHostToDevice,
-                             cu->copy_stream);
+        rc = cleared(cudaMemcpyAsync(dst + seg[k].dst_offset, seg[k].src, seg[k].size, cudaMemcpyHostToDevice,
+                             cu->copy_stream));
         if (rc == cudaSuccess && seg[k].pad > 0) {
             /* a slot reused by another layer may hold weight bytes there */
-            rc = cudaMemsetAsync(dst + seg[k].dst_offset + seg[k].size, 0, seg[k].pad, cu->copy_stream);
+            rc = cleared(cudaMemsetAsync(dst + seg[k].dst_offset + seg[k].size, 0, seg[k].pad, cu->copy_stream));
         }
     }
     if (rc == cudaSuccess) {
-        rc = cudaEventRecord(cu->ev_end[slot], cu->copy_stream);
+        rc = cleared(cudaEventRecord(cu->ev_end[slot], cu->copy_stream));
     }
     return rc == cudaSuccess ? SPICE_OK : SPICE_ERR_INTERNAL;
 }
 
 int spice_cuda_copy_done(spice_cuda * cu, int32_t slot) {
-    const cudaError_t rc = cudaEventQuery(cu->ev_end[slot]);
+    const cudaError_t rc = cleared(cudaEventQuery(cu->ev_end[slot]));
     if (rc == cudaSuccess) {
         return 1;
     }
     if (rc == cudaErrorNotReady) {
-        (void) cudaGetLastError();
         return 0;
     }
     return -1;
 }
 
 int spice_cuda_copy_wait(spice_cuda * cu, int32_t slot) {
-    return cudaEventSynchronize(cu->ev_end[slot]) == cudaSuccess ? SPICE_OK : SPICE_ERR_INTERNAL;
+    return cleared(cudaEventSynchronize(cu->ev_end[slot])) == cudaSuccess ? SPICE_OK : SPICE_ERR_INTERNAL;
 }
 
 int spice_cuda_read(spice_cuda * cu, int32_t slot, size_t offset, void * dst, size_t n) {
     if (slot < 0 || slot >= cu->n_slots || offset + n > cu->slot_stride) {
         return SPICE_ERR_INVALID_ARG;
     }
-    cudaSetDevice(cu->device);
-    return cudaMemcpy(dst, spice_cuda_slot(cu, slot) + offset, n, cudaMemcpyDeviceToHost) == cudaSuccess
+    cleared(cudaSetDevice(cu->device));
+    return cleared(cudaMemcpy(dst, spice_cuda_slot(cu, slot) + offset, n, cudaMemcpyDeviceToHost)) == cudaSuccess
                ? SPICE_OK
                : SPICE_ERR_INTERNAL;
 }
 
 uint64_t spice_cuda_copy_ns(spice_cuda * cu, int32_t slot) {
     float ms = 0.0f;
-    if (cudaEventElapsedTime(&ms, cu->ev_start[slot], cu->ev_end[slot]) != cudaSuccess) {
+    if (cleared(cudaEventElapsedTime(&ms, cu->ev_start[slot], cu->ev_end[slot])) != cudaSuccess) {
         (void) cudaGetLastError();
         return 0;
     }
@@ -305,7 +313,7 @@ static int grow_pinned(float ** p, size_t * cap, size_t need) {
         *cap = 0;
     }
     const size_t n = need + need / 2;
-    if (cudaMallocHost((void **) p, n) != cudaSuccess) {
+    if (cleared(cudaMallocHost((void **) p, n)) != cudaSuccess) {
         (void) cudaGetLastError();
         return SPICE_ERR_NO_MEMORY;
     }
