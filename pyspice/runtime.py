@@ -16,6 +16,7 @@ import re
 import sys
 import threading
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -303,8 +304,12 @@ class Runtime:
             kind = IncompatibleModelError if status in (2, 4) else SpiceError
             raise kind(status, message)
         self._rt: Any = out[0]
-        self._views: dict[int, tuple[Any, int, int, np.ndarray]] = {}
         self._residency: tuple[Any, np.ndarray] | None = None
+        # HookCalls by the bytes of the call's head (layer, sizes, array addresses, strides):
+        # the graph reuses its buffers from one decode step to the next, so each layer's
+        # call finds the views it had the step before and pays for no new objects
+        self._calls: dict[bytes, HookCall] = {}
+        self._call_head = int(n.ffi.offsetof("spice_policy_call", "actions"))
         self._callback: Any = None
         self._policy: Policy | None = None
         self._policy_error: str | None = None
@@ -319,6 +324,7 @@ class Runtime:
             self._n.lib.spice_runtime_free(self._rt)
             self._rt = None
             self._callback = None
+            self._calls.clear()
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # interpreter shutdown may have torn down cffi
@@ -365,6 +371,7 @@ class Runtime:
             raise SpiceError(status, self.last_error())
         self._check(status, "set_device")
         self._residency = None
+        self._calls.clear()  # their residency views belong to the old tier
 
     def device_is_real(self) -> bool:
         """Whether the device tier's slots are on a real (CUDA) device."""
@@ -481,52 +488,57 @@ class Runtime:
         self._policy = None
         self._callback = None
 
-    def _view(self, key: int, ptr: Any, rows: int, cols: int, row_bytes: int, dtype: type) -> np.ndarray:
-        """Read-only numpy view of a C array. The graph reuses its buffers from
-        one decode step to the next, so views are cached by address and shape
-        (cdata pointers compare by address)."""
-        cached = self._views.get(key)
-        if cached is not None and cached[0] == ptr and cached[1] == rows and cached[2] == row_bytes:
-            return cached[3]
+    def _hook_call(self, call: Any) -> HookCall:
+        """The HookCall of this call: one read of the call's head, then the cached
+        HookCall of the same layer, sizes and buffers (its views are made on first
+        access and kept), or a new one."""
+        head = self._n.ffi.buffer(call, self._call_head)[:]
+        view = self._calls.get(head)
+        if view is None:
+            if len(self._calls) >= _MAX_CACHED_CALLS:  # prompt batches of many sizes
+                self._calls.clear()
+            # the fields are copied out of the struct: it lives only during this call
+            fields = (
+                (call.inp, call.n_embd, call.inp_nb1),
+                (call.probs, call.n_expert, call.probs_nb1),
+                (call.ids, call.n_expert_used, call.ids_nb1),
+                (call.weights, call.n_expert_used, call.weights_nb1),
+                (call.shexp, call.n_embd, call.shexp_nb1),
+            )
+            rows = int(call.n_tokens)
+            view = HookCall.lazy(
+                int(call.il),
+                rows,
+                int(call.n_expert),
+                int(call.n_expert_used),
+                lambda i: self._field(fields, rows, i),
+            )
+            self._calls[head] = view
+        return view
+
+    def _field(self, fields: tuple[tuple[Any, int, int], ...], rows: int, i: int) -> np.ndarray | None:
+        """Field i of a hook call as a read-only view: 0 hidden, 1 probs, 2 ids, 3 weights,
+        4 shared, 5 residency."""
+        if i == 5:
+            return self.residency()
+        ptr, cols, row_bytes = fields[i]
+        if ptr == self._n.ffi.NULL:
+            return None
         itemsize = 4  # float32 and int32 alike
         nbytes = (rows - 1) * row_bytes + cols * itemsize if rows > 0 else 0
         buf = self._n.ffi.buffer(ptr, nbytes)
+        dtype = np.int32 if i == 2 else np.float32
         arr: np.ndarray = np.ndarray((rows, cols), dtype=dtype, buffer=buf, strides=(row_bytes, itemsize))
         arr.flags.writeable = False
-        self._views[key] = (ptr, rows, row_bytes, arr)
         return arr
 
-    def _field(self, call: Any, i: int) -> np.ndarray | None:
-        """Field i of a hook call as a view: 0 hidden, 1 probs, 2 ids, 3 weights, 4 shared."""
-        key = 6 * call.il + i
-        n, used = call.n_tokens, call.n_expert_used
-        if i == 0:
-            return self._view(key, call.inp, n, call.n_embd, call.inp_nb1, np.float32)
-        if i == 1:
-            return self._view(key, call.probs, n, call.n_expert, call.probs_nb1, np.float32)
-        if i == 2:
-            return self._view(key, call.ids, n, used, call.ids_nb1, np.int32)
-        if i == 3:
-            return self._view(key, call.weights, n, used, call.weights_nb1, np.float32)
-        if i == 5:
-            return self.residency()
-        if call.shexp == self._n.ffi.NULL:
-            return None
-        return self._view(key, call.shexp, n, call.n_embd, call.shexp_nb1, np.float32)
-
     def _on_call(self, call: Any, _user_data: Any) -> int:
-        """cffi callback on graph thread 0: build the views, ask the policy, write the plan."""
+        """cffi callback on graph thread 0: find the views, ask the policy, write the plan."""
         try:
             policy = self._policy
             assert policy is not None
-            view = HookCall.lazy(
-                call.il, call.n_tokens, call.n_expert, call.n_expert_used, lambda i: self._field(call, i)
-            )
-            try:
-                plan = policy.decide(view)
-            finally:
-                view.expire()
-            self._write_plan(call, plan)
+            view = self._hook_call(call)
+            self._write_plan(call, view, policy.decide(view))
             return 0
         except KeyboardInterrupt:
             self._interrupted = True
@@ -544,26 +556,42 @@ class Runtime:
             self._interrupted = True
             return 2
 
-    def _write_plan(self, call: Any, plan: Plan) -> None:
-        ffi = self._n.ffi
-        want = (call.n_tokens, call.n_expert_used)
-        if plan.actions is not None:
-            actions = np.asarray(plan.actions)
-            if actions.shape != want:
-                raise ValueError(f"plan.actions has shape {actions.shape}; layer {call.il} needs {want}")
-            if not np.issubdtype(actions.dtype, np.integer):
-                raise TypeError(f"plan.actions must be integers, got {actions.dtype}")
-            flat = np.ascontiguousarray(actions, dtype=np.int32).ravel()
-            ffi.memmove(call.actions, flat, flat.nbytes)
-            call.n_actions = flat.size
+    def _write_plan(self, call: Any, view: HookCall, plan: Plan) -> None:
+        actions = plan.actions
+        if actions is not None:
+            n, used = view.n_tokens, view.n_expert_used
+            # the common shapes first: a decode step's one row as a list (cffi converts and
+            # range-checks each int in C), or an int32 array of the right shape
+            if (
+                isinstance(actions, list)
+                and n == 1
+                and len(actions) == 1
+                and isinstance(actions[0], list)
+                and len(actions[0]) == used
+            ):
+                try:
+                    call.actions[0:used] = actions[0]
+                except (TypeError, OverflowError):
+                    _write_actions(self._n.ffi, call, actions, (n, used))
+            elif (
+                type(actions) is np.ndarray
+                and actions.dtype == _INT32
+                and actions.shape == (n, used)
+                and actions.flags.c_contiguous
+            ):
+                self._n.ffi.memmove(call.actions, actions, actions.nbytes)
+            else:
+                _write_actions(self._n.ffi, call, actions, (n, used))
+            call.n_actions = n * used
         # libspice zeroes the counts before each call, so empty lists cost nothing
         if plan.fetch:
-            call.n_fetch = _copy_ints(ffi, call.fetch, call.cap_fetch, plan.fetch)
+            call.n_fetch = _copy_ints(call.fetch, call.cap_fetch, plan.fetch)
         if plan.prefetch:
-            pairs = [v for p in plan.prefetch for v in p]
-            call.n_prefetch = _copy_ints(ffi, call.prefetch, call.cap_prefetch, pairs)
+            pairs = list(chain.from_iterable(plan.prefetch))
+            call.n_prefetch = _copy_ints(call.prefetch, call.cap_prefetch, pairs)
         if plan.evict:
-            call.n_evict = _copy_ints(ffi, call.evict, call.cap_evict, [v for p in plan.evict for v in p])
+            pairs = list(chain.from_iterable(plan.evict))
+            call.n_evict = _copy_ints(call.evict, call.cap_evict, pairs)
 
     # ---- after a decode -----------------------------------------------------------
 
@@ -602,21 +630,36 @@ class Runtime:
         self._n.lib.spice_runtime_reset_counters(self._rt)
 
 
-def _copy_ints(ffi: Any, dst: Any, cap: int, values: Any) -> int:
+_INT32 = np.dtype(np.int32)
+_MAX_CACHED_CALLS = 512  # HookCalls kept by _hook_call (a model has at most a few hundred layers)
+
+
+def _write_actions(ffi: Any, call: Any, actions: Any, want: tuple[int, int]) -> None:
+    """Any array-like of action integers shaped [n_tokens, n_expert_used]."""
+    arr = np.asarray(actions)
+    if arr.shape != want:
+        raise ValueError(f"plan.actions has shape {arr.shape}; layer {call.il} needs {want}")
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"plan.actions must be integers, got {arr.dtype}")
+    flat = np.ascontiguousarray(arr, dtype=np.int32).ravel()
+    ffi.memmove(call.actions, flat, flat.nbytes)
+
+
+def _copy_ints(dst: Any, cap: int, values: Any) -> int:
     """Write plan ids into a libspice buffer. cffi's slice assignment converts and
     range-checks each int in C: for the few dozen ids of a decode step this is
     several times cheaper than building numpy arrays (measured in-graph)."""
     vals = values if isinstance(values, list) else list(values)
-    n = min(len(vals), cap)
-    if n:
-        head = vals[:n]
-        try:
-            dst[0:n] = head
-        except TypeError:  # numpy integers and other int-likes
-            dst[0:n] = [int(v) for v in head]
-        except OverflowError:
-            raise ValueError("plan ids must fit in int32") from None
-    return len(vals)  # libspice rejects a count above cap by name
+    n = len(vals)
+    if n > cap:
+        vals = vals[:cap]
+    try:
+        dst[0 : len(vals)] = vals
+    except TypeError:  # numpy integers and other int-likes
+        dst[0 : len(vals)] = [int(v) for v in vals]
+    except OverflowError:
+        raise ValueError("plan ids must fit in int32") from None
+    return n  # libspice rejects a count above cap by name
 
 
 def surrogate_apply(

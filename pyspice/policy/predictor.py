@@ -155,6 +155,11 @@ class DraftPredictor:
         logits = x @ self._G[layer][: n * e].T + self._g[layer][: n * e]
         return reach[:n], logits.reshape(*x.shape[:-1], n, e)
 
+    def stacked_logits(self, layer: int, hidden: npt.ArrayLike, depth: int) -> tuple[list[int], F32]:
+        """rollout_logits as one array: (layers reached, logits [..., n, n_expert]), no per-layer
+        views (the SPICE policy calls this on every planning hook call)."""
+        return self._stacked_logits(layer, hidden, depth)
+
     def rollout_logits(self, layer: int, hidden: npt.ArrayLike, depth: int) -> list[tuple[int, F32]]:
         """Predicted router logits of the next `depth` MoE layers (fewer where the model
         ends or past max_depth). hidden is [n_embd] or [n, n_embd]; logits are [..., n_expert]."""

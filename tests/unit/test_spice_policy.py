@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from pyspice.policy import (
@@ -29,11 +29,13 @@ from pyspice.policy import (
     RESIDENCY_QUEUED,
     RESIDENCY_RESIDENT,
     HookCall,
+    Plan,
     PolicyContext,
     make_policy,
 )
 from pyspice.policy.spice import SpicePolicy, spice_config
 from pyspice.policy.spice.cost import CostModel
+from pyspice.policy.spice.lookahead import look_ahead
 
 from .fake_tier import FakeTier
 
@@ -108,6 +110,15 @@ def hook_call(
     )
 
 
+def plan_actions(plan: Plan, call: HookCall) -> np.ndarray:
+    """The plan's actions, the default plan's (resident -> device, else host) when it has none."""
+    if plan.actions is not None:
+        return np.asarray(plan.actions)
+    assert call.residency is not None
+    resident = call.residency[call.layer][call.ids] == RESIDENCY_RESIDENT
+    return np.where(resident, ACTION_DEVICE, ACTION_HOST).astype(np.int32)
+
+
 def attached(name: str, ctx: PolicyContext) -> SpicePolicy:
     policy = make_policy(name)
     assert isinstance(policy, SpicePolicy)
@@ -156,7 +167,7 @@ def test_every_activation_gets_one_action_and_the_budget_holds(
     name, ctx, call = case
     residency = call.residency.copy()
     plan = attached(name, ctx).decide(call)
-    actions = np.asarray(plan.actions)
+    actions = plan_actions(plan, call)
     assert actions.shape == call.ids.shape  # one action per (token, selected expert)
     assert set(np.unique(actions).tolist()) <= {ACTION_DEVICE, ACTION_HOST, ACTION_SURROGATE}
     if spice_config(name).lossless:
@@ -190,7 +201,7 @@ def test_exact_level_never_substitutes_even_with_surrogates_loaded(
 ) -> None:
     _, ctx, call = case
     plan = attached("spice:exact", ctx).decide(call)
-    assert not (np.asarray(plan.actions) == ACTION_SURROGATE).any()
+    assert not (plan_actions(plan, call) == ACTION_SURROGATE).any()
 
 
 # ---- behaviour ---------------------------------------------------------------------------
@@ -203,14 +214,17 @@ def decode_trace(policy: Any, tier: FakeTier, picks: list[list[list[int]]]) -> N
             tier.call(policy, il, ids, np.ones((1, N_EMBD), np.float32))
 
 
-def test_a_perfect_prediction_turns_into_hits() -> None:
+@pytest.mark.parametrize(("plan_every", "budget"), [(1, 6), (2, 10)])
+def test_a_perfect_prediction_turns_into_hits(plan_every: int, budget: int) -> None:
+    # planning every 2nd layer holds two layers' predictions at once: it needs the room
     n_layers, n_expert, k = 4, 8, 2
     predictor = ScriptedPredictor(n_expert)
     rng = np.random.default_rng(1)
     picks = [[rng.choice(n_expert, k, replace=False).tolist() for _ in range(n_layers)] for _ in range(20)]
-    ctx = context(budget_experts=6, n_layers=n_layers, n_expert=n_expert, k=k, predictor=predictor)
+    ctx = context(budget_experts=budget, n_layers=n_layers, n_expert=n_expert, k=k, predictor=predictor)
     tier = FakeTier(ctx)
-    policy = attached("spice:exact", ctx)
+    policy = SpicePolicy(replace(spice_config("spice:exact"), plan_every=plan_every))
+    policy.attach(ctx)
     for token in picks:
         for il, ids in enumerate(token):
             predictor.future = {j: token[j] for j in range(n_layers)}
@@ -316,3 +330,71 @@ def test_h_min_follows_the_transfer_cost() -> None:
     fast_bus = CostModel.from_context(context(8, prof=profile(1000.0, 5.0, 5.0, emulated=False)))
     # eq. 4: P * M_e / (B * T_comp): a 1 MB/s bus needs many layers of warning, a fast one one
     assert slow_bus.h_min(0, 2, 2) > 1 and fast_bus.h_min(0, 2, 2) == 1
+
+
+def test_decode_steps_plan_at_every_other_layer_and_run_the_default_plan_between() -> None:
+    predictor = ScriptedPredictor(8)
+    predictor.future = {il: [il, il + 1] for il in range(4)}
+    ctx = context(budget_experts=16, predictor=predictor, prof=profile(12.0, 5.0, 5.0, emulated=True))
+    policy = attached("spice:exact", ctx)
+    assert policy.config.plan_every == 2
+    residency = np.zeros((4, 8), np.int8)
+    residency[1, 5] = RESIDENCY_RESIDENT
+    first = policy.decide(hook_call(0, [[0, 1]], [0.5, 0.5], residency, 8))
+    # layer 0 plans for at least layers 1 and 2 (the next plan is at layer 2)
+    assert {(1, 1), (1, 2), (2, 2), (2, 3)} <= set(first.prefetch)
+    between = policy.decide(hook_call(1, [[5, 6]], [0.5, 0.5], residency, 8))
+    assert between.actions is None and not between.prefetch and not between.evict and not between.fetch
+    assert policy.decide(hook_call(2, [[0, 1]], [0.5, 0.5], residency, 8)).prefetch
+
+
+def test_next_layer_ablations_and_lossy_levels_decide_every_step() -> None:
+    predictor = ScriptedPredictor(8)
+    predictor.future = {il: [il, il + 1] for il in range(4)}
+    errors = np.full(8, 0.1, np.float32)
+    ctx = context(budget_experts=16, predictor=predictor, errors=lambda il: errors)
+    residency = np.zeros((4, 8), np.int8)
+    # abl-c predicts the next layer only: it plans at every layer
+    assert attached("abl-c", ctx).decide(hook_call(1, [[5, 6]], [0.5, 0.5], residency, 8)).prefetch
+    # a lossy level still substitutes on a layer that does not plan
+    plan = attached("spice:fast", ctx).decide(hook_call(1, [[5, 6]], [0.01, 0.5], residency, 8))
+    assert plan.actions is not None and not plan.prefetch
+    assert np.asarray(plan.actions).tolist() == [[ACTION_SURROGATE, ACTION_HOST]]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(2, 12),
+    st.integers(1, 3),
+    st.integers(0, 3),
+    st.sampled_from([0.05, 0.3, 0.6, 0.9]),
+    st.integers(0, 2**31),
+)
+def test_look_ahead_is_algorithm_1(n_expert: int, h_min: int, extra: int, tau: float, seed: int) -> None:
+    """The decode look-ahead equals a direct reading of Algorithm 1: softmax of each
+    predicted layer, top-k by probability, H_min layers, then deeper while the top-k
+    mass stays >= tau, at most H_max."""
+    rng = np.random.default_rng(seed)
+    k = int(rng.integers(1, n_expert + 1))
+    h_max = h_min + extra
+    scale = rng.uniform(0.1, 4)
+    logits = {il: (rng.standard_normal(n_expert) * scale).astype(np.float32) for il in range(1, 9)}
+
+    class Fixed:
+        def rollout_logits(self, layer: int, hidden: Any, depth: int) -> list[tuple[int, Any]]:
+            return [(il, logits[il]) for il in range(layer + 1, min(9, layer + 1 + depth))]
+
+    probs = {il: np.exp(lg - lg.max()) / np.exp(lg - lg.max()).sum() for il, lg in logits.items()}
+    mass = {il: float(np.sort(p)[::-1][:k].sum()) for il, p in probs.items()}
+    assume(all(abs(m - tau) > 1e-5 for m in mass.values()))  # no ties with tau up to rounding
+    got = look_ahead(Fixed(), 0, np.zeros(N_EMBD, np.float32), k, h_min, h_max, tau)
+    depth = h_min
+    if h_max > h_min and mass[h_min] >= tau:
+        while depth < h_max and mass[depth + 1] >= tau:
+            depth += 1
+    assert got.layers == list(range(1, depth + 1))
+    for il, experts in zip(got.layers, got.experts, strict=True):
+        assert len(experts) == k and len(set(experts)) == k
+        ranked = probs[il][experts]
+        assert (np.diff(ranked) <= 1e-7).all()  # most probable first
+        assert ranked.min() >= np.sort(probs[il])[::-1][k - 1] - 1e-7  # the top k

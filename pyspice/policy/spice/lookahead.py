@@ -19,6 +19,7 @@ This runs on every decode hook call, so it works on all depths at once
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import exp
 from typing import Protocol
 
 import numpy as np
@@ -51,16 +52,21 @@ class RouterLookahead:
                 stacked = np.concatenate([np.asarray(routers[m], dtype=np.float32) for m in nxt])
                 self.ahead[il] = (nxt, np.ascontiguousarray(stacked))
 
-    def rollout_logits(self, layer: int, hidden: F32, depth: int) -> list[tuple[int, F32]]:
-        """hidden [n_embd] or [n, n_embd] -> [(layer, logits [n_expert] or [n, n_expert])]."""
+    def stacked_logits(self, layer: int, hidden: F32, depth: int) -> tuple[list[int], F32]:
+        """hidden [n_embd] or [n, n_embd] -> (layers, logits [..., depth, n_expert])."""
         entry = self.ahead.get(layer)
         if entry is None or depth <= 0:
-            return []
+            return [], np.zeros((0, 0), np.float32)
         layers, stacked = entry
         n_expert = stacked.shape[0] // len(layers)
         layers = layers[:depth]
         logits = hidden @ stacked[: len(layers) * n_expert].T  # [..., depth * n_expert]
-        return [(il, logits[..., i * n_expert : (i + 1) * n_expert]) for i, il in enumerate(layers)]
+        return layers, logits.reshape(*hidden.shape[:-1], len(layers), n_expert)
+
+    def rollout_logits(self, layer: int, hidden: F32, depth: int) -> list[tuple[int, F32]]:
+        """hidden [n_embd] or [n, n_embd] -> [(layer, logits [n_expert] or [n, n_expert])]."""
+        layers, logits = self.stacked_logits(layer, hidden, depth)
+        return [(il, logits[..., i, :]) for i, il in enumerate(layers)]
 
 
 @dataclass
@@ -76,6 +82,7 @@ class Predictions:
 
 
 NO_CONFIDENCE = np.zeros(0, dtype=np.float32)
+VOTERS = 16  # tokens of a prompt batch whose predictions vote (look_ahead_batch)
 NO_PREDICTIONS = Predictions([], [], NO_CONFIDENCE)
 
 
@@ -85,47 +92,71 @@ def _confidence(logits: F32, top: npt.NDArray[np.intp]) -> F32:
     return np.take_along_axis(p, top, axis=-1).sum(axis=-1) / p.sum(axis=-1)  # type: ignore[no-any-return]
 
 
-def look_ahead(
-    predictor: Predictor, layer: int, hidden: F32, k: int, h_min: int, h_max: int, tau: float
-) -> Predictions:
-    """Algorithm 1: predictions for the next MoE layers, depth adapted by confidence.
-
-    Runs on every decode hook call, so it first rolls out only H_min layers; only when
-    the deepest of those is still confident (confidence falls with depth) does it roll
-    out to H_max and cut at the first layer below tau."""
-    rolled = predictor.rollout_logits(layer, hidden, h_min)
-    if not rolled:
-        return NO_PREDICTIONS
-    if h_max > h_min and len(rolled) == h_min:
-        last = rolled[-1][1]
-        last_top = np.argpartition(-last, k - 1)[:k] if k < last.shape[0] else np.arange(last.shape[0])
-        if float(_confidence(last, last_top)) >= tau:
-            rolled = predictor.rollout_logits(layer, hidden, h_max)
-            logits = np.stack([lg for _, lg in rolled])
-            top = np.argsort(-logits, axis=1)[:, :k]
-            conf = _confidence(logits, top)
-            low = np.flatnonzero(conf[h_min:] < tau)
-            depth = h_min + int(low[0]) if low.size else len(rolled)
-            return Predictions([m for m, _ in rolled[:depth]], top[:depth].tolist(), conf[:depth])
-    if len(rolled) == 1:
-        return Predictions([rolled[0][0]], [np.argsort(-rolled[0][1])[:k].tolist()], NO_CONFIDENCE)
-    logits = np.stack([lg for _, lg in rolled])
-    top = np.argsort(-logits, axis=1)[:, :k]
-    return Predictions([m for m, _ in rolled], top.tolist(), NO_CONFIDENCE)
+def _mass(logits: list[float], ascending: list[int], k: int) -> float:
+    """Softmax mass of the top k of one row of logits, given the row's ascending order.
+    Plain Python over a few dozen floats: one numpy call per ufunc would cost more
+    inside the graph, where each starts with cold caches."""
+    m = logits[ascending[-1]]
+    ex = [exp(v - m) for v in logits]
+    return sum([ex[i] for i in ascending[-k:]]) / sum(ex)
 
 
-def look_ahead_batch(predictor: Predictor, layer: int, hidden: F32, k: int, depth: int) -> Predictions:
-    """A prompt batch: for each of the next `depth` MoE layers, the experts any token is
-    predicted to pick, the most often predicted first (what that layer will need most)."""
+def _stacked(predictor: Predictor, layer: int, hidden: F32, depth: int) -> tuple[list[int], F32]:
+    """(layers, logits [..., depth, n_expert]) in one array, from either predictor interface."""
+    stacked = getattr(predictor, "stacked_logits", None)
+    if stacked is not None:
+        return stacked(layer, hidden, depth)  # type: ignore[no-any-return]
     rolled = predictor.rollout_logits(layer, hidden, depth)
-    layers: list[int] = []
+    if not rolled:
+        return [], np.zeros((0, 0), np.float32)
+    return [m for m, _ in rolled], np.stack([lg for _, lg in rolled], axis=-2)
+
+
+def look_ahead(
+    predictor: Predictor, layer: int, hidden: F32, k: int, h_min: int, h_max: int, tau: float, keep: int = 0
+) -> Predictions:
+    """Algorithm 1: predictions for the next MoE layers, depth adapted by confidence;
+    each layer's top-k most probable first, cut to its `keep` most probable (0: all k).
+
+    Runs on planning decode hook calls, so it first rolls out only H_min layers; only
+    when the deepest of those is still confident (confidence falls with depth) does it
+    roll out to H_max and cut at the first layer below tau."""
+    keep = min(k, keep) if keep > 0 else k
+    layers, logits = _stacked(predictor, layer, hidden, h_min)
+    if not layers:
+        return NO_PREDICTIONS
+    order: list[list[int]] = logits.argsort(axis=-1).tolist()  # ascending, per layer
+    deeper = h_max > h_min and len(layers) == h_min
+    if deeper and (k >= logits.shape[-1] or _mass(logits[-1].tolist(), order[-1], k) >= tau):
+        layers, logits = _stacked(predictor, layer, hidden, h_max)
+        top = np.argsort(-logits, axis=1)[:, :k]
+        conf = _confidence(logits, top)
+        low = np.flatnonzero(conf[h_min:] < tau)
+        depth = h_min + int(low[0]) if low.size else len(layers)
+        return Predictions(layers[:depth], top[:depth, :keep].tolist(), conf[:depth])
+    return Predictions(list(layers), [row[: -keep - 1 : -1] for row in order], NO_CONFIDENCE)
+
+
+def look_ahead_batch(
+    predictor: Predictor, layer: int, hidden: F32, k: int, depth: int, voters: int = VOTERS
+) -> Predictions:
+    """A prompt batch: for each of the next `depth` MoE layers, the experts any token is
+    predicted to pick, the most often predicted first (what that layer will need most).
+    At most `voters` tokens, evenly spaced, vote: the planner needs the ranking, and a
+    rollout over every token of a long prompt costs more than the plan is worth."""
+    n = hidden.shape[0]
+    if n > voters:
+        hidden = hidden[:: -(-n // voters)]
+    layers, logits = _stacked(predictor, layer, hidden, depth)  # [tokens, depth, n_expert]
+    if logits.ndim == 2:  # a predictor that gives one prediction for the whole batch
+        logits = logits[None]
     experts: list[list[int]] = []
-    for il, logits in rolled:
-        n_expert = logits.shape[-1]
+    for d in range(len(layers)):
+        row = logits[:, d]
+        n_expert = row.shape[-1]
         kk = min(k, n_expert)
-        top = np.argpartition(-logits, kk - 1, axis=-1)[..., :kk]
+        top = np.argpartition(-row, kk - 1, axis=-1)[:, :kk]
         votes = np.bincount(top.ravel(), minlength=n_expert)
         chosen = np.flatnonzero(votes)
-        layers.append(il)
         experts.append(chosen[np.argsort(-votes[chosen], kind="stable")].tolist())
-    return Predictions(layers, experts, np.ones(len(layers), dtype=np.float32))
+    return Predictions(list(layers), experts, np.ones(len(layers), dtype=np.float32))

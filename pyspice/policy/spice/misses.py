@@ -13,7 +13,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,7 +36,9 @@ ErrorLookup = Callable[[int], "npt.NDArray[np.float32] | None"]
 
 @dataclass
 class MissDecision:
-    actions: npt.NDArray[np.int32]  # [n_tokens, n_expert_used]
+    # [n_tokens, n_expert_used]; a decode step's one row as a list (written to the plan as
+    # is); None: the default plan's (resident -> device, the rest -> host)
+    actions: npt.NDArray[np.int32] | list[list[int]] | None
     fetch: list[int]  # experts of this layer to copy now
     busy: list[int]  # experts this call runs on the device (resident, awaited or fetched)
 
@@ -52,6 +54,23 @@ class MissHandler:
         # with the device no faster than the host and no overlap (the emulated device),
         # fetching a miss can only add the copy's wait: never worth it in the cost model
         self.fetch_can_win = cost.overlap or self.dev1 < self.host1
+        self._good: dict[int, frozenset[int]] = {}
+        # a decode step goes through decide_step (plain Python) unless the cost model
+        # must weigh fetches against the host
+        self.decode_in_python = config.miss_mode != "cost" or not self.fetch_can_win
+        # per layer: whether a decode step's actions are always the default plan's (resident
+        # -> device, everything else -> host): lossless, nothing fetched, and even a copy
+        # already on the bus not worth waiting for
+        self.default_step = [
+            config.lossless
+            and self.decode_in_python
+            and config.miss_mode != "fetch"
+            and cost.copy_us(il) + self.dev1 > self.host1
+            for il in range(len(cost.expert_bytes))
+        ]
+        # the same for a prompt batch: waiting for a copy never beats the host when device
+        # work is host work (the emulated device), whatever the batch size
+        self.default_batch = [d and not cost.overlap for d in self.default_step]
 
     def decide(
         self,
@@ -60,7 +79,7 @@ class MissHandler:
         weights: npt.NDArray[np.float32],
         residency: npt.NDArray[np.int8],
     ) -> MissDecision:
-        if ids.shape[0] == 1 and (self.config.miss_mode != "cost" or not self.fetch_can_win):
+        if ids.shape[0] == 1 and self.decode_in_python:
             return self._decide_step(layer, ids, weights, residency)
         cfg, cost = self.config, self.cost
         decode = ids.shape[0] == 1
@@ -164,13 +183,24 @@ class MissHandler:
     ) -> MissDecision:
         """One decode token when no miss can be worth fetching by the cost model (or the
         ablation decides it): plain Python over a dozen experts, cheaper than numpy calls."""
+        return self.decide_step(layer, ids[0].tolist(), weights, residency[layer].tolist(), residency)
+
+    def decide_step(
+        self,
+        layer: int,
+        experts: list[int],
+        weights: npt.NDArray[np.float32],
+        row: Sequence[int],
+        residency: npt.NDArray[np.int8],
+    ) -> MissDecision:
+        """`_decide_step` on the token's experts and the layer's residency row as plain
+        Python sequences (a list, or that row's bytes)."""
         cfg = self.config
-        experts: list[int] = ids[0].tolist()
-        row: list[int] = residency[layer].tolist()
-        errors = self.surrogate_error(layer) if self.surrogate_error is not None else None
-        w: list[float] = weights[0].tolist() if errors is not None else []
-        err: list[float] = errors.tolist() if errors is not None else []
-        copy_us = self.cost.copy_us(layer)
+        good = self._good_surrogates(layer) if self.surrogate_error is not None else None
+        w: list[float] = weights[0].tolist() if good else []
+        # the shortest wait (a copy already on the bus) already loses to the host:
+        # no in-flight expert is worth waiting for, whatever the queue holds
+        wait_loses = cfg.miss_mode != "fetch" and self.cost.copy_us(layer) + self.dev1 > self.host1
         actions: list[int] = []
         fetch: list[int] = []
         busy: list[int] = []
@@ -182,11 +212,7 @@ class MissHandler:
                 busy.append(e)
                 continue
             if s == RESIDENCY_ABSENT:
-                if (
-                    errors is not None
-                    and w[k] < cfg.surrogate_max_weight
-                    and err[e] <= cfg.surrogate_max_error
-                ):
+                if good and e in good and w[k] < cfg.surrogate_max_weight:
                     actions.append(ACTION_SURROGATE)
                 elif cfg.miss_mode == "fetch":
                     actions.append(ACTION_DEVICE)
@@ -196,11 +222,24 @@ class MissHandler:
                     actions.append(ACTION_HOST)
                 continue
             # a prefetch on its way: wait for it, or run it on the host meanwhile
+            if wait_loses:
+                actions.append(ACTION_HOST)
+                continue
             if cfg.miss_mode != "fetch":
-                wait, n_queued = self._prefetch_wait_us(s, copy_us, residency, n_queued)
+                wait, n_queued = self._prefetch_wait_us(s, self.cost.copy_us(layer), residency, n_queued)
                 if wait + self.dev1 > self.host1:
                     actions.append(ACTION_HOST)
                     continue
             actions.append(ACTION_DEVICE)
             busy.append(e)
-        return MissDecision(np.array([actions], dtype=np.int32), fetch, busy)
+        return MissDecision([actions], fetch, busy)
+
+    def _good_surrogates(self, layer: int) -> frozenset[int]:
+        """Experts of `layer` whose surrogate is within the level's error budget (cached)."""
+        good = self._good.get(layer)
+        if good is None:
+            errors = self.surrogate_error(layer) if self.surrogate_error is not None else None
+            limit = self.config.surrogate_max_error
+            good = frozenset([] if errors is None else np.flatnonzero(np.asarray(errors) <= limit).tolist())
+            self._good[layer] = good
+        return good

@@ -13,14 +13,12 @@
   recently used among equals. A victim must be needed later than the
   expert it makes room for.
 
-Bookkeeping over the residency table the engine hands the policy, in numpy
-arrays (it runs on every decode hook call). What the plan asks for never
-exceeds the byte budget (the store would refuse it anyway).
+Bookkeeping over the residency table the engine hands the policy. What the
+plan asks for never exceeds the byte budget (the store would refuse it anyway).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,6 +38,11 @@ class PrefetchPlan:
 
 
 class PrefetchPlanner:
+    """Runs on every decode hook call, where one numpy call on a tiny array costs more
+    than the Python it would replace: experts are plain ints (layer * width + expert),
+    rows of the residency table are read as lists, and numpy only counts over the
+    whole table."""
+
     def __init__(self, ctx: PolicyContext, queue_max: int = 64, reserved_bytes: int = 0) -> None:
         self.ctx = ctx
         self.queue_max = queue_max
@@ -48,6 +51,7 @@ class PrefetchPlanner:
         moe_bytes = {int(self.bytes[il]) for il in ctx.moe_layers}
         # every expert the same size (the common case): free bytes from one count
         self.uniform = moe_bytes.pop() if len(moe_bytes) == 1 else 0
+        self.width = max(1, ctx.max_expert)  # an expert's int key: layer * width + expert
         moe = list(ctx.moe_layers)
         self.n_moe = max(1, len(moe))
         pos = np.zeros(ctx.n_layers, dtype=np.int64)
@@ -55,29 +59,28 @@ class PrefetchPlanner:
             pos[il] = i
         # distance[current][layer]: MoE layers from `current` until `layer` runs again,
         # with the current layer itself a full cycle away
-        self.distance = np.zeros((ctx.n_layers, ctx.n_layers), dtype=np.int64)
+        distance = np.zeros((ctx.n_layers, ctx.n_layers), dtype=np.int64)
         # farthest[current]: MoE layers ordered by that distance, farthest first
         self.farthest: dict[int, list[int]] = {}
         for cur in moe:
             d = (pos - pos[cur]) % self.n_moe
             d[cur] = self.n_moe
-            self.distance[cur] = d
+            distance[cur] = d
             self.farthest[cur] = sorted(moe, key=lambda il: -int(d[il]))
-        self.distance_lists: list[list[int]] = self.distance.tolist()
+        self.distance_lists: list[list[int]] = distance.tolist()
         self.byte_list: list[int] = [int(b) for b in self.bytes]
         self.reset()
 
     def reset(self) -> None:
-        self.queued: dict[Key, int] = {}  # our prefetches not yet landed -> distance when queued
-        width = max(1, self.ctx.max_expert)
-        self.last_use: list[list[int]] = [[0] * width for _ in range(self.ctx.n_layers)]
+        self.queued: dict[int, int] = {}  # our prefetches not yet landed -> distance when queued
+        self.last_use: list[list[int]] = [[0] * self.width for _ in range(self.ctx.n_layers)]
         self.clock = 0
 
     def note_use(self, layer: int, experts: list[int]) -> None:
         self.clock += 1
-        row = self.last_use[layer]
+        row, clock = self.last_use[layer], self.clock
         for e in experts:
-            row[e] = self.clock
+            row[e] = clock
 
     def free_bytes(self, state: npt.NDArray[np.int8]) -> int:
         if self.uniform:
@@ -92,102 +95,123 @@ class PrefetchPlanner:
         residency: npt.NDArray[np.int8],
         busy: list[int],
         fetch_bytes: int,
+        cells: bytes | None = None,
     ) -> PrefetchPlan:
         """`busy`: experts of the current layer this call runs on the device or fetches
-        (never evicted); `fetch_bytes`: bytes of the demand fetches this call makes.
+        (never evicted); `fetch_bytes`: bytes of the demand fetches this call makes;
+        `cells`: residency.tobytes() if the caller has it already.
 
-        Runs on every decode hook call, where a numpy call on a tiny array costs more
-        than the Python it would replace: rows of the residency table are read as
-        lists, and numpy is used only to count over the whole table."""
+        The residency table is read as one bytes object: a cell is one index away
+        (`cells[layer * width + expert]`) and counting states is bytes.count, both
+        far cheaper than numpy calls on a table this small."""
+        width = self.width
+        if residency.shape[1] != width:
+            raise ValueError(f"residency table has {residency.shape[1]} columns; the context says {width}")
+        if cells is None:
+            cells = residency.tobytes()
         dist = self.distance_lists[current]
         horizon = len(pred)
-        rows: dict[int, list[int]] = {}
 
-        def row(il: int) -> list[int]:
-            r = rows.get(il)
-            if r is None:
-                r = rows[il] = residency[il].tolist()
-            return r
-
-        predicted: set[Key] = set()
-        candidates: list[tuple[int, Key]] = []  # (distance, key): nearest layer, most probable first
+        predicted: set[int] = set()
+        candidates: list[tuple[int, int]] = []  # (distance, key): nearest layer, most probable first
         for il, experts in zip(pred.layers, pred.experts, strict=True):
-            r, d = row(il), dist[il]
+            d, base = dist[il], il * width
             for e in experts:
-                predicted.add((il, e))
-                if r[e] == RESIDENCY_ABSENT:
-                    candidates.append((d, (il, e)))
+                key = base + e
+                predicted.add(key)
+                if cells[key] == RESIDENCY_ABSENT:
+                    candidates.append((d, key))
 
         # our prefetches: landed or dropped ones are forgotten, stale ones cancelled
-        evict: list[Key] = []
-        for key, issued_at in list(self.queued.items()):
-            s = row(key[0])[key[1]]
+        evict: list[int] = []
+        queued = self.queued
+        for key, issued_at in list(queued.items()):
+            s = cells[key]
             if s != RESIDENCY_QUEUED:
                 if s != RESIDENCY_COPYING:
-                    del self.queued[key]
+                    del queued[key]
                 continue
+            il = key // width
             if (
                 key in predicted
-                or horizon < dist[key[0]] <= issued_at
-                or (key[0] == current and key[1] in busy)
+                or horizon < dist[il] <= issued_at
+                or (il == current and key - il * width in busy)
             ):
                 continue  # still wanted, beyond this call's horizon and approaching, or awaited now
             evict.append(key)
-            del self.queued[key]
+            del queued[key]
         if not candidates:
-            return PrefetchPlan([], evict)
+            return PrefetchPlan([], self._pairs(evict))
 
-        n_queued = int(np.count_nonzero(residency == RESIDENCY_QUEUED)) - len(evict)
-        free = self.free_bytes(residency) - fetch_bytes + sum(self.byte_list[k[0]] for k in evict)
-        victims: list[tuple[int, Key]] | None = None
-        prefetch: list[Key] = []
+        n_queued = cells.count(RESIDENCY_QUEUED) - len(evict)
+        byte_list = self.byte_list
+        freed = sum(byte_list[k // width] for k in evict)
+        if self.uniform:
+            free = self.budget - (len(cells) - cells.count(RESIDENCY_ABSENT)) * self.uniform
+            # victims worth gathering: as many as the candidates lack room for
+            short = len(candidates) * self.uniform - (free - fetch_bytes + freed)
+            count = -(-short // self.uniform)
+        else:
+            free = self.free_bytes(residency)
+            count = len(candidates)
+        free += freed - fetch_bytes
+        victims: list[tuple[int, int]] | None = None
+        prefetch: list[tuple[int, int]] = []
         for depth, key in candidates:
             if n_queued >= self.queue_max:
                 break
-            need = self.byte_list[key[0]]
+            il = key // width
+            need = byte_list[il]
             if free < need:
                 if victims is None:
-                    victims = self._victims(current, row, busy, predicted, depth, len(candidates))
+                    victims = self._victims(current, cells, busy, predicted, depth, count)
                 while free < need and victims and victims[-1][0] > depth:
                     v = victims.pop()[1]
                     evict.append(v)
-                    free += self.byte_list[v[0]]
+                    free += byte_list[v // width]
                 if free < need:
                     break  # nearer predictions came first; nothing farther may displace them
-            prefetch.append(key)
-            self.queued[key] = depth
+            prefetch.append((il, key - il * width))
+            queued[key] = depth
             free -= need
             n_queued += 1
-        return PrefetchPlan(prefetch, evict)
+        return PrefetchPlan(prefetch, self._pairs(evict))
+
+    def _pairs(self, keys: list[int]) -> list[Key]:
+        width = self.width
+        return [(k // width, k % width) for k in keys]
 
     def _victims(
         self,
         current: int,
-        row: Callable[[int], list[int]],
+        cells: bytes,
         busy: list[int],
-        predicted: set[Key],
+        predicted: set[int],
         nearest: int,
         count: int,
-    ) -> list[tuple[int, Key]]:
+    ) -> list[tuple[int, int]]:
         """Evictable experts as (distance, key), best victim LAST, gathered from the
         farthest layers inward until `count` are found or the layers get as near as
         `nearest` (nothing nearer may be evicted for it)."""
         dist = self.distance_lists[current]
-        found: list[tuple[int, Key]] = []
+        width = self.width
+        found: list[tuple[int, int]] = []
         for il in self.farthest[current]:
             d = dist[il]
             if d <= nearest or len(found) >= count:
                 break
-            r = row(il)
+            base = il * width
+            row = cells[base : base + width]
+            if RESIDENCY_RESIDENT not in row:
+                continue
             skip = busy if il == current else ()
             held = [
                 e
-                for e, s in enumerate(r)
-                if s == RESIDENCY_RESIDENT and e not in skip and (il, e) not in predicted
+                for e, s in enumerate(row)
+                if s == RESIDENCY_RESIDENT and e not in skip and base + e not in predicted
             ]
             if held:
-                last = self.last_use[il]
-                held.sort(key=last.__getitem__)  # least recent first
-                found.extend((d, (il, e)) for e in held)
+                held.sort(key=self.last_use[il].__getitem__)  # least recent first
+                found.extend([(d, base + e) for e in held])
         found.reverse()  # pop() takes the farthest, least recent first
         return found

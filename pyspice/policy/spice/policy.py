@@ -18,14 +18,18 @@ import math
 import sys
 
 import numpy as np
+import numpy.typing as npt
 
-from pyspice.policy.base import HookCall, Plan
+from pyspice.policy.base import RESIDENCY_RESIDENT, HookCall, Plan
 from pyspice.policy.context import PolicyContext
 from pyspice.policy.spice.config import SpiceConfig, spice_config
 from pyspice.policy.spice.cost import CostModel
 from pyspice.policy.spice.lookahead import Predictor, RouterLookahead, look_ahead, look_ahead_batch
-from pyspice.policy.spice.misses import MissHandler
+from pyspice.policy.spice.misses import MissDecision, MissHandler
 from pyspice.policy.spice.planner import PrefetchPlanner
+
+# resident experts on the device, the others on the host (the runtime only reads plans)
+DEFAULT_PLAN = Plan()
 
 
 class SpicePolicy:
@@ -45,11 +49,19 @@ class SpicePolicy:
         self.cost = CostModel.from_context(ctx)
         k = max(1, ctx.n_expert_used)
         moe = ctx.moe_layers
-        self.h_min = {il: self.cost.h_min(il, k, k) for il in moe}
+        # a decode step plans at every `every`-th MoE layer, for at least the layers up to
+        # the next plan plus H_min beyond them
+        every = max(1, cfg.plan_every) if cfg.deep else 1
+        # a prompt batch plans at every layer: H_min of eq. 4 itself
+        self.batch_depth = {il: self.cost.h_min(il, k, k) if cfg.deep else 1 for il in moe}
+        self.h_min = {il: self.cost.h_min(il, k, k) + every - 1 for il in moe}
         self.h_max = {il: max(self.h_min[il], cfg.h_max) for il in moe}
         if not cfg.deep:
             self.h_min = dict.fromkeys(moe, 1)
             self.h_max = dict.fromkeys(moe, 1)
+        self.plans = [False] * ctx.n_layers  # whether a decode step plans at this layer
+        for i, il in enumerate(moe):
+            self.plans[il] = i % every == 0
         predictor: Predictor | None = ctx.predictor
         if predictor is None:
             predictor = RouterLookahead(ctx, max(self.h_max.values(), default=1))
@@ -64,35 +76,63 @@ class SpicePolicy:
             )
         self.misses = MissHandler(cfg, self.cost, errors)
         self.n_prefetch = max(1, math.ceil(cfg.prefetch_share * k))
+        self.expert_bytes = [int(b) for b in ctx.expert_bytes]
 
     def decide(self, call: HookCall) -> Plan:
         assert self.ctx is not None, "attach() first"
         residency = call.residency
         if residency is None:
             raise RuntimeError(f"policy {self.name!r} needs a device tier: pass --device-budget")
+        if call.n_tokens != 1:
+            return self._decide_batch(call, residency)
         layer = call.layer
-        ids = call.ids
-        decision = self.misses.decide(layer, ids, call.weights, residency)
-        self.planner.note_use(layer, ids[0].tolist() if call.n_tokens == 1 else np.unique(ids).tolist())
+        ids: list[int] = call.ids.tolist()[0]
+        self.planner.note_use(layer, ids)
+        misses = self.misses
+        plans = self.plans[layer] and self.config.prefetch
+        if not plans and misses.default_step[layer]:
+            return DEFAULT_PLAN  # nothing to plan, and every activation as the default plan has it
+        cells = residency.tobytes()  # the whole table as one bytes object (see planner.plan)
+        if misses.decode_in_python:
+            width = residency.shape[1]
+            row = cells[layer * width : (layer + 1) * width]
+            decision = misses.decide_step(layer, ids, call.weights, row, residency)
+        else:
+            decision = misses.decide(layer, call.ids, call.weights, residency)
+        if not plans:
+            return Plan(actions=decision.actions, fetch=decision.fetch)
+        predictions = look_ahead(
+            self.predictor,
+            layer,
+            call.hidden[0],
+            self.ctx.n_expert_used,
+            self.h_min[layer],
+            self.h_max[layer],
+            self.config.tau,
+            self.n_prefetch,
+        )
+        fetch_bytes = len(decision.fetch) * self.expert_bytes[layer] if decision.fetch else 0
+        prefetch = self.planner.plan(layer, predictions, residency, decision.busy, fetch_bytes, cells)
+        return Plan(decision.actions, decision.fetch, prefetch.prefetch, prefetch.evict)
+
+    def _decide_batch(self, call: HookCall, residency: npt.NDArray[np.int8]) -> Plan:
+        """A prompt batch: what the next layers' tokens will pick, by votes."""
+        assert self.ctx is not None
+        layer = call.layer
+        used: list[int] = np.unique(call.ids).tolist()
+        self.planner.note_use(layer, used)
+        cells = residency.tobytes()
+        if self.misses.default_batch[layer]:
+            base = layer * residency.shape[1]
+            busy = [e for e in used if cells[base + e] == RESIDENCY_RESIDENT]
+            decision = MissDecision(None, [], busy)
+        else:
+            decision = self.misses.decide(layer, call.ids, call.weights, residency)
         if not self.config.prefetch:
             return Plan(actions=decision.actions, fetch=decision.fetch)
-        if call.n_tokens == 1:
-            predictions = look_ahead(
-                self.predictor,
-                layer,
-                call.hidden[0],
-                self.ctx.n_expert_used,
-                self.h_min[layer],
-                self.h_max[layer],
-                self.config.tau,
-            )
-            predictions.experts = [row[: self.n_prefetch] for row in predictions.experts]
-        else:  # a prompt batch: what the next layers' tokens will pick, by votes
-            predictions = look_ahead_batch(
-                self.predictor, layer, call.hidden, self.ctx.n_expert_used, self.h_min[layer]
-            )
-        fetch_bytes = len(decision.fetch) * int(self.ctx.expert_bytes[layer])
-        prefetch = self.planner.plan(layer, predictions, residency, decision.busy, fetch_bytes)
-        return Plan(
-            actions=decision.actions, fetch=decision.fetch, prefetch=prefetch.prefetch, evict=prefetch.evict
+        predictions = look_ahead_batch(
+            self.predictor, layer, call.hidden, self.ctx.n_expert_used, self.batch_depth[layer]
         )
+        fetch_bytes = len(decision.fetch) * self.expert_bytes[layer]
+        prefetch = self.planner.plan(layer, predictions, residency, decision.busy, fetch_bytes, cells)
+        return Plan(decision.actions, decision.fetch, prefetch.prefetch, prefetch.evict)

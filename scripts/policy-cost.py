@@ -1,0 +1,205 @@
+"""Where a Python policy's time goes inside the graph, per hook call (default model: smolmoe).
+
+Runs the prompt, then greedy decode steps, with each policy; reports per decode hook
+call (prompt calls in their own column):
+  C us       the policy time libspice measures around the callback (bench's `pol us/call`)
+  entry      C us minus the time inside Policy.decide: the cffi callback, the HookCall
+             lookup and writing the plan (those two also on their own)
+  decide     the time inside Policy.decide
+and, for SPICE policies, decide split into misses (the miss handler), look-ahead
+(Algorithm 1's rollout), planner (prefetch/evict planning) and the rest, with the
+share of decode calls that planned prefetches. Phase timers add about a microsecond
+each; compare policies within one run.
+
+    flock /tmp/pyspice-heavy.lock python scripts/policy-cost.py \\
+        --policies exact-py,spice:exact,spice:balanced --device-budget 25% -t 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+import pyspice.policy.spice.policy as spice_module
+from pyspice.bench import _greedy_next
+from pyspice.cli.common import add_context_args, add_model_args, add_sidecar_arg, open_model
+from pyspice.policy import make_policy
+from pyspice.policy.spice import SpiceConfig, SpicePolicy
+
+PROMPT = (
+    "The history of computing is a story of machines that grew smaller, faster and more capable, "
+    "from rooms full of vacuum tubes to processors that fit in a pocket. Each generation"
+)
+PHASES = ("misses", "look-ahead", "planner")
+
+
+@dataclass
+class Timers:
+    ns: dict[str, int] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def wrap(self, label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        clock = time.perf_counter_ns
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.ns[label] = self.ns.get(label, 0) + clock() - t0
+                self.counts[label] = self.counts.get(label, 0) + 1
+
+        return timed
+
+    def clear(self) -> None:
+        self.ns.clear()
+        self.counts.clear()
+
+
+def instrument(policy: Any, timers: Timers) -> Callable[[], None]:
+    """Time the policy's decide (and a SPICE policy's phases); returns the undo."""
+    setattr(policy, "decide", timers.wrap("decide", policy.decide))  # noqa: B010
+    if not isinstance(policy, SpicePolicy):
+        return lambda: None
+    misses = policy.misses
+    for method in ("decide_step", "decide"):  # decide_step: the plain-Python decode path
+        if hasattr(misses, method):
+            setattr(misses, method, timers.wrap("misses", getattr(misses, method)))
+    setattr(policy.planner, "plan", timers.wrap("planner", policy.planner.plan))  # noqa: B010
+    original = getattr(spice_module, "look_ahead")  # noqa: B009
+    setattr(spice_module, "look_ahead", timers.wrap("look-ahead", original))  # noqa: B010
+
+    def undo() -> None:
+        setattr(spice_module, "look_ahead", original)  # noqa: B010
+
+    return undo
+
+
+@dataclass
+class Row:
+    name: str
+    c_us: list[float] = field(default_factory=list)
+    prompt_us: list[float] = field(default_factory=list)
+    decide_us: list[float] = field(default_factory=list)
+    entry_us: dict[str, list[float]] = field(default_factory=dict)
+    phase_us: dict[str, list[float]] = field(default_factory=dict)
+    planning: list[float] = field(default_factory=list)
+    tpot_ms: list[float] = field(default_factory=list)
+    hit_rate: list[float] = field(default_factory=list)
+
+
+def run_policy(
+    llm: Any, name: str, prompt: list[int], n_decode: int, repeat: int, overrides: dict[str, Any]
+) -> Row:
+    row = Row(name)
+    for _ in range(repeat):
+        policy = make_policy(name)
+        if isinstance(policy, SpicePolicy) and overrides:
+            policy = SpicePolicy(replace(policy.config, **overrides))
+        if policy is None:
+            raise ValueError(f"{name!r} is not a Python policy: nothing to measure")
+        timers = Timers()
+        llm.set_policy(policy)
+        undo = instrument(policy, timers)
+        runtime = llm._spice_runtime
+        for method, label in (("_hook_call", "lookup"), ("_write_plan", "write")):
+            if hasattr(runtime, method):  # the runtime's own steps of the entry
+                setattr(runtime, method, timers.wrap(label, getattr(runtime, method)))
+        try:
+            llm.reset()
+            llm.spice_reset_stats()
+            llm.eval(prompt)
+            row.prompt_us.append(float(llm.spice_stats()["policy_us_per_call"]))
+            timers.clear()
+            llm.spice_reset_stats()
+            token = _greedy_next(llm)
+            for _ in range(n_decode):
+                llm.eval([token])
+                token = _greedy_next(llm)
+        finally:
+            undo()
+            for method in ("_hook_call", "_write_plan"):
+                runtime.__dict__.pop(method, None)
+        stats = llm.spice_stats()
+        calls = max(1, int(stats["hook_calls"]))
+        row.c_us.append(float(stats["policy_us_per_call"]))
+        row.tpot_ms.append(float(stats["tpot_ms"]))
+        row.hit_rate.append(float(stats.get("hit_rate", 0.0)))
+        row.decide_us.append(timers.ns.get("decide", 0) / 1e3 / calls)
+        for label in ("lookup", "write"):
+            row.entry_us.setdefault(label, []).append(timers.ns.get(label, 0) / 1e3 / calls)
+        for phase in PHASES:
+            row.phase_us.setdefault(phase, []).append(timers.ns.get(phase, 0) / 1e3 / calls)
+        row.planning.append(timers.counts.get("planner", 0) / calls)
+    return row
+
+
+def table(rows: list[Row]) -> str:
+    med = statistics.median
+    head = (
+        f"{'policy':<16} {'C us':>7} {'entry':>7} {'lookup':>7} {'write':>7} {'decide':>7} "
+        + " ".join(f"{p:>10}" for p in PHASES)
+        + f" {'other':>7} {'planning':>8} {'prompt us':>9} {'TPOT ms':>8} {'hit':>6}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        c, d = med(r.c_us), med(r.decide_us)
+        phases = [med(r.phase_us[p]) for p in PHASES]
+        spice = any(phases)
+        cells = " ".join(f"{v:>10.1f}" if spice else f"{'-':>10}" for v in phases)
+        other = f"{d - sum(phases):>7.1f}" if spice else f"{'-':>7}"
+        planning = f"{med(r.planning):>8.2f}" if spice else f"{'-':>8}"
+        lines.append(
+            f"{r.name:<16} {c:>7.1f} {c - d:>7.1f} {med(r.entry_us['lookup']):>7.1f} "
+            f"{med(r.entry_us['write']):>7.1f} {d:>7.1f} {cells} {other} {planning} "
+            f"{med(r.prompt_us):>9.1f} {med(r.tpot_ms):>8.2f} {med(r.hit_rate):>6.3f}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    add_context_args(p)
+    add_sidecar_arg(p)
+    p.add_argument("--policies", default="exact-py,spice:exact", help="comma-separated Python policies")
+    p.add_argument("--prompt-tokens", type=int, default=128, help="prompt length (default 128)")
+    p.add_argument("-n", "--n-predict", type=int, default=32, help="decode steps per run (default 32)")
+    p.add_argument("--repeat", type=int, default=3, help="runs per policy; medians reported (default 3)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a SpiceConfig field of the SPICE policies (e.g. plan_every=1); repeatable",
+    )
+    args = p.parse_args(argv)
+    if args.device_budget is None:
+        args.device_budget = "25%"
+    names = [n.strip() for n in args.policies.split(",") if n.strip()]
+    overrides = {}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        if key not in {f.name for f in fields(SpiceConfig)} or not value:
+            p.error(f"--set {item!r}: expected FIELD=VALUE with a SpiceConfig field")
+        kind = type(getattr(SpiceConfig("x"), key))
+        overrides[key] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
+    llm = open_model(args, next((n for n in names if n != "exact-py"), names[0]))
+    body = llm.tokenize(PROMPT.encode(), add_bos=True)
+    prompt = (body[:1] + body[1:] * (args.prompt_tokens // max(1, len(body) - 1) + 1))[: args.prompt_tokens]
+    rows = []
+    for name in names:
+        print(f"policy-cost: {name}", file=sys.stderr)
+        rows.append(run_policy(llm, name, prompt, args.n_predict, args.repeat, overrides))
+    print(table(rows))
+    llm.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
