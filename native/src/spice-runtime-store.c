@@ -205,7 +205,8 @@ int spice_runtime_set_store(spice_runtime * rt, const spice_store_params * param
             return status;
         }
         rt->store = store; /* pin_host_weights reaches the device through rt */
-        rt->unpinned_bytes = pin_host_weights(rt);
+        const char * no_pin = getenv("SPICE_CUDA_NO_PIN"); /* diagnosis: copies from pageable memory */
+        rt->unpinned_bytes = no_pin != NULL && no_pin[0] == '1' ? 0 : pin_host_weights(rt);
         rt->store = NULL;
         if (rt->unpinned_bytes > 0) {
             fprintf(stderr, "libspice: %llu bytes of expert weights could not be page-locked; "

@@ -114,6 +114,26 @@ static void count_actions(spice_counters * c, const int32_t * actions, const uin
 
 /* Real device: queue this call's device pairs on the GPU (their slots are
  * pinned resident by the store plan); the host executor runs meanwhile. */
+/* verify mode, thread 0 after the host executor: how far the device's rows
+ * are from the host's for the same pairs */
+static void verify_device_rows(spice_runtime * rt, const struct llama_moe_hook_call * hc) {
+    const int32_t n_pairs = hc->n_tokens * hc->n_expert_used;
+    for (int32_t i = 0; i < n_pairs; ++i) {
+        if (rt->verify_run[i] != SPICE_EXEC_DEVICE) {
+            continue;
+        }
+        const float * dev = rt->verify_y + (size_t) i * (size_t) hc->n_embd;
+        const float * host = rt->host.y + (size_t) i * (size_t) hc->n_embd;
+        for (int32_t c = 0; c < hc->n_embd; ++c) {
+            const double d = dev[c] > host[c] ? dev[c] - host[c] : host[c] - dev[c];
+            const double a = host[c] >= 0 ? host[c] : -host[c];
+            rt->verify_max_diff = d > rt->verify_max_diff ? d : rt->verify_max_diff;
+            rt->verify_max_abs = a > rt->verify_max_abs ? a : rt->verify_max_abs;
+        }
+        rt->verify_rows++;
+    }
+}
+
 static int start_device_work(spice_runtime * rt, const struct llama_moe_hook_call * hc) {
     spice_cuda_job job;
     memset(&job, 0, sizeof(job));
@@ -122,7 +142,7 @@ static int start_device_work(spice_runtime * rt, const struct llama_moe_hook_cal
     job.n_used = hc->n_expert_used;
     job.inp = hc->inp; job.inp_nb1 = hc->inp_nb1;
     job.ids = hc->ids; job.ids_nb1 = hc->ids_nb1;
-    job.run = rt->plan.exec;
+    job.run = rt->verify ? rt->verify_run : rt->plan.exec;
     job.slot_of = rt->plan.device;
     for (int k = 0; k < 3; ++k) {
         job.matrix_offset[k] = rt->store->sources[hc->il].dst_offset[k];
@@ -141,6 +161,9 @@ static int start_device_work(spice_runtime * rt, const struct llama_moe_hook_cal
 static void collect_device_work(void * user_data, float * y) {
     spice_runtime * rt = (spice_runtime *) user_data;
     char err[256];
+    if (rt->verify) {
+        y = rt->verify_y; /* compared with the host's rows once they are all done (verify_device_rows) */
+    }
     if (spice_cuda_exec_end(rt->store->cuda, y, err, sizeof(err)) != SPICE_OK) {
         set_error(rt, "%s", err);
         atomic_store(&rt->abort_requested, 1);
@@ -276,7 +299,30 @@ static void plan_call(spice_runtime * rt, const struct llama_moe_hook_call * hc)
         any_surrogate |= a == SPICE_ACTION_SURROGATE;
         any_device |= a == SPICE_ACTION_DEVICE;
     }
-    if (real_device && any_device && start_device_work(rt, hc) != SPICE_OK) {
+    if (real_device && any_device && rt->verify) {
+        /* verify: the device computes its pairs on the side, the host computes everything */
+        const size_t need_y = (size_t) n_pairs * (size_t) hc->n_embd;
+        if ((size_t) n_pairs > rt->verify_run_cap) {
+            free(rt->verify_run);
+            rt->verify_run = (uint8_t *) malloc((size_t) n_pairs);
+            rt->verify_run_cap = rt->verify_run ? (size_t) n_pairs : 0;
+        }
+        if (need_y > rt->verify_y_cap) {
+            free(rt->verify_y);
+            rt->verify_y = (float *) malloc(need_y * sizeof(float));
+            rt->verify_y_cap = rt->verify_y ? need_y : 0;
+        }
+        if (rt->verify_run && rt->verify_y) {
+            memcpy(rt->verify_run, rt->plan.exec, (size_t) n_pairs);
+            for (int32_t i = 0; i < n_pairs; ++i) {
+                if (rt->plan.exec[i] == SPICE_EXEC_DEVICE) {
+                    rt->plan.exec[i] = 1;
+                }
+            }
+            start_device_work(rt, hc);
+        }
+    }
+    if (real_device && any_device && !rt->verify && start_device_work(rt, hc) != SPICE_OK) {
         for (int32_t i = 0; i < n_pairs; ++i) { /* exact on the host weights instead */
             if (rt->plan.exec[i] == SPICE_EXEC_DEVICE) {
                 rt->plan.exec[i] = 1;
@@ -349,6 +395,9 @@ static void hook_entry(const struct llama_moe_hook_call * hc, void * user_data) 
         return;
     }
     spice_host_exec_run(&rt->host, hc->ith, hc->nth, &rt->barrier);
+    if (hc->ith == 0 && rt->verify && rt->verify_run != NULL && rt->host.job.before_combine != NULL) {
+        verify_device_rows(rt, hc); /* y is complete: every thread passed the barrier before combine */
+    }
     if (rt->surrogate_exec.n_pairs > 0) {
         /* one barrier serves both: the host executor's combine wrote out with
          * its own split, and every pair's A h must be ready before combining */
@@ -393,6 +442,8 @@ int spice_runtime_create(struct llama_context * lctx, spice_runtime ** out, char
         return SPICE_ERR_NO_MEMORY;
     }
     spice_barrier_init(&rt->barrier);
+    const char * verify = getenv("SPICE_CUDA_VERIFY");
+    rt->verify = verify != NULL && verify[0] == '1';
     spice_host_exec_init(&rt->host);
     spice_surrogate_exec_init(&rt->surrogate_exec);
     atomic_init(&rt->abort_requested, 0);
@@ -440,6 +491,14 @@ void spice_runtime_free(spice_runtime * rt) {
     if (rt->enabled) {
         spice_runtime_disable(rt);
     }
+    if (rt->verify && rt->verify_rows > 0) {
+        fprintf(stderr, "libspice: SPICE_CUDA_VERIFY: %llu device rows vs the host's: max |diff| %.3g, "
+                        "max |host| %.3g, relative %.3g\n", (unsigned long long) rt->verify_rows,
+                rt->verify_max_diff, rt->verify_max_abs,
+                rt->verify_max_abs > 0 ? rt->verify_max_diff / rt->verify_max_abs : 0.0);
+    }
+    free(rt->verify_run);
+    free(rt->verify_y);
     spice_host_exec_free(&rt->host);
     spice_runtime_clear_surrogates(rt);
     spice_surrogate_exec_free(&rt->surrogate_exec);

@@ -26,6 +26,9 @@ N_DECODE = 12
 # max |logit - reference| over all positions, relative to the reference's largest |logit|
 CUDA_LOGIT_TOLERANCE = 2e-2
 
+# the realistic configuration: non-expert weights on the GPU, routed experts on the tier
+ALL_LAYERS = 99
+
 needs_gpu = pytest.mark.skipif(device_count() == 0, reason="no CUDA device (CPU-only build or no GPU)")
 
 
@@ -123,7 +126,7 @@ def test_all_resident_within_tolerance_none_resident_exact(
 
 @needs_gpu
 def test_on_demand_fetches_land_and_are_counted(synth_model) -> None:
-    llm = load(synth_model("qwen2moe", "tiny", "Q8_0"))
+    llm = load(synth_model("qwen2moe", "tiny", "Q8_0"), n_gpu_layers=ALL_LAYERS)
     try:
         ref = greedy_run(llm, "stock", n_decode=N_DECODE)
         llm.set_device("100%")
@@ -141,7 +144,7 @@ def test_on_demand_fetches_land_and_are_counted(synth_model) -> None:
 @pytest.mark.parametrize("policy", ["lru", "adapmoe", "spice:exact", "abl-d"])
 @pytest.mark.parametrize("budget", ["25%", "50%"])
 def test_policies_on_a_real_device(synth_model, policy: str, budget: str) -> None:
-    llm = load(synth_model("deepseek2", "tiny", "Q4_K"))
+    llm = load(synth_model("deepseek2", "tiny", "Q4_K"), n_gpu_layers=ALL_LAYERS)
     try:
         ref = greedy_run(llm, "stock", n_decode=N_DECODE)
         llm.set_device(budget)
