@@ -35,7 +35,7 @@ PROMPT = (
     "The history of computing is a story of machines that grew smaller, faster and more capable, "
     "from rooms full of vacuum tubes to processors that fit in a pocket. Each generation"
 )
-PHASES = ("misses", "look-ahead", "planner")
+PHASES = ("misses", "look-ahead", "planner")  # rollout: the part of look-ahead in the predictor
 
 
 @dataclass
@@ -71,11 +71,14 @@ def instrument(policy: Any, timers: Timers) -> Callable[[], None]:
         if hasattr(misses, method):
             setattr(misses, method, timers.wrap("misses", getattr(misses, method)))
     setattr(policy.planner, "plan", timers.wrap("planner", policy.planner.plan))  # noqa: B010
+    if hasattr(policy.predictor, "stacked_logits"):  # the rollout inside the look-ahead
+        policy.predictor.stacked_logits = timers.wrap("rollout", policy.predictor.stacked_logits)  # type: ignore[attr-defined]
     original = getattr(spice_module, "look_ahead")  # noqa: B009
     setattr(spice_module, "look_ahead", timers.wrap("look-ahead", original))  # noqa: B010
 
     def undo() -> None:
         setattr(spice_module, "look_ahead", original)  # noqa: B010
+        policy.predictor.__dict__.pop("stacked_logits", None)
 
     return undo
 
@@ -86,57 +89,54 @@ class Row:
     c_us: list[float] = field(default_factory=list)
     prompt_us: list[float] = field(default_factory=list)
     decide_us: list[float] = field(default_factory=list)
-    entry_us: dict[str, list[float]] = field(default_factory=dict)
+    extra_us: dict[str, list[float]] = field(default_factory=dict)  # lookup, write, rollout
     phase_us: dict[str, list[float]] = field(default_factory=dict)
     planning: list[float] = field(default_factory=list)
     tpot_ms: list[float] = field(default_factory=list)
     hit_rate: list[float] = field(default_factory=list)
 
 
-def run_policy(
-    llm: Any, name: str, prompt: list[int], n_decode: int, repeat: int, overrides: dict[str, Any]
-) -> Row:
-    row = Row(name)
-    for _ in range(repeat):
-        policy = make_policy(name)
-        if isinstance(policy, SpicePolicy) and overrides:
-            policy = SpicePolicy(replace(policy.config, **overrides))
-        if policy is None:
-            raise ValueError(f"{name!r} is not a Python policy: nothing to measure")
-        timers = Timers()
-        llm.set_policy(policy)
-        undo = instrument(policy, timers)
-        runtime = llm._spice_runtime
-        for method, label in (("_hook_call", "lookup"), ("_write_plan", "write")):
-            if hasattr(runtime, method):  # the runtime's own steps of the entry
-                setattr(runtime, method, timers.wrap(label, getattr(runtime, method)))
-        try:
-            llm.reset()
-            llm.spice_reset_stats()
-            llm.eval(prompt)
-            row.prompt_us.append(float(llm.spice_stats()["policy_us_per_call"]))
-            timers.clear()
-            llm.spice_reset_stats()
+def run_policy(llm: Any, row: Row, prompt: list[int], n_decode: int, overrides: dict[str, Any]) -> None:
+    """One run of one policy: its numbers are appended to `row`."""
+    name = row.name
+    policy = make_policy(name)
+    if isinstance(policy, SpicePolicy) and overrides:
+        policy = SpicePolicy(replace(policy.config, **overrides))
+    if policy is None:
+        raise ValueError(f"{name!r} is not a Python policy: nothing to measure")
+    timers = Timers()
+    llm.set_policy(policy)
+    undo = instrument(policy, timers)
+    runtime = llm._spice_runtime
+    for method, label in (("_hook_call", "lookup"), ("_write_plan", "write")):
+        if hasattr(runtime, method):  # the runtime's own steps of the entry
+            setattr(runtime, method, timers.wrap(label, getattr(runtime, method)))
+    try:
+        llm.reset()
+        llm.spice_reset_stats()
+        llm.eval(prompt)
+        row.prompt_us.append(float(llm.spice_stats()["policy_us_per_call"]))
+        timers.clear()
+        llm.spice_reset_stats()
+        token = _greedy_next(llm)
+        for _ in range(n_decode):
+            llm.eval([token])
             token = _greedy_next(llm)
-            for _ in range(n_decode):
-                llm.eval([token])
-                token = _greedy_next(llm)
-        finally:
-            undo()
-            for method in ("_hook_call", "_write_plan"):
-                runtime.__dict__.pop(method, None)
-        stats = llm.spice_stats()
-        calls = max(1, int(stats["hook_calls"]))
-        row.c_us.append(float(stats["policy_us_per_call"]))
-        row.tpot_ms.append(float(stats["tpot_ms"]))
-        row.hit_rate.append(float(stats.get("hit_rate", 0.0)))
-        row.decide_us.append(timers.ns.get("decide", 0) / 1e3 / calls)
-        for label in ("lookup", "write"):
-            row.entry_us.setdefault(label, []).append(timers.ns.get(label, 0) / 1e3 / calls)
-        for phase in PHASES:
-            row.phase_us.setdefault(phase, []).append(timers.ns.get(phase, 0) / 1e3 / calls)
-        row.planning.append(timers.counts.get("planner", 0) / calls)
-    return row
+    finally:
+        undo()
+        for method in ("_hook_call", "_write_plan"):
+            runtime.__dict__.pop(method, None)
+    stats = llm.spice_stats()
+    calls = max(1, int(stats["hook_calls"]))
+    row.c_us.append(float(stats["policy_us_per_call"]))
+    row.tpot_ms.append(float(stats["tpot_ms"]))
+    row.hit_rate.append(float(stats.get("hit_rate", 0.0)))
+    row.decide_us.append(timers.ns.get("decide", 0) / 1e3 / calls)
+    for label in ("lookup", "write", "rollout"):
+        row.extra_us.setdefault(label, []).append(timers.ns.get(label, 0) / 1e3 / calls)
+    for phase in PHASES:
+        row.phase_us.setdefault(phase, []).append(timers.ns.get(phase, 0) / 1e3 / calls)
+    row.planning.append(timers.counts.get("planner", 0) / calls)
 
 
 def table(rows: list[Row]) -> str:
@@ -144,6 +144,7 @@ def table(rows: list[Row]) -> str:
     head = (
         f"{'policy':<16} {'C us':>7} {'entry':>7} {'lookup':>7} {'write':>7} {'decide':>7} "
         + " ".join(f"{p:>10}" for p in PHASES)
+        + f" {'rollout':>7}"
         + f" {'other':>7} {'planning':>8} {'prompt us':>9} {'TPOT ms':>8} {'hit':>6}"
     )
     lines = [head, "-" * len(head)]
@@ -155,8 +156,9 @@ def table(rows: list[Row]) -> str:
         other = f"{d - sum(phases):>7.1f}" if spice else f"{'-':>7}"
         planning = f"{med(r.planning):>8.2f}" if spice else f"{'-':>8}"
         lines.append(
-            f"{r.name:<16} {c:>7.1f} {c - d:>7.1f} {med(r.entry_us['lookup']):>7.1f} "
-            f"{med(r.entry_us['write']):>7.1f} {d:>7.1f} {cells} {other} {planning} "
+            f"{r.name:<16} {c:>7.1f} {c - d:>7.1f} {med(r.extra_us['lookup']):>7.1f} "
+            f"{med(r.extra_us['write']):>7.1f} {d:>7.1f} {cells} {med(r.extra_us['rollout']):>7.1f} "
+            f"{other} {planning} "
             f"{med(r.prompt_us):>9.1f} {med(r.tpot_ms):>8.2f} {med(r.hit_rate):>6.3f}"
         )
     return "\n".join(lines)
@@ -192,10 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     llm = open_model(args, next((n for n in names if n != "exact-py"), names[0]))
     body = llm.tokenize(PROMPT.encode(), add_bos=True)
     prompt = (body[:1] + body[1:] * (args.prompt_tokens // max(1, len(body) - 1) + 1))[: args.prompt_tokens]
-    rows = []
-    for name in names:
-        print(f"policy-cost: {name}", file=sys.stderr)
-        rows.append(run_policy(llm, name, prompt, args.n_predict, args.repeat, overrides))
+    rows = [Row(name) for name in names]
+    # runs interleaved, so that a burst of other load on the machine hits every policy alike
+    for r in range(args.repeat):
+        for row in rows:
+            print(f"policy-cost: run {r + 1}/{args.repeat}: {row.name}", file=sys.stderr)
+            run_policy(llm, row, prompt, args.n_predict, overrides)
     print(table(rows))
     llm.close()
     return 0

@@ -155,10 +155,16 @@ class DraftPredictor:
         logits = x @ self._G[layer][: n * e].T + self._g[layer][: n * e]
         return reach[:n], logits.reshape(*x.shape[:-1], n, e)
 
-    def stacked_logits(self, layer: int, hidden: npt.ArrayLike, depth: int) -> tuple[list[int], F32]:
-        """rollout_logits as one array: (layers reached, logits [..., n, n_expert]), no per-layer
-        views (the SPICE policy calls this on every planning hook call)."""
-        return self._stacked_logits(layer, hidden, depth)
+    def affine_map(self, layer: int, depth: int) -> tuple[list[int], F32, F32]:
+        """The rollout as its affine map: (layers reached, G [n * n_expert, n_embd], g [n * n_expert])
+        with logits = G h + g, layer by layer (views; the SPICE policy keeps them and applies
+        them on its planning hook calls)."""
+        reach = self._reach.get(layer)
+        if depth <= 0 or reach is None:
+            return [], np.zeros((0, 0), np.float32), np.zeros(0, np.float32)
+        n = min(depth, len(reach))
+        e = self.routers[reach[0]].shape[0]
+        return reach[:n], self._G[layer][: n * e], self._g[layer][: n * e]
 
     def rollout_logits(self, layer: int, hidden: npt.ArrayLike, depth: int) -> list[tuple[int, F32]]:
         """Predicted router logits of the next `depth` MoE layers (fewer where the model

@@ -265,8 +265,9 @@ def test_stale_prefetches_are_cancelled() -> None:
     residency[1, [2, 3]] = RESIDENCY_QUEUED  # still waiting for the bus
     predictor.future = {2: [4, 5]}
     # layer 1 runs them on the host rather than wait (emulated device): the copies are stale
-    plan = policy.decide(hook_call(1, [[2, 3]], [0.5, 0.5], residency, 8))
-    assert (np.asarray(plan.actions) == ACTION_HOST).all()
+    call = hook_call(1, [[2, 3]], [0.5, 0.5], residency, 8)
+    plan = policy.decide(call)
+    assert (plan_actions(plan, call) == ACTION_HOST).all()
     assert {(1, 2), (1, 3)} <= set(plan.evict)
 
 
@@ -286,8 +287,9 @@ def test_victims_are_the_experts_needed_last() -> None:
 def test_emulated_device_runs_misses_on_the_host() -> None:
     ctx = context(budget_experts=8, prof=profile(12.0, 5.0, 5.0, emulated=True))
     policy = attached("spice:exact", ctx)
-    plan = policy.decide(hook_call(0, [[0, 1]], [0.5, 0.5], np.zeros((4, 8), np.int8), 8))
-    assert plan.fetch == [] and (np.asarray(plan.actions) == ACTION_HOST).all()
+    call = hook_call(0, [[0, 1]], [0.5, 0.5], np.zeros((4, 8), np.int8), 8)
+    plan = policy.decide(call)
+    assert plan.fetch == [] and (plan_actions(plan, call) == ACTION_HOST).all()
 
 
 def test_cheap_copies_are_fetched_on_a_real_device() -> None:

@@ -52,21 +52,67 @@ class RouterLookahead:
                 stacked = np.concatenate([np.asarray(routers[m], dtype=np.float32) for m in nxt])
                 self.ahead[il] = (nxt, np.ascontiguousarray(stacked))
 
-    def stacked_logits(self, layer: int, hidden: F32, depth: int) -> tuple[list[int], F32]:
-        """hidden [n_embd] or [n, n_embd] -> (layers, logits [..., depth, n_expert])."""
+    def affine_map(self, layer: int, depth: int) -> tuple[list[int], F32, F32 | None]:
+        """(layers, G [depth * n_expert, n_embd], no offset): logits = G h."""
         entry = self.ahead.get(layer)
         if entry is None or depth <= 0:
-            return [], np.zeros((0, 0), np.float32)
+            return [], np.zeros((0, 0), np.float32), None
         layers, stacked = entry
         n_expert = stacked.shape[0] // len(layers)
         layers = layers[:depth]
-        logits = hidden @ stacked[: len(layers) * n_expert].T  # [..., depth * n_expert]
-        return layers, logits.reshape(*hidden.shape[:-1], len(layers), n_expert)
+        return layers, stacked[: len(layers) * n_expert], None
 
     def rollout_logits(self, layer: int, hidden: F32, depth: int) -> list[tuple[int, F32]]:
         """hidden [n_embd] or [n, n_embd] -> [(layer, logits [n_expert] or [n, n_expert])]."""
-        layers, logits = self.stacked_logits(layer, hidden, depth)
+        layers, logits = Rollout(self).stacked_logits(layer, hidden, depth)
         return [(il, logits[..., i, :]) for i, il in enumerate(layers)]
+
+
+class Rollout:
+    """A predictor's rollouts, made cheap for the hook calls that plan: a predictor with an
+    affine map (the sidecar's draft predictor, the router baseline) has it kept per (layer,
+    depth) as one contiguous matrix, so a decode rollout is one matrix-vector product and
+    an in-place add; any other predictor goes through its rollout_logits."""
+
+    def __init__(self, predictor: Predictor) -> None:
+        self.predictor = predictor
+        self.affine = getattr(predictor, "affine_map", None)
+        self.maps: dict[int, tuple[list[int], F32, F32 | None, int]] = {}
+
+    def rollout_logits(self, layer: int, hidden: F32, depth: int) -> list[tuple[int, F32]]:
+        return self.predictor.rollout_logits(layer, hidden, depth)
+
+    def stacked_logits(self, layer: int, hidden: F32, depth: int) -> tuple[list[int], F32]:
+        """(layers, logits [..., depth, n_expert]) for hidden [n_embd] or [n, n_embd]."""
+        if self.affine is None:
+            rolled = self.predictor.rollout_logits(layer, hidden, depth)
+            if not rolled:
+                return [], np.zeros((0, 0), np.float32)
+            return [m for m, _ in rolled], np.stack([lg for _, lg in rolled], axis=-2)
+        key = layer * 1024 + depth
+        entry = self.maps.get(key)
+        if entry is None:
+            (
+                layers,
+                g_mat,
+                offset,
+            ) = self.affine(layer, depth)
+            n_expert = g_mat.shape[0] // max(1, len(layers))
+            if offset is not None and not offset.any():
+                offset = None
+            entry = self.maps[key] = (list(layers), np.ascontiguousarray(g_mat), offset, n_expert)
+        layers, g_mat, offset, n_expert = entry
+        if not layers:
+            return [], np.zeros((0, 0), np.float32)
+        if hidden.ndim == 1:
+            logits = g_mat @ hidden
+            if offset is not None:
+                logits += offset
+            return layers, logits.reshape(len(layers), n_expert)
+        logits = hidden @ g_mat.T
+        if offset is not None:
+            logits += offset
+        return layers, logits.reshape(*hidden.shape[:-1], len(layers), n_expert)
 
 
 @dataclass
@@ -127,7 +173,7 @@ def look_ahead(
         return NO_PREDICTIONS
     order: list[list[int]] = logits.argsort(axis=-1).tolist()  # ascending, per layer
     deeper = h_max > h_min and len(layers) == h_min
-    if deeper and (k >= logits.shape[-1] or _mass(logits[-1].tolist(), order[-1], k) >= tau):
+    if deeper and (k >= len(order[-1]) or _mass(logits.tolist()[-1], order[-1], k) >= tau):
         layers, logits = _stacked(predictor, layer, hidden, h_max)
         top = np.argsort(-logits, axis=1)[:, :k]
         conf = _confidence(logits, top)

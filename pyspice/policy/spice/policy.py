@@ -24,7 +24,13 @@ from pyspice.policy.base import RESIDENCY_RESIDENT, HookCall, Plan
 from pyspice.policy.context import PolicyContext
 from pyspice.policy.spice.config import SpiceConfig, spice_config
 from pyspice.policy.spice.cost import CostModel
-from pyspice.policy.spice.lookahead import Predictor, RouterLookahead, look_ahead, look_ahead_batch
+from pyspice.policy.spice.lookahead import (
+    Predictor,
+    Rollout,
+    RouterLookahead,
+    look_ahead,
+    look_ahead_batch,
+)
 from pyspice.policy.spice.misses import MissDecision, MissHandler
 from pyspice.policy.spice.planner import PrefetchPlanner
 
@@ -65,7 +71,7 @@ class SpicePolicy:
         predictor: Predictor | None = ctx.predictor
         if predictor is None:
             predictor = RouterLookahead(ctx, max(self.h_max.values(), default=1))
-        self.predictor: Predictor = predictor
+        self.predictor: Predictor = Rollout(predictor)
         self.planner = PrefetchPlanner(ctx, reserved_bytes=ctx.reserved_bytes)
         errors = ctx.surrogate_error if ctx.surrogates_loaded else None
         if not cfg.lossless and errors is None:
