@@ -53,6 +53,12 @@ int spice_cuda_register_host(spice_cuda * cu, const void * data, size_t size) {
     return SPICE_ERR_UNSUPPORTED;
 }
 
+int spice_cuda_is_pinned(const void * data, size_t size) {
+    (void) data;
+    (void) size;
+    return 0;
+}
+
 int spice_cuda_copy_issue(spice_cuda * cu, int32_t slot, const spice_cuda_segment seg[3]) {
     (void) cu;
     (void) slot;

@@ -243,6 +243,18 @@ int spice_cuda_register_host(spice_cuda * cu, const void * data, size_t size) {
     return SPICE_ERR_UNSUPPORTED;
 }
 
+static int pinned_at(const void * p) {
+    struct cudaPointerAttributes attr;
+    if (cleared(cudaPointerGetAttributes(&attr, p)) != cudaSuccess) {
+        return 0;
+    }
+    return attr.type == cudaMemoryTypeHost;
+}
+
+int spice_cuda_is_pinned(const void * data, size_t size) {
+    return size > 0 && pinned_at(data) && pinned_at((const char *) data + size - 1);
+}
+
 int spice_cuda_copy_issue(spice_cuda * cu, int32_t slot, const spice_cuda_segment seg[3]) {
     if (slot < 0 || slot >= cu->n_slots) {
         return SPICE_ERR_INVALID_ARG;

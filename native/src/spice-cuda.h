@@ -41,6 +41,11 @@ char * spice_cuda_slot(spice_cuda * cu, int32_t slot);
  * still correct), and the function returns SPICE_ERR_UNSUPPORTED. */
 int spice_cuda_register_host(spice_cuda * cu, const void * data, size_t size);
 
+/* 1 when both ends of [data, data + size) are page-locked already (e.g. the
+ * CUDA host buffer type llama.cpp loads host weights into). Registering such
+ * memory again, or pages around it, breaks llama.cpp's own copies from it. */
+int spice_cuda_is_pinned(const void * data, size_t size);
+
 /* One host -> slot copy of up to three segments on the copy stream, plus
  * zeroing `pad` bytes after each segment; completion recorded on the slot's
  * events. */

@@ -35,8 +35,12 @@ static int range_order(const void * a, const void * b) {
 }
 
 /* Page-lock the host expert weights so copies are DMA and asynchronous:
- * every expert tensor's pages, merged into as few ranges as touch. Returns
- * how many bytes could not be registered (copied from pageable memory). */
+ * every expert tensor's pages not locked already, merged into as few ranges
+ * as touch. On a CUDA build the experts are normally loaded into llama.cpp's
+ * CUDA host buffer type (spice-expert-buft.c), which is pinned already;
+ * registering around it would overlap those allocations and make llama.cpp's
+ * own copies from neighbouring weights fail. Returns how many bytes could not
+ * be registered (copied from pageable memory). */
 static uint64_t pin_host_weights(spice_runtime * rt) {
     const uintptr_t page = (uintptr_t) sysconf(_SC_PAGESIZE);
     host_range * r = (host_range *) malloc((size_t) rt->n_layers * 3 * sizeof(host_range));
@@ -48,6 +52,9 @@ static uint64_t pin_host_weights(spice_runtime * rt) {
         const spice_expert_layer * L = &rt->layers[il];
         const spice_expert_matrix * mats[3] = { &L->gate, &L->up, &L->down };
         for (int k = 0; L->is_moe && k < 3; ++k) {
+            if (spice_cuda_is_pinned(mats[k]->tensor->data, ggml_nbytes(mats[k]->tensor))) {
+                continue;
+            }
             const uintptr_t b = (uintptr_t) mats[k]->tensor->data;
             r[n].begin = b & ~(page - 1);
             r[n].end = (b + ggml_nbytes(mats[k]->tensor) + page - 1) & ~(page - 1);

@@ -6,10 +6,16 @@ clearly that this build has none. The rest need a CUDA build and a GPU
 they print the numbers the tolerance statement in README rests on.
 
 Exactness on CUDA (DESIGN section 6): the device executor runs ggml's CUDA
-kernels, which quantize activations to q8_1 and sum in another order than the
-CPU's, so logits are equal within a tolerance, not bit for bit. Everything that
-stays on the host (no expert resident, or the whole tier disabled) remains
-bit-identical to the reference.
+kernels, which quantize activations to q8_1 (the CPU uses q8_0 or, for K-quants,
+q8_K with one scale per 256 values) and sum in another order, so logits are
+equal within a tolerance, not bit for bit. Everything that stays on the host
+(no expert resident) remains bit-identical to the reference.
+
+Two things keep the comparison honest. llama.cpp's op offload is off: with it,
+the reference itself would run prompt-batch expert products on the GPU (it
+copies host weights over for batches of 32 or more). And runs after the first
+are teacher-forced on the reference's tokens: one flipped greedy token would
+otherwise compare the logits of two different texts.
 """
 
 from __future__ import annotations
@@ -20,11 +26,16 @@ import pytest
 from pyspice.policy import ACTION_DEVICE, ACTION_HOST, HookCall, Plan
 from pyspice.runtime import DEVICE_CUDA, SpiceError, StoreParams, device_count
 
-from .golden import greedy_run, load
+from .golden import PROMPT, Run, greedy_run, load
 
 N_DECODE = 12
-# max |logit - reference| over all positions, relative to the reference's largest |logit|
-CUDA_LOGIT_TOLERANCE = 2e-2
+# max |logit - reference| over all positions, relative to the reference's largest
+# |logit|. Measured on an H200 (tiny random-weight models, every expert on the
+# GPU): 5-7% for Q4_K/Q5_K_M, where the CPU reference quantizes activations to
+# q8_K; device rows alone differ from the host's by up to 4% of their largest
+# value for K-quants, 0.4% for Q8_0, 0.25% for F32 (SPICE_CUDA_VERIFY=1).
+CUDA_LOGIT_TOLERANCE = 0.1
+CUDA_TOP1_AGREEMENT = 0.9
 
 # the realistic configuration: non-expert weights on the GPU, routed experts on the tier
 ALL_LAYERS = 99
@@ -50,6 +61,26 @@ def relative_error(got: np.ndarray, ref: np.ndarray) -> float:
     return float(np.max(np.abs(got - ref)) / max(1e-30, float(np.max(np.abs(ref)))))
 
 
+def top1_agreement(got: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.mean(np.argmax(got, 1) == np.argmax(ref, 1)))
+
+
+def forced_run(llm, policy, tokens: list[int]) -> Run:  # type: ignore[no-untyped-def]
+    """greedy_run's steps (prompt as one batch, then one token at a time), fed the
+    given tokens instead of its own argmax."""
+    llm.set_policy(policy)
+    llm.reset()
+    llm.spice_reset_stats()
+    llm.eval(llm.tokenize(PROMPT.encode(), add_bos=True))
+    for token in tokens:
+        llm.eval([token])
+    return Run(llm.scores[: llm.n_tokens].copy(), list(tokens), llm.spice_stats())
+
+
+def load_cuda(path, n_gpu_layers: int = ALL_LAYERS):  # type: ignore[no-untyped-def]
+    return load(path, n_gpu_layers=n_gpu_layers, op_offload=False)
+
+
 @pytest.mark.skipif(device_count() > 0, reason="this build has a CUDA device")
 def test_cpu_build_refuses_a_cuda_tier_clearly(synth_model) -> None:
     llm = load(synth_model("qwen2moe", "tiny", "Q8_0"))
@@ -69,7 +100,7 @@ def test_slots_hold_the_host_bytes(synth_model, arch: str, quant: str) -> None:
     from gguf import GGUFReader
 
     path = synth_model(arch, "tiny", quant)
-    llm = load(path)
+    llm = load_cuda(path)
     try:
         tier = llm.set_device("100%")
         assert not tier.emulated
@@ -99,25 +130,24 @@ def test_slots_hold_the_host_bytes(synth_model, arch: str, quant: str) -> None:
 def test_all_resident_within_tolerance_none_resident_exact(
     synth_model, arch: str, quant: str, n_gpu_layers: int
 ) -> None:
-    llm = load(synth_model(arch, "tiny", quant), n_gpu_layers=n_gpu_layers)
+    llm = load_cuda(synth_model(arch, "tiny", quant), n_gpu_layers)
     try:
         ref = greedy_run(llm, "stock", n_decode=N_DECODE)
         llm.set_device("100%")
-        everything = greedy_run(llm, "exact", n_decode=N_DECODE)
+        everything = forced_run(llm, "exact", ref.tokens)
         err = relative_error(everything.logits, ref.logits)
-        agree = float(np.mean(np.argmax(everything.logits, 1) == np.argmax(ref.logits, 1)))
+        agree = top1_agreement(everything.logits, ref.logits)
         print(
             f"\n{arch} {quant} ngl={n_gpu_layers}: all resident on CUDA: relative logit error {err:.2e}, "
             f"top-1 agreement {agree:.3f}, hit rate {everything.stats['hit_rate']}"
         )
-        assert err <= CUDA_LOGIT_TOLERANCE
+        assert err <= CUDA_LOGIT_TOLERANCE and agree >= CUDA_TOP1_AGREEMENT
         assert everything.stats["hit_rate"] == 1.0
 
         llm.set_policy("stock")
         llm.set_device("25%")
         nothing = greedy_run(llm, AllHost(), n_decode=N_DECODE)
-        if n_gpu_layers == 0:  # attention on the CPU too: the whole model is the reference's
-            assert np.array_equal(nothing.logits, ref.logits)
+        assert np.array_equal(nothing.logits, ref.logits)
         assert nothing.stats["hit_rate"] == 0.0
         assert nothing.stats["misses"]["host"] == nothing.stats["activations"]
     finally:
@@ -126,11 +156,11 @@ def test_all_resident_within_tolerance_none_resident_exact(
 
 @needs_gpu
 def test_on_demand_fetches_land_and_are_counted(synth_model) -> None:
-    llm = load(synth_model("qwen2moe", "tiny", "Q8_0"), n_gpu_layers=ALL_LAYERS)
+    llm = load_cuda(synth_model("qwen2moe", "tiny", "Q8_0"))
     try:
         ref = greedy_run(llm, "stock", n_decode=N_DECODE)
         llm.set_device("100%")
-        got = greedy_run(llm, AllDevice(), n_decode=N_DECODE)
+        got = forced_run(llm, AllDevice(), ref.tokens)
         assert relative_error(got.logits, ref.logits) <= CUDA_LOGIT_TOLERANCE
         s = got.stats
         assert s["misses"]["fetched"] > 0 and s["hit_rate"] > 0
@@ -144,19 +174,21 @@ def test_on_demand_fetches_land_and_are_counted(synth_model) -> None:
 @pytest.mark.parametrize("policy", ["lru", "adapmoe", "spice:exact", "abl-d"])
 @pytest.mark.parametrize("budget", ["25%", "50%"])
 def test_policies_on_a_real_device(synth_model, policy: str, budget: str) -> None:
-    llm = load(synth_model("deepseek2", "tiny", "Q4_K"), n_gpu_layers=ALL_LAYERS)
+    llm = load_cuda(synth_model("deepseek2", "tiny", "Q4_K"))
     try:
         ref = greedy_run(llm, "stock", n_decode=N_DECODE)
         llm.set_device(budget)
-        got = greedy_run(llm, policy, n_decode=N_DECODE)
+        got = forced_run(llm, policy, ref.tokens)
         err = relative_error(got.logits, ref.logits)
+        agree = top1_agreement(got.logits, ref.logits)
         s = got.stats
         print(
-            f"\n{policy} at {budget} on CUDA: relative logit error {err:.2e}, hit rate {s['hit_rate']:.3f}, "
+            f"\n{policy} at {budget} on CUDA: relative logit error {err:.2e}, top-1 agreement {agree:.3f}, "
+            f"hit rate {s['hit_rate']:.3f}, "
             f"{s['bytes_per_token'] / 2**20:.3f} MiB/token, prefetch issued/used/cancelled "
             f"{s['prefetch_issued']}/{s['prefetch_used']}/{s['prefetch_cancelled']}"
         )
-        assert err <= CUDA_LOGIT_TOLERANCE
+        assert err <= CUDA_LOGIT_TOLERANCE and agree >= CUDA_TOP1_AGREEMENT
         assert s["policy_fallbacks"] == 0
     finally:
         llm.close()
