@@ -310,6 +310,7 @@ class Runtime:
         # call finds the views it had the step before and pays for no new objects
         self._calls: dict[bytes, HookCall] = {}
         self._call_head = int(n.ffi.offsetof("spice_policy_call", "actions"))
+        self._buffer = n.ffi.buffer
         self._callback: Any = None
         self._policy: Policy | None = None
         self._policy_error: str | None = None
@@ -492,7 +493,7 @@ class Runtime:
         """The HookCall of this call: one read of the call's head, then the cached
         HookCall of the same layer, sizes and buffers (its views are made on first
         access and kept), or a new one."""
-        head = self._n.ffi.buffer(call, self._call_head)[:]
+        head = self._buffer(call, self._call_head)[:]
         view = self._calls.get(head)
         if view is None:
             if len(self._calls) >= _MAX_CACHED_CALLS:  # prompt batches of many sizes

@@ -115,37 +115,35 @@ class PrefetchPlanner:
         predicted: set[int] = set()
         candidates: list[tuple[int, int]] = []  # (distance, key): nearest layer, most probable first
         for il, experts in zip(pred.layers, pred.experts, strict=True):
-            d, base = dist[il], il * width
-            for e in experts:
-                key = base + e
-                predicted.add(key)
-                if cells[key] == RESIDENCY_ABSENT:
-                    candidates.append((d, key))
+            base = il * width
+            keys = [base + e for e in experts]
+            predicted.update(keys)
+            d = dist[il]
+            candidates += [(d, k) for k in keys if cells[k] == RESIDENCY_ABSENT]
 
         # our prefetches: landed or dropped ones are forgotten, stale ones cancelled
         evict: list[int] = []
         queued = self.queued
-        for key, issued_at in list(queued.items()):
-            s = cells[key]
-            if s != RESIDENCY_QUEUED:
-                if s != RESIDENCY_COPYING:
+        if queued:
+            for key in [k for k in queued if cells[k] != RESIDENCY_QUEUED]:
+                if cells[key] != RESIDENCY_COPYING:
                     del queued[key]
-                continue
-            il = key // width
-            if (
-                key in predicted
-                or horizon < dist[il] <= issued_at
-                or (il == current and key - il * width in busy)
-            ):
-                continue  # still wanted, beyond this call's horizon and approaching, or awaited now
-            evict.append(key)
-            del queued[key]
+            for key in [k for k in queued if cells[k] == RESIDENCY_QUEUED]:
+                il = key // width
+                if (
+                    key in predicted
+                    or horizon < dist[il] <= queued[key]
+                    or (il == current and key - il * width in busy)
+                ):
+                    continue  # still wanted, beyond this call's horizon and approaching, or awaited now
+                evict.append(key)
+                del queued[key]
         if not candidates:
-            return PrefetchPlan([], self._pairs(evict))
+            return PrefetchPlan([], [divmod(k, width) for k in evict])
 
         n_queued = cells.count(RESIDENCY_QUEUED) - len(evict)
         byte_list = self.byte_list
-        freed = sum(byte_list[k // width] for k in evict)
+        freed = sum([byte_list[k // width] for k in evict])
         if self.uniform:
             free = self.budget - (len(cells) - cells.count(RESIDENCY_ABSENT)) * self.uniform
             # victims worth gathering: as many as the candidates lack room for
@@ -160,8 +158,7 @@ class PrefetchPlanner:
         for depth, key in candidates:
             if n_queued >= self.queue_max:
                 break
-            il = key // width
-            need = byte_list[il]
+            need = byte_list[key // width]
             if free < need:
                 if victims is None:
                     victims = self._victims(current, cells, busy, predicted, depth, count)
@@ -171,15 +168,11 @@ class PrefetchPlanner:
                     free += byte_list[v // width]
                 if free < need:
                     break  # nearer predictions came first; nothing farther may displace them
-            prefetch.append((il, key - il * width))
+            prefetch.append(divmod(key, width))
             queued[key] = depth
             free -= need
             n_queued += 1
-        return PrefetchPlan(prefetch, self._pairs(evict))
-
-    def _pairs(self, keys: list[int]) -> list[Key]:
-        width = self.width
-        return [(k // width, k % width) for k in keys]
+        return PrefetchPlan(prefetch, [divmod(k, width) for k in evict])
 
     def _victims(
         self,

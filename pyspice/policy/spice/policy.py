@@ -67,7 +67,7 @@ class SpicePolicy:
             self.h_max = dict.fromkeys(moe, 1)
         self.plans = [False] * ctx.n_layers  # whether a decode step plans at this layer
         for i, il in enumerate(moe):
-            self.plans[il] = i % every == 0
+            self.plans[il] = cfg.prefetch and i % every == 0
         predictor: Predictor | None = ctx.predictor
         if predictor is None:
             predictor = RouterLookahead(ctx, max(self.h_max.values(), default=1))
@@ -83,21 +83,19 @@ class SpicePolicy:
         self.misses = MissHandler(cfg, self.cost, errors)
         self.n_prefetch = max(1, math.ceil(cfg.prefetch_share * k))
         self.expert_bytes = [int(b) for b in ctx.expert_bytes]
+        self.k = ctx.n_expert_used
 
     def decide(self, call: HookCall) -> Plan:
-        assert self.ctx is not None, "attach() first"
-        residency = call.residency
-        if residency is None:
-            raise RuntimeError(f"policy {self.name!r} needs a device tier: pass --device-budget")
         if call.n_tokens != 1:
-            return self._decide_batch(call, residency)
+            return self._decide_batch(call, self._residency(call))
         layer = call.layer
         ids: list[int] = call.ids.tolist()[0]
         self.planner.note_use(layer, ids)
         misses = self.misses
-        plans = self.plans[layer] and self.config.prefetch
+        plans = self.plans[layer]
         if not plans and misses.default_step[layer]:
             return DEFAULT_PLAN  # nothing to plan, and every activation as the default plan has it
+        residency = self._residency(call)
         cells = residency.tobytes()  # the whole table as one bytes object (see planner.plan)
         if misses.decode_in_python:
             width = residency.shape[1]
@@ -111,7 +109,7 @@ class SpicePolicy:
             self.predictor,
             layer,
             call.hidden[0],
-            self.ctx.n_expert_used,
+            self.k,
             self.h_min[layer],
             self.h_max[layer],
             self.config.tau,
@@ -120,6 +118,12 @@ class SpicePolicy:
         fetch_bytes = len(decision.fetch) * self.expert_bytes[layer] if decision.fetch else 0
         prefetch = self.planner.plan(layer, predictions, residency, decision.busy, fetch_bytes, cells)
         return Plan(decision.actions, decision.fetch, prefetch.prefetch, prefetch.evict)
+
+    def _residency(self, call: HookCall) -> npt.NDArray[np.int8]:
+        residency = call.residency
+        if residency is None:
+            raise RuntimeError(f"policy {self.name!r} needs a device tier: pass --device-budget")
+        return residency
 
     def _decide_batch(self, call: HookCall, residency: npt.NDArray[np.int8]) -> Plan:
         """A prompt batch: what the next layers' tokens will pick, by votes."""
