@@ -214,7 +214,7 @@ def decode_trace(policy: Any, tier: FakeTier, picks: list[list[list[int]]]) -> N
             tier.call(policy, il, ids, np.ones((1, N_EMBD), np.float32))
 
 
-@pytest.mark.parametrize(("plan_every", "budget"), [(1, 6), (2, 10)])
+@pytest.mark.parametrize(("plan_every", "budget"), [(1, 6), (2, 12)])
 def test_a_perfect_prediction_turns_into_hits(plan_every: int, budget: int) -> None:
     # planning every 2nd layer holds two layers' predictions at once: it needs the room
     n_layers, n_expert, k = 4, 8, 2
@@ -225,6 +225,7 @@ def test_a_perfect_prediction_turns_into_hits(plan_every: int, budget: int) -> N
     tier = FakeTier(ctx)
     policy = SpicePolicy(replace(spice_config("spice:exact"), plan_every=plan_every))
     policy.attach(ctx)
+    assert policy.plan_every == plan_every
     for token in picks:
         for il, ids in enumerate(token):
             predictor.future = {j: token[j] for j in range(n_layers)}
@@ -339,7 +340,7 @@ def test_decode_steps_plan_at_every_other_layer_and_run_the_default_plan_between
     predictor.future = {il: [il, il + 1] for il in range(4)}
     ctx = context(budget_experts=16, predictor=predictor, prof=profile(12.0, 5.0, 5.0, emulated=True))
     policy = attached("spice:exact", ctx)
-    assert policy.config.plan_every == 2
+    assert policy.plan_every == 2
     residency = np.zeros((4, 8), np.int8)
     residency[1, 5] = RESIDENCY_RESIDENT
     first = policy.decide(hook_call(0, [[0, 1]], [0.5, 0.5], residency, 8))
@@ -400,3 +401,11 @@ def test_look_ahead_is_algorithm_1(n_expert: int, h_min: int, extra: int, tau: f
         ranked = probs[il][experts]
         assert (np.diff(ranked) <= 1e-7).all()  # most probable first
         assert ranked.min() >= np.sort(probs[il])[::-1][k - 1] - 1e-7  # the top k
+
+
+def test_a_tight_budget_plans_at_every_layer() -> None:
+    # 2 experts chosen per layer: planning every 2nd layer keeps 3 layers' worth on the device
+    # at once; a budget of 11 experts does not hold that twice over
+    assert attached("spice:exact", context(budget_experts=11)).plan_every == 1
+    assert attached("spice:exact", context(budget_experts=12)).plan_every == 2
+    assert attached("abl-c", context(budget_experts=64)).plan_every == 1  # next layer only

@@ -29,7 +29,8 @@ class SpiceConfig:
     # enough ahead to cover the layers in between: a plan costs a rollout and a pass
     # over the residency table, which inside the graph (caches cold after ggml's
     # kernels) is most of the policy's time, while depth-2 predictions are nearly as
-    # good as depth-1 ones (smolmoe: 0.80 vs 0.84 recall); deep variants only
+    # good as depth-1 ones (smolmoe: 0.80 vs 0.84 recall); deep variants only, and only
+    # where the device budget holds (plan_every + 1) layers' top-k twice over
     plan_every: int = 2
     # --- misses ---
     miss_mode: MissMode = "cost"  # cost: fetch-or-host by the cost model; host: all host; fetch: all fetched
