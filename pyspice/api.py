@@ -155,6 +155,11 @@ class Llama(llama_cpp.Llama):
         self._spice_device_params: StoreParams | None = None
         self._spice_routers: RouterReader | None = None
         self._spice_profile: Any = None
+        if kwargs.get("n_gpu_layers", 0) == 0 and "op_offload" not in kwargs and device_count_if_cuda() > 0:
+            # with no layer on the GPU, llama.cpp's op offload copies host weights over
+            # for prompt batches; beside a real device tier those copies failed
+            # (CUDA "invalid argument", H200, 2026-11-30); the tier does that job here
+            kwargs["op_offload"] = False
         super().__init__(model_path, **kwargs)
         ctx_address = ctypes.cast(self._ctx.ctx, ctypes.c_void_p).value
         assert ctx_address is not None
@@ -559,6 +564,18 @@ def host_memory_available() -> int | None:
         return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
     except (ValueError, OSError):
         return None
+
+
+def device_count_if_cuda() -> int:
+    """CUDA devices, without loading libspice on a CPU-only build."""
+    from pyspice.build_info import BuildNotFoundError, load_build_info
+
+    try:
+        if not load_build_info().cuda:
+            return 0
+    except BuildNotFoundError:
+        return 0
+    return device_count()
 
 
 def check_real_budget(spec: Budget, budget_bytes: int) -> None:

@@ -30,12 +30,15 @@ from .golden import PROMPT, Run, greedy_run, load
 
 N_DECODE = 12
 # max |logit - reference| over all positions, relative to the reference's largest
-# |logit|. Measured on an H200 (tiny random-weight models, every expert on the
-# GPU): 5-7% for Q4_K/Q5_K_M, where the CPU reference quantizes activations to
-# q8_K; device rows alone differ from the host's by up to 4% of their largest
-# value for K-quants, 0.4% for Q8_0, 0.25% for F32 (SPICE_CUDA_VERIFY=1).
-CUDA_LOGIT_TOLERANCE = 0.1
-CUDA_TOP1_AGREEMENT = 0.9
+# |logit|, and top-1 agreement. Measured on an H200 (tiny random-weight models,
+# whose near-tied logits exaggerate any difference): every expert on the GPU,
+# 4-5% / 0.93-0.96 with -ngl 0 and 13-15% / 0.87-0.93 with -ngl 99, where the
+# reference itself sums the experts on the GPU; device rows alone differ from
+# the host's by up to 4% of their largest value for K-quants (the CPU quantizes
+# activations to q8_K, the GPU to q8_1), 0.4% for Q8_0, 0.25% for F32
+# (SPICE_CUDA_VERIFY=1).
+CUDA_LOGIT_TOLERANCE = 0.2
+CUDA_TOP1_AGREEMENT = 0.85
 
 # the realistic configuration: non-expert weights on the GPU, routed experts on the tier
 ALL_LAYERS = 99
@@ -146,8 +149,11 @@ def test_all_resident_within_tolerance_none_resident_exact(
 
         llm.set_policy("stock")
         llm.set_device("25%")
-        nothing = greedy_run(llm, AllHost(), n_decode=N_DECODE)
-        assert np.array_equal(nothing.logits, ref.logits)
+        nothing = forced_run(llm, AllHost(), ref.tokens)
+        if n_gpu_layers == 0:  # all on the CPU: the host executor is the reference's own arithmetic
+            assert np.array_equal(nothing.logits, ref.logits)
+        else:  # the reference sums experts on the GPU (ggml's fused MoE reduction); the hook on the CPU
+            assert relative_error(nothing.logits, ref.logits) <= CUDA_LOGIT_TOLERANCE
         assert nothing.stats["hit_rate"] == 0.0
         assert nothing.stats["misses"]["host"] == nothing.stats["activations"]
     finally:
