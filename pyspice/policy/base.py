@@ -46,8 +46,9 @@ class HookCall:
 
     Under the engine the arrays are read-only views into the running graph,
     valid only during `Policy.decide`, and made on first access (a policy pays
-    only for what it reads); a policy that keeps data must copy it. The
-    simulator and tests pass plain arrays.
+    only for what it reads; the engine hands the same HookCall, views made, to
+    later calls of the same layer while the graph's buffers stay put); a policy
+    that keeps data must copy it. The simulator and tests pass plain arrays.
     """
 
     __slots__ = ("_arrays", "_fetch", "layer", "n_expert", "n_expert_used", "n_tokens")

@@ -1,15 +1,23 @@
 """SPICE: speculative prefetch + surrogate substitution + cost-aware fetch-or-host.
 
 One policy object per variant (quality level or ablation, see config.py).
-Per hook call, for a decode step:
+For a decode step:
 
-1. look ahead (lookahead.py): the predictor, anchored at this layer's MoE
-   input, predicts the next layers' experts, depth adapted to confidence;
-2. handle this layer's misses (misses.py): device / host / surrogate / fetch;
-3. plan prefetches and evictions (planner.py) around what step 2 keeps busy.
+1. handle this layer's misses (misses.py): device / host / surrogate / fetch;
+2. at every `plan_every`-th MoE layer (config.py; every layer where the budget
+   is tight), look ahead (lookahead.py): the predictor, anchored at this
+   layer's MoE input, predicts the next layers' experts, at least up to the
+   next planning layer plus H_min, deeper while confident;
+3. there, plan prefetches and evictions (planner.py) around what step 1 keeps busy.
 
-A prompt batch looks ahead H_min layers by votes: the experts its tokens are
-predicted to pick next, the most picked first.
+A layer that neither plans nor decides anything but the default (lossless, on
+a device where waiting for a copy never pays) returns the default plan at once:
+inside the graph, with caches cold after ggml's kernels, each numpy call and
+each pass over the residency table costs several times what it costs outside,
+and this runs 30 times per token.
+
+A prompt batch plans at every layer, H_min layers ahead by votes: the experts
+its tokens are predicted to pick next, the most picked first.
 """
 
 from __future__ import annotations
