@@ -233,6 +233,11 @@ class Llama(llama_cpp.Llama):
             self.set_policy(self._spice_policy_name)
         return self.spice_device
 
+    @property
+    def spice_policy_name(self) -> str:
+        """The policy in use (its registry name, or a custom policy's `name`)."""
+        return self._spice_policy_name
+
     def automatic_device_budget(self) -> int:
         """Bytes for a real device tier when none is given (DESIGN section 11): the
         GPU's free memory now (after this model's other weights and KV cache are

@@ -14,7 +14,9 @@ import numpy as np
 from pyspice.cli.common import (
     add_context_args,
     add_model_args,
+    add_sidecar_arg,
     default_policy,
+    note,
     open_model,
     resolve_model,
 )
@@ -31,10 +33,21 @@ def register(sub: Any) -> None:
         help="perplexity of a GGUF on a text file",
         description="Perplexity as llama-perplexity computes it: chunks of -c tokens (default 512), each "
         "scored on its second half. Any GGUF; MoE models run through the chosen --policy, dense ones "
-        "through llama.cpp unchanged. With no model, the default model smolmoe (built on first use).",
+        "through llama.cpp unchanged. With no model, the default model smolmoe (built on first use); "
+        "with no -f, the held-out half of the default model's corpus. --policies compares several "
+        "policies in one run (e.g. the lossy SPICE levels against spice:exact), --token-by-token "
+        "scores as decoding runs (one token per hook call), which is where lossy levels act.",
     )
     add_model_args(ppl)
-    ppl.add_argument("-f", "--file", "--text", dest="file", type=Path, required=True, help="text to score")
+    ppl.add_argument(
+        "-f",
+        "--file",
+        "--text",
+        dest="file",
+        type=Path,
+        default=None,
+        help="text to score (default: the held-out split of the default model's corpus)",
+    )
     add_context_args(ppl)
     for action in ppl._actions:  # same flag as everywhere, another default: llama-perplexity's 512
         if action.dest == "ctx_size":
@@ -45,6 +58,19 @@ def register(sub: Any) -> None:
         metavar="MODEL",
         help="also score this model (e.g. the dense original) and report greedy next-token agreement",
     )
+    ppl.add_argument("--chunks", type=int, default=None, help="score only the first N chunks")
+    ppl.add_argument(
+        "--token-by-token",
+        action="store_true",
+        help="evaluate one token per decode call (-b 1 -ub 1), as generation does",
+    )
+    ppl.add_argument(
+        "--policies",
+        default=None,
+        help="comma-separated policies scored one after another on the same model; the first is "
+        "the baseline of the relative change (e.g. spice:exact,spice:balanced,spice:fast)",
+    )
+    add_sidecar_arg(ppl)
     ppl.add_argument("--json", action="store_true", help='print {"ppl", "tokens", ...} as one JSON document')
     ppl.set_defaults(func=run_ppl)
     _register_sidecar_evals(esub)
@@ -302,41 +328,96 @@ def _open(args: argparse.Namespace, path: Path, policy: str | None) -> Any:
         policy = "stock"
     elif policy is None:
         policy = default_policy(args)
-    if args.batch_size < args.ctx_size:
-        model_args.batch_size = args.ctx_size  # one chunk per decode, as llama-perplexity with -b >= -c
-    model_args.ubatch_size = min(args.ubatch_size, model_args.batch_size)
+    if getattr(args, "token_by_token", False):
+        model_args.batch_size = model_args.ubatch_size = 1  # every hook call sees one token, as in decoding
+    else:
+        if args.batch_size < args.ctx_size:
+            model_args.batch_size = args.ctx_size  # one chunk per decode, as llama-perplexity with -b >= -c
+        model_args.ubatch_size = min(args.ubatch_size, model_args.batch_size)
     return open_model(model_args, policy, logits_all=True)
+
+
+def _ppl_text(args: argparse.Namespace) -> str:
+    if args.file is None:
+        from pyspice.models.corpus import Split, text_of
+        from pyspice.models.smolmoe_recipe import recipe_dir
+
+        note("no -f: scoring the held-out split of the default model's corpus")
+        return text_of(Split.from_file(recipe_dir() / "split.json"), "heldout").text
+    text_path: Path = args.file
+    if not text_path.is_file():
+        raise FileNotFoundError(f"text file {text_path} does not exist")
+    return text_path.read_text(encoding="utf-8")
 
 
 def run_ppl(args: argparse.Namespace) -> int:
     from pyspice.perplexity import perplexity
 
-    text_path: Path = args.file
-    if not text_path.is_file():
-        raise FileNotFoundError(f"text file {text_path} does not exist")
-    text = text_path.read_text(encoding="utf-8")
+    text = _ppl_text(args)
     model = resolve_eval_model(args.model or args.model_pos)
-    llm = _open(args, model, args.policy)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()] if args.policies else [args.policy]
+    if args.policies and args.reference:
+        raise ValueError("--reference and --policies do not go together; run them separately")
+    llm = _open(args, model, policies[0])
     reference = _open(args, resolve_eval_model(args.reference), None) if args.reference else None
-
-    def progress(done: int, total: int, ppl: float) -> None:
-        print(f"[{done}/{total}] ppl {ppl:.4f}", file=sys.stderr, flush=True)
-
+    rows: list[dict[str, Any]] = []
     try:
-        result = perplexity(llm, text, args.ctx_size, reference=reference, on_chunk=progress)
+        for name in policies:
+            if name is not None and name != llm.spice_policy_name:
+                llm.set_policy(name)
+            llm.spice_reset_stats()
+
+            def progress(done: int, total: int, ppl: float, label: str = str(llm.spice_policy_name)) -> None:
+                print(f"[{label} {done}/{total}] ppl {ppl:.4f}", file=sys.stderr, flush=True)
+
+            result = perplexity(
+                llm, text, args.ctx_size, reference=reference, on_chunk=progress, max_chunks=args.chunks
+            )
+            stats = llm.spice_stats()
+            activations = max(1, int(stats.get("activations", 0) or 0))
+            rows.append(
+                {
+                    "policy": llm.spice_policy_name,
+                    "ppl": result.ppl,
+                    "tokens": result.tokens,
+                    "chunks": result.chunks,
+                    "surrogate_rate": stats["misses"]["surrogate"] / activations
+                    if stats.get("activations")
+                    else 0.0,
+                    "hit_rate": stats.get("hit_rate"),
+                    "policy_fallbacks": stats.get("policy_fallbacks", 0),
+                    "top1_agreement": result.top1_agreement,
+                    "reference_ppl": result.reference_ppl,
+                }
+            )
     finally:
         llm.close()
         if reference is not None:
             reference.close()
+    base = rows[0]["ppl"]
+    for row in rows:
+        row["change_vs_first"] = row["ppl"] / base - 1.0
     if args.json:
-        doc: dict[str, Any] = {"ppl": result.ppl, "tokens": result.tokens, "chunks": result.chunks}
-        if result.top1_agreement is not None:
-            doc["reference_ppl"] = result.reference_ppl
-            doc["top1_agreement"] = result.top1_agreement
+        doc: dict[str, Any] = {k: v for k, v in rows[0].items() if v is not None} if len(rows) == 1 else {}
+        if len(rows) > 1:
+            doc = {"policies": rows}
         json.dump(doc, sys.stdout)
         sys.stdout.write("\n")
+    elif len(rows) == 1:
+        r = rows[0]
+        print(f"ppl {r['ppl']:.4f} over {r['tokens']} tokens ({r['chunks']} chunks of {args.ctx_size})")
+        if r["top1_agreement"] is not None:
+            print(f"reference ppl {r['reference_ppl']:.4f}; top-1 agreement {r['top1_agreement']:.4f}")
     else:
-        print(f"ppl {result.ppl:.4f} over {result.tokens} tokens ({result.chunks} chunks of {args.ctx_size})")
-        if result.top1_agreement is not None:
-            print(f"reference ppl {result.reference_ppl:.4f}; top-1 agreement {result.top1_agreement:.4f}")
+        print(
+            f"{rows[0]['tokens']} tokens ({rows[0]['chunks']} chunks of {args.ctx_size})"
+            + (", token by token" if args.token_by_token else "")
+        )
+        print(f"{'policy':<16} {'ppl':>10} {'vs first':>9} {'surrogate':>10} {'hit':>6} {'fallbacks':>9}")
+        for r in rows:
+            hit = f"{r['hit_rate']:.3f}" if r["hit_rate"] is not None else "-"
+            print(
+                f"{r['policy']:<16} {r['ppl']:>10.4f} {r['change_vs_first']:>+8.2%} "
+                f"{r['surrogate_rate']:>10.4f} {hit:>6} {r['policy_fallbacks']:>9}"
+            )
     return 0

@@ -62,3 +62,37 @@ def test_eval_ppl_equals_llama_perplexity(
     assert doc["tokens"] > 0 and doc["tokens"] % (N_CTX // 2 - 1) == 0  # 63 scored tokens per chunk
     # llama-perplexity prints 4 decimals; the logits are the same computation
     assert doc["ppl"] == pytest.approx(expected, abs=1.5e-4, rel=1e-5)
+
+
+def test_eval_ppl_compares_policies_token_by_token(
+    synth_model: ModelFactory, text_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--policies scores each policy on the same model; lossless ones give the same
+    perplexity token by token as in a prompt batch, and a lossy ablation differs."""
+    model = synth_model("qwen2moe", quant="Q8_0")
+    argv = [
+        "eval",
+        "ppl",
+        "-m",
+        str(model),
+        "-f",
+        str(text_file),
+        "-c",
+        str(N_CTX),
+        "-t",
+        "2",
+        "--chunks",
+        "1",
+    ]
+    assert main([*argv, "--policy", "exact", "--json"]) == 0
+    batched = json.loads(capsys.readouterr().out)["ppl"]
+    assert (
+        main([*argv, "--token-by-token", "--device-budget", "25%", "--policies", "exact,lru,host", "--json"])
+        == 0
+    )
+    rows = json.loads(capsys.readouterr().out)["policies"]
+    assert [r["policy"] for r in rows] == ["exact", "lru", "host"]
+    assert all(r["chunks"] == 1 and r["tokens"] == N_CTX // 2 - 1 for r in rows)
+    assert rows[0]["ppl"] == rows[1]["ppl"] == rows[2]["ppl"]  # lossless: the same logits, bit for bit
+    assert rows[0]["ppl"] == pytest.approx(batched, rel=1e-3)  # batch size changes rounding, not much more
+    assert rows[1]["change_vs_first"] == 0.0 and rows[2]["hit_rate"] == 0.0
