@@ -124,6 +124,8 @@ class PrefetchPlanner:
         # our prefetches: landed or dropped ones are forgotten, stale ones cancelled
         evict: list[int] = []
         queued = self.queued
+        if queued and RESIDENCY_QUEUED not in cells and RESIDENCY_COPYING not in cells:
+            queued.clear()  # nothing on its way at all (the common case): all landed or dropped
         if queued:
             for key in [k for k in queued if cells[k] != RESIDENCY_QUEUED]:
                 if cells[key] != RESIDENCY_COPYING:
