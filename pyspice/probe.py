@@ -6,7 +6,8 @@ several batch sizes, device time per expert, and the rest of a layer's time
 (attention, norms, shared experts). Measured by differences on the real
 model: the same evaluation with every routed expert executed and with every
 routed expert dropped; what the experts add, divided by how many ran, is
-their cost. On a CPU-only build the device is emulated: its bus is what the
+their cost; a batch of 1 is measured as decoding runs (KV position 128, a
+different token each step). On a CPU-only build the device is emulated: its bus is what the
 user set, and its compute is the host's (labelled so). With a real (CUDA)
 device the bus is measured from the copy engine's own events while every
 expert is fetched once, and device time per expert by the same difference
@@ -29,6 +30,9 @@ from pyspice.paths import cache_dir
 from pyspice.policy import ACTION_DROP, HookCall, Plan
 
 PROFILE_VERSION = 1
+# KV position decode costs are measured at: about where bench's TPOT is (its
+# 128-token prompt); attention at position 0 is cheaper than at any real step
+DECODE_POSITION = 128
 
 
 @dataclass
@@ -63,7 +67,9 @@ class CostProfile:
         return CostProfile(**doc, batches=batches)
 
 
-class _DropAll:
+class DropAll:
+    """Every routed expert contributes nothing: with it, a step's time is the rest of the model."""
+
     name = "drop-all"
 
     def decide(self, call: HookCall) -> Plan:
@@ -95,6 +101,44 @@ def _type_name(t: int) -> str:
         return f"type{t}"
 
 
+def measure_decode_step(llm: Any, tokens: list[int], position: int, repeats: int) -> BatchCost:
+    """Cost of one decoded token where decoding happens: at KV position `position`
+    (`tokens[:position]` evaluated first), a different next token each repeat (the
+    same token would route to the same experts and find their weights in cache),
+    all routed experts exact versus all dropped, interleaved, with the dropping
+    policy's own Python time taken out of the rest of the layer."""
+    n_layers = len(llm.spice_layers())
+    n_moe = sum(1 for info in llm.spice_layers() if info.is_moe)
+    llm.set_policy("exact")
+    llm.reset()
+    llm.eval(tokens[:position])
+    times: dict[str, list[float]] = {"exact": [], "drop": []}
+    drop_us: list[float] = []
+    activations = 0.0
+    for r in range(repeats):
+        for kind in ("exact", "drop") if r % 2 == 0 else ("drop", "exact"):
+            llm.set_policy("exact" if kind == "exact" else DropAll())
+            llm.spice_reset_stats()
+            llm.n_tokens = position  # llama_cpp's eval drops the KV cells from here on
+            start = time.perf_counter()
+            llm.eval([tokens[position + r]])
+            times[kind].append(time.perf_counter() - start)
+            stats = llm.spice_stats()
+            if kind == "drop":
+                drop_us.append(float(stats["policy_us_per_call"]))
+            else:
+                activations = float(stats["activations"])
+    exact_us = statistics.median(times["exact"]) * 1e6
+    drop_total = statistics.median(times["drop"]) * 1e6
+    policy_us = statistics.median(drop_us) * n_moe
+    rest_total = drop_total - policy_us
+    return BatchCost(
+        tokens=1,
+        expert_us=max(0.0, exact_us - rest_total) / max(1.0, activations),
+        rest_us_per_layer=rest_total / max(1, n_layers),
+    )
+
+
 def measure_profile(
     llm: Any,
     model_path: Path,
@@ -113,6 +157,14 @@ def measure_profile(
     rng = np.random.default_rng(0)
     batches = []
     for n in batch_sizes:
+        if n == 1:  # decode steps: measured where and as decoding runs
+            steps = 3 * repeats  # single steps are short and noisy: more of them
+            position = max(0, min(DECODE_POSITION, int(llm.n_ctx()) - steps - 1))
+            if progress:
+                progress(f"one token at KV position {position}: all experts, then none")
+            stream = [int(t) for t in rng.integers(100, min(vocab, 30000), size=position + steps)]
+            batches.append(measure_decode_step(llm, stream, position, steps))
+            continue
         tokens = [int(t) for t in rng.integers(100, min(vocab, 30000), size=n)]
         if progress:
             progress(f"batch of {n}: all experts, then none")
@@ -120,7 +172,7 @@ def measure_profile(
         llm.spice_reset_stats()
         full = _timed_eval(llm, tokens, repeats)
         activations = llm.spice_stats()["activations"] / repeats
-        llm.set_policy(_DropAll())
+        llm.set_policy(DropAll())
         empty = _timed_eval(llm, tokens, repeats)
         expert_s = max(0.0, full - empty)
         batches.append(
@@ -201,7 +253,7 @@ def _measure_device_expert_us(llm: Any, layers: list[Any], vocab: int, rng: Any,
     llm.spice_reset_stats()
     full = _timed_eval(llm, tokens, repeats)
     activations = float(llm.spice_stats()["activations"]) / repeats
-    llm.set_policy(_DropAll())
+    llm.set_policy(DropAll())
     empty = _timed_eval(llm, tokens, repeats)
     llm.clear_device()
     return max(0.0, full - empty) * 1e6 / max(1.0, activations)

@@ -23,15 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from pyspice.policy import ACTION_DROP, HookCall, Plan
+from pyspice.policy import HookCall, Plan
 
 
 class _Recorder:
@@ -49,13 +47,6 @@ class _Recorder:
         self.writer.add(call.layer, start, **fields)
         self.next_token[call.layer] = start + call.n_tokens
         return Plan()
-
-
-class _DropAll:
-    name = "drop-all"
-
-    def decide(self, call: HookCall) -> Plan:
-        return Plan(actions=np.full((call.n_tokens, call.n_expert_used), ACTION_DROP, np.int32))
 
 
 def _open(model: Path, threads: int) -> Any:
@@ -126,38 +117,14 @@ def measure_decode_costs(
     bus_latency_us: float = 10.0,
 ) -> Any:
     """A pyspice.probe.CostProfile for one-token decode steps at KV position `position`."""
-    from pyspice.probe import PROFILE_VERSION, BatchCost, CostProfile, model_fingerprint
+    from pyspice.probe import PROFILE_VERSION, BatchCost, CostProfile, measure_decode_step, model_fingerprint
 
     llm = _open(model, threads)
     try:
         layers = llm.spice_layers()
         n_moe = sum(1 for info in layers if info.is_moe)
-        # a different next token each repeat, as decoding has: the same token every time would
-        # route to the same experts and find their weights in cache
-        prompt = bench_prompt(llm, position + repeats)
-        llm.reset()
-        llm.eval(prompt[:position])
-        times: dict[str, list[float]] = {"exact": [], "drop": []}
-        drop_us: list[float] = []
-        activations = 0.0
-        for r in range(repeats):
-            for kind in ("exact", "drop") if r % 2 == 0 else ("drop", "exact"):
-                llm.set_policy("exact" if kind == "exact" else _DropAll())
-                llm.spice_reset_stats()
-                llm.n_tokens = position  # llama_cpp's eval drops the KV cells from here on
-                start = time.perf_counter()
-                llm.eval([prompt[position + r]])
-                times[kind].append(time.perf_counter() - start)
-                stats = llm.spice_stats()
-                if kind == "drop":
-                    drop_us.append(float(stats["policy_us_per_call"]))
-                else:
-                    activations = float(stats["activations"])
-        exact_us = statistics.median(times["exact"]) * 1e6
-        drop_total = statistics.median(times["drop"]) * 1e6
-        policy_us = statistics.median(drop_us) * n_moe  # the dropping policy's own Python time
-        rest = (drop_total - policy_us) / len(layers)
-        expert = max(0.0, exact_us - (drop_total - policy_us)) / max(1.0, activations)
+        step = measure_decode_step(llm, bench_prompt(llm, position + repeats), position, repeats)
+        expert, rest = step.expert_us, step.rest_us_per_layer
         types = {
             "/".join(str(t) for t in (i.type_gate, i.type_up, i.type_down)): i.bytes_per_expert
             for i in layers
