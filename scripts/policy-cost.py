@@ -1,18 +1,20 @@
 """Where a Python policy's time goes inside the graph, per hook call (default model: smolmoe).
 
-Runs the prompt, then greedy decode steps, with each policy; reports per decode hook
-call (prompt calls in their own column):
-  C us       the policy time libspice measures around the callback (bench's `pol us/call`)
-  entry      C us minus the time inside Policy.decide: the cffi callback, the HookCall
-             lookup and writing the plan (those two also on their own)
-  decide     the time inside Policy.decide
+Runs the prompt, then greedy decode steps, with each policy (runs interleaved,
+medians reported); per decode hook call (prompt calls in their own column):
+  C us        the policy time libspice measures around the callback (bench's `pol us/call`,
+              which also averages in the prompt's calls)
+  entry       C us minus the time inside Policy.decide: the cffi callback, the HookCall
+              lookup and writing the plan (lookup and write also on their own)
+  decide      the time inside Policy.decide
 and, for SPICE policies, decide split into misses (the miss handler), look-ahead
-(Algorithm 1's rollout), planner (prefetch/evict planning) and the rest, with the
-share of decode calls that planned prefetches. Phase timers add about a microsecond
-each; compare policies within one run.
+(Algorithm 1; rollout is its predictor product) and planner (prefetch/evict),
+other (the rest), and the share of decode calls that planned. The timers add a
+microsecond or two each inside the graph, so C us here is above bench's; compare
+policies within one run. `--set plan_every=1` etc. override SpiceConfig fields.
 
     flock /tmp/pyspice-heavy.lock python scripts/policy-cost.py \\
-        --policies exact-py,spice:exact,spice:balanced --device-budget 25% -t 2
+        --policies exact-py,spice:exact,spice:balanced --device-budget 25% -t 2 --repeat 5
 """
 
 from __future__ import annotations
