@@ -51,4 +51,18 @@ def version_report() -> str:
             "warning: the loaded library's patches differ from the installed build's; run `make build`"
         )
     lines.append(f"build: {info.build_type}{' + CUDA' if info.cuda else ''}, {info.build_dir}")
+    lines.append(f"device tier: {device_tier_kind(info.cuda)}")
     return "\n".join(lines)
+
+
+def device_tier_kind(cuda_build: bool) -> str:
+    """What --device-budget gives on this machine."""
+    if not cuda_build:
+        return "emulated (CPU-only build)"
+    from pyspice.runtime import device_count
+
+    try:
+        n = device_count()
+    except Exception as exc:  # the CUDA runtime itself may be what is broken
+        return f"emulated (CUDA build, but the CUDA runtime failed: {exc})"
+    return f"CUDA, {n} device{'s' if n != 1 else ''}" if n else "emulated (CUDA build, no GPU found)"
