@@ -29,6 +29,7 @@ from pyspice.policy.base import (
     RESIDENCY_COPYING,
     HookCall,
     Plan,
+    held_bytes,
 )
 from pyspice.policy.context import PolicyContext
 
@@ -37,11 +38,6 @@ Key = tuple[int, int]
 
 def _actions(call: HookCall, action: int) -> npt.NDArray[np.int32]:
     return np.full((call.n_tokens, call.n_expert_used), action, dtype=np.int32)
-
-
-def _used_bytes(residency: npt.NDArray[np.int8], expert_bytes: npt.NDArray[np.int64]) -> int:
-    """Bytes the tier holds or is fetching, from the residency table."""
-    return int(((residency != RESIDENCY_ABSENT).sum(axis=1) * expert_bytes[: residency.shape[0]]).sum())
 
 
 def _require_device(call: HookCall, policy: str) -> npt.NDArray[np.int8]:
@@ -145,7 +141,7 @@ class LruCache:
     def _make_room(self, residency: npt.NDArray[np.int8], need: int, keep: set[int], layer: int) -> list[Key]:
         assert self.ctx is not None
         budget = self.ctx.budget_bytes or 0
-        used = _used_bytes(residency, self.ctx.bytes_vector())
+        used = held_bytes(residency, self.ctx.bytes_vector())
         evict: list[Key] = []
         forget: list[Key] = []
         if used + need <= budget:

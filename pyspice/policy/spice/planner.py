@@ -24,7 +24,13 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from pyspice.policy.base import RESIDENCY_ABSENT, RESIDENCY_COPYING, RESIDENCY_QUEUED, RESIDENCY_RESIDENT
+from pyspice.policy.base import (
+    RESIDENCY_ABSENT,
+    RESIDENCY_COPYING,
+    RESIDENCY_QUEUED,
+    RESIDENCY_RESIDENT,
+    held_bytes,
+)
 from pyspice.policy.context import PolicyContext
 from pyspice.policy.spice.lookahead import Predictions
 
@@ -85,8 +91,7 @@ class PrefetchPlanner:
     def free_bytes(self, state: npt.NDArray[np.int8]) -> int:
         if self.uniform:
             return self.budget - int(np.count_nonzero(state)) * self.uniform
-        held = np.count_nonzero(state != RESIDENCY_ABSENT, axis=1)
-        return self.budget - int(held @ self.bytes[: state.shape[0]])
+        return self.budget - held_bytes(state, self.bytes)
 
     def plan(
         self,
