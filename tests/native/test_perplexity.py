@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-import re
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from pyspice.build_info import load_build_info
 from pyspice.cli.main import main
 from tests.native.conftest import ModelFactory
+from tests.native.upstream_tools import llama_perplexity
 
 N_CTX = 128
 
@@ -26,32 +24,10 @@ def text_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _llama_perplexity(model: Path, text: Path) -> float:
-    tool = load_build_info().tool("llama-perplexity")
     # -fa off: pyspice opens models without flash attention; "auto" would round differently
-    cmd = [
-        str(tool),
-        "-m",
-        str(model),
-        "-f",
-        str(text),
-        "-c",
-        str(N_CTX),
-        "-b",
-        str(N_CTX),
-        "-t",
-        "2",
-        "-fa",
-        "off",
-    ]
-    # upstream's logger writes from a worker thread and, rarely, exits before it has
-    # written its last lines (seen once in CI: output cut after "ETA", exit status 0);
-    # a missing line is retried, a wrong number never is
-    for _ in range(3):
-        result = subprocess.run(cmd, capture_output=True, text=True, check=True)
-        match = re.search(r"Final estimate: PPL = ([0-9.]+)", result.stdout + result.stderr)
-        if match:
-            return float(match.group(1))
-    raise AssertionError(result.stderr[-2000:])
+    return llama_perplexity(
+        "-m", str(model), "-f", str(text), "-c", str(N_CTX), "-b", str(N_CTX), "-t", "2", "-fa", "off"
+    )
 
 
 @pytest.mark.parametrize("policy", ["stock", "exact"])
