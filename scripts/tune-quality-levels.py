@@ -49,15 +49,14 @@ def main() -> int:
 
     from pyspice.api import Llama
     from pyspice.cli.common import resolve_model
-    from pyspice.models.corpus import Split, text_of
-    from pyspice.models.smolmoe_recipe import recipe_dir
+    from pyspice.models.smolmoe_recipe import corpus_part
     from pyspice.perplexity import perplexity
     from pyspice.policy.spice import SpicePolicy, spice_config
     from pyspice.sidecar import default_sidecar_path
 
     model = resolve_model(ap.Namespace(model=args.model, model_pos=None))
     sidecar = args.sidecar or default_sidecar_path(model)
-    text = text_of(Split.from_file(recipe_dir() / "split.json"), "calibration").text
+    text = corpus_part("calibration").text
     grid = list(itertools.product(floats(args.weights), floats(args.errors)))
     # (budget, weight, error) -> (ppl change vs exact, surrogate rate)
     results: dict[tuple[str, float, float], tuple[float, float]] = {}

@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from pyspice.cli.common import add_model_args, note, resolve_model
+from pyspice.cli.common import add_model_args, add_text_arg, note, read_text_or_corpus, resolve_model
 
 DEFAULT_CORPUS = "pydoc_data.topics:calibration"
 
@@ -31,15 +31,7 @@ def register(sub: Any) -> None:
     p.add_argument(
         "-o", "--output", type=Path, default=None, help="sidecar path (default: <model>.spice.gguf)"
     )
-    p.add_argument(
-        "-f",
-        "--file",
-        "--text",
-        dest="file",
-        type=Path,
-        default=None,
-        help="calibration text (default: the calibration split of pydoc_data.topics)",
-    )
+    add_text_arg(p, "calibration text (default: the calibration split of pydoc_data.topics)")
     p.add_argument("--rank", type=int, default=8, help="LoRE surrogate rank per expert (default 8)")
     p.add_argument("--draft-rank", type=int, default=128, help="rank of each draft transition (default 128)")
     p.add_argument("--tokens", type=int, default=8192, help="cap on calibration tokens (default 8192)")
@@ -64,15 +56,7 @@ def register(sub: Any) -> None:
 
 def calibration_text(path: Path | None) -> tuple[str, str]:
     """(text, corpus name)."""
-    if path is not None:
-        if not path.is_file():
-            raise FileNotFoundError(f"text file {path} does not exist")
-        return path.read_text(encoding="utf-8"), path.name
-    from pyspice.models.corpus import Split, text_of
-    from pyspice.models.smolmoe_recipe import recipe_dir
-
-    part = text_of(Split.from_file(recipe_dir() / "split.json"), "calibration")
-    return part.text, DEFAULT_CORPUS
+    return read_text_or_corpus(path, "calibration"), path.name if path is not None else DEFAULT_CORPUS
 
 
 def default_work_dir(model: Path, fp: str, corpus: str, text: str, tokens: int, n_ctx: int) -> Path:

@@ -123,6 +123,23 @@ def resolve_model(args: argparse.Namespace) -> Path:
     return path
 
 
+def read_text_or_corpus(path: Path | None, part: str) -> str:
+    """The text of `path`; with none, the `part` ("calibration" or "heldout") of the
+    default model's corpus."""
+    if path is None:
+        from pyspice.models.smolmoe_recipe import corpus_part
+
+        return str(corpus_part(part).text)
+    if not path.is_file():
+        raise FileNotFoundError(f"text file {path} does not exist")
+    return path.read_text(encoding="utf-8")
+
+
+def add_text_arg(p: argparse.ArgumentParser, help_text: str) -> None:
+    """-f/--file/--text, a text file a command reads (None when not given)."""
+    p.add_argument("-f", "--file", "--text", dest="file", type=Path, default=None, help=help_text)
+
+
 def read_prompt(args: argparse.Namespace) -> str:
     if args.file is not None:
         return str(args.file.read_text(encoding="utf-8"))

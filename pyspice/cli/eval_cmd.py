@@ -15,9 +15,11 @@ from pyspice.cli.common import (
     add_context_args,
     add_model_args,
     add_sidecar_arg,
+    add_text_arg,
     default_policy,
     note,
     open_model,
+    read_text_or_corpus,
     resolve_model,
 )
 
@@ -39,15 +41,7 @@ def register(sub: Any) -> None:
         "scores as decoding runs (one token per hook call), which is where lossy levels act.",
     )
     add_model_args(ppl)
-    ppl.add_argument(
-        "-f",
-        "--file",
-        "--text",
-        dest="file",
-        type=Path,
-        default=None,
-        help="text to score (default: the held-out split of the default model's corpus)",
-    )
+    add_text_arg(ppl, "text to score (default: the held-out split of the default model's corpus)")
     add_context_args(ppl)
     for action in ppl._actions:  # same flag as everywhere, another default: llama-perplexity's 512
         if action.dest == "ctx_size":
@@ -84,15 +78,7 @@ def _add_sidecar_eval_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="the model's sidecar (default: <model>.spice.gguf next to the model)",
     )
-    p.add_argument(
-        "-f",
-        "--file",
-        "--text",
-        dest="file",
-        type=Path,
-        default=None,
-        help="held-out text (default: the held-out split of pydoc_data.topics)",
-    )
+    add_text_arg(p, "held-out text (default: the held-out split of pydoc_data.topics)")
     p.add_argument("--tokens", type=int, default=4096, help="cap on evaluated tokens (default 4096)")
     p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)")
     p.add_argument("--json", action="store_true", help="print the results as one JSON document")
@@ -140,16 +126,7 @@ def _eval_inputs(args: argparse.Namespace) -> tuple[Path, Any, str]:
     model = resolve_eval_model(args.model or args.model_pos)
     sidecar_path = args.sidecar or default_sidecar_path(model)
     sidecar = Sidecar.load(sidecar_path, model)
-    if args.file is not None:
-        if not args.file.is_file():
-            raise FileNotFoundError(f"text file {args.file} does not exist")
-        text = args.file.read_text(encoding="utf-8")
-    else:
-        from pyspice.models.corpus import Split, text_of
-        from pyspice.models.smolmoe_recipe import recipe_dir
-
-        text = text_of(Split.from_file(recipe_dir() / "split.json"), "heldout").text
-    return model, sidecar, text
+    return model, sidecar, read_text_or_corpus(args.file, "heldout")
 
 
 def _capture_eval_trace(args: argparse.Namespace, model: Path, text: str, tmp: Path) -> Any:
@@ -339,15 +316,8 @@ def _open(args: argparse.Namespace, path: Path, policy: str | None) -> Any:
 
 def _ppl_text(args: argparse.Namespace) -> str:
     if args.file is None:
-        from pyspice.models.corpus import Split, text_of
-        from pyspice.models.smolmoe_recipe import recipe_dir
-
         note("no -f: scoring the held-out split of the default model's corpus")
-        return text_of(Split.from_file(recipe_dir() / "split.json"), "heldout").text
-    text_path: Path = args.file
-    if not text_path.is_file():
-        raise FileNotFoundError(f"text file {text_path} does not exist")
-    return text_path.read_text(encoding="utf-8")
+    return read_text_or_corpus(args.file, "heldout")
 
 
 def run_ppl(args: argparse.Namespace) -> int:

@@ -119,10 +119,9 @@ def run_derive(args: argparse.Namespace) -> int:
 
 
 def run_corpus(args: argparse.Namespace) -> int:
-    from pyspice.models.corpus import Split, text_of
-    from pyspice.models.smolmoe_recipe import recipe_dir
+    from pyspice.models.smolmoe_recipe import corpus_part
 
-    part = text_of(Split.from_file(recipe_dir() / "split.json"), args.part)
+    part = corpus_part(args.part)
     if part.missing_keys:
         print(f"pyspice: this Python lacks topics {', '.join(part.missing_keys)}", file=sys.stderr)
     if not part.matches_split:

@@ -35,6 +35,14 @@ def default_recipe_dir() -> Path:
     return Path(__file__).resolve().parents[2] / "models" / RECIPE_NAME
 
 
+def corpus_part(part: str) -> Any:
+    """The text of one part ("calibration" or "heldout") of the corpus split the
+    recipe was derived with (its committed split.json), as a corpus.PartText."""
+    from pyspice.models.corpus import Split, text_of
+
+    return text_of(Split.from_file(recipe_dir() / "split.json"), part)
+
+
 def recipe_dir() -> Path:
     """models/smolmoe/ of the source tree pyspice runs from (installed editable)."""
     path = default_recipe_dir()
