@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from pyspice.api import Llama
+from pyspice.policy import ACTION_DEVICE, ACTION_HOST, HookCall, Plan
 
 PROMPT = (
     "Mixture-of-Experts models route every token to a few experts out of many, so most of "
@@ -33,16 +34,18 @@ def load(path: Path, **kwargs: Any) -> Llama:
     return Llama(str(path), policy="stock", logits_all=True, verbose=False, **kwargs)
 
 
-def greedy_run(llm: Llama, policy: Any, n_decode: int = N_DECODE) -> Run:
-    """Prompt as one batch, then n_decode greedy single-token steps; all logits kept."""
+def greedy_run(llm: Llama, policy: Any, n_decode: int = N_DECODE, forced: list[int] | None = None) -> Run:
+    """Prompt as one batch, then n_decode greedy single-token steps; all logits kept.
+    With `forced` (teacher forcing), those tokens are fed instead of the argmax, one
+    step each, so runs whose argmax may differ still score the same text."""
     llm.set_policy(policy)
     llm.reset()
     llm.spice_reset_stats()
     prompt = llm.tokenize(PROMPT.encode(), add_bos=True)
     llm.eval(prompt)
     tokens: list[int] = []
-    for _ in range(n_decode):
-        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    for step in range(n_decode if forced is None else len(forced)):
+        token = int(np.argmax(llm.scores[llm.n_tokens - 1])) if forced is None else forced[step]
         tokens.append(token)
         llm.eval([token])
     return Run(llm.scores[: llm.n_tokens].copy(), tokens, llm.spice_stats())
@@ -50,3 +53,22 @@ def greedy_run(llm: Llama, policy: Any, n_decode: int = N_DECODE) -> Run:
 
 def prompt_length(llm: Llama) -> int:
     return len(llm.tokenize(PROMPT.encode(), add_bos=True))
+
+
+class AllHost:
+    """Every activation on the host; the device tier stays empty."""
+
+    name = "all-host"
+
+    def decide(self, call: HookCall) -> Plan:
+        return Plan(actions=np.full((call.n_tokens, call.n_expert_used), ACTION_HOST, np.int32))
+
+
+class AllDevice:
+    """Every activation on the device: absent experts are fetched on demand."""
+
+    name = "all-device"
+
+    def decide(self, call: HookCall) -> Plan:
+        assert call.residency is not None  # the policy sees the device tier
+        return Plan(actions=np.full((call.n_tokens, call.n_expert_used), ACTION_DEVICE, np.int32))

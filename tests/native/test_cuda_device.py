@@ -23,10 +23,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pyspice.policy import ACTION_DEVICE, ACTION_HOST, HookCall, Plan
 from pyspice.runtime import DEVICE_CUDA, SpiceError, StoreParams, device_count
 
-from .golden import PROMPT, Run, greedy_run, load
+from .golden import AllDevice, AllHost, greedy_run, load
 
 N_DECODE = 12
 # max |logit - reference| over all positions, relative to the reference's largest
@@ -46,38 +45,12 @@ ALL_LAYERS = 99
 needs_gpu = pytest.mark.skipif(device_count() == 0, reason="no CUDA device (CPU-only build or no GPU)")
 
 
-class AllHost:
-    name = "all-host"
-
-    def decide(self, call: HookCall) -> Plan:
-        return Plan(actions=np.full((call.n_tokens, call.n_expert_used), ACTION_HOST, np.int32))
-
-
-class AllDevice:
-    name = "all-device"
-
-    def decide(self, call: HookCall) -> Plan:
-        return Plan(actions=np.full((call.n_tokens, call.n_expert_used), ACTION_DEVICE, np.int32))
-
-
 def relative_error(got: np.ndarray, ref: np.ndarray) -> float:
     return float(np.max(np.abs(got - ref)) / max(1e-30, float(np.max(np.abs(ref)))))
 
 
 def top1_agreement(got: np.ndarray, ref: np.ndarray) -> float:
     return float(np.mean(np.argmax(got, 1) == np.argmax(ref, 1)))
-
-
-def forced_run(llm, policy, tokens: list[int]) -> Run:  # type: ignore[no-untyped-def]
-    """greedy_run's steps (prompt as one batch, then one token at a time), fed the
-    given tokens instead of its own argmax."""
-    llm.set_policy(policy)
-    llm.reset()
-    llm.spice_reset_stats()
-    llm.eval(llm.tokenize(PROMPT.encode(), add_bos=True))
-    for token in tokens:
-        llm.eval([token])
-    return Run(llm.scores[: llm.n_tokens].copy(), list(tokens), llm.spice_stats())
 
 
 def load_cuda(path, n_gpu_layers: int = ALL_LAYERS):  # type: ignore[no-untyped-def]
@@ -137,7 +110,7 @@ def test_all_resident_within_tolerance_none_resident_exact(
     try:
         ref = greedy_run(llm, "stock", n_decode=N_DECODE)
         llm.set_device("100%")
-        everything = forced_run(llm, "exact", ref.tokens)
+        everything = greedy_run(llm, "exact", forced=ref.tokens)
         err = relative_error(everything.logits, ref.logits)
         agree = top1_agreement(everything.logits, ref.logits)
         print(
@@ -149,7 +122,7 @@ def test_all_resident_within_tolerance_none_resident_exact(
 
         llm.set_policy("stock")
         llm.set_device("25%")
-        nothing = forced_run(llm, AllHost(), ref.tokens)
+        nothing = greedy_run(llm, AllHost(), forced=ref.tokens)
         if n_gpu_layers == 0:  # all on the CPU: the host executor is the reference's own arithmetic
             assert np.array_equal(nothing.logits, ref.logits)
         else:  # the reference sums experts on the GPU (ggml's fused MoE reduction); the hook on the CPU
@@ -166,7 +139,7 @@ def test_on_demand_fetches_land_and_are_counted(synth_model) -> None:
     try:
         ref = greedy_run(llm, "stock", n_decode=N_DECODE)
         llm.set_device("100%")
-        got = forced_run(llm, AllDevice(), ref.tokens)
+        got = greedy_run(llm, AllDevice(), forced=ref.tokens)
         assert relative_error(got.logits, ref.logits) <= CUDA_LOGIT_TOLERANCE
         s = got.stats
         assert s["misses"]["fetched"] > 0 and s["hit_rate"] > 0
@@ -184,7 +157,7 @@ def test_policies_on_a_real_device(synth_model, policy: str, budget: str) -> Non
     try:
         ref = greedy_run(llm, "stock", n_decode=N_DECODE)
         llm.set_device(budget)
-        got = forced_run(llm, policy, ref.tokens)
+        got = greedy_run(llm, policy, forced=ref.tokens)
         err = relative_error(got.logits, ref.logits)
         agree = top1_agreement(got.logits, ref.logits)
         s = got.stats

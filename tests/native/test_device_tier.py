@@ -7,28 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pyspice.policy import ACTION_DEVICE, ACTION_HOST, HookCall, Plan
-
-from .golden import greedy_run, load
+from .golden import AllDevice, AllHost, greedy_run, load
 
 N_DECODE = 12
-
-
-class AllHost:
-    name = "all-host"
-
-    def decide(self, call: HookCall) -> Plan:
-        return Plan(actions=np.full((call.n_tokens, call.n_expert_used), ACTION_HOST, np.int32))
-
-
-class AllDevice:
-    """Every activation on the device: absent experts are fetched on demand."""
-
-    name = "all-device"
-
-    def decide(self, call: HookCall) -> Plan:
-        assert call.residency is not None  # the policy sees the device tier
-        return Plan(actions=np.full((call.n_tokens, call.n_expert_used), ACTION_DEVICE, np.int32))
 
 
 @pytest.mark.parametrize("arch,quant", [("qwen2moe", "Q4_K"), ("deepseek2", "Q5_K_M")])
