@@ -155,7 +155,7 @@ class Llama(llama_cpp.Llama):
         self._spice_device_params: StoreParams | None = None
         self._spice_routers: RouterReader | None = None
         self._spice_profile: Any = None
-        if kwargs.get("n_gpu_layers", 0) == 0 and "op_offload" not in kwargs and device_count_if_cuda() > 0:
+        if kwargs.get("n_gpu_layers", 0) == 0 and "op_offload" not in kwargs and device_count() > 0:
             # with no layer on the GPU, llama.cpp's op offload copies host weights over
             # for prompt batches; beside a real device tier those copies failed
             # (CUDA "invalid argument", H200, 2026-11-30); the tier does that job here
@@ -196,7 +196,7 @@ class Llama(llama_cpp.Llama):
         the given bandwidth/latency."""
         runtime = self._require_runtime()
         layers = [info for info in runtime.layers() if info.is_moe]
-        total = sum(info.bytes_per_expert * info.n_expert for info in layers)
+        total = self.spice_expert_bytes()
         spec = parse_budget(budget) if isinstance(budget, str) else Budget(bytes=int(budget))
         real = bandwidth_gbps is None and latency_us is None and not manual_clock and device_count() > 0
         if real:
@@ -243,10 +243,12 @@ class Llama(llama_cpp.Llama):
         GPU's free memory now (after this model's other weights and KV cache are
         allocated), less the margin ggml's buffers need, and never more than all
         routed experts."""
-        layers = [info for info in self._require_runtime().layers() if info.is_moe]
-        total = sum(info.bytes_per_expert * info.n_expert for info in layers)
         free, _ = device_memory(0)
-        return int(min(total, REAL_DEVICE_MARGIN * free))
+        return int(min(self.spice_expert_bytes(), REAL_DEVICE_MARGIN * free))
+
+    def spice_expert_bytes(self) -> int:
+        """Bytes of all routed experts (what a 100% device budget holds)."""
+        return sum(info.bytes_per_expert * info.n_expert for info in self.spice_layers() if info.is_moe)
 
     def clear_device(self) -> None:
         self._require_runtime().set_device(None)
@@ -569,18 +571,6 @@ def host_memory_available() -> int | None:
         return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
     except (ValueError, OSError):
         return None
-
-
-def device_count_if_cuda() -> int:
-    """CUDA devices, without loading libspice on a CPU-only build."""
-    from pyspice.build_info import BuildNotFoundError, load_build_info
-
-    try:
-        if not load_build_info().cuda:
-            return 0
-    except BuildNotFoundError:
-        return 0
-    return device_count()
 
 
 def check_real_budget(spec: Budget, budget_bytes: int) -> None:

@@ -188,9 +188,9 @@ def measure_profile(
     if real_device:
         if progress:
             progress("real device: bus (every expert fetched once), then device time per expert")
-        bus_gbps, bus_latency_us = _measure_bus(llm, layers)
+        bus_gbps, bus_latency_us = _measure_bus(llm)
         bus_source = "measured (CUDA events; latency folded into the effective bandwidth)"
-        device_us = _measure_device_expert_us(llm, layers, vocab, rng, repeats)
+        device_us = _measure_device_expert_us(llm, vocab, rng, repeats)
         device_source = "measured: batch of 1, every expert resident, minus every expert dropped"
     llm.set_policy("exact")
     types = {
@@ -214,19 +214,13 @@ def measure_profile(
     )
 
 
-def _whole_tier(llm: Any, layers: list[Any]) -> int:
-    """Every routed expert, or as much of them as the GPU has room for."""
-    total = sum(info.bytes_per_expert * info.n_expert for info in layers)
-    return int(min(total, llm.automatic_device_budget()))
-
-
-def _measure_bus(llm: Any, layers: list[Any]) -> tuple[float, float]:
+def _measure_bus(llm: Any) -> tuple[float, float]:
     """Fetch every expert once (a full tier, emptied first) and read back what the
     copy engine timed with CUDA events: (GB/s, 0 us latency)."""
     from pyspice.policy import ACTION_DEVICE
 
     llm.set_policy("stock")
-    llm.set_device(_whole_tier(llm, layers))
+    llm.set_device(llm.automatic_device_budget())  # every expert, as far as the GPU has room
 
     class _FetchAll:
         name = "probe-fetch-all"
@@ -244,10 +238,10 @@ def _measure_bus(llm: Any, layers: list[Any]) -> tuple[float, float]:
     return c.bytes_h2d / c.copy_ns, 0.0
 
 
-def _measure_device_expert_us(llm: Any, layers: list[Any], vocab: int, rng: Any, repeats: int) -> float:
+def _measure_device_expert_us(llm: Any, vocab: int, rng: Any, repeats: int) -> float:
     """Batch of 1 with every expert resident on the device vs every expert dropped."""
     llm.set_policy("stock")
-    llm.set_device(_whole_tier(llm, layers))
+    llm.set_device(llm.automatic_device_budget())  # every expert, as far as the GPU has room
     llm.set_policy("exact")  # preloads the tier (every expert, where the GPU holds them all)
     tokens = [int(rng.integers(100, min(vocab, 30000)))]
     llm.spice_reset_stats()

@@ -115,7 +115,10 @@ DEVICE_CUDA = 1
 
 
 def device_count() -> int:
-    """CUDA devices this libspice can use (0 on a CPU-only build)."""
+    """CUDA devices this libspice can use: 0 on a CPU-only build (answered from the
+    build record, without loading libspice) or with no GPU."""
+    if not load_build_info().cuda:
+        return 0
     return int(_Native.get().lib.spice_device_count())
 
 

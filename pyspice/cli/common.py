@@ -148,14 +148,12 @@ def read_prompt(args: argparse.Namespace) -> str:
 
 def gpu_present() -> bool:
     """A CUDA build that sees a GPU (the real device tier is available)."""
-    try:
-        if not load_build_info().cuda:
-            return False
-    except BuildNotFoundError:
-        return False
     from pyspice.runtime import device_count
 
-    return device_count() > 0
+    try:
+        return device_count() > 0
+    except BuildNotFoundError:
+        return False
 
 
 def default_policy(args: argparse.Namespace) -> str:
