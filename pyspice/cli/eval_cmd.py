@@ -331,29 +331,27 @@ def run_ppl(args: argparse.Namespace) -> int:
     llm = _open(args, model, policies[0])
     reference = _open(args, resolve_eval_model(args.reference), None) if args.reference else None
     rows: list[dict[str, Any]] = []
+
+    def progress(done: int, total: int, ppl: float) -> None:
+        print(f"[{llm.spice_policy_name} {done}/{total}] ppl {ppl:.4f}", file=sys.stderr, flush=True)
+
     try:
         for name in policies:
             if name is not None and name != llm.spice_policy_name:
                 llm.set_policy(name)
             llm.spice_reset_stats()
-
-            def progress(done: int, total: int, ppl: float, label: str = str(llm.spice_policy_name)) -> None:
-                print(f"[{label} {done}/{total}] ppl {ppl:.4f}", file=sys.stderr, flush=True)
-
             result = perplexity(
                 llm, text, args.ctx_size, reference=reference, on_chunk=progress, max_chunks=args.chunks
             )
             stats = llm.spice_stats()
-            activations = max(1, int(stats.get("activations", 0) or 0))
+            activations = max(1, int(stats["activations"]))
             rows.append(
                 {
                     "policy": llm.spice_policy_name,
                     "ppl": result.ppl,
                     "tokens": result.tokens,
                     "chunks": result.chunks,
-                    "surrogate_rate": stats["misses"]["surrogate"] / activations
-                    if stats.get("activations")
-                    else 0.0,
+                    "surrogate_rate": stats["misses"]["surrogate"] / activations,
                     "hit_rate": stats.get("hit_rate"),
                     "policy_fallbacks": stats.get("policy_fallbacks", 0),
                     "top1_agreement": result.top1_agreement,
@@ -368,9 +366,7 @@ def run_ppl(args: argparse.Namespace) -> int:
     for row in rows:
         row["change_vs_first"] = row["ppl"] / base - 1.0
     if args.json:
-        doc: dict[str, Any] = {k: v for k, v in rows[0].items() if v is not None} if len(rows) == 1 else {}
-        if len(rows) > 1:
-            doc = {"policies": rows}
+        doc = {"policies": rows} if len(rows) > 1 else {k: v for k, v in rows[0].items() if v is not None}
         json.dump(doc, sys.stdout)
         sys.stdout.write("\n")
     elif len(rows) == 1:
