@@ -228,7 +228,7 @@ int spice_cuda_register_host(spice_cuda * cu, const void * data, size_t size) {
     }
     cudaError_t rc = cleared(cudaHostRegister((void *) (uintptr_t) data, size, cudaHostRegisterPortable));
     if (rc != cudaSuccess && rc != cudaErrorHostMemoryAlreadyRegistered) {
-        (void) cudaGetLastError(); /* a read-only mapping (mmap'd weights) needs the read-only flag */
+        /* a read-only mapping (mmap'd weights) needs the read-only flag */
         rc = cleared(cudaHostRegister((void *) (uintptr_t) data, size, cudaHostRegisterPortable | cudaHostRegisterReadOnly));
     }
     if (rc == cudaSuccess) {
@@ -236,10 +236,8 @@ int spice_cuda_register_host(spice_cuda * cu, const void * data, size_t size) {
         return SPICE_OK;
     }
     if (rc == cudaErrorHostMemoryAlreadyRegistered) {
-        (void) cudaGetLastError(); /* the already-registered error is not sticky; clear it */
         return SPICE_OK;
     }
-    (void) cudaGetLastError();
     return SPICE_ERR_UNSUPPORTED;
 }
 
@@ -307,7 +305,6 @@ int spice_cuda_read(spice_cuda * cu, int32_t slot, size_t offset, void * dst, si
 uint64_t spice_cuda_copy_ns(spice_cuda * cu, int32_t slot) {
     float ms = 0.0f;
     if (cleared(cudaEventElapsedTime(&ms, cu->ev_start[slot], cu->ev_end[slot])) != cudaSuccess) {
-        (void) cudaGetLastError();
         return 0;
     }
     return (uint64_t) ((double) ms * 1e6);
@@ -326,7 +323,6 @@ static int grow_pinned(float ** p, size_t * cap, size_t need) {
     }
     const size_t n = need + need / 2;
     if (cleared(cudaMallocHost((void **) p, n)) != cudaSuccess) {
-        (void) cudaGetLastError();
         return SPICE_ERR_NO_MEMORY;
     }
     *cap = n;
