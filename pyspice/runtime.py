@@ -45,6 +45,7 @@ _COUNTER_FIELDS = (
     "policy_calls",
     "policy_fallbacks",
     "store_ns",
+    "policy_quiet",
 )
 
 
@@ -596,6 +597,8 @@ class Runtime:
         if plan.evict:
             pairs = list(chain.from_iterable(plan.evict))
             call.n_evict = _copy_ints(call.evict, call.cap_evict, pairs)
+        if plan.resume_layer != -1:
+            call.resume_il = plan.resume_layer
 
     # ---- after a decode -----------------------------------------------------------
 

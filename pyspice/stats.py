@@ -34,6 +34,7 @@ class Counters:
     policy_calls: int = 0
     policy_fallbacks: int = 0  # plans that raised or failed validation -> exact fallback
     store_ns: int = 0  # device-tier bookkeeping on the hook's thread 0 (not counting stalls)
+    policy_quiet: int = 0  # calls the policy decided in advance (Plan.resume_layer): not called
 
     def add(self, other: Counters) -> None:
         for f in fields(self):
@@ -82,7 +83,9 @@ def _counter_record(c: Counters, decoded_tokens: int) -> dict[str, Any]:
         "prefetch_cancelled": c.prefetch_cancelled,
         "bytes_per_token": _ratio(c.bytes_h2d, decoded_tokens),
         "stall_ms_per_token": _ratio(c.stall_ns / 1e6, decoded_tokens),
-        "policy_us_per_call": _ratio(c.policy_ns / 1e3, c.policy_calls),
+        # per call the policy served, asked or decided in advance: what it costs per hook call
+        "policy_us_per_call": _ratio(c.policy_ns / 1e3, c.policy_calls + c.policy_quiet),
+        "policy_quiet_share": _ratio(c.policy_quiet, c.policy_calls + c.policy_quiet),
         "policy_fallbacks": c.policy_fallbacks,
         "store_us_per_call": _ratio(c.store_ns / 1e3, c.hook_calls),
     }
@@ -116,6 +119,7 @@ STATS_KEYS = (
     "bytes_per_token",
     "stall_ms_per_token",
     "policy_us_per_call",
+    "policy_quiet_share",
     "policy_fallbacks",
     "layers",
 )

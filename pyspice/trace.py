@@ -33,7 +33,7 @@ import json
 import os
 import re
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -458,6 +458,8 @@ class TraceRecorder:
 
     def _inner_plan(self, call: HookCall) -> Plan:
         plan: Plan = self.inner.decide(call) if self.inner is not None else Plan()
+        if plan.resume_layer != -1:  # a recorder must see every call: the inner policy is asked at each
+            plan = replace(plan, resume_layer=-1)
         return plan
 
 

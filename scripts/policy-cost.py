@@ -11,7 +11,8 @@ and, for SPICE policies, decide split into misses (the miss handler), look-ahead
 (Algorithm 1; rollout is its predictor product) and planner (prefetch/evict),
 other (the rest), and the share of decode calls that planned. The timers add a
 microsecond or two each inside the graph, so C us here is above bench's; compare
-policies within one run. `--set plan_every=1` etc. override SpiceConfig fields.
+policies within one run. `--set plan_every=1` etc. override SpiceConfig fields of
+every SPICE policy; `spice:exact@plan_every=4,h_max=6` those of one entry.
 
     flock /tmp/pyspice-heavy.lock python scripts/policy-cost.py \\
         --policies exact-py,spice:exact,spice:balanced --device-budget 25% -t 2 --repeat 5
@@ -98,20 +99,24 @@ class Row:
     hit_rate: list[float] = field(default_factory=list)
 
 
-def run_policy(llm: Any, row: Row, prompt: list[int], n_decode: int, overrides: dict[str, Any]) -> None:
-    """One run of one policy: its numbers are appended to `row`."""
-    name = row.name
+def run_policy(
+    llm: Any, row: Row, prompt: list[int], n_decode: int, overrides: dict[str, Any], timed: bool = True
+) -> None:
+    """One run of one policy: its numbers are appended to `row` (timed=False: C us, TPOT
+    and hit rate only, without the timers' own cost)."""
+    name, _, own = row.name.partition("@")
     policy = make_policy(name)
+    overrides = {**overrides, **parse_overrides(own.split(",") if own else [])}
     if isinstance(policy, SpicePolicy) and overrides:
         policy = SpicePolicy(replace(policy.config, **overrides))
     if policy is None:
         raise ValueError(f"{name!r} is not a Python policy: nothing to measure")
     timers = Timers()
     llm.set_policy(policy)
-    undo = instrument(policy, timers)
+    undo = instrument(policy, timers) if timed else lambda: None
     runtime = llm._spice_runtime
     for method, label in (("_hook_call", "lookup"), ("_write_plan", "write")):
-        if hasattr(runtime, method):  # the runtime's own steps of the entry
+        if timed and hasattr(runtime, method):  # the runtime's own steps of the entry
             setattr(runtime, method, timers.wrap(label, getattr(runtime, method)))
     try:
         llm.reset()
@@ -141,10 +146,23 @@ def run_policy(llm: Any, row: Row, prompt: list[int], n_decode: int, overrides: 
     row.planning.append(timers.counts.get("planner", 0) / calls)
 
 
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """FIELD=VALUE strings -> SpiceConfig overrides (ValueError names a bad one)."""
+    overrides: dict[str, Any] = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        if key not in {f.name for f in fields(SpiceConfig)} or not value:
+            raise ValueError(f"{item!r}: expected FIELD=VALUE with a SpiceConfig field")
+        kind = type(getattr(SpiceConfig("x"), key))
+        overrides[key] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
+    return overrides
+
+
 def table(rows: list[Row]) -> str:
     med = statistics.median
+    w = max(16, *(len(r.name) for r in rows))
     head = (
-        f"{'policy':<16} {'C us':>7} {'entry':>7} {'lookup':>7} {'write':>7} {'decide':>7} "
+        f"{'policy':<{w}} {'C us':>7} {'entry':>7} {'lookup':>7} {'write':>7} {'decide':>7} "
         + " ".join(f"{p:>10}" for p in PHASES)
         + f" {'rollout':>7}"
         + f" {'other':>7} {'planning':>8} {'prompt us':>9} {'TPOT ms':>8} {'hit':>6}"
@@ -158,7 +176,7 @@ def table(rows: list[Row]) -> str:
         other = f"{d - sum(phases):>7.1f}" if spice else f"{'-':>7}"
         planning = f"{med(r.planning):>8.2f}" if spice else f"{'-':>8}"
         lines.append(
-            f"{r.name:<16} {c:>7.1f} {c - d:>7.1f} {med(r.extra_us['lookup']):>7.1f} "
+            f"{r.name:<{w}} {c:>7.1f} {c - d:>7.1f} {med(r.extra_us['lookup']):>7.1f} "
             f"{med(r.extra_us['write']):>7.1f} {d:>7.1f} {cells} {med(r.extra_us['rollout']):>7.1f} "
             f"{other} {planning} "
             f"{med(r.prompt_us):>9.1f} {med(r.tpot_ms):>8.2f} {med(r.hit_rate):>6.3f}"
@@ -171,9 +189,18 @@ def main(argv: list[str] | None = None) -> int:
     add_model_args(p)
     add_context_args(p)
     add_sidecar_arg(p)
-    p.add_argument("--policies", default="exact-py,spice:exact", help="comma-separated Python policies")
+    p.add_argument(
+        "--policies",
+        default="exact-py,spice:exact",
+        help="comma-separated Python policies (separated by ';' when one has @FIELD=VALUE,... overrides)",
+    )
     p.add_argument("--prompt-tokens", type=int, default=128, help="prompt length (default 128)")
     p.add_argument("-n", "--n-predict", type=int, default=32, help="decode steps per run (default 32)")
+    p.add_argument(
+        "--plain",
+        action="store_true",
+        help="no timers inside the policy: C us only (bench's figure, decode calls)",
+    )
     p.add_argument("--repeat", type=int, default=3, help="runs per policy; medians reported (default 3)")
     p.add_argument(
         "--set",
@@ -185,15 +212,15 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.device_budget is None:
         args.device_budget = "25%"
-    names = [n.strip() for n in args.policies.split(",") if n.strip()]
-    overrides = {}
-    for item in args.set:
-        key, _, value = item.partition("=")
-        if key not in {f.name for f in fields(SpiceConfig)} or not value:
-            p.error(f"--set {item!r}: expected FIELD=VALUE with a SpiceConfig field")
-        kind = type(getattr(SpiceConfig("x"), key))
-        overrides[key] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
-    llm = open_model(args, next((n for n in names if n != "exact-py"), names[0]))
+    names = [n.strip() for n in args.policies.split(";" if "@" in args.policies else ",") if n.strip()]
+    try:
+        overrides = parse_overrides(args.set)
+        for name in names:
+            parse_overrides(name.partition("@")[2].split(",") if "@" in name else [])
+    except ValueError as exc:
+        p.error(str(exc))
+    first = next((n for n in names if n != "exact-py"), names[0])
+    llm = open_model(args, first.partition("@")[0])
     body = llm.tokenize(PROMPT.encode(), add_bos=True)
     prompt = (body[:1] + body[1:] * (args.prompt_tokens // max(1, len(body) - 1) + 1))[: args.prompt_tokens]
     rows = [Row(name) for name in names]
@@ -201,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.repeat):
         for row in rows:
             print(f"policy-cost: run {r + 1}/{args.repeat}: {row.name}", file=sys.stderr)
-            run_policy(llm, row, prompt, args.n_predict, overrides)
+            run_policy(llm, row, prompt, args.n_predict, overrides, timed=not args.plain)
     print(table(rows))
     llm.close()
     return 0

@@ -90,6 +90,13 @@ typedef struct spice_policy_call {
     int32_t * fetch;    int32_t n_fetch;    int32_t cap_fetch;    /* expert ids of this layer */
     int32_t * prefetch; int32_t n_prefetch; int32_t cap_prefetch; /* (layer, expert) pairs, flattened */
     int32_t * evict;    int32_t n_evict;    int32_t cap_evict;    /* (layer, expert) pairs, flattened */
+    /* -1 (set before each call): call the policy again at the next hook call.
+     * An MoE layer: the policy has decided the calls until then in advance --
+     * the following one-token (decode) calls take the default plan without
+     * calling it, until the call of layer resume_il; a call of more tokens
+     * always calls it. Lets a policy that plans every few layers skip the
+     * calls in between, which would only return the default plan. */
+    int32_t resume_il;
 } spice_policy_call;
 
 /* Return values of a policy callback. */
@@ -118,6 +125,7 @@ typedef struct spice_counters {
     uint64_t policy_calls;
     uint64_t policy_fallbacks;
     uint64_t store_ns;      /* thread 0's device-tier bookkeeping (residency, requests, waits minus stalls) */
+    uint64_t policy_quiet;  /* hook calls the policy answered in advance (resume_il): not called */
 } spice_counters;
 
 /* ---- expert store -----------------------------------------------------------

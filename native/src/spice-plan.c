@@ -76,6 +76,12 @@ int spice_plan_validate(const spice_runtime * rt, const spice_policy_call * call
             return SPICE_ERR_INVALID_PLAN;
         }
     }
+    if (call->resume_il != -1 &&
+        (call->resume_il < 0 || call->resume_il >= rt->n_layers || !rt->layers[call->resume_il].is_moe)) {
+        snprintf(err, err_len, "layer %d: plan resume_il = %d is neither -1 nor an MoE layer", call->il,
+                 call->resume_il);
+        return SPICE_ERR_INVALID_PLAN;
+    }
     int status = check_pairs(rt, "prefetch", call->prefetch, call->n_prefetch, call->cap_prefetch, err, err_len);
     if (status != SPICE_OK) {
         return status;

@@ -38,6 +38,7 @@ struct spice_runtime {
     int enabled;
     spice_policy_fn policy_fn; /* NULL: built-in exact policy */
     void * policy_user_data;
+    int32_t resume_il; /* -1, or the layer whose decode call next calls the policy (spice_policy_call) */
 
     spice_store * store; /* device tier; NULL: none (every expert counts as resident) */
 

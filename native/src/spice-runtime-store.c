@@ -159,6 +159,7 @@ int spice_runtime_set_store(spice_runtime * rt, const spice_store_params * param
     }
     spice_store_free(rt->store);
     rt->store = NULL;
+    rt->resume_il = -1; /* a new tier: the policy decides the next call afresh */
     if (params == NULL) {
         return SPICE_OK;
     }

@@ -229,9 +229,19 @@ static void plan_call(spice_runtime * rt, const struct llama_moe_hook_call * hc)
     }
     call.n_actions = n_pairs;
 
+    call.resume_il = -1;
+
+    /* a decode call the policy decided in advance: the default plan, no call */
+    const int quiet = rt->policy_fn != NULL && rt->resume_il >= 0 && hc->n_tokens == 1 && hc->il != rt->resume_il;
+    if (quiet) {
+        c->policy_quiet++;
+    } else {
+        rt->resume_il = -1;
+    }
+
     const uint64_t t0 = now_ns();
     int use_plan = 0;
-    if (rt->policy_fn != NULL) {
+    if (rt->policy_fn != NULL && !quiet) {
         const int rc = rt->policy_fn(&call, rt->policy_user_data);
         if (rc == SPICE_POLICY_OK) {
             char err[sizeof(rt->last_error)];
@@ -256,10 +266,14 @@ static void plan_call(spice_runtime * rt, const struct llama_moe_hook_call * hc)
                 call.actions[i] = rt->plan.hit[i] ? SPICE_ACTION_DEVICE : SPICE_ACTION_HOST;
             }
             call.n_fetch = call.n_prefetch = call.n_evict = 0;
+        } else {
+            rt->resume_il = call.resume_il;
         }
     }
-    c->policy_ns += now_ns() - t0;
-    c->policy_calls++;
+    if (!quiet) {
+        c->policy_ns += now_ns() - t0;
+        c->policy_calls++;
+    }
 
     /* ids come from the graph's top-k; a bad one would index out of the tensor */
     int bad_ids = 0;
@@ -434,6 +448,7 @@ int spice_runtime_create(struct llama_context * lctx, spice_runtime ** out, char
     rt->lctx = lctx;
     rt->model = model;
     rt->n_layers = n_layers;
+    rt->resume_il = -1;
     rt->layers = (spice_expert_layer *) calloc((size_t) (n_layers > 0 ? n_layers : 1), sizeof(spice_expert_layer));
     rt->counters = (spice_counters *) calloc((size_t) (n_layers > 0 ? n_layers : 1), sizeof(spice_counters));
     if (rt->layers == NULL || rt->counters == NULL) {
@@ -543,6 +558,7 @@ int spice_runtime_enable(spice_runtime * rt, spice_policy_fn fn, void * user_dat
     }
     rt->policy_fn = fn;
     rt->policy_user_data = user_data;
+    rt->resume_il = -1;
     rt->enabled = 1;
     llama_set_abort_callback(rt->lctx, abort_entry, rt);
     llama_set_moe_hook(rt->lctx, hook_entry, rt, max_tokens);
@@ -556,6 +572,7 @@ int spice_runtime_disable(spice_runtime * rt) {
     llama_set_moe_hook(rt->lctx, NULL, NULL, 0);
     llama_set_abort_callback(rt->lctx, NULL, NULL);
     rt->enabled = 0;
+    rt->resume_il = -1;
     rt->policy_fn = NULL;
     rt->policy_user_data = NULL;
     return SPICE_OK;

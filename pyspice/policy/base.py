@@ -142,12 +142,20 @@ class Plan:
     demand; one that cannot get a slot runs on the host. `fetch` are this layer's
     experts to copy now (demand); `prefetch` and `evict` are (layer, expert)
     pairs for the low-priority queue and for experts that may leave.
+
+    `resume_layer` (-1: ask again at the next call) lets a policy decide the calls
+    up to a later MoE layer in advance: the engine may then answer the following
+    one-token (decode) calls with the default plan without calling `decide`, until
+    the call of `resume_layer` (a call of more tokens always asks). A permission,
+    not a promise: an engine may still call, so `decide` must give the same
+    answer there.
     """
 
     actions: npt.ArrayLike | None = None
     fetch: Sequence[int] = ()
     prefetch: Sequence[tuple[int, int]] = field(default_factory=tuple)
     evict: Sequence[tuple[int, int]] = field(default_factory=tuple)
+    resume_layer: int = -1
 
 
 class Policy(Protocol):

@@ -161,6 +161,7 @@ class _Tally:
     policy_calls: int = 0
     fallbacks: int = 0
     time_ns: int = 0
+    resume_layer: int = -1  # the last plan's: decode calls before that layer are decided
     parts: dict[str, float] = field(default_factory=dict)
 
     def part(self, name: str, ns: float) -> None:
@@ -373,6 +374,13 @@ class Simulator:
         except Exception:
             ok, plan, actions = False, Plan(), None
         spent = (time.perf_counter() - start) * 1e6
+        resume = getattr(plan, "resume_layer", -1)
+        if (
+            ok
+            and resume != -1
+            and not (0 <= resume < len(self.workload.n_expert) and self.workload.n_expert[resume])
+        ):
+            ok = False  # spice_plan_validate: neither -1 nor an MoE layer
         if not ok:
             tally.fallbacks += 1
             plan, actions = Plan(), None
@@ -409,7 +417,13 @@ class Simulator:
                 residency = None
                 hit = np.ones(ids.shape, dtype=bool)
             default = np.where(hit, ACTION_DEVICE, ACTION_HOST).astype(np.int32)
-            actions, plan, spent_us = self._decide(policy, call, residency, policy_us, tally)
+            if policy is not None and n_tokens == 1 and 0 <= tally.resume_layer != il:
+                # decided in advance (spice_policy_call.resume_il; a batch always asks): the
+                # default plan, no call (a measured policy_us is per call served)
+                actions, plan, spent_us = None, Plan(), policy_us or 0.0
+            else:
+                actions, plan, spent_us = self._decide(policy, call, residency, policy_us, tally)
+                tally.resume_layer = plan.resume_layer
             if actions is None:
                 actions = default.copy()
             tally.policy_us += spent_us

@@ -78,6 +78,7 @@ PLANS = {
     ),
     "bad fetch id": (lambda c: Plan(fetch=[c.n_expert]), "is not an expert id"),
     "bad prefetch layer": (lambda c: Plan(prefetch=[(99, 0)]), "not an MoE layer"),
+    "bad resume layer": (lambda c: Plan(resume_layer=99), "neither -1 nor an MoE layer"),
     "surrogate without sidecar": (
         lambda c: Plan(actions=np.full((c.n_tokens, c.n_expert_used), ACTION_SURROGATE, np.int32)),
         "no surrogates are loaded",

@@ -165,3 +165,38 @@ def test_interpolation_is_log_linear_and_flat_outside() -> None:
     assert interpolate(table, 1) == 10.0
     assert interpolate(table, 2) == pytest.approx(7.0)
     assert interpolate(table, 64) == 4.0
+
+
+class FirstLayerOnly:
+    """Asks to be called again only at layer 0: the other decode calls are decided in advance."""
+
+    name = "first-layer-only"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int]] = []
+
+    def decide(self, call: HookCall) -> Plan:
+        self.calls.append((call.layer, call.n_tokens))
+        return Plan(resume_layer=0)
+
+
+def test_decode_calls_decided_in_advance_are_not_made() -> None:
+    wl = workload(tokens=10, prompt=4)
+    policy = FirstLayerOnly()
+    result = Simulator(wl, costs(), budget_bytes=None).run("first", policy)
+    decode = [c for c in policy.calls if c[1] == 1]
+    prompt = [c for c in policy.calls if c[1] > 1]
+    assert prompt == [(il, 4) for il in range(N_LAYERS)]  # a batch always asks
+    assert decode == [(0, 1)] * (10 - 4)  # one call per decoded token, at layer 0
+    assert result.policy_fallbacks == 0
+
+
+def test_a_resume_layer_that_is_no_moe_layer_falls_back() -> None:
+    class Bad:
+        name = "bad"
+
+        def decide(self, call: HookCall) -> Plan:
+            return Plan(resume_layer=N_LAYERS + 3)
+
+    result = Simulator(workload(), costs(), budget_bytes=None).run("bad", Bad())
+    assert result.policy_fallbacks > 0

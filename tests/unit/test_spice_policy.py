@@ -346,9 +346,12 @@ def test_decode_steps_plan_at_every_other_layer_and_run_the_default_plan_between
     first = policy.decide(hook_call(0, [[0, 1]], [0.5, 0.5], residency, 8))
     # layer 0 plans for at least layers 1 and 2 (the next plan is at layer 2)
     assert {(1, 1), (1, 2), (2, 2), (2, 3)} <= set(first.prefetch)
+    # ... and lets the engine skip the call in between (its answer is the default plan)
+    assert first.resume_layer == 2
     between = policy.decide(hook_call(1, [[5, 6]], [0.5, 0.5], residency, 8))
     assert between.actions is None and not between.prefetch and not between.evict and not between.fetch
-    assert policy.decide(hook_call(2, [[0, 1]], [0.5, 0.5], residency, 8)).prefetch
+    last = policy.decide(hook_call(2, [[0, 1]], [0.5, 0.5], residency, 8))
+    assert last.prefetch and last.resume_layer == 0  # the next token's first layer plans
 
 
 def test_next_layer_ablations_and_lossy_levels_decide_every_step() -> None:
@@ -358,9 +361,12 @@ def test_next_layer_ablations_and_lossy_levels_decide_every_step() -> None:
     ctx = context(budget_experts=16, predictor=predictor, errors=lambda il: errors)
     residency = np.zeros((4, 8), np.int8)
     # abl-c predicts the next layer only: it plans at every layer
-    assert attached("abl-c", ctx).decide(hook_call(1, [[5, 6]], [0.5, 0.5], residency, 8)).prefetch
-    # a lossy level still substitutes on a layer that does not plan
-    plan = attached("spice:fast", ctx).decide(hook_call(1, [[5, 6]], [0.01, 0.5], residency, 8))
+    nxt = attached("abl-c", ctx).decide(hook_call(1, [[5, 6]], [0.5, 0.5], residency, 8))
+    assert nxt.prefetch and nxt.resume_layer == -1
+    # a lossy level still substitutes on a layer that does not plan, so no call is skipped
+    fast = attached("spice:fast", ctx)
+    assert fast.decide(hook_call(0, [[0, 1]], [0.5, 0.5], residency, 8)).resume_layer == -1
+    plan = fast.decide(hook_call(1, [[5, 6]], [0.01, 0.5], residency, 8))
     assert plan.actions is not None and not plan.prefetch
     assert np.asarray(plan.actions).tolist() == [[ACTION_SURROGATE, ACTION_HOST]]
 

@@ -156,3 +156,22 @@ def test_recorder_keeps_decode_steps_only(tmp_path: Path) -> None:
     r = TraceReader(tmp_path / "t")
     assert r.n_tokens == 3 and rec.skipped_tokens == 3
     np.testing.assert_array_equal(r.layer(4)["ids"], recs[4]["ids"][3:6])
+
+
+def test_recorder_asks_its_inner_policy_at_every_call(tmp_path: Path) -> None:
+    """An inner policy may decide calls in advance (Plan.resume_layer), but the recorder
+    must see every call to record it, so it takes that permission back."""
+    from pyspice.policy.base import HookCall, Plan
+    from pyspice.trace import TraceRecorder
+
+    class Skips:
+        name = "skips"
+
+        def decide(self, call: HookCall) -> Plan:
+            return Plan(resume_layer=LAYERS[0])
+
+    recs = records(1)
+    rec = TraceRecorder(TraceWriter(tmp_path / "t", meta()), Skips())
+    r = recs[LAYERS[0]]
+    plan = rec.decide(HookCall(LAYERS[0], r["hidden"], r["probs"], r["ids"], r["weights"], r["shared"]))
+    assert plan.resume_layer == -1

@@ -147,6 +147,22 @@ def _mass(logits: list[float], ascending: list[int], k: int) -> float:
     return sum([ex[i] for i in ascending[-k:]]) / sum(ex)
 
 
+def _confident(row: list[float], ascending: list[int], k: int, tau: float) -> bool:
+    """Whether the softmax mass of a row's top k reaches tau. Three logits settle most
+    calls: relative to the largest logit l1, the top k sum to at most 1 + (k-1)e^(l2-l1)
+    and the rest to at least e^(l[k+1]-l1) + (n-k-1)e^(l[n]-l1), which bounds the mass
+    from above; only a bound at or over tau needs every exp (_mass)."""
+    n = len(ascending)
+    if k >= n:
+        return True
+    l1 = row[ascending[-1]]
+    top = 1.0 + (k - 1) * exp(row[ascending[-2]] - l1)
+    rest = exp(row[ascending[-k - 1]] - l1) + (n - k - 1) * exp(row[ascending[0]] - l1)
+    if top / (top + rest) < tau:
+        return False
+    return _mass(row, ascending, k) >= tau
+
+
 def _stacked(predictor: Predictor, layer: int, hidden: F32, depth: int) -> tuple[list[int], F32]:
     """(layers, logits [..., depth, n_expert]) in one array, from either predictor interface."""
     stacked = getattr(predictor, "stacked_logits", None)
@@ -173,7 +189,7 @@ def look_ahead(
         return NO_PREDICTIONS
     order: list[list[int]] = logits.argsort(axis=-1).tolist()  # ascending, per layer
     deeper = h_max > h_min and len(layers) == h_min
-    if deeper and (k >= len(order[-1]) or _mass(logits.tolist()[-1], order[-1], k) >= tau):
+    if deeper and _confident(logits[-1].tolist(), order[-1], k, tau):
         layers, logits = _stacked(predictor, layer, hidden, h_max)
         top = np.argsort(-logits, axis=1)[:, :k]
         conf = _confidence(logits, top)

@@ -19,6 +19,7 @@ plan asks for never exceeds the byte budget (the store would refuse it anyway).
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,14 +80,17 @@ class PrefetchPlanner:
 
     def reset(self) -> None:
         self.queued: dict[int, int] = {}  # our prefetches not yet landed -> distance when queued
-        self.last_use: list[list[int]] = [[0] * self.width for _ in range(self.ctx.n_layers)]
+        # when each expert (by int key) was last seen selected: one flat machine-int array,
+        # not lists of Python ints, which would scatter over the heap (every read inside
+        # the graph would be its own cache miss)
+        self.last_use = array("q", bytes(8 * self.ctx.n_layers * self.width))
         self.clock = 0
 
     def note_use(self, layer: int, experts: list[int]) -> None:
         self.clock += 1
-        row, clock = self.last_use[layer], self.clock
+        last_use, clock, base = self.last_use, self.clock, layer * self.width
         for e in experts:
-            row[e] = clock
+            last_use[base + e] = clock
 
     def free_bytes(self, state: npt.NDArray[np.int8]) -> int:
         if self.uniform:
@@ -196,22 +200,22 @@ class PrefetchPlanner:
         dist = self.distance_lists[current]
         width = self.width
         found: list[tuple[int, int]] = []
+        find = cells.find
         for il in self.farthest[current]:
             d = dist[il]
             if d <= nearest or len(found) >= count:
                 break
             base = il * width
-            row = cells[base : base + width]
-            if RESIDENCY_RESIDENT not in row:
-                continue
+            end = base + width
             skip = busy if il == current else ()
-            held = [
-                e
-                for e, s in enumerate(row)
-                if s == RESIDENCY_RESIDENT and e not in skip and base + e not in predicted
-            ]
+            held: list[int] = []
+            i = find(RESIDENCY_RESIDENT, base, end)  # a C scan from one resident to the next
+            while i >= 0:
+                if i - base not in skip and i not in predicted:
+                    held.append(i)
+                i = find(RESIDENCY_RESIDENT, i + 1, end)
             if held:
-                held.sort(key=self.last_use[il].__getitem__)  # least recent first
-                found.extend([(d, base + e) for e in held])
+                held.sort(key=self.last_use.__getitem__)  # least recent first
+                found.extend([(d, key) for key in held])
         found.reverse()  # pop() takes the farthest, least recent first
         return found

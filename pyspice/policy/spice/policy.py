@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -94,6 +95,7 @@ class SpicePolicy:
                 file=sys.stderr,
             )
         self.misses = MissHandler(cfg, self.cost, errors)
+        self.resume = self._resume_layers(moe)
         self.n_prefetch = max(1, math.ceil(cfg.prefetch_share * k))
         self.expert_bytes = [int(b) for b in ctx.expert_bytes]
         self.k = ctx.n_expert_used
@@ -110,7 +112,10 @@ class SpicePolicy:
             return DEFAULT_PLAN  # nothing to plan, and every activation as the default plan has it
         residency = self._residency(call)
         cells = residency.tobytes()  # the whole table as one bytes object (see planner.plan)
-        if misses.decode_in_python:
+        if misses.default_step[layer]:  # the default plan's actions: only what runs on the device
+            base = layer * residency.shape[1]
+            decision = MissDecision(None, [], [e for e in ids if cells[base + e] == RESIDENCY_RESIDENT])
+        elif misses.decode_in_python:
             width = residency.shape[1]
             row = cells[layer * width : (layer + 1) * width]
             decision = misses.decide_step(layer, ids, call.weights, row, residency)
@@ -130,7 +135,23 @@ class SpicePolicy:
         )
         fetch_bytes = len(decision.fetch) * self.expert_bytes[layer] if decision.fetch else 0
         prefetch = self.planner.plan(layer, predictions, residency, decision.busy, fetch_bytes, cells)
-        return Plan(decision.actions, decision.fetch, prefetch.prefetch, prefetch.evict)
+        return Plan(decision.actions, decision.fetch, prefetch.prefetch, prefetch.evict, self.resume[layer])
+
+    def _resume_layers(self, moe: Sequence[int]) -> list[int]:
+        """Per planning layer: the next planning layer (the next token's first one after the
+        last), when every decode call in between would only return the default plan -- the
+        engine then need not call in between (Plan.resume_layer); else -1."""
+        resume = [-1] * len(self.plans)
+        planning = [i for i, il in enumerate(moe) if self.plans[il]]
+        if len(planning) == len(moe):
+            return resume  # nothing in between
+        default = self.misses.default_step
+        for n, i in enumerate(planning):
+            j = planning[(n + 1) % len(planning)]
+            between = [moe[m % len(moe)] for m in range(i + 1, j if j > i else j + len(moe))]
+            if all(default[il] for il in between):
+                resume[moe[i]] = moe[j]
+        return resume
 
     def _residency(self, call: HookCall) -> npt.NDArray[np.int8]:
         residency = call.residency
