@@ -151,6 +151,7 @@ class Llama(llama_cpp.Llama):
         self._spice_runtime: Runtime | None = None
         self._spice_timing = Timing()
         self._spice_policy_name = "stock"
+        self._spice_custom_policy: Policy | None = None  # set_policy's object, if not a registry name
         self._spice_max_hook_tokens = max_hook_tokens
         self._spice_device_params: StoreParams | None = None
         self._spice_routers: RouterReader | None = None
@@ -229,7 +230,9 @@ class Llama(llama_cpp.Llama):
             emulated=not real,
             device_name="CUDA device 0" if real else "",
         )
-        if self._spice_policy_name != "stock":
+        if self._spice_custom_policy is not None:  # a policy object: re-attached to the new tier
+            self.set_policy(self._spice_custom_policy)
+        elif self._spice_policy_name != "stock":
             self.set_policy(self._spice_policy_name)
         return self.spice_device
 
@@ -335,6 +338,7 @@ class Llama(llama_cpp.Llama):
                 if self._spice_runtime is not None:
                     self._spice_runtime.disable()
                 self._spice_policy_name = "stock"
+                self._spice_custom_policy = None
                 return
             runtime = self._require_runtime()
             if spec.needs_device and self.spice_device is None:
@@ -352,6 +356,7 @@ class Llama(llama_cpp.Llama):
                 self._limit_blas()
                 runtime.enable_policy(policy_obj, max_tokens)
             self._spice_policy_name = policy
+            self._spice_custom_policy = None
         else:
             runtime = self._require_runtime()
             self._reset_device()
@@ -360,6 +365,7 @@ class Llama(llama_cpp.Llama):
             self._limit_blas()
             runtime.enable_policy(policy, max_tokens)
             self._spice_policy_name = getattr(policy, "name", type(policy).__name__)
+            self._spice_custom_policy = policy
 
     def _sync_surrogates(self, lossless: bool) -> None:
         """A lossy policy gets the sidecar's surrogates on the device; a lossless one

@@ -90,6 +90,17 @@ typedef struct spice_policy_call {
     int32_t * fetch;    int32_t n_fetch;    int32_t cap_fetch;    /* expert ids of this layer */
     int32_t * prefetch; int32_t n_prefetch; int32_t cap_prefetch; /* (layer, expert) pairs, flattened */
     int32_t * evict;    int32_t n_evict;    int32_t cap_evict;    /* (layer, expert) pairs, flattened */
+    /* MoE layers a prefetch may take room from, most evictable first (needed
+     * last). When a prefetch does not fit the budget (after the plan's
+     * evictions), libspice evicts, from the first of the layers listed before
+     * the prefetch's own layer that has one, the resident expert selected
+     * least recently -- never one this call runs on the device nor one named
+     * in this plan's prefetch list (a resident expert listed there is kept,
+     * not copied) -- and tries again; a prefetch that still finds no room is
+     * dropped with every prefetch after it (the policy lists them in order of
+     * need). A prefetch of a layer not listed may take from any listed layer.
+     * Empty: a prefetch only gets room that is free. */
+    int32_t * evict_from; int32_t n_evict_from; int32_t cap_evict_from;
     /* -1 (set before each call): call the policy again at the next hook call.
      * An MoE layer: the policy has decided the calls until then in advance --
      * the following one-token (decode) calls take the default plan without

@@ -76,6 +76,19 @@ int spice_plan_validate(const spice_runtime * rt, const spice_policy_call * call
             return SPICE_ERR_INVALID_PLAN;
         }
     }
+    if (call->n_evict_from < 0 || call->n_evict_from > call->cap_evict_from) {
+        snprintf(err, err_len, "layer %d: plan evict_from has %d entries; at most %d fit", call->il,
+                 call->n_evict_from, call->cap_evict_from);
+        return SPICE_ERR_INVALID_PLAN;
+    }
+    for (int32_t i = 0; i < call->n_evict_from; ++i) {
+        const int32_t il = call->evict_from[i];
+        if (il < 0 || il >= rt->n_layers || !rt->layers[il].is_moe) {
+            snprintf(err, err_len, "layer %d: plan evict_from[%d] names layer %d, which is not an MoE layer",
+                     call->il, i, il);
+            return SPICE_ERR_INVALID_PLAN;
+        }
+    }
     if (call->resume_il != -1 &&
         (call->resume_il < 0 || call->resume_il >= rt->n_layers || !rt->layers[call->resume_il].is_moe)) {
         snprintf(err, err_len, "layer %d: plan resume_il = %d is neither -1 nor an MoE layer", call->il,

@@ -21,11 +21,14 @@ typedef struct spice_plan_buffers {
     int32_t * fetch;    int32_t cap_fetch;
     int32_t * prefetch; int32_t cap_prefetch;
     int32_t * evict;    int32_t cap_evict;
+    int32_t * evict_from; int32_t cap_evict_from;
     uint8_t * exec;     /* executor's view of the actions */
     uint8_t * hit;      /* [cap_actions] expert resident when the call began */
     const char ** device; /* [max_n_expert] slot memory per expert for the executor */
     uint8_t * need;     /* [max_n_expert] expert has a device action this call */
     uint8_t * pinned;   /* [max_n_expert] pinned during this call */
+    uint8_t * kept;     /* [n_layers * max_n_expert] named in this call's prefetch list (evict_from) */
+    int32_t * rank;     /* [n_layers] position in this call's evict_from (n_evict_from: not listed) */
 } spice_plan_buffers;
 
 struct spice_runtime {
@@ -50,6 +53,10 @@ struct spice_runtime {
     spice_surrogate_exec surrogate_exec;
 
     spice_counters * counters; /* [n_layers], written by thread 0 only */
+    /* [n_layers * max_n_expert]: the hook call (use_clock) that last selected each
+     * expert, for spice_policy_call.evict_from */
+    uint64_t * last_use;
+    uint64_t use_clock;
     atomic_int abort_requested;
     uint64_t plan_rejections;
     char last_error[512];

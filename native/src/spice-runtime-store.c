@@ -79,6 +79,72 @@ static uint64_t pin_host_weights(spice_runtime * rt) {
     return unpinned;
 }
 
+/* evict_from: evicts the least recently selected resident expert of the first
+ * listed layer, from *next on and before position `limit`, that has one neither
+ * running on the device in this call (pinned) nor kept by the plan; *next skips
+ * the layers found empty (they stay so for the rest of the call). 0 when none. */
+static int evict_least_recent(spice_runtime * rt, const spice_policy_call * call, int32_t * next, int32_t limit) {
+    spice_store * store = rt->store;
+    const size_t width = (size_t) rt->max_n_expert;
+    for (; *next < limit; ++*next) {
+        const int32_t il = call->evict_from[*next];
+        const uint64_t * last_use = rt->last_use + (size_t) il * width;
+        const uint8_t * kept = rt->plan.kept + (size_t) il * width;
+        int32_t victim = -1;
+        for (int32_t e = 0; e < rt->layers[il].n_expert; ++e) {
+            if ((victim < 0 || last_use[e] < last_use[victim]) && !kept[e] &&
+                !(il == call->il && rt->plan.pinned[e]) && spice_store_state(store, il, e) == SPICE_RES_RESIDENT) {
+                victim = e;
+            }
+        }
+        if (victim >= 0 && spice_store_evict(store, il, victim) == SPICE_OK) {
+            return 1; /* the layer may hold more: *next stays */
+        }
+        /* none left here (a refused eviction cannot happen to a resident, unpinned expert) */
+    }
+    return 0;
+}
+
+/* The plan's prefetches in order; with evict_from, each may take room from the
+ * layers listed before its own (see spice_policy_call). */
+static void request_prefetches(spice_runtime * rt, const spice_policy_call * call) {
+    spice_store * store = rt->store;
+    spice_plan_buffers * p = &rt->plan;
+    const size_t width = (size_t) rt->max_n_expert;
+    const int room = call->n_evict_from > 0;
+    if (room) {
+        for (int32_t il = 0; il < rt->n_layers; ++il) {
+            p->rank[il] = call->n_evict_from;
+        }
+        for (int32_t i = call->n_evict_from - 1; i >= 0; --i) {
+            p->rank[call->evict_from[i]] = i; /* a layer listed twice counts where first listed */
+        }
+        for (int32_t i = 0; i + 1 < call->n_prefetch; i += 2) {
+            p->kept[(size_t) call->prefetch[i] * width + (size_t) call->prefetch[i + 1]] = 1;
+        }
+    }
+    int32_t next_from = 0;
+    for (int32_t i = 0; i + 1 < call->n_prefetch; i += 2) {
+        const int32_t il = call->prefetch[i], e = call->prefetch[i + 1];
+        int status = spice_store_request(store, il, e, SPICE_PRIORITY_PREFETCH);
+        if (!room) {
+            continue; /* refused requests are not errors: the expert stays on the host */
+        }
+        const int32_t limit = p->rank[il] < call->n_evict_from ? p->rank[il] : call->n_evict_from;
+        while (status == SPICE_ERR_BUDGET && evict_least_recent(rt, call, &next_from, limit)) {
+            status = spice_store_request(store, il, e, SPICE_PRIORITY_PREFETCH);
+        }
+        if (status == SPICE_ERR_BUDGET) {
+            break; /* no room for it, nor for the prefetches after it */
+        }
+    }
+    if (room) {
+        for (int32_t i = 0; i + 1 < call->n_prefetch; i += 2) {
+            p->kept[(size_t) call->prefetch[i] * width + (size_t) call->prefetch[i + 1]] = 0;
+        }
+    }
+}
+
 void spice_runtime_apply_store_plan(spice_runtime * rt, const struct llama_moe_hook_call * hc,
                                     spice_policy_call * call) {
     spice_store * store = rt->store;
@@ -121,9 +187,7 @@ void spice_runtime_apply_store_plan(spice_runtime * rt, const struct llama_moe_h
         }
     }
     /* prefetches queue behind the demand copies and use the bus while we wait */
-    for (int32_t i = 0; i + 1 < call->n_prefetch; i += 2) {
-        spice_store_request(store, call->prefetch[i], call->prefetch[i + 1], SPICE_PRIORITY_PREFETCH);
-    }
+    request_prefetches(rt, call);
     for (int32_t e = 0; e < n_e; ++e) {
         if (!p->need[e]) {
             continue;

@@ -68,7 +68,9 @@ static int plan_reserve(spice_runtime * rt, int32_t n_pairs) {
         p->device = (const char **) calloc(n, sizeof(const char *));
         p->need = (uint8_t *) calloc(n, 1);
         p->pinned = (uint8_t *) calloc(n, 1);
-        if (p->device == NULL || p->need == NULL || p->pinned == NULL) {
+        p->kept = (uint8_t *) calloc((size_t) (rt->n_layers > 0 ? rt->n_layers : 1) * n, 1);
+        p->rank = (int32_t *) calloc((size_t) (rt->n_layers > 0 ? rt->n_layers : 1), sizeof(int32_t));
+        if (p->device == NULL || p->need == NULL || p->pinned == NULL || p->kept == NULL || p->rank == NULL) {
             return SPICE_ERR_NO_MEMORY;
         }
     }
@@ -76,7 +78,8 @@ static int plan_reserve(spice_runtime * rt, int32_t n_pairs) {
     const int32_t pairs_all = 2 * rt->n_layers * rt->max_n_expert;
     if (grow_i32(&p->fetch, &p->cap_fetch, rt->max_n_expert) != SPICE_OK ||
         grow_i32(&p->prefetch, &p->cap_prefetch, pairs_all) != SPICE_OK ||
-        grow_i32(&p->evict, &p->cap_evict, pairs_all) != SPICE_OK) {
+        grow_i32(&p->evict, &p->cap_evict, pairs_all) != SPICE_OK ||
+        grow_i32(&p->evict_from, &p->cap_evict_from, rt->n_layers) != SPICE_OK) {
         return SPICE_ERR_NO_MEMORY;
     }
     return SPICE_OK;
@@ -87,11 +90,14 @@ static void plan_free(spice_plan_buffers * p) {
     free(p->fetch);
     free(p->prefetch);
     free(p->evict);
+    free(p->evict_from);
     free(p->exec);
     free(p->hit);
     free((void *) p->device);
     free(p->need);
     free(p->pinned);
+    free(p->kept);
+    free(p->rank);
     memset(p, 0, sizeof(*p));
 }
 
@@ -207,16 +213,23 @@ static void plan_call(spice_runtime * rt, const struct llama_moe_hook_call * hc)
     call.fetch = rt->plan.fetch;       call.cap_fetch = rt->plan.cap_fetch;
     call.prefetch = rt->plan.prefetch; call.cap_prefetch = rt->plan.cap_prefetch;
     call.evict = rt->plan.evict;       call.cap_evict = rt->plan.cap_evict;
+    call.evict_from = rt->plan.evict_from; call.cap_evict_from = rt->plan.cap_evict_from;
 
-    /* which activations find their expert resident as the call begins */
+    /* which activations find their expert resident as the call begins; and when
+     * each expert was last selected (for evict_from) */
     const uint64_t t_hits = now_ns();
     const int32_t * ids_base = hc->ids;
+    uint64_t * last_use = rt->last_use + (size_t) hc->il * (size_t) rt->max_n_expert;
+    const uint64_t clock = ++rt->use_clock;
     for (int32_t t = 0; t < hc->n_tokens; ++t) {
         const int32_t * ids = (const int32_t *) ((const char *) ids_base + (size_t) t * hc->ids_nb1);
         for (int32_t k = 0; k < hc->n_expert_used; ++k) {
             const int32_t i = t * hc->n_expert_used + k;
             rt->plan.hit[i] = rt->store == NULL ||
                               spice_store_state(rt->store, hc->il, ids[k]) == SPICE_RES_RESIDENT;
+            if (ids[k] >= 0 && ids[k] < rt->max_n_expert) {
+                last_use[ids[k]] = clock;
+            }
         }
     }
     if (rt->store != NULL) {
@@ -495,6 +508,12 @@ int spice_runtime_create(struct llama_context * lctx, spice_runtime ** out, char
         spice_runtime_free(rt);
         return SPICE_ERR_UNSUPPORTED;
     }
+    rt->last_use = (uint64_t *) calloc((size_t) n_layers * (size_t) rt->max_n_expert, sizeof(uint64_t));
+    if (rt->last_use == NULL) {
+        write_err(err, err_len, "out of memory");
+        spice_runtime_free(rt);
+        return SPICE_ERR_NO_MEMORY;
+    }
     *out = rt;
     return SPICE_OK;
 }
@@ -521,6 +540,7 @@ void spice_runtime_free(spice_runtime * rt) {
     plan_free(&rt->plan);
     free(rt->layers);
     free(rt->counters);
+    free(rt->last_use);
     free(rt);
 }
 

@@ -143,6 +143,14 @@ class Plan:
     experts to copy now (demand); `prefetch` and `evict` are (layer, expert)
     pairs for the low-priority queue and for experts that may leave.
 
+    `evict_from` lists MoE layers a prefetch may take room from, most evictable
+    first: when a prefetch does not fit the budget, the engine evicts the least
+    recently selected resident expert of the first of those layers that has one
+    (never one this call runs on the device) and tries again; a prefetch that
+    still finds no room is dropped, with the prefetches after it. So a policy
+    names where victims may come from and in what order, and the engine, which
+    sees every call, applies recency.
+
     `resume_layer` (-1: ask again at the next call) lets a policy decide the calls
     up to a later MoE layer in advance: the engine may then answer the following
     one-token (decode) calls with the default plan without calling `decide`, until
@@ -155,6 +163,7 @@ class Plan:
     fetch: Sequence[int] = ()
     prefetch: Sequence[tuple[int, int]] = field(default_factory=tuple)
     evict: Sequence[tuple[int, int]] = field(default_factory=tuple)
+    evict_from: Sequence[int] = ()
     resume_layer: int = -1
 
 

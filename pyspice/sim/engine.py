@@ -45,7 +45,7 @@ from pyspice.policy.base import (
     Plan,
 )
 from pyspice.policy.context import PolicyContext, RouterLoader
-from pyspice.sim.tier import OK, PRIORITY_DEMAND, PRIORITY_PREFETCH, SimTier
+from pyspice.sim.tier import OK, PRIORITY_DEMAND, PRIORITY_PREFETCH, REFUSED_BUDGET, SimTier
 from pyspice.sim.workload import SimCall, Workload
 
 BatchTable = tuple[tuple[int, float], ...]  # (tokens in the step, microseconds) points
@@ -187,6 +187,8 @@ def _valid_plan(plan: Plan, call: SimCall, n_expert: Sequence[int]) -> npt.NDArr
     for il, e in [*plan.prefetch, *plan.evict]:
         if not (0 <= int(il) < n_layers and n_expert[int(il)] > 0 and 0 <= int(e) < n_expert[int(il)]):
             return None
+    if not all(0 <= int(il) < n_layers and n_expert[int(il)] > 0 for il in plan.evict_from):
+        return None
     return None if actions is None else actions.astype(np.int32)
 
 
@@ -412,6 +414,7 @@ class Simulator:
             if tier is not None:
                 tier.now_ns = t
                 residency = tier.states()
+                tier.note_selected(il, ids)
                 hit = residency[il, ids] == RESIDENCY_RESIDENT
             else:
                 residency = None
@@ -480,8 +483,24 @@ class Simulator:
         for e in need:
             if e not in pinned and tier.request(il, e, PRIORITY_DEMAND) == OK and tier.pin(il, e) == OK:
                 pinned.add(e)
+        # evict_from (spice_policy_call): a prefetch takes room from the layers listed before
+        # its own, never from an expert the prefetch list names
+        rank: dict[int, int] = {}
+        for i, layer in enumerate(plan.evict_from):
+            rank.setdefault(int(layer), i)
+        kept = {(int(pl), int(pe)) for pl, pe in plan.prefetch} if rank else set()
+        room_from = 0  # the listed layer victims come from next
         for pl, pe in plan.prefetch:
-            tier.request(int(pl), int(pe), PRIORITY_PREFETCH)
+            status = tier.request(int(pl), int(pe), PRIORITY_PREFETCH)
+            if not rank:
+                continue
+            limit = rank.get(int(pl), len(plan.evict_from))
+            while status == REFUSED_BUDGET and room_from < limit:
+                room_from = tier.evict_least_recent(plan.evict_from, room_from, limit, kept)
+                if room_from < limit:
+                    status = tier.request(int(pl), int(pe), PRIORITY_PREFETCH)
+            if status == REFUSED_BUDGET:
+                break  # no room for it, nor for the prefetches after it
         costs = self.costs
         for e in need:
             if e not in pinned:

@@ -15,6 +15,7 @@ be evicted. Times are integer nanoseconds, as in the C store.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -79,6 +80,8 @@ class SimTier:
     pins: dict[Key, int] = field(default_factory=dict)
     filled: set[Key] = field(default_factory=set)  # emulated device: slot bytes already copied in
     counters: list[LayerCounters] = field(default_factory=list)
+    last_use: dict[Key, int] = field(default_factory=dict)  # hook call that last selected each expert
+    use_clock: int = 0
     _seq: int = 0
 
     def __post_init__(self) -> None:
@@ -205,6 +208,28 @@ class SimTier:
         self.filled.discard(key)
         self.used_bytes -= self.expert_bytes[layer]
         return OK
+
+    def note_selected(self, layer: int, experts: npt.ArrayLike) -> None:
+        """The hook call's selected experts: the recency evict_least_recent reads."""
+        self.use_clock += 1
+        for e in np.asarray(experts).ravel().tolist():
+            self.last_use[(layer, e)] = self.use_clock
+
+    def evict_least_recent(self, layers: Sequence[int], start: int, limit: int, kept: set[Key]) -> int:
+        """spice_policy_call.evict_from: evicts the least recently selected resident expert
+        of the first of layers[start:limit] that has one neither pinned (run on the device
+        by this call) nor in `kept`; returns the index of that layer (the next search
+        starts there), or `limit` when none is left."""
+        for i in range(start, limit):
+            layer = int(layers[i])
+            held = [
+                (self.last_use.get((layer, e), 0), e)
+                for e in range(self.n_expert[layer])
+                if (layer, e) in self.resident and (layer, e) not in self.pins and (layer, e) not in kept
+            ]
+            if held and self.evict(layer, min(held)[1]) == OK:
+                return i
+        return limit
 
     def pin(self, layer: int, expert: int) -> int:
         if not self.holds(layer, expert):

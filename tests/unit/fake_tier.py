@@ -24,6 +24,8 @@ class FakeTier:
     activations: int = 0
     prefetched: set[tuple[int, int]] = field(default_factory=set)
     prefetch_hits: int = 0
+    last_use: dict[tuple[int, int], int] = field(default_factory=dict)
+    clock: int = 0
 
     def __post_init__(self) -> None:
         self.residency = np.zeros((self.ctx.n_layers, self.ctx.max_expert), dtype=np.int8)
@@ -52,6 +54,9 @@ class FakeTier:
             None,
             self.residency.copy(),
         )
+        self.clock += 1
+        for e in ids:
+            self.last_use[(layer, e)] = self.clock
         for e in ids:
             self.activations += 1
             if self.residency[layer, e] == RESIDENCY_RESIDENT:
@@ -68,7 +73,27 @@ class FakeTier:
         for k, e in enumerate(ids):
             if actions is not None and actions[0, k] == ACTION_DEVICE:
                 self._fetch(layer, e)
+        busy = {e for k, e in enumerate(ids) if actions is None or actions[0, k] == ACTION_DEVICE}
+        order = list(plan.evict_from)
+        kept = set(plan.prefetch)
         for il, e in plan.prefetch:
-            if self.residency[il, e] == RESIDENCY_ABSENT and self._fetch(il, e):
-                self.prefetched.add((il, e))
+            if self.residency[il, e] != RESIDENCY_ABSENT:
+                continue  # resident: kept, not copied
+            # evict_from: room from the layers listed before this one, least recently selected first
+            room = order[: order.index(il)] if il in order else order
+            while not self._fetch(il, e) and room:
+                held = [
+                    (self.last_use.get((room[0], v), 0), v)
+                    for v in np.flatnonzero(self.residency[room[0]] == RESIDENCY_RESIDENT).tolist()
+                    if not (room[0] == layer and v in busy) and (room[0], v) not in kept
+                ]
+                if held:
+                    self.residency[room[0], min(held)[1]] = RESIDENCY_ABSENT
+                else:
+                    room = room[1:]
+            if self.residency[il, e] == RESIDENCY_ABSENT:
+                if order:
+                    break  # no room for it, nor for the prefetches after it
+                continue
+            self.prefetched.add((il, e))
         return plan

@@ -182,16 +182,39 @@ def test_every_activation_gets_one_action_and_the_budget_holds(
     for e in wanted:
         if residency[call.layer, e] == RESIDENCY_ABSENT:
             residency[call.layer, e] = RESIDENCY_QUEUED
-    for il, e in plan.prefetch:
-        assert residency[il, e] == RESIDENCY_ABSENT, "queued something resident or on its way"
-        residency[il, e] = RESIDENCY_QUEUED
-    used = int(np.count_nonzero(residency)) * EXPERT_BYTES
     device_needed = {e for e, a in zip(call.ids.ravel(), actions.ravel(), strict=True) if a == ACTION_DEVICE}
-    over = used - (ctx.budget_bytes or 0)
-    # demand copies of experts this call runs may fail for room (they then run on the host),
-    # but what the policy adds on its own (prefetches) must fit
-    assert over <= 0 or not plan.prefetch, f"plan exceeds the budget by {over} bytes"
-    assert set(plan.fetch) <= device_needed | set(plan.fetch)
+    # room is taken from the layers needed last first
+    n = ctx.n_layers
+    distance = [(il - call.layer) % n or n for il in range(n)]
+    assert [distance[il] for il in plan.evict_from] == sorted(
+        (distance[il] for il in plan.evict_from), reverse=True
+    )
+    budget = ctx.budget_bytes or 0
+
+    def used() -> int:
+        return int(np.count_nonzero(residency)) * EXPERT_BYTES
+
+    kept = set(plan.prefetch)
+    order = list(plan.evict_from)
+    for il, e in plan.prefetch:  # as the engine applies them (any victim order will do here)
+        assert residency[il, e] != RESIDENCY_QUEUED, "queued something already on its way"
+        assert residency[il, e] != RESIDENCY_COPYING, "queued something already on its way"
+        if residency[il, e] == RESIDENCY_RESIDENT:
+            continue  # kept, not copied
+        victims = [
+            (v, x)
+            for v in (order[: order.index(il)] if il in order else order)
+            for x in np.flatnonzero(residency[v] == RESIDENCY_RESIDENT).tolist()
+            if not (v == call.layer and x in device_needed) and (v, x) not in kept
+        ]
+        while used() + EXPERT_BYTES > budget and victims:
+            residency[victims.pop(0)] = RESIDENCY_ABSENT
+        if used() + EXPERT_BYTES > budget:
+            break  # the engine drops it and the ones after it
+        residency[il, e] = RESIDENCY_QUEUED
+        # demand copies of experts this call runs may fail for room (they then run on the
+        # host), but nothing the policy adds on its own (prefetches) goes over
+        assert used() <= budget, f"a prefetch exceeds the budget by {used() - budget} bytes"
 
 
 @settings(max_examples=100, deadline=None)
@@ -282,7 +305,29 @@ def test_victims_are_the_experts_needed_last() -> None:
     predictor.future = {2: [0, 1]}
     plan = policy.decide(hook_call(1, [[4, 5]], [0.5, 0.5], residency, 8))
     assert sorted(plan.prefetch) == [(2, 0), (2, 1)]
-    assert sorted(plan.evict) == [(0, 6), (0, 7)]
+    # room comes from the layers needed last first: 1 (just run), then 0, then 3 (2 is too near)
+    assert tuple(plan.evict_from) == (1, 0, 3, 2)
+    tier = FakeTier(ctx)
+    tier.residency[:] = residency
+    tier.call(policy, 1, [4, 5])
+    assert tier.residency[2, [0, 1]].tolist() == [RESIDENCY_RESIDENT] * 2
+    assert tier.residency[0, [6, 7]].tolist() == [RESIDENCY_ABSENT] * 2  # layer 1 held nothing
+    assert tier.residency[3, [6, 7]].tolist() == [RESIDENCY_RESIDENT] * 2
+
+
+def test_among_equals_the_least_recently_selected_expert_goes_first() -> None:
+    predictor = ScriptedPredictor(8)
+    ctx = context(budget_experts=4, predictor=predictor)
+    policy = attached("abl-c", ctx)
+    tier = FakeTier(ctx)
+    tier.residency[0, [2, 3, 4]] = RESIDENCY_RESIDENT  # and one slot free
+    predictor.future = {}
+    tier.call(policy, 0, [3, 4])
+    tier.call(policy, 0, [4, 2])  # now 3 is the least recently selected
+    predictor.future = {2: [0, 1]}
+    tier.call(policy, 1, [5, 6])  # two prefetches: the free slot, then 3's
+    assert tier.residency[0].tolist()[2:5] == [RESIDENCY_RESIDENT, RESIDENCY_ABSENT, RESIDENCY_RESIDENT]
+    assert tier.residency[2, [0, 1]].tolist() == [RESIDENCY_RESIDENT] * 2
 
 
 def test_emulated_device_runs_misses_on_the_host() -> None:

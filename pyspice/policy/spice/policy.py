@@ -8,7 +8,8 @@ For a decode step:
    is tight), look ahead (lookahead.py): the predictor, anchored at this
    layer's MoE input, predicts the next layers' experts, at least up to the
    next planning layer plus H_min, deeper while confident;
-3. there, plan prefetches and evictions (planner.py) around what step 1 keeps busy.
+3. there, plan prefetches, cancellations and where their room may come from
+   (planner.py) around what step 1 keeps busy.
 
 A layer that neither plans nor decides anything but the default (lossless, on
 a device where waiting for a copy never pays) returns the default plan at once:
@@ -45,6 +46,7 @@ from pyspice.policy.spice.planner import PrefetchPlanner
 
 # resident experts on the device, the others on the host (the runtime only reads plans)
 DEFAULT_PLAN = Plan()
+NO_DECISION = MissDecision(None, [], [])
 
 
 class SpicePolicy:
@@ -86,7 +88,7 @@ class SpicePolicy:
         if predictor is None:
             predictor = RouterLookahead(ctx, max(self.h_max.values(), default=1))
         self.predictor: Predictor = Rollout(predictor)
-        self.planner = PrefetchPlanner(ctx, reserved_bytes=ctx.reserved_bytes)
+        self.planner = PrefetchPlanner(ctx)
         errors = ctx.surrogate_error if ctx.surrogates_loaded else None
         if not cfg.lossless and errors is None:
             print(
@@ -97,30 +99,26 @@ class SpicePolicy:
         self.misses = MissHandler(cfg, self.cost, errors)
         self.resume = self._resume_layers(moe)
         self.n_prefetch = max(1, math.ceil(cfg.prefetch_share * k))
-        self.expert_bytes = [int(b) for b in ctx.expert_bytes]
         self.k = ctx.n_expert_used
 
     def decide(self, call: HookCall) -> Plan:
         if call.n_tokens != 1:
             return self._decide_batch(call, self._residency(call))
         layer = call.layer
-        ids: list[int] = call.ids.tolist()[0]
-        self.planner.note_use(layer, ids)
         misses = self.misses
         plans = self.plans[layer]
-        if not plans and misses.default_step[layer]:
-            return DEFAULT_PLAN  # nothing to plan, and every activation as the default plan has it
-        residency = self._residency(call)
-        cells = residency.tobytes()  # the whole table as one bytes object (see planner.plan)
-        if misses.default_step[layer]:  # the default plan's actions: only what runs on the device
-            base = layer * residency.shape[1]
-            decision = MissDecision(None, [], [e for e in ids if cells[base + e] == RESIDENCY_RESIDENT])
-        elif misses.decode_in_python:
-            width = residency.shape[1]
-            row = cells[layer * width : (layer + 1) * width]
-            decision = misses.decide_step(layer, ids, call.weights, row, residency)
+        if misses.default_step[layer]:
+            if not plans:
+                return DEFAULT_PLAN  # nothing to plan, and every activation as the default plan has it
+            # the default plan's actions; nothing it runs on the device is on its way (only
+            # resident experts are), so no queued copy is awaited: busy can stay empty
+            decision = NO_DECISION
+            residency = self._residency(call)
+            cells = residency.tobytes()  # the whole table as one bytes object (see planner.plan)
         else:
-            decision = misses.decide(layer, call.ids, call.weights, residency)
+            residency = self._residency(call)
+            cells = residency.tobytes()
+            decision = self._decide_misses(call, residency, cells)
         if not plans:
             return Plan(actions=decision.actions, fetch=decision.fetch)
         predictions = look_ahead(
@@ -133,9 +131,25 @@ class SpicePolicy:
             self.config.tau,
             self.n_prefetch,
         )
-        fetch_bytes = len(decision.fetch) * self.expert_bytes[layer] if decision.fetch else 0
-        prefetch = self.planner.plan(layer, predictions, residency, decision.busy, fetch_bytes, cells)
-        return Plan(decision.actions, decision.fetch, prefetch.prefetch, prefetch.evict, self.resume[layer])
+        prefetch = self.planner.plan(layer, predictions, residency, decision.busy, cells)
+        return Plan(
+            decision.actions,
+            decision.fetch,
+            prefetch.prefetch,
+            prefetch.evict,
+            prefetch.evict_from,
+            self.resume[layer],
+        )
+
+    def _decide_misses(self, call: HookCall, residency: npt.NDArray[np.int8], cells: bytes) -> MissDecision:
+        """A decode step's misses when they need more than the default plan."""
+        layer, misses = call.layer, self.misses
+        ids: list[int] = call.ids.tolist()[0]
+        if misses.decode_in_python:
+            width = residency.shape[1]
+            row = cells[layer * width : (layer + 1) * width]
+            return misses.decide_step(layer, ids, call.weights, row, residency)
+        return misses.decide(layer, call.ids, call.weights, residency)
 
     def _resume_layers(self, moe: Sequence[int]) -> list[int]:
         """Per planning layer: the next planning layer (the next token's first one after the
@@ -164,7 +178,6 @@ class SpicePolicy:
         assert self.ctx is not None
         layer = call.layer
         used: list[int] = np.unique(call.ids).tolist()
-        self.planner.note_use(layer, used)
         cells = residency.tobytes()
         if self.misses.default_batch[layer]:
             base = layer * residency.shape[1]
@@ -177,6 +190,5 @@ class SpicePolicy:
         predictions = look_ahead_batch(
             self.predictor, layer, call.hidden, self.ctx.n_expert_used, self.batch_depth[layer]
         )
-        fetch_bytes = len(decision.fetch) * self.expert_bytes[layer]
-        prefetch = self.planner.plan(layer, predictions, residency, decision.busy, fetch_bytes, cells)
-        return Plan(decision.actions, decision.fetch, prefetch.prefetch, prefetch.evict)
+        prefetch = self.planner.plan(layer, predictions, residency, decision.busy, cells)
+        return Plan(decision.actions, decision.fetch, prefetch.prefetch, prefetch.evict, prefetch.evict_from)
