@@ -384,7 +384,8 @@ def test_decode_steps_plan_at_every_other_layer_and_run_the_default_plan_between
     predictor = ScriptedPredictor(8)
     predictor.future = {il: [il, il + 1] for il in range(4)}
     ctx = context(budget_experts=16, predictor=predictor, prof=profile(12.0, 5.0, 5.0, emulated=True))
-    policy = attached("spice:exact", ctx)
+    policy = SpicePolicy(replace(spice_config("spice:exact"), plan_every=2))
+    policy.attach(ctx)
     assert policy.plan_every == 2
     residency = np.zeros((4, 8), np.int8)
     residency[1, 5] = RESIDENCY_RESIDENT
@@ -455,8 +456,10 @@ def test_look_ahead_is_algorithm_1(n_expert: int, h_min: int, extra: int, tau: f
 
 
 def test_a_tight_budget_plans_at_every_layer() -> None:
-    # 2 experts chosen per layer: planning every 2nd layer keeps 3 layers' worth on the device
-    # at once; a budget of 11 experts does not hold that twice over
+    # 2 experts chosen per layer: planning every e-th layer keeps e + 1 layers' worth on the
+    # device at once, which the budget must hold twice over: 4 * 2 * (e + 1) <= budget
     assert attached("spice:exact", context(budget_experts=11)).plan_every == 1
     assert attached("spice:exact", context(budget_experts=12)).plan_every == 2
+    assert attached("spice:exact", context(budget_experts=19)).plan_every == 3
+    assert attached("spice:exact", context(budget_experts=20)).plan_every == 4  # the default
     assert attached("abl-c", context(budget_experts=64)).plan_every == 1  # next layer only

@@ -26,12 +26,17 @@ class SpiceConfig:
     prefetch_share: float = 0.6
     h_max: int = 4  # never look further than this many MoE layers ahead
     # decode steps plan prefetches at every plan_every-th MoE layer only, looking far
-    # enough ahead to cover the layers in between: a plan costs a rollout and a pass
-    # over the residency table, which inside the graph (caches cold after ggml's
-    # kernels) is most of the policy's time, while depth-2 predictions are nearly as
-    # good as depth-1 ones (smolmoe: 0.80 vs 0.84 recall); deep variants only, and only
-    # where the device budget holds (plan_every + 1) layers' top-k twice over
-    plan_every: int = 2
+    # enough ahead to cover the layers in between, and libspice answers the calls in
+    # between with the default plan without calling Python (Plan.resume_layer). Inside
+    # the graph (caches cold after ggml's kernels) a planning call costs ~100-150 us on
+    # smolmoe however little it does -- the entry from C, reading the predictor's maps
+    # (one 32 x 576 float32 block per predicted layer), the look-ahead, the plan -- so
+    # planning less often is what keeps the policy within 30 us per hook call of
+    # exact-py's (scripts/policy-cost.py --plain: +28 us at 4 against +38 at 3 and +48
+    # at 2, hit rate 0.62 against 0.64 and 0.66). Deep variants only, and only as far
+    # apart as the device budget holds (plan_every + 1) layers' top-k twice over;
+    # plan_every=1 plans (and rolls out) at every hook call, the letter of Algorithm 1
+    plan_every: int = 4
     # --- misses ---
     miss_mode: MissMode = "cost"  # cost: fetch-or-host by the cost model; host: all host; fetch: all fetched
     fetch_margin: float = 0.2  # fetch only when it beats all-host by this fraction (paper section 4.3)

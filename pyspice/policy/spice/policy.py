@@ -68,11 +68,11 @@ class SpicePolicy:
         moe = ctx.moe_layers
         # a decode step plans at every `every`-th MoE layer, for at least the layers up to
         # the next plan plus H_min beyond them: `every` + 1 layers' experts on the device at
-        # once, so only where the budget holds that twice over (else every layer)
+        # once, so only as far apart as the budget holds that twice over (else every layer)
         every = max(1, cfg.plan_every) if cfg.deep else 1
         slots = (ctx.budget_bytes or 0) // max(1, max(ctx.expert_bytes, default=1))
-        if slots < 2 * (every + 1) * k:
-            every = 1
+        while every > 1 and slots < 2 * (every + 1) * k:
+            every -= 1
         self.plan_every = every
         # a prompt batch plans at every layer: H_min of eq. 4 itself
         self.batch_depth = {il: self.cost.h_min(il, k, k) if cfg.deep else 1 for il in moe}
