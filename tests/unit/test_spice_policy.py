@@ -305,8 +305,9 @@ def test_victims_are_the_experts_needed_last() -> None:
     predictor.future = {2: [0, 1]}
     plan = policy.decide(hook_call(1, [[4, 5]], [0.5, 0.5], residency, 8))
     assert sorted(plan.prefetch) == [(2, 0), (2, 1)]
-    # room comes from the layers needed last first: 1 (just run), then 0, then 3 (2 is too near)
-    assert tuple(plan.evict_from) == (1, 0, 3, 2)
+    # room comes from the layers needed last first: 1 (just run), then 0, then 3; not 2,
+    # the horizon itself
+    assert tuple(plan.evict_from) == (1, 0, 3)
     tier = FakeTier(ctx)
     tier.residency[:] = residency
     tier.call(policy, 1, [4, 5])

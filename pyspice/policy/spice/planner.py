@@ -11,9 +11,10 @@
   layer cycle first (the layers just run are needed again only at the next
   token, the next token's first layers soon), and a victim must be needed
   later than the expert it makes room for. The plan says so declaratively:
-  its prefetch list names every predicted expert (the resident ones are kept,
-  not copied), and Plan.evict_from lists the layers farthest first; the
-  engine then picks within a layer the expert selected least recently. The
+  Plan.evict_from lists the layers farthest first (only those beyond the
+  horizon while they are at least as many as the horizon's; else all, and
+  the prefetch list also names the resident predictions, which keeps them);
+  the engine then picks within a layer the expert selected least recently. The
   engine sees every hook call, also those the policy lets it answer in
   advance (Plan.resume_layer), so its recency is complete where the policy's
   would not be; and the victim search is the part that costs most in Python
@@ -97,22 +98,17 @@ class PrefetchPlanner:
         if cells is None:
             cells = residency.tobytes()
         dist = self.distance_lists[current]
-        horizon = len(pred)
-
-        predicted: list[int] = []  # keys: nearest layer, most probable first
-        for il, experts in zip(pred.layers, pred.experts, strict=True):
-            base = il * width
-            predicted += [base + e for e in experts]
-        # what to copy, and the resident predictions to keep (cells 0 absent, 3 resident)
-        listed = [k for k in predicted if cells[k] == RESIDENCY_ABSENT or cells[k] == RESIDENCY_RESIDENT]
+        layers, chosen = pred.layers, pred.experts
+        horizon = len(layers)
 
         # our prefetches: landed or dropped ones are forgotten, stale ones cancelled
         evict: list[int] = []
         queued = self.queued
-        if queued and RESIDENCY_QUEUED not in cells and RESIDENCY_COPYING not in cells:
+        on_the_way = RESIDENCY_QUEUED in cells or RESIDENCY_COPYING in cells
+        if queued and not on_the_way:
             queued.clear()  # nothing on its way at all (the common case): all landed or dropped
         if queued:
-            wanted = set(predicted)
+            wanted = {il * width + e for il, experts in zip(layers, chosen, strict=True) for e in experts}
             for key in [k for k in queued if cells[k] != RESIDENCY_QUEUED]:
                 if cells[key] != RESIDENCY_COPYING:
                     del queued[key]
@@ -127,15 +123,37 @@ class PrefetchPlanner:
                 evict.append(key)
                 del queued[key]
         cancelled = [divmod(k, width) for k in evict]
-        room = self.queue_max - (cells.count(RESIDENCY_QUEUED) - len(evict))
+        if not layers:
+            return PrefetchPlan([], cancelled, ())
+
+        # where room may come from: the layers needed last first. Where the layers beyond
+        # the horizon are at least as many as those inside it, only they are listed, and no
+        # prediction can be a victim; else every layer, and the plan lists the resident
+        # predictions too, which keeps them (a prefetch only takes from layers needed later)
+        reach = dist[layers[-1]]
+        beyond = self.n_moe - reach
+        evict_from = self.farthest[current]
+        keep_resident = beyond < reach
+        if not keep_resident:
+            evict_from = evict_from[:beyond]
+        room = self.queue_max - ((cells.count(RESIDENCY_QUEUED) if on_the_way else 0) - len(evict))
+        pairs: list[Key] = []  # nearest layer, most probable first
         copies = 0
-        for i, key in enumerate(listed):
-            if cells[key] == RESIDENCY_ABSENT:
-                if copies == room:
-                    listed = listed[:i]  # the queue is full from here on
-                    break
-                copies += 1
-                queued[key] = dist[key // width]
+        for il, experts in zip(layers, chosen, strict=True):
+            base, d = il * width, dist[il]
+            for e in experts:
+                state = cells[base + e]
+                if state == RESIDENCY_ABSENT:
+                    if copies >= room:
+                        break  # the queue is full from here on
+                    copies += 1
+                    queued[base + e] = d
+                    pairs.append((il, e))
+                elif state == RESIDENCY_RESIDENT and keep_resident:
+                    pairs.append((il, e))
+            else:
+                continue
+            break
         if not copies:
             return PrefetchPlan([], cancelled, ())
-        return PrefetchPlan([divmod(k, width) for k in listed], cancelled, self.farthest[current])
+        return PrefetchPlan(pairs, cancelled, evict_from)
