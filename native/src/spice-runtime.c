@@ -278,7 +278,9 @@ static void plan_call(spice_runtime * rt, const struct llama_moe_hook_call * hc)
             for (int32_t i = 0; i < n_pairs; ++i) {
                 call.actions[i] = rt->plan.hit[i] ? SPICE_ACTION_DEVICE : SPICE_ACTION_HOST;
             }
-            call.n_fetch = call.n_prefetch = call.n_evict = 0;
+            /* nothing of a rejected plan may act: its lists are unchecked */
+            call.n_fetch = call.n_prefetch = call.n_evict = call.n_evict_from = 0;
+            call.resume_il = -1;
         } else {
             rt->resume_il = call.resume_il;
         }
