@@ -4,18 +4,19 @@ One policy object per variant (quality level or ablation, see config.py).
 For a decode step:
 
 1. handle this layer's misses (misses.py): device / host / surrogate / fetch;
-2. at every `plan_every`-th MoE layer (config.py; every layer where the budget
-   is tight), look ahead (lookahead.py): the predictor, anchored at this
+2. at every `plan_every`-th MoE layer (config.py; closer where the budget is
+   tight), look ahead (lookahead.py): the predictor, anchored at this
    layer's MoE input, predicts the next layers' experts, at least up to the
    next planning layer plus H_min, deeper while confident;
 3. there, plan prefetches, cancellations and where their room may come from
    (planner.py) around what step 1 keeps busy.
 
 A layer that neither plans nor decides anything but the default (lossless, on
-a device where waiting for a copy never pays) returns the default plan at once:
-inside the graph, with caches cold after ggml's kernels, each numpy call and
-each pass over the residency table costs several times what it costs outside,
-and this runs 30 times per token.
+a device where waiting for a copy never pays) returns the default plan at once,
+and the planning layer before it tells the engine so (Plan.resume_layer), which
+then does not call Python there at all: inside the graph, with caches cold
+after ggml's kernels, entering Python, each numpy call and each pass over the
+residency table cost several times what they cost outside.
 
 A prompt batch plans at every layer, H_min layers ahead by votes: the experts
 its tokens are predicted to pick next, the most picked first.
