@@ -92,6 +92,17 @@ def _timed_eval(llm: Any, tokens: list[int], repeats: int) -> float:
     return float(statistics.median(times))
 
 
+def _exact_and_dropped(llm: Any, tokens: list[int], repeats: int) -> tuple[float, float, float]:
+    """(median seconds of `tokens` with every routed expert exact, the same with every
+    one dropped, activations per evaluation)."""
+    llm.set_policy("exact")
+    llm.spice_reset_stats()
+    full = _timed_eval(llm, tokens, repeats)
+    activations = float(llm.spice_stats()["activations"]) / repeats
+    llm.set_policy(DropAll())
+    return full, _timed_eval(llm, tokens, repeats), activations
+
+
 def _type_name(t: int) -> str:
     import gguf
 
@@ -168,12 +179,7 @@ def measure_profile(
         tokens = [int(t) for t in rng.integers(100, min(vocab, 30000), size=n)]
         if progress:
             progress(f"batch of {n}: all experts, then none")
-        llm.set_policy("exact")
-        llm.spice_reset_stats()
-        full = _timed_eval(llm, tokens, repeats)
-        activations = llm.spice_stats()["activations"] / repeats
-        llm.set_policy(DropAll())
-        empty = _timed_eval(llm, tokens, repeats)
+        full, empty, activations = _exact_and_dropped(llm, tokens, repeats)
         expert_s = max(0.0, full - empty)
         batches.append(
             BatchCost(
@@ -242,13 +248,8 @@ def _measure_device_expert_us(llm: Any, vocab: int, rng: Any, repeats: int) -> f
     """Batch of 1 with every expert resident on the device vs every expert dropped."""
     llm.set_policy("stock")
     llm.set_device(llm.automatic_device_budget())  # every expert, as far as the GPU has room
-    llm.set_policy("exact")  # preloads the tier (every expert, where the GPU holds them all)
-    tokens = [int(rng.integers(100, min(vocab, 30000)))]
-    llm.spice_reset_stats()
-    full = _timed_eval(llm, tokens, repeats)
-    activations = float(llm.spice_stats()["activations"]) / repeats
-    llm.set_policy(DropAll())
-    empty = _timed_eval(llm, tokens, repeats)
+    # `exact` preloads the tier (every expert, where the GPU holds them all)
+    full, empty, activations = _exact_and_dropped(llm, [int(rng.integers(100, min(vocab, 30000)))], repeats)
     llm.clear_device()
     return max(0.0, full - empty) * 1e6 / max(1.0, activations)
 

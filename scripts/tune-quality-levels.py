@@ -45,8 +45,6 @@ def main() -> int:
     parser.add_argument("-t", "--threads", type=int, default=2)
     args = parser.parse_args()
 
-    import argparse as ap
-
     from pyspice.api import Llama
     from pyspice.cli.common import resolve_model
     from pyspice.models.smolmoe_recipe import corpus_part
@@ -54,7 +52,7 @@ def main() -> int:
     from pyspice.policy.spice import SpicePolicy, spice_config
     from pyspice.sidecar import default_sidecar_path
 
-    model = resolve_model(ap.Namespace(model=args.model, model_pos=None))
+    model = resolve_model(argparse.Namespace(model=args.model, model_pos=None))
     sidecar = args.sidecar or default_sidecar_path(model)
     text = corpus_part("calibration").text
     grid = list(itertools.product(floats(args.weights), floats(args.errors)))

@@ -61,7 +61,7 @@ struct spice_runtime {
     uint64_t plan_rejections;
     char last_error[512];
     int device_work_pending;  /* CUDA: this call's device rows are still to be collected */
-    uint64_t unpinned_bytes;
+    uint64_t unpinned_bytes; /* CUDA: expert weight bytes that could not be page-locked */
     /* SPICE_CUDA_VERIFY=1: device pairs also run on the host; the device's rows
      * are compared with the host's (which are the ones used) and the largest
      * difference is reported when the runtime is freed */
@@ -69,7 +69,7 @@ struct spice_runtime {
     uint8_t * verify_run;  size_t verify_run_cap;
     float * verify_y;      size_t verify_y_cap;
     double verify_max_diff, verify_max_abs;
-    uint64_t verify_rows; /* CUDA: expert weight bytes that could not be page-locked */
+    uint64_t verify_rows;  /* device rows compared so far */
 };
 
 /* Validates the plan the policy wrote into call against the runtime's

@@ -41,7 +41,7 @@ static int range_order(const void * a, const void * b) {
  * registering around it would overlap those allocations and make llama.cpp's
  * own copies from neighbouring weights fail. Returns how many bytes could not
  * be registered (copied from pageable memory). */
-static uint64_t pin_host_weights(spice_runtime * rt) {
+static uint64_t pin_host_weights(const spice_runtime * rt, spice_store * store) {
     const uintptr_t page = (uintptr_t) sysconf(_SC_PAGESIZE);
     host_range * r = (host_range *) malloc((size_t) rt->n_layers * 3 * sizeof(host_range));
     if (r == NULL) {
@@ -71,7 +71,7 @@ static uint64_t pin_host_weights(spice_runtime * rt) {
             }
             i++;
         }
-        if (spice_cuda_register_host(rt->store->cuda, (const void *) m.begin, m.end - m.begin) != SPICE_OK) {
+        if (spice_cuda_register_host(store->cuda, (const void *) m.begin, m.end - m.begin) != SPICE_OK) {
             unpinned += m.end - m.begin;
         }
     }
@@ -276,10 +276,8 @@ int spice_runtime_set_store(spice_runtime * rt, const spice_store_params * param
             spice_store_free(store);
             return status;
         }
-        rt->store = store; /* pin_host_weights reaches the device through rt */
         const char * no_pin = getenv("SPICE_CUDA_NO_PIN"); /* diagnosis: copies from pageable memory */
-        rt->unpinned_bytes = no_pin != NULL && no_pin[0] == '1' ? 0 : pin_host_weights(rt);
-        rt->store = NULL;
+        rt->unpinned_bytes = no_pin != NULL && no_pin[0] == '1' ? 0 : pin_host_weights(rt, store);
         if (rt->unpinned_bytes > 0) {
             fprintf(stderr, "libspice: %llu bytes of expert weights could not be page-locked; "
                             "copies from them are slower (pageable)\n", (unsigned long long) rt->unpinned_bytes);

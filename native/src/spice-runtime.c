@@ -118,8 +118,6 @@ static void count_actions(spice_counters * c, const int32_t * actions, const uin
     }
 }
 
-/* Real device: queue this call's device pairs on the GPU (their slots are
- * pinned resident by the store plan); the host executor runs meanwhile. */
 /* verify mode, thread 0 after the host executor: how far the device's rows
  * are from the host's for the same pairs */
 static void verify_device_rows(spice_runtime * rt, const struct llama_moe_hook_call * hc) {
@@ -140,6 +138,8 @@ static void verify_device_rows(spice_runtime * rt, const struct llama_moe_hook_c
     }
 }
 
+/* Real device: queue this call's device pairs on the GPU (their slots are
+ * pinned resident by the store plan); the host executor runs meanwhile. */
 static int start_device_work(spice_runtime * rt, const struct llama_moe_hook_call * hc) {
     spice_cuda_job job;
     memset(&job, 0, sizeof(job));
@@ -175,6 +175,15 @@ static void collect_device_work(void * user_data, float * y) {
         atomic_store(&rt->abort_requested, 1);
     }
     rt->device_work_pending = 0;
+}
+
+/* The executor's device pairs (exec 2) run on the host weights instead (exec 1). */
+static void device_pairs_to_host(uint8_t * exec, int32_t n_pairs) {
+    for (int32_t i = 0; i < n_pairs; ++i) {
+        if (exec[i] == SPICE_EXEC_DEVICE) {
+            exec[i] = 1;
+        }
+    }
 }
 
 /* Thread 0: ask the policy, validate, count, and prepare the executor. */
@@ -343,20 +352,12 @@ static void plan_call(spice_runtime * rt, const struct llama_moe_hook_call * hc)
         }
         if (rt->verify_run && rt->verify_y) {
             memcpy(rt->verify_run, rt->plan.exec, (size_t) n_pairs);
-            for (int32_t i = 0; i < n_pairs; ++i) {
-                if (rt->plan.exec[i] == SPICE_EXEC_DEVICE) {
-                    rt->plan.exec[i] = 1;
-                }
-            }
+            device_pairs_to_host(rt->plan.exec, n_pairs);
             start_device_work(rt, hc);
         }
     }
     if (real_device && any_device && !rt->verify && start_device_work(rt, hc) != SPICE_OK) {
-        for (int32_t i = 0; i < n_pairs; ++i) { /* exact on the host weights instead */
-            if (rt->plan.exec[i] == SPICE_EXEC_DEVICE) {
-                rt->plan.exec[i] = 1;
-            }
-        }
+        device_pairs_to_host(rt->plan.exec, n_pairs); /* exact on the host weights instead */
     }
 
     spice_host_job job;

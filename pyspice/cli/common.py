@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pyspice.build_info import BuildNotFoundError, load_build_info
-from pyspice.policy import policy_names
+from pyspice.policy import policy_names, policy_spec
 from pyspice.units import format_bytes
 
 if TYPE_CHECKING:
@@ -259,6 +259,4 @@ def open_model(
 
 
 def policy_needs_device(policy: str) -> bool:
-    from pyspice.policy import policy_spec
-
     return bool(policy_spec(policy).needs_device)

@@ -103,10 +103,6 @@ class HookCall:
             value = self._arrays[i] = self._fetch(i)
         return value
 
-    def expire(self) -> None:
-        """Called by the engine when decide returns: unread arrays can no longer be made."""
-        self._fetch = None
-
     @property
     def hidden(self) -> npt.NDArray[np.float32]:
         return self._get(0)  # type: ignore[no-any-return]
@@ -144,12 +140,13 @@ class Plan:
     pairs for the low-priority queue and for experts that may leave.
 
     `evict_from` lists MoE layers a prefetch may take room from, most evictable
-    first: when a prefetch does not fit the budget, the engine evicts the least
-    recently selected resident expert of the first of those layers that has one
-    (never one this call runs on the device) and tries again; a prefetch that
-    still finds no room is dropped, with the prefetches after it. So a policy
-    names where victims may come from and in what order, and the engine, which
-    sees every call, applies recency.
+    first: when a prefetch does not fit the budget, the engine evicts, from the
+    first of the layers listed before the prefetch's own that has one, the least
+    recently selected resident expert -- never one this call runs on the device
+    nor one named in `prefetch` (a resident expert listed there is kept, not
+    copied) -- and tries again; a prefetch that still finds no room is dropped,
+    with the prefetches after it. So a policy names where victims may come from
+    and in what order, and the engine, which sees every call, applies recency.
 
     `resume_layer` (-1: ask again at the next call) lets a policy decide the calls
     up to a later MoE layer in advance: the engine may then answer the following

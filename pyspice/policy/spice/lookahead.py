@@ -85,18 +85,11 @@ class Rollout:
     def stacked_logits(self, layer: int, hidden: F32, depth: int) -> tuple[list[int], F32]:
         """(layers, logits [..., depth, n_expert]) for hidden [n_embd] or [n, n_embd]."""
         if self.affine is None:
-            rolled = self.predictor.rollout_logits(layer, hidden, depth)
-            if not rolled:
-                return [], np.zeros((0, 0), np.float32)
-            return [m for m, _ in rolled], np.stack([lg for _, lg in rolled], axis=-2)
+            return _stack(self.predictor.rollout_logits(layer, hidden, depth))
         key = layer * 1024 + depth
         entry = self.maps.get(key)
         if entry is None:
-            (
-                layers,
-                g_mat,
-                offset,
-            ) = self.affine(layer, depth)
+            layers, g_mat, offset = self.affine(layer, depth)
             n_expert = g_mat.shape[0] // max(1, len(layers))
             if offset is not None and not offset.any():
                 offset = None
@@ -163,15 +156,19 @@ def _confident(row: list[float], ascending: list[int], k: int, tau: float) -> bo
     return _mass(row, ascending, k) >= tau
 
 
+def _stack(rolled: list[tuple[int, F32]]) -> tuple[list[int], F32]:
+    """rollout_logits' [(layer, logits)] as (layers, logits [..., depth, n_expert])."""
+    if not rolled:
+        return [], np.zeros((0, 0), np.float32)
+    return [m for m, _ in rolled], np.stack([lg for _, lg in rolled], axis=-2)
+
+
 def _stacked(predictor: Predictor, layer: int, hidden: F32, depth: int) -> tuple[list[int], F32]:
     """(layers, logits [..., depth, n_expert]) in one array, from either predictor interface."""
     stacked = getattr(predictor, "stacked_logits", None)
     if stacked is not None:
         return stacked(layer, hidden, depth)  # type: ignore[no-any-return]
-    rolled = predictor.rollout_logits(layer, hidden, depth)
-    if not rolled:
-        return [], np.zeros((0, 0), np.float32)
-    return [m for m, _ in rolled], np.stack([lg for _, lg in rolled], axis=-2)
+    return _stack(predictor.rollout_logits(layer, hidden, depth))
 
 
 def look_ahead(

@@ -195,8 +195,6 @@ class MissHandler:
     ) -> MissDecision:
         """`_decide_step` on the token's experts and the layer's residency row as plain
         Python sequences (a list, or that row's bytes)."""
-        if self.default_step[layer]:  # the default plan's actions: only what runs on the device
-            return MissDecision(None, [], [e for e in experts if row[e] == RESIDENCY_RESIDENT])
         cfg = self.config
         good = self._good_surrogates(layer) if self.surrogate_error is not None else None
         w: list[float] = weights[0].tolist() if good else []
