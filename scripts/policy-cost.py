@@ -9,7 +9,8 @@ medians reported); per decode hook call (prompt calls in their own column):
   decide      the time inside Policy.decide
 and, for SPICE policies, decide split into misses (the miss handler), look-ahead
 (Algorithm 1; rollout is its predictor product) and planner (prefetch/evict),
-other (the rest), and the share of decode calls that planned. The timers add a
+other (the rest), and the share of decode calls that planned; then each policy's C us
+less the first policy's, paired by repeat (the machine's drift cancels). The timers add a
 microsecond or two each inside the graph, so C us here is above bench's; compare
 policies within one run. `--set plan_every=1` etc. override SpiceConfig fields of
 every SPICE policy; `spice:exact@plan_every=4,h_max=6` those of one entry.
@@ -180,6 +181,14 @@ def table(rows: list[Row]) -> str:
             f"{med(r.extra_us['write']):>7.1f} {d:>7.1f} {cells} {med(r.extra_us['rollout']):>7.1f} "
             f"{other} {planning} "
             f"{med(r.prompt_us):>9.1f} {med(r.tpot_ms):>8.2f} {med(r.hit_rate):>6.3f}"
+        )
+    # runs of one repeat ran side by side: their differences shed the machine's drift
+    base = rows[0]
+    for r in rows[1:]:
+        diff = [a - b for a, b in zip(r.c_us, base.c_us, strict=True)]
+        lines.append(
+            f"{r.name:<{w}} C us - {base.name}'s, paired by repeat: median {med(diff):+.1f} "
+            f"(min {min(diff):+.1f}, max {max(diff):+.1f})"
         )
     return "\n".join(lines)
 
