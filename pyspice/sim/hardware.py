@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from pyspice.sim.engine import BatchTable, Costs
+from pyspice.sim.simulator import BatchTable, Costs
 from pyspice.sim.targets import TargetModel
 from pyspice.sim.workload import Workload
 

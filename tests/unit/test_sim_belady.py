@@ -6,7 +6,7 @@ import numpy as np
 
 from pyspice.policy import make_policy
 from pyspice.sim.belady import belady
-from pyspice.sim.engine import Costs, Simulator
+from pyspice.sim.simulator import Costs, Simulator
 from pyspice.sim.workload import Workload
 
 

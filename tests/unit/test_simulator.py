@@ -15,7 +15,7 @@ from pyspice.policy import (
     policy_names,
     policy_spec,
 )
-from pyspice.sim.engine import Costs, Simulator, interpolate
+from pyspice.sim.simulator import Costs, Simulator, interpolate
 from pyspice.sim.workload import Workload
 
 N_LAYERS, N_EXPERT, K = 4, 8, 2
