@@ -7,11 +7,13 @@ Per step (a prompt micro-batch or one decoded token) and layer, in order:
 2. The hook call begins: the residency table is read (an activation whose
    expert is resident now is a hit), the policy decides (its measured or
    modelled microseconds per call, plus the fixed cost of reaching it).
-3. The plan is applied exactly as spice_runtime_apply_store_plan does it:
+3. The plan is validated and applied by the engine's own rules
+   (pyspice.sim.plan: spice_plan_validate, spice_runtime_apply_store_plan):
    experts this call runs on the device are pinned, evictions, demand
    fetches (explicit, then implied by device actions), prefetches behind
    them; every needed device expert is waited for, in expert order; one that
-   got no slot runs on the host.
+   got no slot runs on the host. Activations are counted as count_actions
+   counts them.
 4. Routed experts run: device experts on the device stream, host experts on
    the host executor (its threads are folded into the per-expert time); the
    layer ends when both are done (a synchronisation per layer). On an emulated
@@ -27,7 +29,7 @@ from __future__ import annotations
 import bisect
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,16 +38,25 @@ import numpy.typing as npt
 
 from pyspice.policy.base import (
     ACTION_DEVICE,
-    ACTION_DROP,
     ACTION_HOST,
     ACTION_SURROGATE,
-    RESIDENCY_ABSENT,
     RESIDENCY_RESIDENT,
     HookCall,
     Plan,
 )
 from pyspice.policy.context import PolicyContext, RouterLoader
-from pyspice.sim.tier import OK, PRIORITY_DEMAND, PRIORITY_PREFETCH, REFUSED_BUDGET, SimTier
+from pyspice.sim.plan import (
+    InvalidPlan,
+    Outcomes,
+    SurrogateTable,
+    apply_plan,
+    call_residency,
+    count_outcomes,
+    default_actions,
+    surrogate_table,
+    validate_plan,
+)
+from pyspice.sim.tier import OK, PRIORITY_DEMAND, SimTier
 from pyspice.sim.workload import SimCall, Workload
 
 BatchTable = tuple[tuple[int, float], ...]  # (tokens in the step, microseconds) points
@@ -113,7 +124,8 @@ class SimResult:
 
     @property
     def misses(self) -> int:
-        return self.misses_fetched + self.misses_host + self.misses_surrogate
+        """Every activation that was not a hit (stats.Counters.misses): dropped ones too."""
+        return self.misses_fetched + self.misses_host + self.misses_surrogate + self.dropped
 
     @property
     def hit_rate(self) -> float:
@@ -151,12 +163,7 @@ class SimResult:
 
 @dataclass
 class _Tally:
-    activations: int = 0
-    hits: int = 0
-    fetched: int = 0
-    host: int = 0
-    surrogate: int = 0
-    dropped: int = 0
+    outcomes: Outcomes = field(default_factory=Outcomes)
     policy_us: float = 0.0
     policy_calls: int = 0
     fallbacks: int = 0
@@ -170,26 +177,6 @@ class _Tally:
 
 def _us(v: float) -> int:
     return round(v * 1e3)
-
-
-def _valid_plan(plan: Plan, call: SimCall, n_expert: Sequence[int]) -> npt.NDArray[np.int32] | None:
-    """The plan's actions if the plan would pass spice_plan_validate, else None."""
-    if plan.actions is None:
-        actions = None
-    else:
-        actions = np.asarray(plan.actions, dtype=np.int64)
-        if actions.shape != call.ids.shape or actions.min() < 0 or actions.max() > ACTION_DROP:
-            return None
-    n_layers = len(n_expert)
-    for e in plan.fetch:
-        if not 0 <= int(e) < n_expert[call.layer]:
-            return None
-    for il, e in [*plan.prefetch, *plan.evict]:
-        if not (0 <= int(il) < n_layers and n_expert[int(il)] > 0 and 0 <= int(e) < n_expert[int(il)]):
-            return None
-    if not all(0 <= int(il) < n_layers and n_expert[int(il)] > 0 for il in plan.evict_from):
-        return None
-    return None if actions is None else actions.astype(np.int32)
 
 
 class Simulator:
@@ -217,6 +204,8 @@ class Simulator:
         self.profile = profile
         self.n_expert_used = n_expert_used or workload.n_expert_used
         self.context_extra = dict(context_extra or {})
+        # the loaded surrogates, which a plan's surrogate actions must name (spice_plan_validate)
+        self.surrogates: SurrogateTable | None = surrogate_table(self.context())
 
     def context(self) -> PolicyContext:
         kwargs: dict[str, Any] = {}
@@ -300,12 +289,12 @@ class Simulator:
             policy=name,
             tpot_ms=tally.time_ns / 1e6 / n_tok * scale,
             decoded_tokens=wl.decoded_tokens,
-            activations=tally.activations,
-            hits=tally.hits,
-            misses_fetched=tally.fetched,
-            misses_host=tally.host,
-            misses_surrogate=tally.surrogate,
-            dropped=tally.dropped,
+            activations=tally.outcomes.activations,
+            hits=tally.outcomes.hits,
+            misses_fetched=tally.outcomes.fetched,
+            misses_host=tally.outcomes.host,
+            misses_surrogate=tally.outcomes.surrogate,
+            dropped=tally.outcomes.dropped,
             bytes_per_token=(b1 - bytes0) / n_tok * scale,
             stall_ms_per_token=(s1 - stall0) / 1e6 / n_tok * scale,
             bus_utilization=min(1.0, (c1 - copy0) / decode_ns),
@@ -369,23 +358,15 @@ class Simulator:
         start = time.perf_counter()
         try:
             plan = policy.decide(hook)
-            actions = _valid_plan(plan, call, self.workload.n_expert) if isinstance(plan, Plan) else None
-            ok = isinstance(plan, Plan) and (plan.actions is None or actions is not None)
+            if not isinstance(plan, Plan):
+                raise InvalidPlan(f"the policy returned {type(plan).__name__}, not a Plan")
+            actions = validate_plan(plan, call.layer, call.ids, self.workload.n_expert, self.surrogates)
         except KeyboardInterrupt:
             raise
-        except Exception:
-            ok, plan, actions = False, Plan(), None
-        spent = (time.perf_counter() - start) * 1e6
-        resume = getattr(plan, "resume_layer", -1)
-        if (
-            ok
-            and resume != -1
-            and not (0 <= resume < len(self.workload.n_expert) and self.workload.n_expert[resume])
-        ):
-            ok = False  # spice_plan_validate: neither -1 nor an MoE layer
-        if not ok:
+        except Exception:  # a raising policy and a rejected plan both run the call exactly
             tally.fallbacks += 1
             plan, actions = Plan(), None
+        spent = (time.perf_counter() - start) * 1e6
         us = policy_us if policy_us is not None else spent + self.costs.python_call_us
         return actions, plan, us
 
@@ -413,13 +394,12 @@ class Simulator:
             ids = call.ids
             if tier is not None:
                 tier.now_ns = t
-                residency = tier.states()
+                residency = call_residency(tier)
                 tier.note_selected(il, ids)
                 hit = residency[il, ids] == RESIDENCY_RESIDENT
             else:
                 residency = None
                 hit = np.ones(ids.shape, dtype=bool)
-            default = np.where(hit, ACTION_DEVICE, ACTION_HOST).astype(np.int32)
             if policy is not None and n_tokens == 1 and 0 <= tally.resume_layer != il:
                 # decided in advance (spice_policy_call.resume_il; a batch always asks): the
                 # default plan, no call (a measured policy_us is per call served)
@@ -428,7 +408,7 @@ class Simulator:
                 actions, plan, spent_us = self._decide(policy, call, residency, policy_us, tally)
                 tally.resume_layer = plan.resume_layer
             if actions is None:
-                actions = default.copy()
+                actions = default_actions(hit)
             tally.policy_us += spent_us
             tally.policy_calls += 1
             overhead = _us(spent_us + costs.hook_us)
@@ -436,15 +416,9 @@ class Simulator:
             tally.part("policy and hook", overhead)
             if tier is not None:
                 tier.now_ns = t
-                t = self._apply(tier, il, ids, actions, plan, t, tally)
-            # outcome of each activation (count_actions in spice-runtime.c)
-            tally.activations += int(ids.size)
+                t, actions = self._apply(tier, il, ids, actions, plan, t, tally)
+            tally.outcomes = tally.outcomes + count_outcomes(actions, hit)
             is_dev, is_host = actions == ACTION_DEVICE, actions == ACTION_HOST
-            tally.hits += int(((is_dev | is_host) & hit).sum())
-            tally.fetched += int((is_dev & ~hit).sum())
-            tally.host += int((is_host & ~hit).sum())
-            tally.surrogate += int((actions == ACTION_SURROGATE).sum())
-            tally.dropped += int((actions == ACTION_DROP).sum())
             dev = _us(
                 int(is_dev.sum()) * dev_us + int((actions == ACTION_SURROGATE).sum()) * costs.surrogate_us
             )
@@ -469,43 +443,15 @@ class Simulator:
         plan: Plan,
         t: int,
         tally: _Tally,
-    ) -> int:
-        """spice_runtime_apply_store_plan on the simulated tier; returns the time after the waits."""
-        need = sorted({int(e) for e in ids[actions == ACTION_DEVICE]})
-        pinned = set()
-        for e in need:
-            if tier.state(il, e) != RESIDENCY_ABSENT and tier.pin(il, e) == OK:
-                pinned.add(e)
-        for pl, pe in plan.evict:
-            tier.evict(int(pl), int(pe))
-        for e in plan.fetch:
-            tier.request(il, int(e), PRIORITY_DEMAND)
-        for e in need:
-            if e not in pinned and tier.request(il, e, PRIORITY_DEMAND) == OK and tier.pin(il, e) == OK:
-                pinned.add(e)
-        # evict_from (spice_policy_call): a prefetch takes room from the layers listed before
-        # its own, never from an expert the prefetch list names
-        rank: dict[int, int] = {}
-        for i, layer in enumerate(plan.evict_from):
-            rank.setdefault(int(layer), i)
-        kept = {(int(pl), int(pe)) for pl, pe in plan.prefetch} if rank else set()
-        room_from = 0  # the listed layer victims come from next
-        for pl, pe in plan.prefetch:
-            status = tier.request(int(pl), int(pe), PRIORITY_PREFETCH)
-            if not rank:
-                continue
-            limit = rank.get(int(pl), len(plan.evict_from))
-            while status == REFUSED_BUDGET and room_from < limit:
-                room_from = tier.evict_least_recent(plan.evict_from, room_from, limit, kept)
-                if room_from < limit:
-                    status = tier.request(int(pl), int(pe), PRIORITY_PREFETCH)
-            if status == REFUSED_BUDGET:
-                break  # no room for it, nor for the prefetches after it
+    ) -> tuple[int, npt.NDArray[np.int32]]:
+        """apply_plan on the simulated tier, timing each wait; returns the time after
+        the waits and the actions as applied (device experts without a slot on the host)."""
         costs = self.costs
-        for e in need:
-            if e not in pinned:
-                continue
-            stall = max(0, tier.ready_at(il, e) - t)
+        clock = t
+
+        def wait(e: int) -> None:
+            nonlocal clock
+            stall = max(0, tier.ready_at(il, e) - clock)
             fill = 0
             if costs.fill_gbps > 0 and (il, e) not in tier.filled:
                 # the emulator copies the slot's bytes in, then sleeps out what is left of the transfer
@@ -514,15 +460,12 @@ class Simulator:
             elapsed = max(stall, fill) + (_us(costs.wake_us) if stall > fill else 0)
             tally.part("stall", stall)
             tally.part("slot fill and wake-up", elapsed - stall)
-            t += elapsed
-            tier.now_ns = t
+            clock += elapsed
+            tier.now_ns = clock
             tier.finish_wait(il, e, stall)
-        for e in need:
-            if e not in pinned:
-                actions[(ids == e) & (actions == ACTION_DEVICE)] = ACTION_HOST
-            else:
-                tier.unpin(il, e)
-        return t
+
+        result = apply_plan(tier, il, ids, actions, plan, wait)
+        return clock, result.actions
 
 
 def make_costs(values: Mapping[str, Any]) -> Costs:
