@@ -1,8 +1,9 @@
 """The SPICE policy over hand-made and random calls (pure Python, no model).
 
 Properties (hypothesis): every selected expert gets exactly one valid action;
-what a plan asks the device to hold never exceeds the budget; the exact
-quality level never substitutes. Behaviour: a confident prediction is
+the engine accepts every plan and, applying it by its own rules
+(pyspice.sim.plan), stays within the budget; the exact quality level never
+substitutes. Behaviour: a confident prediction is
 prefetched and turns into hits, stale prefetches are cancelled, victims are
 the experts needed last, misses go to the host when fetching cannot win and
 are fetched when the cost model says so, lossy levels substitute only
@@ -36,8 +37,8 @@ from pyspice.policy import (
 from pyspice.policy.spice import SpicePolicy, spice_config
 from pyspice.policy.spice.cost import CostModel
 from pyspice.policy.spice.lookahead import look_ahead
-
-from .fake_tier import FakeTier
+from pyspice.sim.plan import PlanDriver, apply_plan, default_actions, instant_tier, validate_plan
+from pyspice.sim.tier import PRIORITY_DEMAND, PRIORITY_PREFETCH, SimTier
 
 N_EMBD = 16
 EXPERT_BYTES = 1000
@@ -126,6 +127,32 @@ def attached(name: str, ctx: PolicyContext) -> SpicePolicy:
     return policy
 
 
+def driver(policy: Any, ctx: PolicyContext) -> PlanDriver:
+    """The policy under the engine's plan rules, on a tier whose copies land at once."""
+    return PlanDriver(instant_tier(ctx.n_expert, ctx.expert_bytes, ctx.budget_bytes or 0), policy)
+
+
+def place(drive: PlanDriver, layer: int, experts: list[int]) -> None:
+    """Experts on the device before the calls (demand copies, landed at once)."""
+    for e in experts:
+        drive.tier.request(layer, e, PRIORITY_DEMAND)
+
+
+def tier_holding(ctx: PolicyContext, residency: np.ndarray) -> SimTier:
+    """A tier on a slow bus holding what `residency` shows: its resident experts
+    landed, the others on their way (the first on the bus, the rest queued)."""
+    tier = SimTier(ctx.n_expert, ctx.expert_bytes, ctx.budget_bytes or 0, bandwidth_gbps=1e-3, latency_us=1.0)
+    for il, e in zip(*np.nonzero(residency == RESIDENCY_RESIDENT), strict=True):
+        tier.request(int(il), int(e), PRIORITY_DEMAND)
+    tier.now_ns = 10**15  # long after: every copy so far has landed
+    tier.states()
+    for il, e in zip(
+        *np.nonzero((residency == RESIDENCY_QUEUED) | (residency == RESIDENCY_COPYING)), strict=True
+    ):
+        tier.request(int(il), int(e), PRIORITY_PREFETCH)
+    return tier
+
+
 # ---- properties --------------------------------------------------------------------------
 
 
@@ -172,49 +199,31 @@ def test_every_activation_gets_one_action_and_the_budget_holds(
     assert set(np.unique(actions).tolist()) <= {ACTION_DEVICE, ACTION_HOST, ACTION_SURROGATE}
     if spice_config(name).lossless:
         assert not (actions == ACTION_SURROGATE).any()
-    # apply the plan as the store would, counting bytes: evictions first, then copies
     for il, e in plan.evict:
         assert residency[il, e] != RESIDENCY_COPYING, "a copy on the bus cannot be taken back"
-        residency[il, e] = RESIDENCY_ABSENT
-    wanted = list(plan.fetch) + [
-        e for e, a in zip(call.ids.ravel(), actions.ravel(), strict=True) if a == ACTION_DEVICE
-    ]
-    for e in wanted:
-        if residency[call.layer, e] == RESIDENCY_ABSENT:
-            residency[call.layer, e] = RESIDENCY_QUEUED
-    device_needed = {e for e, a in zip(call.ids.ravel(), actions.ravel(), strict=True) if a == ACTION_DEVICE}
+    for il, e in plan.prefetch:
+        assert residency[il, e] != RESIDENCY_QUEUED, "queued something already on its way"
+        assert residency[il, e] != RESIDENCY_COPYING, "queued something already on its way"
     # room is taken from the layers needed last first
     n = ctx.n_layers
     distance = [(il - call.layer) % n or n for il in range(n)]
     assert [distance[il] for il in plan.evict_from] == sorted(
         (distance[il] for il in plan.evict_from), reverse=True
     )
-    budget = ctx.budget_bytes or 0
-
-    def used() -> int:
-        return int(np.count_nonzero(residency)) * EXPERT_BYTES
-
-    kept = set(plan.prefetch)
-    order = list(plan.evict_from)
-    for il, e in plan.prefetch:  # as the engine applies them (any victim order will do here)
-        assert residency[il, e] != RESIDENCY_QUEUED, "queued something already on its way"
-        assert residency[il, e] != RESIDENCY_COPYING, "queued something already on its way"
-        if residency[il, e] == RESIDENCY_RESIDENT:
-            continue  # kept, not copied
-        victims = [
-            (v, x)
-            for v in (order[: order.index(il)] if il in order else order)
-            for x in np.flatnonzero(residency[v] == RESIDENCY_RESIDENT).tolist()
-            if not (v == call.layer and x in device_needed) and (v, x) not in kept
-        ]
-        while used() + EXPERT_BYTES > budget and victims:
-            residency[victims.pop(0)] = RESIDENCY_ABSENT
-        if used() + EXPERT_BYTES > budget:
-            break  # the engine drops it and the ones after it
-        residency[il, e] = RESIDENCY_QUEUED
-        # demand copies of experts this call runs may fail for room (they then run on the
-        # host), but nothing the policy adds on its own (prefetches) goes over
-        assert used() <= budget, f"a prefetch exceeds the budget by {used() - budget} bytes"
+    # the engine accepts the plan and applies it within the budget; every device action
+    # left runs on an expert the tier holds
+    tier = tier_holding(ctx, residency)
+    tier.note_selected(call.layer, call.ids)
+    hit = residency[call.layer][call.ids] == RESIDENCY_RESIDENT
+    surrogates = np.ones((ctx.n_layers, ctx.max_expert), np.bool_)  # every error is finite
+    checked = validate_plan(plan, call.layer, call.ids, ctx.n_expert, surrogates)
+    applied = apply_plan(
+        tier, call.layer, call.ids, default_actions(hit) if checked is None else checked, plan
+    )
+    held = [(il, e) for il in range(n) for e in range(ctx.n_expert[il]) if tier.holds(il, e)]
+    assert len(held) * EXPERT_BYTES <= (ctx.budget_bytes or 0)
+    for e in call.ids[applied.actions == ACTION_DEVICE].tolist():
+        assert tier.holds(call.layer, e)
 
 
 @settings(max_examples=100, deadline=None)
@@ -230,13 +239,6 @@ def test_exact_level_never_substitutes_even_with_surrogates_loaded(
 # ---- behaviour ---------------------------------------------------------------------------
 
 
-def decode_trace(policy: Any, tier: FakeTier, picks: list[list[list[int]]]) -> None:
-    """picks[token][layer] = selected experts."""
-    for token in picks:
-        for il, ids in enumerate(token):
-            tier.call(policy, il, ids, np.ones((1, N_EMBD), np.float32))
-
-
 @pytest.mark.parametrize(("plan_every", "budget"), [(1, 6), (2, 12)])
 def test_a_perfect_prediction_turns_into_hits(plan_every: int, budget: int) -> None:
     # planning every 2nd layer holds two layers' predictions at once: it needs the room
@@ -245,17 +247,17 @@ def test_a_perfect_prediction_turns_into_hits(plan_every: int, budget: int) -> N
     rng = np.random.default_rng(1)
     picks = [[rng.choice(n_expert, k, replace=False).tolist() for _ in range(n_layers)] for _ in range(20)]
     ctx = context(budget_experts=budget, n_layers=n_layers, n_expert=n_expert, k=k, predictor=predictor)
-    tier = FakeTier(ctx)
     policy = SpicePolicy(replace(spice_config("spice:exact"), plan_every=plan_every))
     policy.attach(ctx)
+    drive = driver(policy, ctx)
     assert policy.plan_every == plan_every
     for token in picks:
         for il, ids in enumerate(token):
             predictor.future = {j: token[j] for j in range(n_layers)}
-            tier.call(policy, il, ids, np.ones((1, N_EMBD), np.float32))
+            drive.call(il, ids, np.ones((1, N_EMBD), np.float32))
     # every layer but each token's first is predicted from the one before and lands in time
-    assert tier.hits >= (len(picks) - 1) * (n_layers - 1) * k
-    assert tier.prefetch_hits > 0
+    assert drive.outcomes.hits >= (len(picks) - 1) * (n_layers - 1) * k
+    assert drive.prefetch_used > 0
 
 
 def test_the_cross_layer_baseline_is_used_without_a_sidecar() -> None:
@@ -308,27 +310,30 @@ def test_victims_are_the_experts_needed_last() -> None:
     # room comes from the layers needed last first: 1 (just run), then 0, then 3; not 2,
     # the horizon itself
     assert tuple(plan.evict_from) == (1, 0, 3)
-    tier = FakeTier(ctx)
-    tier.residency[:] = residency
-    tier.call(policy, 1, [4, 5])
-    assert tier.residency[2, [0, 1]].tolist() == [RESIDENCY_RESIDENT] * 2
-    assert tier.residency[0, [6, 7]].tolist() == [RESIDENCY_ABSENT] * 2  # layer 1 held nothing
-    assert tier.residency[3, [6, 7]].tolist() == [RESIDENCY_RESIDENT] * 2
+    drive = driver(policy, ctx)
+    place(drive, 0, [6, 7])
+    place(drive, 3, [6, 7])
+    drive.call(1, [4, 5])
+    states = drive.tier.states()
+    assert states[2, [0, 1]].tolist() == [RESIDENCY_RESIDENT] * 2
+    assert states[0, [6, 7]].tolist() == [RESIDENCY_ABSENT] * 2  # layer 1 held nothing
+    assert states[3, [6, 7]].tolist() == [RESIDENCY_RESIDENT] * 2
 
 
 def test_among_equals_the_least_recently_selected_expert_goes_first() -> None:
     predictor = ScriptedPredictor(8)
     ctx = context(budget_experts=4, predictor=predictor)
     policy = attached("abl-c", ctx)
-    tier = FakeTier(ctx)
-    tier.residency[0, [2, 3, 4]] = RESIDENCY_RESIDENT  # and one slot free
+    drive = driver(policy, ctx)
+    place(drive, 0, [2, 3, 4])  # and one slot free
     predictor.future = {}
-    tier.call(policy, 0, [3, 4])
-    tier.call(policy, 0, [4, 2])  # now 3 is the least recently selected
+    drive.call(0, [3, 4])
+    drive.call(0, [4, 2])  # now 3 is the least recently selected
     predictor.future = {2: [0, 1]}
-    tier.call(policy, 1, [5, 6])  # two prefetches: the free slot, then 3's
-    assert tier.residency[0].tolist()[2:5] == [RESIDENCY_RESIDENT, RESIDENCY_ABSENT, RESIDENCY_RESIDENT]
-    assert tier.residency[2, [0, 1]].tolist() == [RESIDENCY_RESIDENT] * 2
+    drive.call(1, [5, 6])  # two prefetches: the free slot, then 3's
+    states = drive.tier.states()
+    assert states[0].tolist()[2:5] == [RESIDENCY_RESIDENT, RESIDENCY_ABSENT, RESIDENCY_RESIDENT]
+    assert states[2, [0, 1]].tolist() == [RESIDENCY_RESIDENT] * 2
 
 
 def test_emulated_device_runs_misses_on_the_host() -> None:
