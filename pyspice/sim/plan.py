@@ -111,6 +111,8 @@ def _marshal_actions(actions: Any, layer: int, want: tuple[int, ...]) -> Actions
 
 
 def _flatten(pairs: Iterable[Any]) -> list[Any]:
+    if not pairs:
+        return []
     try:
         return list(chain.from_iterable(pairs))
     except TypeError as exc:
@@ -119,6 +121,8 @@ def _flatten(pairs: Iterable[Any]) -> list[Any]:
 
 def _marshal_ints(values: Iterable[Any]) -> list[int]:
     """_copy_ints: each value as a C int32 (int() of int-likes), the count kept whole."""
+    if not values:
+        return []
     try:
         ints = [int(v) for v in values]
     except (TypeError, ValueError) as exc:
@@ -141,6 +145,8 @@ def _marshal_resume(resume: Any) -> int:
 
 def _check_actions(actions: Actions, layer: int, ids: Ids, surrogates: SurrogateTable | None) -> None:
     flat, picked = actions.ravel(), np.asarray(ids).ravel()
+    if flat.size == 0 or (flat.min() >= 0 and flat.max() < ACTION_SURROGATE):
+        return  # exact actions only: nothing more to look up
     used = actions.shape[1] if actions.ndim == 2 else 1
     unknown = (flat < 0) | (flat >= _N_ACTIONS)
     wants_surrogate = flat == ACTION_SURROGATE
@@ -256,15 +262,12 @@ def count_outcomes(actions: npt.ArrayLike, hit: npt.ArrayLike) -> Outcomes:
     call began. Lossy actions are never hits; an exact one is a hit when its expert
     was resident, else a miss fetched (device) or run on the host (anything else)."""
     a, h = np.asarray(actions), np.asarray(hit, dtype=np.bool_)
-    surrogate, dropped = a == ACTION_SURROGATE, a == ACTION_DROP
-    exact, device = ~(surrogate | dropped), a == ACTION_DEVICE
-    return Outcomes(
-        hits=int((exact & h).sum()),
-        fetched=int((device & ~h).sum()),
-        host=int((exact & ~device & ~h).sum()),
-        surrogate=int(surrogate.sum()),
-        dropped=int(dropped.sum()),
-    )
+    is_surrogate, is_dropped = a == ACTION_SURROGATE, a == ACTION_DROP
+    hits = int(np.count_nonzero(h & ~(is_surrogate | is_dropped)))
+    fetched = int(np.count_nonzero((a == ACTION_DEVICE) & ~h))
+    surrogate, dropped = int(np.count_nonzero(is_surrogate)), int(np.count_nonzero(is_dropped))
+    host = int(a.size) - hits - fetched - surrogate - dropped  # every other exact miss
+    return Outcomes(hits, fetched, host, surrogate, dropped)
 
 
 def default_actions(hit: npt.NDArray[np.bool_]) -> Actions:
@@ -301,7 +304,9 @@ def apply_plan(
     experts the tier holds, evict, fetch, demand the device experts it lacks,
     prefetch, wait for every pinned device expert (`wait`, in expert order;
     default wait_until_landed), run the unpinned ones on the host, unpin."""
-    need = sorted({int(e) for e in ids[actions == ACTION_DEVICE].tolist()})
+    n_expert = tier.n_expert[layer]
+    # an id outside the layer names no slot (libspice drops those activations before this)
+    need = sorted({e for e in ids[actions == ACTION_DEVICE].tolist() if 0 <= e < n_expert})
     # pinned first, so the plan's own evictions cannot take them away
     pinned = {e for e in need if tier.state(layer, e) != RESIDENCY_ABSENT and tier.pin(layer, e) == OK}
     # refused evictions (pinned, in flight) and refused requests (no room, queue full)
@@ -319,7 +324,7 @@ def apply_plan(
     do_wait = wait if wait is not None else wait_until_landed(tier, layer)
     for e in waited:
         do_wait(e)
-    out = _to_host(ids, actions, set(need) - pinned)
+    out = _to_host(ids, actions, [e for e in need if e not in pinned], n_expert)
     for e in waited:
         tier.unpin(layer, e)
     return ApplyResult(out, waited)
@@ -353,10 +358,13 @@ def request_prefetches(tier: SimTier, prefetch: Sequence[tuple[int, int]], evict
             return  # no room for it, nor for the prefetches after it
 
 
-def _to_host(ids: Ids, actions: Actions, no_slot: set[int]) -> Actions:
+def _to_host(ids: Ids, actions: Actions, no_slot: Iterable[int], n_expert: int) -> Actions:
+    """Device actions of experts that got no slot (or name none) become host actions."""
     out = actions.copy()
-    if no_slot:
-        out[np.isin(ids, list(no_slot)) & (out == ACTION_DEVICE)] = ACTION_HOST
+    for e in no_slot:
+        out[(ids == e) & (out == ACTION_DEVICE)] = ACTION_HOST
+    if ids.size and (ids.min() < 0 or ids.max() >= n_expert):
+        out[(out == ACTION_DEVICE) & ((ids < 0) | (ids >= n_expert))] = ACTION_HOST
     return out
 
 
@@ -367,6 +375,20 @@ def call_residency(tier: SimTier) -> npt.NDArray[np.int8]:
     """The residency a hook call carries, read once as the call begins (copies that
     have landed by now are resident)."""
     return tier.states()
+
+
+def begin_call(tier: SimTier, layer: int, ids: Ids) -> tuple[npt.NDArray[np.int8], npt.NDArray[np.bool_]]:
+    """spice_store_begin_call: the residency as the call begins, the selection noted
+    for recency (evict_from), and which activations find their expert resident."""
+    residency = call_residency(tier)
+    tier.note_selected(layer, ids)
+    n_expert = tier.n_expert[layer]
+    if ids.size == 0 or (ids.min() >= 0 and ids.max() < n_expert):
+        return residency, residency[layer, ids] == RESIDENCY_RESIDENT
+    inside = (ids >= 0) & (ids < n_expert)  # an id outside the layer is never a hit
+    hit = np.zeros(ids.shape, dtype=np.bool_)
+    hit[inside] = residency[layer, ids[inside]] == RESIDENCY_RESIDENT
+    return residency, hit
 
 
 @dataclass
@@ -394,9 +416,7 @@ class PlanDriver:
         picked = np.atleast_2d(np.asarray(ids, dtype=np.int32))
         n_tokens, k = picked.shape
         n_expert = self.tier.n_expert[layer]
-        residency = call_residency(self.tier)
-        self.tier.note_selected(layer, picked)
-        hit = residency[layer, picked] == RESIDENCY_RESIDENT
+        residency, hit = begin_call(self.tier, layer, picked)
         hook = HookCall(
             layer,
             hidden if hidden is not None else np.zeros((n_tokens, n_embd), np.float32),

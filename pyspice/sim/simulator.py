@@ -40,7 +40,6 @@ from pyspice.policy.base import (
     ACTION_DEVICE,
     ACTION_HOST,
     ACTION_SURROGATE,
-    RESIDENCY_RESIDENT,
     HookCall,
     Plan,
 )
@@ -50,7 +49,7 @@ from pyspice.sim.plan import (
     Outcomes,
     SurrogateTable,
     apply_plan,
-    call_residency,
+    begin_call,
     count_outcomes,
     default_actions,
     surrogate_table,
@@ -394,9 +393,7 @@ class Simulator:
             ids = call.ids
             if tier is not None:
                 tier.now_ns = t
-                residency = call_residency(tier)
-                tier.note_selected(il, ids)
-                hit = residency[il, ids] == RESIDENCY_RESIDENT
+                residency, hit = begin_call(tier, il, ids)
             else:
                 residency = None
                 hit = np.ones(ids.shape, dtype=bool)

@@ -192,6 +192,7 @@ def test_every_activation_gets_one_action_and_the_budget_holds(
     case: tuple[str, PolicyContext, HookCall],
 ) -> None:
     name, ctx, call = case
+    assert call.residency is not None
     residency = call.residency.copy()
     plan = attached(name, ctx).decide(call)
     actions = plan_actions(plan, call)
