@@ -3,8 +3,11 @@
 - `validate_plan`: spice_plan_validate (native/src/spice-plan.c), after the
   marshalling pyspice.runtime does on the way there (Runtime._write_plan);
 - `count_outcomes`: count_actions (native/src/spice-runtime.c);
-- `apply_plan`: spice_runtime_apply_store_plan and request_prefetches
-  (native/src/spice-runtime-store.c), on a `SimTier`.
+- `begin_call` and `apply_plan`: the store's call snapshot and its one
+  plan-application entry point with request_prefetches and
+  evict_least_recent (spice_runtime_apply_store_plan in
+  native/src/spice-runtime-store.c, becoming spice_store_begin_call /
+  spice_store_apply_plan in spice-store-plan.c), on a `SimTier`.
 
 The simulator applies every plan through them, the unit tests drive policies
 through them (`PlanDriver`), and differential tests hold each to its C original,
