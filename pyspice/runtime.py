@@ -16,6 +16,7 @@ import re
 import sys
 import threading
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
@@ -47,6 +48,15 @@ _COUNTER_FIELDS = (
     "policy_fallbacks",
     "store_ns",
     "policy_quiet",
+    "hook_ns",
+    "gap_ns",
+    "store_polls",
+    "device_copies",
+    "device_waits",
+    "device_launches",
+    "device_collects",
+    "launch_ns",
+    "collect_ns",
 )
 
 
@@ -249,7 +259,60 @@ class Store:
         return int(self._n.lib.spice_store_unpin(self._s, il, e))
 
     def state(self, il: int, e: int) -> int:
+        """Residency as of the last poll and the store's own changes since."""
         return int(self._n.lib.spice_store_state(self._s, il, e))
+
+    def poll(self) -> int:
+        """One poll of the device: landed copies become resident, queued ones start."""
+        return int(self._n.lib.spice_store_poll(self._s))
+
+    def states(self) -> np.ndarray:
+        """A copy of the residency table [n_layers, max_expert] (RESIDENCY_* values)."""
+        ffi = self._n.ffi
+        dims = ffi.new("int32_t[2]")
+        ptr = self._n.lib.spice_store_states(self._s, dims, dims + 1)
+        table = np.frombuffer(ffi.buffer(ptr, dims[0] * dims[1]), dtype=np.int8)
+        return table.reshape(dims[0], dims[1]).copy()
+
+    def begin_call(self, il: int, ids: npt.ArrayLike) -> np.ndarray:
+        """A hook call of layer il selecting ids [n_tokens, n_used] begins: poll once,
+        note the selection's recency; returns which activations were resident."""
+        ffi = self._n.ffi
+        arr = np.ascontiguousarray(ids, dtype=np.int32)
+        hit = np.zeros(arr.shape, dtype=np.uint8)
+        status = self._n.lib.spice_store_begin_call(
+            self._s,
+            il,
+            arr.shape[0],
+            arr.shape[1],
+            ffi.from_buffer("int32_t[]", arr),
+            arr.shape[1] * 4,
+            ffi.from_buffer("uint8_t[]", hit, require_writable=True),
+        )
+        if status != 0:
+            raise SpiceError(status, f"spice_store_begin_call({il}) failed")
+        return hit.astype(bool)
+
+    def apply_plan(
+        self,
+        il: int,
+        ids: npt.ArrayLike,
+        actions: npt.ArrayLike,
+        *,
+        fetch: Sequence[int] = (),
+        prefetch: Sequence[tuple[int, int]] = (),
+        evict: Sequence[tuple[int, int]] = (),
+        evict_from: Sequence[int] = (),
+    ) -> np.ndarray:
+        """spice_store_apply_plan for one call; returns the actions as carried out
+        (device actions of experts that got no slot become host actions)."""
+        ffi = self._n.ffi
+        call, keep = _policy_call(ffi, il, ids, actions, fetch, prefetch, evict, evict_from)
+        status = self._n.lib.spice_store_apply_plan(self._s, call, ffi.NULL)
+        if status != 0:
+            raise SpiceError(status, f"spice_store_apply_plan({il}) failed")
+        out: np.ndarray = keep[1].reshape(np.shape(ids)).copy()
+        return out
 
     def ready_at(self, il: int, e: int) -> int:
         return int(self._n.lib.spice_store_ready_at(self._s, il, e))
@@ -407,7 +470,9 @@ class Runtime:
         return int(n[0])
 
     def residency(self) -> np.ndarray | None:
-        """[n_layers, max_expert] RESIDENCY_* view of the device tier (None: no device tier)."""
+        """[n_layers, max_expert] RESIDENCY_* view of the device tier (None: no device tier).
+        libspice updates the table in place and polls the device as each hook call
+        begins, so the view a cached HookCall holds is current at every policy call."""
         ffi, lib = self._n.ffi, self._n.lib
         store = lib.spice_runtime_get_store(self._rt)
         if store == ffi.NULL:
@@ -675,6 +740,103 @@ def _copy_ints(ffi: Any, dst: Any, cap: int, values: Any) -> int:
     except OverflowError:
         raise ValueError("plan ids must fit in int32") from None
     return n  # libspice rejects a count above cap by name
+
+
+def _policy_call(
+    ffi: Any,
+    il: int,
+    ids: npt.ArrayLike,
+    actions: npt.ArrayLike,
+    fetch: Sequence[int] = (),
+    prefetch: Sequence[tuple[int, int]] = (),
+    evict: Sequence[tuple[int, int]] = (),
+    evict_from: Sequence[int] = (),
+    resume_layer: int = -1,
+) -> tuple[Any, tuple[np.ndarray, ...]]:
+    """A spice_policy_call holding a plan, for libspice's standalone plan functions;
+    the arrays it points into are returned too (keep them alive while it is used)."""
+    ids32 = np.ascontiguousarray(ids, dtype=np.int32)
+    acts = np.ascontiguousarray(actions, dtype=np.int64)
+    if acts.shape != ids32.shape:
+        raise ValueError(f"actions shape {acts.shape} differs from ids shape {ids32.shape}")
+    acts32 = np.ascontiguousarray(np.clip(acts, -(2**31), 2**31 - 1), dtype=np.int32).ravel()
+    lists = [
+        np.ascontiguousarray(np.asarray(list(v), dtype=np.int32).ravel())
+        for v in (fetch, [x for p in prefetch for x in p], [x for p in evict for x in p], evict_from)
+    ]
+    call = ffi.new("spice_policy_call *")
+    call.il = il
+    call.n_tokens, call.n_expert_used = ids32.shape
+    call.ids = ffi.from_buffer("int32_t[]", ids32)
+    call.ids_nb1 = ids32.shape[1] * 4
+    call.actions = ffi.from_buffer("int32_t[]", acts32, require_writable=True)
+    call.n_actions = call.cap_actions = acts32.size
+    bufs = [ffi.from_buffer("int32_t[]", a, require_writable=True) if a.size else ffi.NULL for a in lists]
+    call.fetch, call.prefetch, call.evict, call.evict_from = bufs
+    call.n_fetch, call.n_prefetch, call.n_evict, call.n_evict_from = (a.size for a in lists)
+    call.cap_fetch, call.cap_prefetch, call.cap_evict, call.cap_evict_from = (a.size for a in lists)
+    call.resume_il = resume_layer
+    return call, (ids32, acts32, *lists)
+
+
+def plan_check(
+    n_expert: Sequence[int],
+    has_surrogate: npt.ArrayLike | None,
+    il: int,
+    ids: npt.ArrayLike,
+    actions: npt.ArrayLike,
+    *,
+    fetch: Sequence[int] = (),
+    prefetch: Sequence[tuple[int, int]] = (),
+    evict: Sequence[tuple[int, int]] = (),
+    evict_from: Sequence[int] = (),
+    resume_layer: int = -1,
+    caps: tuple[int, int, int, int] | None = None,
+) -> str | None:
+    """spice_plan_check on a plan for a model with n_expert[il] routed experts per layer
+    (0: dense) and surrogates where has_surrogate [n_layers, max_expert] is true (None:
+    none loaded). Returns None when valid, else libspice's message. `caps` overrides the
+    list capacities (fetch, prefetch, evict, evict_from); by default the runtime's."""
+    n = _Native.get()
+    ffi, lib = n.ffi, n.lib
+    width = max(n_expert, default=0)
+    call, keep = _policy_call(ffi, il, ids, actions, fetch, prefetch, evict, evict_from, resume_layer)
+    pairs_all = 2 * len(n_expert) * width
+    call.cap_fetch, call.cap_prefetch, call.cap_evict, call.cap_evict_from = caps or (
+        width,
+        pairs_all,
+        pairs_all,
+        len(n_expert),
+    )
+    experts = np.ascontiguousarray(n_expert, dtype=np.int32)
+    lim = ffi.new("spice_plan_limits *")
+    lim.n_layers = len(n_expert)
+    lim.n_expert = ffi.from_buffer("int32_t[]", experts)
+    lim.max_expert = width
+    mask = None
+    if has_surrogate is not None:
+        mask = np.ascontiguousarray(has_surrogate, dtype=np.uint8)
+        lim.has_surrogate = ffi.from_buffer("uint8_t[]", mask)
+    err = ffi.new("char[]", 512)
+    status = lib.spice_plan_check(lim, call, err, 512)
+    del keep, mask
+    return None if status == 0 else ffi.string(err).decode(errors="replace")
+
+
+def add_outcomes(actions: npt.ArrayLike, hit: npt.ArrayLike) -> Counters:
+    """spice_counters_add_outcomes: each activation's outcome, from its action and
+    whether its expert was resident as the call began."""
+    n = _Native.get()
+    ffi, lib = n.ffi, n.lib
+    acts = np.ascontiguousarray(actions, dtype=np.int32).ravel()
+    hits = np.ascontiguousarray(hit, dtype=np.uint8).ravel()
+    if acts.shape != hits.shape:
+        raise ValueError(f"{acts.size} actions but {hits.size} hit flags")
+    c = ffi.new("spice_counters *")
+    lib.spice_counters_add_outcomes(
+        c, ffi.from_buffer("int32_t[]", acts), ffi.from_buffer("uint8_t[]", hits), acts.size
+    )
+    return Counters(**{name: int(getattr(c, name)) for name in _COUNTER_FIELDS})
 
 
 def surrogate_apply(

@@ -35,6 +35,16 @@ class Counters:
     policy_fallbacks: int = 0  # plans that raised or failed validation -> exact fallback
     store_ns: int = 0  # device-tier bookkeeping on the hook's thread 0 (not counting stalls)
     policy_quiet: int = 0  # calls the policy decided in advance (Plan.resume_layer): not called
+    # the mechanism's cost per call on the hook's thread 0, and the device-interface operations it made
+    hook_ns: int = 0  # inside hook calls, entry to return (executors included)
+    gap_ns: int = 0  # from the end of one hook call to the start of the next
+    store_polls: int = 0  # polls of the device tier (one per hook call with a tier)
+    device_copies: int = 0  # copies handed to the device
+    device_waits: int = 0  # blocking waits on a copy
+    device_launches: int = 0  # launches of device work (a device that computes)
+    device_collects: int = 0  # collections of device results
+    launch_ns: int = 0
+    collect_ns: int = 0
 
     def add(self, other: Counters) -> None:
         for f in fields(self):
@@ -88,6 +98,26 @@ def _counter_record(c: Counters, decoded_tokens: int) -> dict[str, Any]:
         "policy_quiet_share": _ratio(c.policy_quiet, c.policy_calls + c.policy_quiet),
         "policy_fallbacks": c.policy_fallbacks,
         "store_us_per_call": _ratio(c.store_ns / 1e3, c.hook_calls),
+        "per_call": _per_call_record(c),
+    }
+
+
+def _per_call_record(c: Counters) -> dict[str, float]:
+    """What the mechanism costs per hook call: thread 0's time in and between
+    hook calls, and how many device-interface operations each call made.
+    Launch and collect are zero where the device does not compute (emulated)."""
+    n = c.hook_calls
+    return {
+        "hook_us": _ratio(c.hook_ns / 1e3, n),
+        "gap_us": _ratio(c.gap_ns / 1e3, n),
+        "store_us": _ratio(c.store_ns / 1e3, n),
+        "polls": _ratio(c.store_polls, n),
+        "copies": _ratio(c.device_copies, n),
+        "waits": _ratio(c.device_waits, n),
+        "launches": _ratio(c.device_launches, n),
+        "collects": _ratio(c.device_collects, n),
+        "launch_us": _ratio(c.launch_ns / 1e3, n),
+        "collect_us": _ratio(c.collect_ns / 1e3, n),
     }
 
 
@@ -121,5 +151,6 @@ STATS_KEYS = (
     "policy_us_per_call",
     "policy_quiet_share",
     "policy_fallbacks",
+    "per_call",
     "layers",
 )

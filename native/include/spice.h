@@ -11,7 +11,8 @@
  * llama_context, receives every MoE layer's routed-expert work through the
  * patched llama.cpp hook (llama_set_moe_hook), asks a policy for a plan
  * (natively, or through a callback into Python), validates the plan and
- * executes it exactly with ggml's CPU kernels on the GGUF weights.
+ * executes it exactly: with ggml's CPU kernels on the GGUF weights, or on a
+ * device tier's slots.
  */
 #ifndef SPICE_H
 #define SPICE_H
@@ -137,33 +138,74 @@ typedef struct spice_counters {
     uint64_t policy_fallbacks;
     uint64_t store_ns;      /* thread 0's device-tier bookkeeping (residency, requests, waits minus stalls) */
     uint64_t policy_quiet;  /* hook calls the policy answered in advance (resume_il): not called */
+    /* per-call costs of the mechanism (thread 0), and the device-interface
+     * operations it made; a layer's are counted against the hook call that
+     * made them */
+    uint64_t hook_ns;         /* inside hook calls, entry to return (executors included) */
+    uint64_t gap_ns;          /* from the end of one hook call to the start of the next */
+    uint64_t store_polls;     /* polls of the device tier: one per hook call with a tier */
+    uint64_t device_copies;   /* copies handed to the device */
+    uint64_t device_waits;    /* blocking waits on a copy */
+    uint64_t device_launches; /* launches of device work (devices that compute) */
+    uint64_t device_collects; /* collections of device results */
+    uint64_t launch_ns;       /* time spent launching device work */
+    uint64_t collect_ns;      /* time spent waiting for device results */
 } spice_counters;
+
+/* Add each activation's outcome (DESIGN section 11) to c: n actions with,
+ * per activation, whether its expert was resident as the call began. A
+ * device or host action is a hit when resident, else a fetched (device) or
+ * host miss; surrogate and drop actions are never hits. */
+SPICE_API void spice_counters_add_outcomes(spice_counters * c, const int32_t * actions, const uint8_t * hit,
+                                           int32_t n);
+
+/* What a plan is checked against: the model's layers (n_expert[il] routed
+ * experts, 0 for a dense layer) and which (layer, expert) pairs have a loaded
+ * surrogate (has_surrogate[il * max_expert + e]; NULL: none loaded). */
+typedef struct spice_plan_limits {
+    int32_t n_layers;
+    const int32_t * n_expert;
+    int32_t max_expert;
+    const uint8_t * has_surrogate;
+} spice_plan_limits;
+
+/* Check the plan a policy wrote into call: action values, a loaded surrogate
+ * for every surrogate action, ids and (layer, expert) pairs in range, list
+ * counts within their capacities, evict_from and resume_il naming MoE
+ * layers. SPICE_ERR_INVALID_PLAN with the first problem named in err. */
+SPICE_API int spice_plan_check(const spice_plan_limits * limits, const spice_policy_call * call, char * err,
+                               size_t err_len);
 
 /* ---- expert store -----------------------------------------------------------
  *
  * The device tier: expert slots under one pooled byte budget, a residency
- * table (layer, expert) -> slot, and a copy engine with two priorities. Each
- * expert is charged its own bytes (quant types make experts differ): a
- * request succeeds while the experts on the device or on their way fit the
- * budget. The store never chooses a victim: eviction is the policy's call.
+ * table (layer, expert) -> slot, a copy queue with two priorities, and
+ * recency. Each expert is charged its own bytes (quant types make experts
+ * differ): a request succeeds while the experts on the device or on their
+ * way fit the budget. The store keeps the bookkeeping; the slot memory and
+ * the bus belong to its device, the same interface for every kind:
  *
- * On a CPU-only build the device is EMULATED: slots live in their own host
- * buffer and copies follow a virtual timeline on one bus. A copy issued at t
- * starts when the bus is free of earlier copies of higher or equal priority
- * (a demand copy overtakes queued prefetches, never one already in flight)
- * and lands latency + bytes / bandwidth later; whoever needs the expert
- * before then waits until then. No thread is added: tests drive the clock by
- * hand (manual_clock) and nothing measures wall time.
+ * - EMULATED (CPU-only builds, or asked for): slots live in their own host
+ *   buffer and copies follow a virtual timeline on one bus. A copy starts
+ *   when the bus is free of earlier copies of higher or equal priority (a
+ *   demand copy overtakes queued prefetches, never one already started) and
+ *   lands latency + bytes / bandwidth later; whoever needs the expert before
+ *   then waits until then. No thread is added: tests drive the clock by hand
+ *   (manual_clock).
+ * - CUDA (CUDA builds): slots in GPU memory, copies from page-locked host
+ *   weights on a stream of their own, completion by CUDA events. A few
+ *   copies at a time are on the stream; the rest wait in the store's queue,
+ *   where they can still be overtaken or cancelled. bandwidth_gbps /
+ *   latency_us then only estimate ready_at; copy_ns is measured by events
+ *   and stall_ns is wall time spent waiting. A CUDA store needs its host
+ *   weights bound, so only a runtime creates one (spice_runtime_set_store).
  *
- * On a CUDA build a store made with kind SPICE_DEVICE_CUDA is REAL: slots in
- * GPU memory, copies from page-locked host weights on a stream of their own,
- * completion by CUDA events. Demand copies are issued at once; prefetches
- * wait in the store's own bounded queue and go to the GPU a few at a time,
- * so a queued prefetch can still be overtaken or cancelled (one on the GPU
- * cannot). bandwidth_gbps / latency_us then only estimate ready_at; copy_ns
- * is measured by events and stall_ns is wall time spent waiting. A CUDA
- * store needs its host weights bound, so only a runtime creates one
- * (spice_runtime_set_store); spice_store_create accepts emulated stores. */
+ * Landed copies are seen by one poll (spice_store_poll, made by the runtime
+ * once per hook call) or by a wait; every other operation works on the
+ * residency table as of the last poll plus its own changes, so lookups cost
+ * no device call. Eviction: a plan names evictions, or with evict_from the
+ * layers a prefetch may take room from (the store then picks the least
+ * recently selected resident expert there). */
 typedef struct spice_store spice_store;
 
 typedef enum spice_device_kind {
@@ -200,8 +242,11 @@ typedef enum spice_priority {
 } spice_priority;
 
 /* n_expert[il] routed experts of expert_bytes[il] bytes each per layer (0
- * experts: not an MoE layer). Fails with SPICE_ERR_BUDGET when not even the
- * smallest expert fits. */
+ * experts: not an MoE layer), with a device of params->device_kind whose
+ * slots hold the experts' bytes back to back (no host weights are bound, so
+ * no bytes move: for tests and standalone use). Fails with SPICE_ERR_BUDGET
+ * when not even the smallest expert fits, SPICE_ERR_UNSUPPORTED when this
+ * build has no such device. */
 SPICE_API int spice_store_create(const spice_store_params * params, int32_t n_layers,
                                  const int32_t * n_expert, const uint64_t * expert_bytes,
                                  spice_store ** out);
@@ -234,34 +279,63 @@ SPICE_API int spice_store_reserve(spice_store * store, int64_t bytes);
 SPICE_API int spice_store_pin(spice_store * store, int32_t il, int32_t e);
 SPICE_API int spice_store_unpin(spice_store * store, int32_t il, int32_t e);
 
-/* Residency of (il, e) now (a spice_residency value), or -1 for a bad index. */
-SPICE_API int spice_store_state(spice_store * store, int32_t il, int32_t e);
+/* Residency of (il, e) as of the last poll and the store's own changes since
+ * (a spice_residency value), or -1 for a bad index. Asks the device nothing. */
+SPICE_API int spice_store_state(const spice_store * store, int32_t il, int32_t e);
+
+/* Poll the device once: copies that have landed become resident, queued
+ * copies start as the device can take them. */
+SPICE_API int spice_store_poll(spice_store * store);
 
 /* Block until (il, e) is resident; *stall_ns gets the time waited (0 when it
  * had landed). SPICE_ERR_STATE when no copy is pending or done. */
 SPICE_API int spice_store_wait(spice_store * store, int32_t il, int32_t e, uint64_t * stall_ns);
 
-/* When the pending copy of (il, e) lands (ns on the store's clock), or 0. */
-SPICE_API uint64_t spice_store_ready_at(const spice_store * store, int32_t il, int32_t e);
+/* When the pending copy of (il, e) lands (ns on the store's clock), or 0; a
+ * queued copy's is projected behind the copies ahead of it. */
+SPICE_API uint64_t spice_store_ready_at(spice_store * store, int32_t il, int32_t e);
 
-/* The store's clock in ns; manual clocks start at 0 and move only by advance. */
+/* The store's clock in ns; manual clocks start at 0 and move only by advance
+ * (which then polls). */
 SPICE_API uint64_t spice_store_now(spice_store * store);
 SPICE_API int spice_store_advance(spice_store * store, uint64_t ns);
 
-/* Per-layer counters (il = -1: totals): bytes_h2d, copy_ns, stall_ns,
- * prefetch_issued / used / cancelled; the rest are zero here. */
+/* Per-layer counters (il = -1: totals): bytes_h2d, copy_ns (counted when a
+ * copy lands), stall_ns, prefetch_issued / used / cancelled by the copied
+ * expert's layer; store_polls, device_copies, device_waits by the layer of
+ * the hook call that made them (spice_store_begin_call); the rest are zero. */
 SPICE_API int spice_store_get_counters(const spice_store * store, int32_t il, spice_counters * out);
 
-/* Residency of every (layer, expert) as of the last store operation:
- * n_layers rows of max_expert int8 spice_residency values. */
-SPICE_API const int8_t * spice_store_states(spice_store * store, int32_t * n_layers, int32_t * max_expert);
+/* The residency table spice_store_state reads: n_layers rows of max_expert
+ * int8 spice_residency values, updated in place (the pointer stays valid
+ * for the store's life). */
+SPICE_API const int8_t * spice_store_states(const spice_store * store, int32_t * n_layers, int32_t * max_expert);
+
+/* A hook call begins: poll once, write per activation (n_tokens rows of
+ * n_used ids, row stride ids_nb1 bytes) whether its expert is resident into
+ * hit (may be NULL), and note the selected experts as the most recently used
+ * (the recency evict_from picks victims by). Ids out of range are no hit. */
+SPICE_API int spice_store_begin_call(spice_store * store, int32_t il, int32_t n_tokens, int32_t n_used,
+                                     const int32_t * ids, size_t ids_nb1, uint8_t * hit);
+
+/* Carry out a validated plan for the hook call described by call (layer,
+ * ids, actions, fetch, prefetch, evict, evict_from), in this order: pin the
+ * experts it runs on the device that the tier holds; its evictions; its
+ * demand fetches, then demand for device actions on absent experts; its
+ * prefetches (room by evict_from); wait for the device experts; device
+ * actions of experts that got no slot become host actions (call->actions
+ * is written); unpin. Refused requests and evictions are not errors.
+ * slot_data (may be NULL): [n_expert of the layer], each device expert's
+ * slot memory (NULL where none, also for experts with no device action). */
+SPICE_API int spice_store_apply_plan(spice_store * store, const spice_policy_call * call, const char ** slot_data);
 
 /* Copy the first `size` bytes of resident expert (il, e)'s slot into dst
  * (host memory), whatever the device: tests check that copies move the right
  * bytes. SPICE_ERR_STATE when it is not resident or nothing is bound. */
 SPICE_API int spice_store_read_slot(spice_store * store, int32_t il, int32_t e, void * dst, size_t size);
 
-/* 1 when this store's slots are on a real (CUDA) device, 0 when emulated. */
+/* 1 when this store's device computes (a real GPU: device pairs run there),
+ * 0 when the host executor reads its slots (emulated). */
 SPICE_API int spice_store_is_real(const spice_store * store);
 
 /* ---- runtime -------------------------------------------------------------- */
@@ -340,11 +414,12 @@ SPICE_API uint64_t spice_runtime_plan_rejections(const spice_runtime * rt);
  * [rank][n_embd] and B [n_embd][rank] (row-major f32, as numpy writes them).
  * Rank 0 is allowed: alpha * S_t alone ("the shared expert instead").
  *
- * The matrices are resident on the device: libspice keeps copies in f16
- * (half the bytes of f32 for the budget; arithmetic stays f32), and while a
- * device tier is attached their bytes are charged to its budget
- * (spice_store_reserve), also when a tier is attached later. Exact actions
- * never read them. Not to be called during a llama_decode. */
+ * libspice keeps copies of the matrices in f16 in host memory and computes
+ * surrogates on the host (half the bytes of f32; arithmetic stays f32).
+ * While a device tier is attached their bytes are charged to its budget
+ * (spice_store_reserve), also when a tier is attached later, as if they
+ * lived there. Exact actions never read them. Not to be called during a
+ * llama_decode. */
 
 /* Load (or replace) the surrogate of (il, e); copies A and B. Returns
  * SPICE_ERR_INVALID_ARG for a layer that is not MoE, an expert out of range or

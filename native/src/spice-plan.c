@@ -5,7 +5,11 @@
 
 #include <stdio.h>
 
-static int check_pairs(const spice_runtime * rt, const char * what, const int32_t * pairs, int32_t n,
+static int is_moe(const spice_plan_limits * lim, int32_t il) {
+    return il >= 0 && il < lim->n_layers && lim->n_expert[il] > 0;
+}
+
+static int check_pairs(const spice_plan_limits * lim, const char * what, const int32_t * pairs, int32_t n,
                        int32_t cap, char * err, size_t err_len) {
     if (n < 0 || n > cap) {
         snprintf(err, err_len, "plan %s has %d entries; at most %d fit", what, n, cap);
@@ -17,20 +21,24 @@ static int check_pairs(const spice_runtime * rt, const char * what, const int32_
     }
     for (int32_t i = 0; i < n; i += 2) {
         const int32_t il = pairs[i], e = pairs[i + 1];
-        if (il < 0 || il >= rt->n_layers || !rt->layers[il].is_moe) {
+        if (!is_moe(lim, il)) {
             snprintf(err, err_len, "plan %s[%d] names layer %d, which is not an MoE layer", what, i / 2, il);
             return SPICE_ERR_INVALID_PLAN;
         }
-        if (e < 0 || e >= rt->layers[il].n_expert) {
+        if (e < 0 || e >= lim->n_expert[il]) {
             snprintf(err, err_len, "plan %s[%d] names expert %d of layer %d, which has %d experts", what, i / 2,
-                     e, il, rt->layers[il].n_expert);
+                     e, il, lim->n_expert[il]);
             return SPICE_ERR_INVALID_PLAN;
         }
     }
     return SPICE_OK;
 }
 
-int spice_plan_validate(const spice_runtime * rt, const spice_policy_call * call, char * err, size_t err_len) {
+int spice_plan_check(const spice_plan_limits * lim, const spice_policy_call * call, char * err, size_t err_len) {
+    if (lim == NULL || call == NULL || lim->n_expert == NULL) {
+        snprintf(err, err_len, "plan check: no limits or no call given");
+        return SPICE_ERR_INVALID_ARG;
+    }
     const int32_t want = call->n_tokens * call->n_expert_used;
     if (call->n_actions != want) {
         snprintf(err, err_len,
@@ -50,13 +58,14 @@ int spice_plan_validate(const spice_runtime * rt, const spice_policy_call * call
         if (a == SPICE_ACTION_SURROGATE) {
             const int32_t t = i / call->n_expert_used, k = i % call->n_expert_used;
             const int32_t e = ((const int32_t *) ((const char *) call->ids + (size_t) t * call->ids_nb1))[k];
-            if (rt->surrogates.n_loaded == 0) {
+            if (lim->has_surrogate == NULL) {
                 snprintf(err, err_len,
                          "layer %d: plan action %d asks for a surrogate, but no surrogates are loaded "
                          "(calibrate the model and pass its sidecar)", call->il, i);
                 return SPICE_ERR_INVALID_PLAN;
             }
-            if (spice_runtime_surrogate(rt, call->il, e) == NULL) {
+            if (!is_moe(lim, call->il) || e < 0 || e >= lim->n_expert[call->il] ||
+                !lim->has_surrogate[(size_t) call->il * (size_t) lim->max_expert + (size_t) e]) {
                 snprintf(err, err_len,
                          "layer %d: plan action %d (token %d, slot %d) asks for the surrogate of expert %d, "
                          "which the loaded sidecar does not have", call->il, i, t, k, e);
@@ -83,21 +92,26 @@ int spice_plan_validate(const spice_runtime * rt, const spice_policy_call * call
     }
     for (int32_t i = 0; i < call->n_evict_from; ++i) {
         const int32_t il = call->evict_from[i];
-        if (il < 0 || il >= rt->n_layers || !rt->layers[il].is_moe) {
+        if (!is_moe(lim, il)) {
             snprintf(err, err_len, "layer %d: plan evict_from[%d] names layer %d, which is not an MoE layer",
                      call->il, i, il);
             return SPICE_ERR_INVALID_PLAN;
         }
     }
-    if (call->resume_il != -1 &&
-        (call->resume_il < 0 || call->resume_il >= rt->n_layers || !rt->layers[call->resume_il].is_moe)) {
+    if (call->resume_il != -1 && !is_moe(lim, call->resume_il)) {
         snprintf(err, err_len, "layer %d: plan resume_il = %d is neither -1 nor an MoE layer", call->il,
                  call->resume_il);
         return SPICE_ERR_INVALID_PLAN;
     }
-    int status = check_pairs(rt, "prefetch", call->prefetch, call->n_prefetch, call->cap_prefetch, err, err_len);
+    int status = check_pairs(lim, "prefetch", call->prefetch, call->n_prefetch, call->cap_prefetch, err, err_len);
     if (status != SPICE_OK) {
         return status;
     }
-    return check_pairs(rt, "evict", call->evict, call->n_evict, call->cap_evict, err, err_len);
+    return check_pairs(lim, "evict", call->evict, call->n_evict, call->cap_evict, err, err_len);
+}
+
+int spice_plan_validate(const spice_runtime * rt, const spice_policy_call * call, char * err, size_t err_len) {
+    const spice_plan_limits lim = { rt->n_layers, rt->n_expert_of, rt->max_n_expert,
+                                    rt->surrogates.n_loaded > 0 ? rt->surrogate_mask : NULL };
+    return spice_plan_check(&lim, call, err, err_len);
 }

@@ -1,5 +1,12 @@
 /* The runtime handle: attaches to a llama_context, serves its MoE hook,
- * dispatches to a policy and keeps the counters. */
+ * dispatches to a policy and keeps the counters.
+ *
+ * One hook call, on thread 0 while the other graph threads wait at the
+ * barrier, in named steps: snapshot (residency and recency as the call
+ * begins) -> decide (the policy's plan, validated, or the default one) ->
+ * apply (the store carries the plan out) -> count (each activation's
+ * outcome) -> execute (device work launched, host and surrogate jobs set
+ * up); then every thread runs the executors. */
 #include "spice-runtime-internal.h"
 
 #include "ggml-backend.h"
@@ -9,13 +16,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
-
-static uint64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t) ts.tv_sec * 1000000000ull + (uint64_t) ts.tv_nsec;
-}
 
 static void set_error(spice_runtime * rt, const char * fmt, ...) {
     va_list ap;
@@ -64,13 +64,8 @@ static int plan_reserve(spice_runtime * rt, int32_t n_pairs) {
         p->hit = nhit;
     }
     if (p->device == NULL) {
-        const size_t n = (size_t) (rt->max_n_expert > 0 ? rt->max_n_expert : 1);
-        p->device = (const char **) calloc(n, sizeof(const char *));
-        p->need = (uint8_t *) calloc(n, 1);
-        p->pinned = (uint8_t *) calloc(n, 1);
-        p->kept = (uint8_t *) calloc((size_t) (rt->n_layers > 0 ? rt->n_layers : 1) * n, 1);
-        p->rank = (int32_t *) calloc((size_t) (rt->n_layers > 0 ? rt->n_layers : 1), sizeof(int32_t));
-        if (p->device == NULL || p->need == NULL || p->pinned == NULL || p->kept == NULL || p->rank == NULL) {
+        p->device = (const char **) calloc((size_t) (rt->max_n_expert > 0 ? rt->max_n_expert : 1), sizeof(char *));
+        if (p->device == NULL) {
             return SPICE_ERR_NO_MEMORY;
         }
     }
@@ -94,20 +89,19 @@ static void plan_free(spice_plan_buffers * p) {
     free(p->exec);
     free(p->hit);
     free((void *) p->device);
-    free(p->need);
-    free(p->pinned);
-    free(p->kept);
-    free(p->rank);
     memset(p, 0, sizeof(*p));
 }
 
-/* ---- the hook ---------------------------------------------------------------- */
+/* ---- outcomes ------------------------------------------------------------------ */
 
-/* Outcome of each activation (DESIGN section 11): a hit when its expert was
- * resident as the call began (without a device tier every expert is) and it
- * ran exactly; otherwise a miss by what happened to it. Lossy actions are
- * never hits, resident or not. */
-static void count_actions(spice_counters * c, const int32_t * actions, const uint8_t * hit, int32_t n) {
+/* DESIGN section 11: a hit when its expert was resident as the call began
+ * (without a device tier every expert is) and it ran exactly; otherwise a
+ * miss by what happened to it. Lossy actions are never hits, resident or not. */
+void spice_counters_add_outcomes(spice_counters * c, const int32_t * actions, const uint8_t * hit, int32_t n) {
+    if (c == NULL || actions == NULL || hit == NULL) {
+        return;
+    }
+    c->activations += (uint64_t) (n > 0 ? n : 0);
     for (int32_t i = 0; i < n; ++i) {
         switch (actions[i]) {
             case SPICE_ACTION_SURROGATE: c->misses_surrogate++; break;
@@ -118,63 +112,122 @@ static void count_actions(spice_counters * c, const int32_t * actions, const uin
     }
 }
 
-/* verify mode, thread 0 after the host executor: how far the device's rows
- * are from the host's for the same pairs */
-static void verify_device_rows(spice_runtime * rt, const struct llama_moe_hook_call * hc) {
-    const int32_t n_pairs = hc->n_tokens * hc->n_expert_used;
+/* ---- the steps of one hook call (thread 0) -------------------------------------- */
+
+static void default_actions(const spice_runtime * rt, spice_policy_call * call, int32_t n_pairs) {
     for (int32_t i = 0; i < n_pairs; ++i) {
-        if (rt->verify_run[i] != SPICE_EXEC_DEVICE) {
-            continue;
-        }
-        const float * dev = rt->verify_y + (size_t) i * (size_t) hc->n_embd;
-        const float * host = rt->host.y + (size_t) i * (size_t) hc->n_embd;
-        for (int32_t c = 0; c < hc->n_embd; ++c) {
-            const double d = dev[c] > host[c] ? dev[c] - host[c] : host[c] - dev[c];
-            const double a = host[c] >= 0 ? host[c] : -host[c];
-            rt->verify_max_diff = d > rt->verify_max_diff ? d : rt->verify_max_diff;
-            rt->verify_max_abs = a > rt->verify_max_abs ? a : rt->verify_max_abs;
-        }
-        rt->verify_rows++;
+        call->actions[i] = rt->plan.hit[i] ? SPICE_ACTION_DEVICE : SPICE_ACTION_HOST;
     }
+    call->n_actions = n_pairs;
 }
 
-/* Real device: queue this call's device pairs on the GPU (their slots are
- * pinned resident by the store plan); the host executor runs meanwhile. */
-static int start_device_work(spice_runtime * rt, const struct llama_moe_hook_call * hc) {
-    spice_cuda_job job;
-    memset(&job, 0, sizeof(job));
-    job.layer = &rt->layers[hc->il];
-    job.n_tokens = hc->n_tokens;
-    job.n_used = hc->n_expert_used;
-    job.inp = hc->inp; job.inp_nb1 = hc->inp_nb1;
-    job.ids = hc->ids; job.ids_nb1 = hc->ids_nb1;
-    job.run = rt->verify ? rt->verify_run : rt->plan.exec;
-    job.slot_of = rt->plan.device;
-    for (int k = 0; k < 3; ++k) {
-        job.matrix_offset[k] = rt->store->sources[hc->il].dst_offset[k];
+/* snapshot: the call as a policy sees it, which activations find their
+ * expert resident (one poll of the device tier makes residency current,
+ * copies in flight included), and the default plan. */
+static void snapshot_call(spice_runtime * rt, const struct llama_moe_hook_call * hc, spice_policy_call * call) {
+    memset(call, 0, sizeof(*call));
+    call->il = hc->il;
+    call->n_tokens = hc->n_tokens;
+    call->n_embd = hc->n_embd;
+    call->n_expert = hc->n_expert;
+    call->n_expert_used = hc->n_expert_used;
+    call->inp = hc->inp;         call->inp_nb1 = hc->inp_nb1;
+    call->probs = hc->probs;     call->probs_nb1 = hc->probs_nb1;
+    call->ids = hc->ids;         call->ids_nb1 = hc->ids_nb1;
+    call->weights = hc->weights; call->weights_nb1 = hc->weights_nb1;
+    call->shexp = hc->shexp;     call->shexp_nb1 = hc->shexp_nb1;
+    call->actions = rt->plan.actions;   call->cap_actions = rt->plan.cap_actions;
+    call->fetch = rt->plan.fetch;       call->cap_fetch = rt->plan.cap_fetch;
+    call->prefetch = rt->plan.prefetch; call->cap_prefetch = rt->plan.cap_prefetch;
+    call->evict = rt->plan.evict;       call->cap_evict = rt->plan.cap_evict;
+    call->evict_from = rt->plan.evict_from; call->cap_evict_from = rt->plan.cap_evict_from;
+    call->resume_il = -1;
+
+    const int32_t n_pairs = hc->n_tokens * hc->n_expert_used;
+    if (rt->store != NULL) {
+        const uint64_t t0 = spice_monotonic_ns();
+        spice_store_begin_call(rt->store, hc->il, hc->n_tokens, hc->n_expert_used, hc->ids, hc->ids_nb1,
+                               rt->plan.hit);
+        rt->counters[hc->il].store_ns += spice_monotonic_ns() - t0;
+    } else {
+        memset(rt->plan.hit, 1, (size_t) n_pairs);
     }
-    char err[256];
-    const int rc = spice_cuda_exec_begin(rt->store->cuda, &job, err, sizeof(err));
-    if (rc != SPICE_OK) {
-        set_error(rt, "layer %d: %s; ran those experts on the host", hc->il, err);
-        return rc;
-    }
-    rt->device_work_pending = 1;
-    return SPICE_OK;
+    default_actions(rt, call, n_pairs);
 }
 
-/* before_combine of the host job: the device's rows land in y */
-static void collect_device_work(void * user_data, float * y) {
-    spice_runtime * rt = (spice_runtime *) user_data;
-    char err[256];
-    if (rt->verify) {
-        y = rt->verify_y; /* compared with the host's rows once they are all done (verify_device_rows) */
+/* decide: the policy's plan if it gives a valid one, else the default plan
+ * (a decode call the policy decided in advance gets it without a call). */
+static void decide_call(spice_runtime * rt, const struct llama_moe_hook_call * hc, spice_policy_call * call) {
+    spice_counters * c = &rt->counters[hc->il];
+    const int quiet = rt->policy_fn != NULL && rt->resume_il >= 0 && hc->n_tokens == 1 && hc->il != rt->resume_il;
+    if (quiet) {
+        c->policy_quiet++;
+        return;
     }
-    if (spice_cuda_exec_end(rt->store->cuda, y, err, sizeof(err)) != SPICE_OK) {
-        set_error(rt, "%s", err);
+    rt->resume_il = -1;
+    if (rt->policy_fn == NULL) {
+        c->policy_calls++;
+        return;
+    }
+    const uint64_t t0 = spice_monotonic_ns();
+    int use_plan = 0;
+    const int rc = rt->policy_fn(call, rt->policy_user_data);
+    if (rc == SPICE_POLICY_OK) {
+        char err[sizeof(rt->last_error)];
+        if (spice_plan_validate(rt, call, err, sizeof(err)) == SPICE_OK) {
+            use_plan = 1;
+        } else {
+            memcpy(rt->last_error, err, sizeof(err)); /* the latest: callers warn once per policy */
+            rt->plan_rejections++;
+            c->policy_fallbacks++;
+        }
+    } else if (rc == SPICE_POLICY_ABORT) {
         atomic_store(&rt->abort_requested, 1);
+    } else {
+        set_error(rt, "layer %d: the policy failed; ran exact instead", hc->il);
+        rt->plan_rejections++;
+        c->policy_fallbacks++;
     }
-    rt->device_work_pending = 0;
+    if (use_plan) {
+        rt->resume_il = call->resume_il;
+    } else {
+        default_actions(rt, call, hc->n_tokens * hc->n_expert_used);
+        /* nothing of a rejected plan may act: its lists are unchecked */
+        call->n_fetch = call->n_prefetch = call->n_evict = call->n_evict_from = 0;
+        call->resume_il = -1;
+    }
+    c->policy_ns += spice_monotonic_ns() - t0;
+    c->policy_calls++;
+}
+
+/* ids come from the graph's top-k; a bad one would index out of the tensor */
+static void drop_bad_ids(spice_runtime * rt, const struct llama_moe_hook_call * hc, spice_policy_call * call) {
+    const int32_t n_expert = rt->layers[hc->il].n_expert;
+    for (int32_t t = 0; t < hc->n_tokens; ++t) {
+        const int32_t * ids = (const int32_t *) ((const char *) hc->ids + (size_t) t * hc->ids_nb1);
+        for (int32_t k = 0; k < hc->n_expert_used; ++k) {
+            if (ids[k] < 0 || ids[k] >= n_expert) {
+                call->actions[t * hc->n_expert_used + k] = SPICE_ACTION_DROP;
+                set_error(rt, "layer %d: graph selected expert %d outside 0..%d", hc->il, ids[k], n_expert - 1);
+            }
+        }
+    }
+}
+
+/* apply: the store carries the plan out (its own time, less what it waited
+ * for copies, is bookkeeping) */
+static void apply_call(spice_runtime * rt, const struct llama_moe_hook_call * hc, spice_policy_call * call) {
+    if (rt->store == NULL) {
+        return;
+    }
+    spice_counters k0, k1;
+    spice_store_get_counters(rt->store, hc->il, &k0);
+    const uint64_t t0 = spice_monotonic_ns();
+    spice_store_apply_plan(rt->store, call, rt->plan.device);
+    const uint64_t spent = spice_monotonic_ns() - t0;
+    spice_store_get_counters(rt->store, hc->il, &k1);
+    const uint64_t waited = k1.stall_ns - k0.stall_ns;
+    rt->counters[hc->il].store_ns += spent > waited ? spent - waited : 0;
 }
 
 /* The executor's device pairs (exec 2) run on the host weights instead (exec 1). */
@@ -186,190 +239,94 @@ static void device_pairs_to_host(uint8_t * exec, int32_t n_pairs) {
     }
 }
 
-/* Thread 0: ask the policy, validate, count, and prepare the executor. */
-static void plan_call(spice_runtime * rt, const struct llama_moe_hook_call * hc) {
-    rt->device_work_pending = 0;
-    const int32_t n_pairs = hc->n_tokens * hc->n_expert_used;
+/* A device that computes: queue this call's device pairs there (their slots
+ * stay resident: nothing evicts before the next hook call); the host
+ * executor runs meanwhile. */
+static int start_device_work(spice_runtime * rt, const struct llama_moe_hook_call * hc, const uint8_t * run) {
+    spice_cuda_job job;
+    memset(&job, 0, sizeof(job));
+    job.layer = &rt->layers[hc->il];
+    job.n_tokens = hc->n_tokens;
+    job.n_used = hc->n_expert_used;
+    job.inp = hc->inp; job.inp_nb1 = hc->inp_nb1;
+    job.ids = hc->ids; job.ids_nb1 = hc->ids_nb1;
+    job.run = run;
+    job.slot_of = rt->plan.device;
+    memcpy(job.matrix_offset, rt->matrix_offset[hc->il], sizeof(job.matrix_offset));
+    spice_device * dev = spice_store_device(rt->store);
     spice_counters * c = &rt->counters[hc->il];
-    const spice_expert_layer * L = &rt->layers[hc->il];
+    char err[256];
+    const uint64_t t0 = spice_monotonic_ns();
+    const int rc = dev->iface->exec_begin(dev, &job, err, sizeof(err));
+    c->launch_ns += spice_monotonic_ns() - t0;
+    c->device_launches++;
+    if (rc != SPICE_OK) {
+        set_error(rt, "layer %d: %s; ran those experts on the host", hc->il, err);
+        return rc;
+    }
+    rt->device_work_pending = 1;
+    return SPICE_OK;
+}
 
-    if (plan_reserve(rt, n_pairs) != SPICE_OK) {
-        set_error(rt, "layer %d: out of memory for a plan of %d actions", hc->il, n_pairs);
+/* before_combine of the host job: the device's rows land in y (verify mode:
+ * in the verifier's buffer, compared once the host's rows are done) */
+static void collect_device_work(void * user_data, float * y) {
+    spice_runtime * rt = (spice_runtime *) user_data;
+    spice_device * dev = spice_store_device(rt->store);
+    spice_counters * c = &rt->counters[rt->call_il];
+    char err[256];
+    const uint64_t t0 = spice_monotonic_ns();
+    if (dev->iface->exec_end(dev, rt->device_y != NULL ? rt->device_y : y, err, sizeof(err)) !=
+        SPICE_OK) {
+        set_error(rt, "%s", err);
         atomic_store(&rt->abort_requested, 1);
-        spice_host_job job = { 0 };
-        job.layer = L;
-        job.n_tokens = hc->n_tokens;
-        job.out = hc->out;
-        job.out_nb1 = hc->out_nb1;
-        rt->host.job = job;
-        rt->host.failed = 1;
-        return;
     }
+    c->collect_ns += spice_monotonic_ns() - t0;
+    c->device_collects++;
+    rt->device_work_pending = 0;
+}
 
-    spice_policy_call call;
-    memset(&call, 0, sizeof(call));
-    call.il = hc->il;
-    call.n_tokens = hc->n_tokens;
-    call.n_embd = hc->n_embd;
-    call.n_expert = hc->n_expert;
-    call.n_expert_used = hc->n_expert_used;
-    call.inp = hc->inp;         call.inp_nb1 = hc->inp_nb1;
-    call.probs = hc->probs;     call.probs_nb1 = hc->probs_nb1;
-    call.ids = hc->ids;         call.ids_nb1 = hc->ids_nb1;
-    call.weights = hc->weights; call.weights_nb1 = hc->weights_nb1;
-    call.shexp = hc->shexp;     call.shexp_nb1 = hc->shexp_nb1;
-    call.actions = rt->plan.actions;   call.cap_actions = rt->plan.cap_actions;
-    call.fetch = rt->plan.fetch;       call.cap_fetch = rt->plan.cap_fetch;
-    call.prefetch = rt->plan.prefetch; call.cap_prefetch = rt->plan.cap_prefetch;
-    call.evict = rt->plan.evict;       call.cap_evict = rt->plan.cap_evict;
-    call.evict_from = rt->plan.evict_from; call.cap_evict_from = rt->plan.cap_evict_from;
-
-    /* which activations find their expert resident as the call begins; and when
-     * each expert was last selected (for evict_from) */
-    const uint64_t t_hits = now_ns();
-    const int32_t * ids_base = hc->ids;
-    uint64_t * last_use = rt->last_use + (size_t) hc->il * (size_t) rt->max_n_expert;
-    const uint64_t clock = ++rt->use_clock;
-    for (int32_t t = 0; t < hc->n_tokens; ++t) {
-        const int32_t * ids = (const int32_t *) ((const char *) ids_base + (size_t) t * hc->ids_nb1);
-        for (int32_t k = 0; k < hc->n_expert_used; ++k) {
-            const int32_t i = t * hc->n_expert_used + k;
-            rt->plan.hit[i] = rt->store == NULL ||
-                              spice_store_state(rt->store, hc->il, ids[k]) == SPICE_RES_RESIDENT;
-            if (ids[k] >= 0 && ids[k] < rt->max_n_expert) {
-                last_use[ids[k]] = clock;
-            }
-        }
-    }
-    if (rt->store != NULL) {
-        c->store_ns += now_ns() - t_hits;
-    }
-    /* the default plan, and every fallback: resident experts on the device,
-     * the others on the host; both exact */
-    for (int32_t i = 0; i < n_pairs; ++i) {
-        call.actions[i] = rt->plan.hit[i] ? SPICE_ACTION_DEVICE : SPICE_ACTION_HOST;
-    }
-    call.n_actions = n_pairs;
-
-    call.resume_il = -1;
-
-    /* a decode call the policy decided in advance: the default plan, no call */
-    const int quiet = rt->policy_fn != NULL && rt->resume_il >= 0 && hc->n_tokens == 1 && hc->il != rt->resume_il;
-    if (quiet) {
-        c->policy_quiet++;
-    } else {
-        rt->resume_il = -1;
-    }
-
-    const uint64_t t0 = now_ns();
-    int use_plan = 0;
-    if (rt->policy_fn != NULL && !quiet) {
-        const int rc = rt->policy_fn(&call, rt->policy_user_data);
-        if (rc == SPICE_POLICY_OK) {
-            char err[sizeof(rt->last_error)];
-            if (spice_plan_validate(rt, &call, err, sizeof(err)) == SPICE_OK) {
-                use_plan = 1;
-            } else {
-                memcpy(rt->last_error, err, sizeof(err)); /* the latest: callers warn once per policy */
-                rt->plan_rejections++;
-                c->policy_fallbacks++;
-            }
-        } else {
-            if (rc == SPICE_POLICY_ABORT) {
-                atomic_store(&rt->abort_requested, 1);
-            } else {
-                set_error(rt, "layer %d: the policy failed; ran exact instead", hc->il);
-                rt->plan_rejections++;
-                c->policy_fallbacks++;
-            }
-        }
-        if (!use_plan) {
-            for (int32_t i = 0; i < n_pairs; ++i) {
-                call.actions[i] = rt->plan.hit[i] ? SPICE_ACTION_DEVICE : SPICE_ACTION_HOST;
-            }
-            /* nothing of a rejected plan may act: its lists are unchecked */
-            call.n_fetch = call.n_prefetch = call.n_evict = call.n_evict_from = 0;
-            call.resume_il = -1;
-        } else {
-            rt->resume_il = call.resume_il;
-        }
-    }
-    if (!quiet) {
-        c->policy_ns += now_ns() - t0;
-        c->policy_calls++;
-    }
-
-    /* ids come from the graph's top-k; a bad one would index out of the tensor */
-    int bad_ids = 0;
-    for (int32_t t = 0; t < hc->n_tokens; ++t) {
-        const int32_t * ids = (const int32_t *) ((const char *) hc->ids + (size_t) t * hc->ids_nb1);
-        for (int32_t k = 0; k < hc->n_expert_used; ++k) {
-            if (ids[k] < 0 || ids[k] >= L->n_expert) {
-                call.actions[t * hc->n_expert_used + k] = SPICE_ACTION_DROP;
-                set_error(rt, "layer %d: graph selected expert %d outside 0..%d", hc->il, ids[k], L->n_expert - 1);
-                bad_ids = 1;
-            }
-        }
-    }
-    (void) bad_ids;
-
-    if (rt->store != NULL) {
-        const uint64_t t_store = now_ns();
-        const uint64_t stalled = rt->store->counters[hc->il].stall_ns;
-        spice_runtime_apply_store_plan(rt, hc, &call);
-        const uint64_t spent = now_ns() - t_store, waited = rt->store->counters[hc->il].stall_ns - stalled;
-        c->store_ns += spent > waited ? spent - waited : 0;
-    }
-
-    c->hook_calls++;
-    c->activations += (uint64_t) n_pairs;
-    count_actions(c, call.actions, rt->plan.hit, n_pairs);
-
-    /* the executor's view: exact for device and host, nothing for drop and
-     * surrogate (the surrogate executor adds those afterwards) */
+/* execute: the executors' views of the final actions -- exact for device and
+ * host, nothing for drop and surrogate (the surrogate executor adds those) --
+ * device work launched, host and surrogate jobs prepared. */
+static void execute_call(spice_runtime * rt, const struct llama_moe_hook_call * hc, const spice_policy_call * call) {
+    const int32_t n_pairs = hc->n_tokens * hc->n_expert_used;
+    const int computes = rt->store != NULL && spice_device_can_execute(spice_store_device(rt->store));
     int any_surrogate = 0, any_device = 0;
-    const int real_device = rt->store != NULL && spice_store_is_real(rt->store);
     for (int32_t i = 0; i < n_pairs; ++i) {
-        const int32_t a = call.actions[i];
-        /* on a real device, device pairs run there and the host only sums their rows */
-        rt->plan.exec[i] = (uint8_t) (a == SPICE_ACTION_DEVICE ? (real_device ? SPICE_EXEC_DEVICE : 1)
+        const int32_t a = call->actions[i];
+        /* a device that computes runs its pairs; the host only sums their rows */
+        rt->plan.exec[i] = (uint8_t) (a == SPICE_ACTION_DEVICE ? (computes ? SPICE_EXEC_DEVICE : 1)
                                                                 : a == SPICE_ACTION_HOST);
         any_surrogate |= a == SPICE_ACTION_SURROGATE;
         any_device |= a == SPICE_ACTION_DEVICE;
     }
-    if (real_device && any_device && rt->verify) {
-        /* verify: the device computes its pairs on the side, the host computes everything */
-        const size_t need_y = (size_t) n_pairs * (size_t) hc->n_embd;
-        if ((size_t) n_pairs > rt->verify_run_cap) {
-            free(rt->verify_run);
-            rt->verify_run = (uint8_t *) malloc((size_t) n_pairs);
-            rt->verify_run_cap = rt->verify_run ? (size_t) n_pairs : 0;
-        }
-        if (need_y > rt->verify_y_cap) {
-            free(rt->verify_y);
-            rt->verify_y = (float *) malloc(need_y * sizeof(float));
-            rt->verify_y_cap = rt->verify_y ? need_y : 0;
-        }
-        if (rt->verify_run && rt->verify_y) {
-            memcpy(rt->verify_run, rt->plan.exec, (size_t) n_pairs);
-            device_pairs_to_host(rt->plan.exec, n_pairs);
-            start_device_work(rt, hc);
-        }
-    }
-    if (real_device && any_device && !rt->verify && start_device_work(rt, hc) != SPICE_OK) {
-        device_pairs_to_host(rt->plan.exec, n_pairs); /* exact on the host weights instead */
-    }
 
     spice_host_job job;
     memset(&job, 0, sizeof(job));
-    job.layer = L;
+    job.layer = &rt->layers[hc->il];
+    rt->call_il = hc->il;
+    rt->device_y = NULL;
+    rt->device_work_pending = 0;
+    if (computes && any_device) {
+        const uint8_t * run = rt->plan.exec;
+        if (rt->verify != NULL) {
+            const uint8_t * kept = spice_cuda_verify_begin(rt->verify, rt->plan.exec, n_pairs, hc->n_embd,
+                                                           &rt->device_y);
+            run = kept; /* NULL (no memory to verify): the host runs everything */
+        }
+        if (run == NULL || start_device_work(rt, hc, run) != SPICE_OK) {
+            device_pairs_to_host(rt->plan.exec, n_pairs); /* exact on the host weights instead */
+            rt->device_y = NULL;
+        }
+    }
     job.n_tokens = hc->n_tokens;
     job.n_used = hc->n_expert_used;
     job.inp = hc->inp;         job.inp_nb1 = hc->inp_nb1;
     job.ids = hc->ids;         job.ids_nb1 = hc->ids_nb1;
     job.weights = hc->weights; job.weights_nb1 = hc->weights_nb1;
     job.exec = rt->plan.exec;
-    job.device = rt->store != NULL && !real_device ? rt->plan.device : NULL; /* emulated slots are host memory */
+    job.device = rt->store != NULL && !computes ? rt->plan.device : NULL; /* host-readable slots */
     if (rt->device_work_pending) {
         job.before_combine = collect_device_work;
         job.before_combine_data = rt;
@@ -392,7 +349,7 @@ static void plan_call(spice_runtime * rt, const struct llama_moe_hook_call * hc)
         sj.ids = hc->ids;         sj.ids_nb1 = hc->ids_nb1;
         sj.weights = hc->weights; sj.weights_nb1 = hc->weights_nb1;
         sj.shexp = hc->shexp;     sj.shexp_nb1 = hc->shexp_nb1;
-        sj.actions = call.actions;
+        sj.actions = call->actions;
         sj.table = rt->surrogates.entries + (size_t) hc->il * (size_t) rt->surrogates.max_expert;
         sj.out = hc->out;         sj.out_nb1 = hc->out_nb1;
         if (spice_surrogate_exec_prepare(&rt->surrogate_exec, &sj, hc->nth) != SPICE_OK) {
@@ -402,18 +359,49 @@ static void plan_call(spice_runtime * rt, const struct llama_moe_hook_call * hc)
     }
 }
 
+/* Thread 0: everything before the executors run. */
+static void plan_call(spice_runtime * rt, const struct llama_moe_hook_call * hc) {
+    const int32_t n_pairs = hc->n_tokens * hc->n_expert_used;
+    if (plan_reserve(rt, n_pairs) != SPICE_OK) {
+        set_error(rt, "layer %d: out of memory for a plan of %d actions", hc->il, n_pairs);
+        atomic_store(&rt->abort_requested, 1);
+        spice_host_job job = { 0 };
+        job.layer = &rt->layers[hc->il];
+        job.n_tokens = hc->n_tokens;
+        job.out = hc->out;
+        job.out_nb1 = hc->out_nb1;
+        rt->host.job = job;
+        rt->host.failed = 1;
+        return;
+    }
+    spice_policy_call call;
+    snapshot_call(rt, hc, &call);
+    decide_call(rt, hc, &call);
+    drop_bad_ids(rt, hc, &call);
+    apply_call(rt, hc, &call);
+    spice_counters * c = &rt->counters[hc->il];
+    c->hook_calls++;
+    spice_counters_add_outcomes(c, call.actions, rt->plan.hit, n_pairs);
+    execute_call(rt, hc, &call);
+}
+
 static void hook_entry(const struct llama_moe_hook_call * hc, void * user_data) {
     spice_runtime * rt = (spice_runtime *) user_data;
+    const uint64_t t_entry = hc->ith == 0 ? spice_monotonic_ns() : 0;
+    const int served = hc->il >= 0 && hc->il < rt->n_layers && rt->layers[hc->il].is_moe &&
+                       hc->n_embd == rt->layers[hc->il].n_embd && hc->n_expert == rt->layers[hc->il].n_expert;
     if (hc->ith == 0) {
         rt->surrogate_exec.n_pairs = 0;
-        if (hc->il < 0 || hc->il >= rt->n_layers || !rt->layers[hc->il].is_moe ||
-            hc->n_embd != rt->layers[hc->il].n_embd || hc->n_expert != rt->layers[hc->il].n_expert) {
+        if (!served) {
             /* cannot happen for a runtime attached to this context's model */
             set_error(rt, "hook called for layer %d, which the runtime does not serve", hc->il);
             atomic_store(&rt->abort_requested, 1);
             rt->host.failed = 1;
             rt->host.job.layer = NULL;
         } else {
+            if (rt->hook_end_ns != 0) {
+                rt->counters[hc->il].gap_ns += t_entry - rt->hook_end_ns;
+            }
             plan_call(rt, hc);
         }
     }
@@ -425,8 +413,9 @@ static void hook_entry(const struct llama_moe_hook_call * hc, void * user_data) 
         return;
     }
     spice_host_exec_run(&rt->host, hc->ith, hc->nth, &rt->barrier);
-    if (hc->ith == 0 && rt->verify && rt->verify_run != NULL && rt->host.job.before_combine != NULL) {
-        verify_device_rows(rt, hc); /* y is complete: every thread passed the barrier before combine */
+    if (hc->ith == 0 && rt->verify != NULL && rt->device_y != NULL) {
+        /* y is complete: every thread passed the barrier before combine */
+        spice_cuda_verify_rows(rt->verify, rt->host.y, hc->n_tokens * hc->n_expert_used, hc->n_embd);
     }
     if (rt->surrogate_exec.n_pairs > 0) {
         /* one barrier serves both: the host executor's combine wrote out with
@@ -434,6 +423,10 @@ static void hook_entry(const struct llama_moe_hook_call * hc, void * user_data) 
         spice_surrogate_exec_project(&rt->surrogate_exec, hc->ith, hc->nth);
         spice_barrier_wait(&rt->barrier, hc->nth);
         spice_surrogate_exec_combine(&rt->surrogate_exec, hc->ith, hc->nth);
+    }
+    if (hc->ith == 0 && served) {
+        rt->hook_end_ns = spice_monotonic_ns();
+        rt->counters[hc->il].hook_ns += rt->hook_end_ns - t_entry;
     }
 }
 
@@ -473,8 +466,7 @@ int spice_runtime_create(struct llama_context * lctx, spice_runtime ** out, char
         return SPICE_ERR_NO_MEMORY;
     }
     spice_barrier_init(&rt->barrier);
-    const char * verify = getenv("SPICE_CUDA_VERIFY");
-    rt->verify = verify != NULL && verify[0] == '1';
+    rt->verify = spice_cuda_verify_from_env();
     spice_host_exec_init(&rt->host);
     spice_surrogate_exec_init(&rt->surrogate_exec);
     atomic_init(&rt->abort_requested, 0);
@@ -511,11 +503,16 @@ int spice_runtime_create(struct llama_context * lctx, spice_runtime ** out, char
         spice_runtime_free(rt);
         return SPICE_ERR_UNSUPPORTED;
     }
-    rt->last_use = (uint64_t *) calloc((size_t) n_layers * (size_t) rt->max_n_expert, sizeof(uint64_t));
-    if (rt->last_use == NULL) {
+    rt->n_expert_of = (int32_t *) calloc((size_t) n_layers, sizeof(int32_t));
+    rt->surrogate_mask = (uint8_t *) calloc((size_t) n_layers * (size_t) rt->max_n_expert, 1);
+    rt->matrix_offset = (size_t (*)[3]) calloc((size_t) n_layers, sizeof(*rt->matrix_offset));
+    if (rt->n_expert_of == NULL || rt->surrogate_mask == NULL || rt->matrix_offset == NULL) {
         write_err(err, err_len, "out of memory");
         spice_runtime_free(rt);
         return SPICE_ERR_NO_MEMORY;
+    }
+    for (int32_t il = 0; il < n_layers; ++il) {
+        rt->n_expert_of[il] = rt->layers[il].is_moe ? rt->layers[il].n_expert : 0;
     }
     *out = rt;
     return SPICE_OK;
@@ -528,14 +525,8 @@ void spice_runtime_free(spice_runtime * rt) {
     if (rt->enabled) {
         spice_runtime_disable(rt);
     }
-    if (rt->verify && rt->verify_rows > 0) {
-        fprintf(stderr, "libspice: SPICE_CUDA_VERIFY: %llu device rows vs the host's: max |diff| %.3g, "
-                        "max |host| %.3g, relative %.3g\n", (unsigned long long) rt->verify_rows,
-                rt->verify_max_diff, rt->verify_max_abs,
-                rt->verify_max_abs > 0 ? rt->verify_max_diff / rt->verify_max_abs : 0.0);
-    }
-    free(rt->verify_run);
-    free(rt->verify_y);
+    spice_cuda_verify_report(rt->verify);
+    spice_cuda_verify_free(rt->verify);
     spice_host_exec_free(&rt->host);
     spice_runtime_clear_surrogates(rt);
     spice_surrogate_exec_free(&rt->surrogate_exec);
@@ -543,7 +534,9 @@ void spice_runtime_free(spice_runtime * rt) {
     plan_free(&rt->plan);
     free(rt->layers);
     free(rt->counters);
-    free(rt->last_use);
+    free(rt->n_expert_of);
+    free(rt->surrogate_mask);
+    free(rt->matrix_offset);
     free(rt);
 }
 
@@ -613,15 +606,14 @@ int spice_runtime_get_counters(const spice_runtime * rt, int32_t il, spice_count
             dst[i] += src[i];
         }
     }
-    if (rt->store != NULL) { /* traffic, stalls and prefetch outcomes live in the store */
+    if (rt->store != NULL) { /* traffic, stalls, prefetch outcomes and device operations live in the store */
         spice_counters k;
         spice_store_get_counters(rt->store, il, &k);
-        out->bytes_h2d += k.bytes_h2d;
-        out->copy_ns += k.copy_ns;
-        out->stall_ns += k.stall_ns;
-        out->prefetch_issued += k.prefetch_issued;
-        out->prefetch_used += k.prefetch_used;
-        out->prefetch_cancelled += k.prefetch_cancelled;
+        const uint64_t * src = (const uint64_t *) &k;
+        uint64_t * dst = (uint64_t *) out;
+        for (size_t i = 0; i < sizeof(spice_counters) / sizeof(uint64_t); ++i) {
+            dst[i] += src[i];
+        }
     }
     return SPICE_OK;
 }
@@ -629,9 +621,7 @@ int spice_runtime_get_counters(const spice_runtime * rt, int32_t il, spice_count
 void spice_runtime_reset_counters(spice_runtime * rt) {
     if (rt != NULL) {
         memset(rt->counters, 0, (size_t) rt->n_layers * sizeof(spice_counters));
-        if (rt->store != NULL) {
-            memset(rt->store->counters, 0, (size_t) rt->n_layers * sizeof(spice_counters));
-        }
+        spice_store_reset_counters(rt->store);
     }
 }
 

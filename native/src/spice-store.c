@@ -1,80 +1,42 @@
-/* Expert store: device slots, residency and the emulated copy engine.
+/* Expert store: slots under a pooled byte budget, the residency table, the
+ * copy queue with two priorities, and recency. Bookkeeping only: the bytes
+ * and the bus are the device's (spice-device.h), reached through its
+ * interface, so nothing here depends on which device it is.
  *
- * The bus is modelled as one serial timeline. Copies that have started keep
- * their place; every change (a new copy, an upgrade, a cancellation)
- * re-lays the copies that have not started: demand copies first, then
- * prefetches, each group in issue order, each starting when the bus is free
- * and occupying it for latency + bytes / bandwidth. Copies land lazily:
- * whichever operation first looks at the clock after a copy's end retires it.
- * Bytes move into slot memory when the expert is first used (the cost of the
- * emulation falls where the data is needed, and no thread is added).
- *
- * A CUDA store (spice_store_attach_cuda) keeps the same bookkeeping, but the
- * bus is real: a copy is "started" when it is handed to the GPU's copy
- * stream and lands when its event fires. Demand copies go to the GPU at
- * once; prefetches go a few at a time (SPICE_CUDA_IN_FLIGHT), so the rest
- * stay in our queue where demand overtakes them and a stale one can be
- * cancelled. */
-#include "spice-store.h"
+ * Copies wait in the store's queue (demand first, then prefetches, each in
+ * the order they were asked for) until the device can start one; a queued
+ * copy can still be overtaken by a demand copy or cancelled, a started one
+ * cannot. The queue is moved on by every operation (copies start when the
+ * device can take them), and landed copies are noticed by ONE device poll
+ * (spice_store_poll: the runtime polls once per hook call) or by a wait.
+ * The residency table is therefore current as of the last poll plus the
+ * store's own changes since, without asking the device on every lookup. */
+#include "spice-store-impl.h"
 
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #define SPICE_PREFETCH_QUEUE_DEFAULT 64
-#define NOT_STARTED UINT64_MAX
-/* Copies a CUDA store keeps on the GPU's stream at once: enough to keep the
- * bus busy between two hook calls, few enough that queued prefetches stay
- * cancellable. */
-#define SPICE_CUDA_IN_FLIGHT 4
-
-static uint64_t monotonic_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t) ts.tv_sec * 1000000000ull + (uint64_t) ts.tv_nsec;
-}
-
-static uint64_t clock_now(spice_store * s) {
-    if (s->params.manual_clock) {
-        return s->now_ns;
-    }
-    return monotonic_ns() - s->epoch_ns;
-}
-
-static void sleep_until(spice_store * s, uint64_t t) {
-    if (s->params.manual_clock) {
-        if (t > s->now_ns) {
-            s->now_ns = t;
-        }
-        return;
-    }
-    for (uint64_t now = clock_now(s); now < t; now = clock_now(s)) {
-        const uint64_t left = t - now;
-        struct timespec ts = { (time_t) (left / 1000000000ull), (long) (left % 1000000000ull) };
-        nanosleep(&ts, NULL);
-    }
-}
 
 static uint64_t occupancy_ns(const spice_store * s, uint64_t bytes) {
     return (uint64_t) (s->params.latency_us * 1e3 + (double) bytes / s->params.bandwidth_gbps);
 }
 
-static int valid(const spice_store * s, int32_t il, int32_t e) {
-    return s != NULL && il >= 0 && il < s->n_layers && e >= 0 && e < s->n_expert[il];
-}
-
 static int32_t * slot_ref(spice_store * s, int32_t il, int32_t e) {
-    return &s->slot_of[(size_t) il * (size_t) s->max_expert + (size_t) e];
+    return &s->slot_of[spice_store_cell(s, il, e)];
 }
 
-static int8_t * state_ref(spice_store * s, int32_t il, int32_t e) {
-    return &s->states[(size_t) il * (size_t) s->max_expert + (size_t) e];
+static void set_state(spice_store * s, int32_t il, int32_t e, int state) {
+    s->states[spice_store_cell(s, il, e)] = (int8_t) state;
 }
 
-/* ---- copy list ------------------------------------------------------------------ */
+/* ---- the queue ------------------------------------------------------------------ */
 
 static void remove_copy(spice_store * s, int32_t index) {
     const int32_t last = s->n_copies - 1;
+    if (s->copies[index].started) {
+        s->n_started--;
+    }
     s->slots[s->copies[index].slot].copy = -1;
     if (index != last) {
         s->copies[index] = s->copies[last];
@@ -83,149 +45,82 @@ static void remove_copy(spice_store * s, int32_t index) {
     s->n_copies--;
 }
 
-static uint64_t cuda_refresh(spice_store * s);
-static int copy_order(const void * a, const void * b);
-
-/* Retire every copy that has landed by now. */
-static uint64_t refresh(spice_store * s) {
-    if (s->cuda != NULL) {
-        return cuda_refresh(s);
-    }
-    const uint64_t now = clock_now(s);
-    for (int32_t i = 0; i < s->n_copies;) {
-        const spice_copy * c = &s->copies[i];
-        if (c->start_ns != NOT_STARTED && c->end_ns <= now) {
-            spice_slot * slot = &s->slots[c->slot];
-            slot->from_prefetch = c->was_prefetch;
-            *state_ref(s, c->il, c->e) = SPICE_RES_RESIDENT;
-            remove_copy(s, i); /* the last copy moved into i: look at i again */
-        } else {
-            ++i;
-        }
-    }
-    return now;
-}
-
-static int copy_order(const void * a, const void * b) {
-    const spice_copy * x = *(const spice_copy * const *) a;
-    const spice_copy * y = *(const spice_copy * const *) b;
+/* Queue order: demand first, then by when asked for, then any fixed tie-break. */
+static int copy_before(const spice_copy * x, const spice_copy * y) {
     if (x->priority != y->priority) {
-        return x->priority > y->priority ? -1 : 1; /* demand first */
+        return x->priority > y->priority;
     }
     if (x->issue_ns != y->issue_ns) {
-        return x->issue_ns < y->issue_ns ? -1 : 1;
+        return x->issue_ns < y->issue_ns;
     }
-    return x->slot < y->slot ? -1 : (x->slot > y->slot); /* any fixed tie-break */
+    return x->slot < y->slot;
 }
 
-/* ---- CUDA bus ------------------------------------------------------------------ */
-
-static int cuda_issue(spice_store * s, spice_copy * c, uint64_t now) {
-    const spice_store_source * src = &s->sources[c->il];
-    spice_cuda_segment seg[3];
-    for (int k = 0; k < 3; ++k) {
-        seg[k].src = src->base[k] + (size_t) c->e * src->stride[k];
-        seg[k].dst_offset = src->dst_offset[k];
-        seg[k].size = src->size[k];
-        seg[k].pad = src->pad[k];
-    }
-    if (spice_cuda_copy_issue(s->cuda, c->slot, seg) != SPICE_OK) {
-        return SPICE_ERR_INTERNAL;
-    }
-    c->start_ns = now;
-    c->end_ns = now + occupancy_ns(s, c->bytes); /* an estimate: the event says when */
-    return SPICE_OK;
-}
-
-/* Retire landed copies, then hand the GPU the next ones in priority order. */
-static uint64_t cuda_refresh(spice_store * s) {
-    const uint64_t now = clock_now(s);
-    int32_t in_flight = 0;
-    for (int32_t i = 0; i < s->n_copies;) {
-        const spice_copy * c = &s->copies[i];
-        if (c->start_ns != NOT_STARTED && spice_cuda_copy_done(s->cuda, c->slot) == 1) {
-            spice_slot * slot = &s->slots[c->slot];
-            slot->from_prefetch = c->was_prefetch;
-            slot->filled = 1;
-            s->counters[c->il].copy_ns += spice_cuda_copy_ns(s->cuda, c->slot);
-            *state_ref(s, c->il, c->e) = SPICE_RES_RESIDENT;
-            remove_copy(s, i);
-        } else {
-            in_flight += c->start_ns != NOT_STARTED;
-            ++i;
-        }
-    }
-    while (in_flight < SPICE_CUDA_IN_FLIGHT) {
-        spice_copy * next = NULL;
-        for (int32_t i = 0; i < s->n_copies; ++i) {
-            spice_copy * c = &s->copies[i];
-            if (c->start_ns == NOT_STARTED && (next == NULL || copy_order(&c, &next) < 0)) {
-                next = c;
-            }
-        }
-        if (next == NULL || cuda_issue(s, next, now) != SPICE_OK) {
-            break;
-        }
-        in_flight++;
-    }
-    return now;
-}
-
-/* Lay out the copies that have not started behind those that have. */
-static void reschedule(spice_store * s) {
-    if (s->cuda != NULL) {
-        cuda_refresh(s);
-        return;
-    }
-    const uint64_t now = refresh(s);
-    uint64_t cursor = now;
-    int32_t n_pending = 0;
-    spice_copy ** pending = (spice_copy **) malloc((size_t) (s->n_copies > 0 ? s->n_copies : 1) * sizeof(*pending));
+static int32_t next_queued(const spice_store * s) {
+    int32_t best = -1;
     for (int32_t i = 0; i < s->n_copies; ++i) {
-        spice_copy * c = &s->copies[i];
-        if (c->start_ns != NOT_STARTED && c->start_ns <= now) {
-            if (c->end_ns > cursor) {
-                cursor = c->end_ns;
-            }
-        } else {
-            c->start_ns = NOT_STARTED;
-            if (pending) {
-                pending[n_pending++] = c;
-            }
+        if (!s->copies[i].started && (best < 0 || copy_before(&s->copies[i], &s->copies[best]))) {
+            best = i;
         }
     }
-    if (pending == NULL) {
-        return; /* out of memory: copies stay unscheduled and wait() reports it */
-    }
-    qsort(pending, (size_t) n_pending, sizeof(*pending), copy_order);
-    for (int32_t i = 0; i < n_pending; ++i) {
-        spice_copy * c = pending[i];
-        c->start_ns = cursor > c->issue_ns ? cursor : c->issue_ns;
-        c->end_ns = c->start_ns + occupancy_ns(s, c->bytes);
-        cursor = c->end_ns;
-    }
-    free(pending);
+    return best;
 }
 
-static int32_t queued_prefetches(const spice_store * s, uint64_t now) {
+static spice_device_copy device_copy(const spice_store * s, const spice_copy * c) {
+    const spice_store_source * src = &s->sources[c->il];
+    spice_device_copy dc;
+    memset(&dc, 0, sizeof(dc));
+    for (int k = 0; k < 3; ++k) {
+        if (src->base[k] != NULL) { /* unbound layers (standalone stores) move no bytes */
+            dc.src[k] = src->base[k] + (size_t) c->e * src->stride[k];
+            dc.size[k] = src->size[k];
+        }
+        dc.dst_offset[k] = src->dst_offset[k];
+        dc.pad[k] = src->pad[k];
+    }
+    dc.bytes = c->bytes;
+    return dc;
+}
+
+/* Hand the device the queued copies it can start by now, in queue order. */
+static void start_copies(spice_store * s, uint64_t now) {
+    spice_device * dev = s->device;
+    while (dev != NULL && s->n_started < s->n_copies && dev->iface->copy_can_start(dev, now, s->n_started)) {
+        spice_copy * c = &s->copies[next_queued(s)];
+        const spice_device_copy dc = device_copy(s, c);
+        if (dev->iface->copy_issue(dev, c->slot, &dc, c->issue_ns, &c->start_ns, &c->end_ns) != SPICE_OK) {
+            return; /* stays queued; a wait on it reports the failure */
+        }
+        c->started = 1;
+        s->n_started++;
+        set_state(s, c->il, c->e, SPICE_RES_COPYING);
+        spice_store_op_counters(s)->device_copies++;
+    }
+}
+
+static void land(spice_store * s, int32_t index) {
+    const spice_copy * c = &s->copies[index];
+    s->slots[c->slot].from_prefetch = c->was_prefetch;
+    s->counters[c->il].copy_ns += s->device->iface->copy_ns(s->device, c->slot);
+    set_state(s, c->il, c->e, SPICE_RES_RESIDENT);
+    remove_copy(s, index);
+}
+
+static int32_t queued_prefetches(const spice_store * s) {
     int32_t n = 0;
     for (int32_t i = 0; i < s->n_copies; ++i) {
-        const spice_copy * c = &s->copies[i];
-        if (c->priority == SPICE_PRIORITY_PREFETCH && (c->start_ns == NOT_STARTED || c->start_ns > now)) {
-            n++;
-        }
+        n += s->copies[i].priority == SPICE_PRIORITY_PREFETCH && !s->copies[i].started;
     }
     return n;
 }
 
-/* ---- C API ------------------------------------------------------------------------ */
+/* ---- life cycle --------------------------------------------------------------------- */
 
-int spice_store_create(const spice_store_params * params, int32_t n_layers, const int32_t * n_expert,
-                       const uint64_t * expert_bytes, spice_store ** out) {
+int spice_store_create_unattached(const spice_store_params * params, int32_t n_layers, const int32_t * n_expert,
+                                  const uint64_t * expert_bytes, spice_store ** out) {
     if (out == NULL || params == NULL || n_layers <= 0 || n_expert == NULL || expert_bytes == NULL ||
-        !(params->bandwidth_gbps > 0.0) || params->latency_us < 0.0 ||
-        (params->device_kind != SPICE_DEVICE_EMULATED && params->device_kind != SPICE_DEVICE_CUDA) ||
-        (params->device_kind == SPICE_DEVICE_CUDA && params->manual_clock)) {
+        !(params->bandwidth_gbps > 0.0) || params->latency_us < 0.0 || spice_device_type_of(params->device_kind) == NULL ||
+        (params->device_kind != SPICE_DEVICE_EMULATED && params->manual_clock)) {
         return SPICE_ERR_INVALID_ARG;
     }
     *out = NULL;
@@ -238,7 +133,8 @@ int spice_store_create(const spice_store_params * params, int32_t n_layers, cons
         s->params.prefetch_queue_max = SPICE_PREFETCH_QUEUE_DEFAULT;
     }
     s->n_layers = n_layers;
-    s->epoch_ns = monotonic_ns();
+    s->call_il = -1;
+    spice_clock_init(&s->clock, params->manual_clock);
     uint64_t total_experts = 0, min_bytes = UINT64_MAX;
     for (int32_t il = 0; il < n_layers; ++il) {
         if (n_expert[il] < 0) {
@@ -268,6 +164,7 @@ int spice_store_create(const spice_store_params * params, int32_t n_layers, cons
     s->n_slots = (int32_t) n_slots;
 
     const size_t cells = (size_t) n_layers * (size_t) s->max_expert;
+    const size_t width = (size_t) (s->max_expert > 0 ? s->max_expert : 1);
     s->n_expert = (int32_t *) malloc((size_t) n_layers * sizeof(int32_t));
     s->expert_bytes = (uint64_t *) malloc((size_t) n_layers * sizeof(uint64_t));
     s->slot_of = (int32_t *) malloc(cells * sizeof(int32_t));
@@ -277,8 +174,16 @@ int spice_store_create(const spice_store_params * params, int32_t n_layers, cons
     s->free_slots = (int32_t *) malloc((size_t) s->n_slots * sizeof(int32_t));
     s->copies = (spice_copy *) malloc((size_t) s->n_slots * sizeof(spice_copy));
     s->counters = (spice_counters *) calloc((size_t) n_layers, sizeof(spice_counters));
+    s->last_use = (uint64_t *) calloc(cells, sizeof(uint64_t));
+    s->scratch.need = (uint8_t *) calloc(width, 1);
+    s->scratch.pinned = (uint8_t *) calloc(width, 1);
+    s->scratch.kept = (uint8_t *) calloc(cells, 1);
+    s->scratch.rank = (int32_t *) calloc((size_t) n_layers, sizeof(int32_t));
+    s->scratch.started = (int32_t *) calloc((size_t) s->n_slots, sizeof(int32_t));
+    s->scratch.landed = (uint8_t *) calloc((size_t) s->n_slots, 1);
     if (!s->n_expert || !s->expert_bytes || !s->slot_of || !s->states || !s->sources || !s->slots ||
-        !s->free_slots || !s->copies || !s->counters) {
+        !s->free_slots || !s->copies || !s->counters || !s->last_use || !s->scratch.need || !s->scratch.pinned ||
+        !s->scratch.kept || !s->scratch.rank || !s->scratch.started || !s->scratch.landed) {
         spice_store_free(s);
         return SPICE_ERR_NO_MEMORY;
     }
@@ -288,10 +193,34 @@ int spice_store_create(const spice_store_params * params, int32_t n_layers, cons
         s->slot_of[i] = -1;
     }
     for (int32_t i = 0; i < s->n_slots; ++i) {
-        s->slots[i] = (spice_slot) { -1, -1, 0, -1, 0, 0, NULL, 0 };
+        s->slots[i] = (spice_slot) { -1, -1, 0, -1, 0 };
         s->free_slots[i] = s->n_slots - 1 - i; /* pop from the end: slot 0 first */
     }
     s->n_free = s->n_slots;
+    *out = s;
+    return SPICE_OK;
+}
+
+int spice_store_create(const spice_store_params * params, int32_t n_layers, const int32_t * n_expert,
+                       const uint64_t * expert_bytes, spice_store ** out) {
+    spice_store * s = NULL;
+    int status = spice_store_create_unattached(params, n_layers, n_expert, expert_bytes, &s);
+    if (status != SPICE_OK) {
+        return status;
+    }
+    /* no layers bound: slots hold experts back to back, no bytes move */
+    const spice_device_params dp = { params->bandwidth_gbps, params->latency_us, params->device_index, s->n_slots,
+                                     (size_t) s->slot_bytes };
+    spice_device * dev = NULL;
+    status = spice_device_type_of(params->device_kind)->create(&dp, &s->clock, &dev, NULL, 0);
+    if (status == SPICE_OK) {
+        status = spice_store_attach_device(s, dev);
+    }
+    if (status != SPICE_OK) {
+        spice_device_free(dev);
+        spice_store_free(s);
+        return status;
+    }
     *out = s;
     return SPICE_OK;
 }
@@ -300,7 +229,7 @@ void spice_store_free(spice_store * s) {
     if (s == NULL) {
         return;
     }
-    spice_cuda_free(s->cuda);
+    spice_device_free(s->device);
     free(s->n_expert);
     free(s->expert_bytes);
     free(s->slot_of);
@@ -310,22 +239,14 @@ void spice_store_free(spice_store * s) {
     free(s->free_slots);
     free(s->copies);
     free(s->counters);
-    for (int32_t i = 0; s->slots != NULL && i < s->n_slots; ++i) {
-        free(s->slots[i].memory);
-    }
+    free(s->last_use);
+    free(s->scratch.need);
+    free(s->scratch.pinned);
+    free(s->scratch.kept);
+    free(s->scratch.rank);
+    free(s->scratch.started);
+    free(s->scratch.landed);
     free(s);
-}
-
-int32_t spice_store_n_slots(const spice_store * s) {
-    return s ? s->n_slots : 0;
-}
-
-uint64_t spice_store_slot_bytes(const spice_store * s) {
-    return s ? s->slot_bytes : 0;
-}
-
-int32_t spice_store_n_free(const spice_store * s) {
-    return s ? s->n_free : 0;
 }
 
 int spice_store_bind(spice_store * s, int32_t il, const spice_store_source * source) {
@@ -339,25 +260,98 @@ int spice_store_bind(spice_store * s, int32_t il, const spice_store_source * sou
     return SPICE_OK;
 }
 
-int spice_store_request(spice_store * s, int32_t il, int32_t e, int32_t priority) {
-    if (!valid(s, il, e) || (priority != SPICE_PRIORITY_PREFETCH && priority != SPICE_PRIORITY_DEMAND)) {
+int spice_store_attach_device(spice_store * s, spice_device * dev) {
+    if (s == NULL || dev == NULL) {
         return SPICE_ERR_INVALID_ARG;
     }
-    const uint64_t now = refresh(s);
+    if (s->device != NULL) {
+        return SPICE_ERR_STATE;
+    }
+    s->device = dev;
+    return SPICE_OK;
+}
+
+spice_device * spice_store_device(spice_store * s) {
+    return s ? s->device : NULL;
+}
+
+spice_clock * spice_store_clock(spice_store * s) {
+    return s ? &s->clock : NULL;
+}
+
+/* ---- sizes ---------------------------------------------------------------------- */
+
+int32_t spice_store_n_slots(const spice_store * s) {
+    return s ? s->n_slots : 0;
+}
+
+uint64_t spice_store_slot_bytes(const spice_store * s) {
+    return s ? s->slot_bytes : 0;
+}
+
+int32_t spice_store_n_free(const spice_store * s) {
+    return s ? s->n_free : 0;
+}
+
+uint64_t spice_store_used_bytes(const spice_store * s) {
+    return s ? s->used_bytes : 0;
+}
+
+uint64_t spice_store_budget_bytes(const spice_store * s) {
+    return s ? s->params.budget_bytes : 0;
+}
+
+/* ---- operations ----------------------------------------------------------------- */
+
+int spice_store_poll(spice_store * s) {
+    if (s == NULL) {
+        return SPICE_ERR_INVALID_ARG;
+    }
+    spice_counters * k = spice_store_op_counters(s);
+    k->store_polls++;
+    if (s->device == NULL) {
+        return SPICE_OK;
+    }
+    const uint64_t now = spice_clock_now(&s->clock);
+    start_copies(s, now);
+    if (s->n_started > 0) {
+        int32_t n = 0;
+        for (int32_t i = 0; i < s->n_copies; ++i) {
+            if (s->copies[i].started) {
+                s->scratch.started[n++] = s->copies[i].slot;
+            }
+        }
+        if (s->device->iface->copy_poll(s->device, now, s->scratch.started, n, s->scratch.landed) != SPICE_OK) {
+            return SPICE_ERR_INTERNAL;
+        }
+        for (int32_t i = 0; i < n; ++i) {
+            if (s->scratch.landed[i]) {
+                land(s, s->slots[s->scratch.started[i]].copy);
+            }
+        }
+        start_copies(s, now); /* room on the device again */
+    }
+    return SPICE_OK;
+}
+
+int spice_store_request(spice_store * s, int32_t il, int32_t e, int32_t priority) {
+    if (!spice_store_valid(s, il, e) || (priority != SPICE_PRIORITY_PREFETCH && priority != SPICE_PRIORITY_DEMAND)) {
+        return SPICE_ERR_INVALID_ARG;
+    }
+    const uint64_t now = spice_clock_now(&s->clock);
+    start_copies(s, now); /* what has started by now can no longer be overtaken */
     const int32_t slot = *slot_ref(s, il, e);
     if (slot >= 0) {
         const int32_t ci = s->slots[slot].copy;
-        if (ci >= 0 && priority == SPICE_PRIORITY_DEMAND && s->copies[ci].priority == SPICE_PRIORITY_PREFETCH &&
-            (s->copies[ci].start_ns == NOT_STARTED || s->copies[ci].start_ns > now)) {
+        if (ci >= 0 && priority == SPICE_PRIORITY_DEMAND && !s->copies[ci].started) {
             s->copies[ci].priority = SPICE_PRIORITY_DEMAND; /* overtakes the other queued prefetches */
-            reschedule(s);
         }
         return SPICE_OK;
     }
-    if (s->params.device_kind == SPICE_DEVICE_CUDA && s->cuda == NULL) {
-        return SPICE_ERR_STATE; /* no device attached (spice_store_attach_cuda) */
+    if (s->device == NULL) {
+        return SPICE_ERR_STATE; /* nothing to copy into (a CUDA store before its device is attached) */
     }
-    if (priority == SPICE_PRIORITY_PREFETCH && queued_prefetches(s, now) >= s->params.prefetch_queue_max) {
+    if (priority == SPICE_PRIORITY_PREFETCH && queued_prefetches(s) >= s->params.prefetch_queue_max) {
         return SPICE_ERR_STATE;
     }
     if (s->n_free == 0 || s->used_bytes + s->expert_bytes[il] > s->params.budget_bytes) {
@@ -366,6 +360,7 @@ int spice_store_request(spice_store * s, int32_t il, int32_t e, int32_t priority
     const int32_t slot_new = s->free_slots[--s->n_free];
     s->used_bytes += s->expert_bytes[il];
     spice_copy * c = &s->copies[s->n_copies];
+    memset(c, 0, sizeof(*c));
     c->il = il;
     c->e = e;
     c->slot = slot_new;
@@ -373,36 +368,25 @@ int spice_store_request(spice_store * s, int32_t il, int32_t e, int32_t priority
     c->was_prefetch = priority == SPICE_PRIORITY_PREFETCH;
     c->bytes = s->expert_bytes[il];
     c->issue_ns = now;
-    c->start_ns = NOT_STARTED;
-    c->end_ns = NOT_STARTED;
-    spice_slot * fresh = &s->slots[slot_new];
-    fresh->il = il;
-    fresh->e = e;
-    fresh->pins = 0;
-    fresh->copy = s->n_copies;
-    fresh->from_prefetch = 0;
-    fresh->filled = 0; /* memory (if any) is kept for reuse */
+    s->slots[slot_new] = (spice_slot) { il, e, 0, s->n_copies, 0 };
     s->n_copies++;
     *slot_ref(s, il, e) = slot_new;
-    *state_ref(s, il, e) = SPICE_RES_QUEUED;
+    set_state(s, il, e, SPICE_RES_QUEUED);
 
     spice_counters * k = &s->counters[il];
     k->bytes_h2d += c->bytes;
-    if (s->cuda == NULL) {
-        k->copy_ns += occupancy_ns(s, c->bytes); /* a CUDA copy adds its measured time when it lands */
-    }
     if (priority == SPICE_PRIORITY_PREFETCH) {
         k->prefetch_issued++;
     }
-    reschedule(s);
+    start_copies(s, now);
     return SPICE_OK;
 }
 
 int spice_store_evict(spice_store * s, int32_t il, int32_t e) {
-    if (!valid(s, il, e)) {
+    if (!spice_store_valid(s, il, e)) {
         return SPICE_ERR_INVALID_ARG;
     }
-    const uint64_t now = refresh(s);
+    start_copies(s, spice_clock_now(&s->clock));
     const int32_t slot = *slot_ref(s, il, e);
     if (slot < 0) {
         return SPICE_OK;
@@ -413,26 +397,21 @@ int spice_store_evict(spice_store * s, int32_t il, int32_t e) {
     }
     if (sl->copy >= 0) {
         const spice_copy * c = &s->copies[sl->copy];
-        if (c->start_ns != NOT_STARTED && c->start_ns <= now) {
-            return SPICE_ERR_STATE; /* in flight: a bus transfer cannot be taken back */
+        if (c->started) {
+            return SPICE_ERR_STATE; /* on the bus (or landed unseen): a transfer cannot be taken back */
         }
         spice_counters * k = &s->counters[il];
         k->bytes_h2d -= c->bytes;
-        if (s->cuda == NULL) {
-            k->copy_ns -= occupancy_ns(s, c->bytes);
-        }
         if (c->was_prefetch) {
             k->prefetch_cancelled++;
         }
         remove_copy(s, sl->copy);
-        reschedule(s);
     }
     s->used_bytes -= s->expert_bytes[il];
-    sl->il = sl->e = sl->copy = -1;
-    sl->pins = sl->from_prefetch = sl->filled = 0;
+    *sl = (spice_slot) { -1, -1, 0, -1, 0 };
     s->free_slots[s->n_free++] = slot;
     *slot_ref(s, il, e) = -1;
-    *state_ref(s, il, e) = SPICE_RES_ABSENT;
+    set_state(s, il, e, SPICE_RES_ABSENT);
     return SPICE_OK;
 }
 
@@ -458,7 +437,7 @@ int spice_store_reserve(spice_store * s, int64_t bytes) {
 }
 
 int spice_store_pin(spice_store * s, int32_t il, int32_t e) {
-    if (!valid(s, il, e)) {
+    if (!spice_store_valid(s, il, e)) {
         return SPICE_ERR_INVALID_ARG;
     }
     const int32_t slot = *slot_ref(s, il, e);
@@ -470,7 +449,7 @@ int spice_store_pin(spice_store * s, int32_t il, int32_t e) {
 }
 
 int spice_store_unpin(spice_store * s, int32_t il, int32_t e) {
-    if (!valid(s, il, e)) {
+    if (!spice_store_valid(s, il, e)) {
         return SPICE_ERR_INVALID_ARG;
     }
     const int32_t slot = *slot_ref(s, il, e);
@@ -481,97 +460,87 @@ int spice_store_unpin(spice_store * s, int32_t il, int32_t e) {
     return SPICE_OK;
 }
 
-int spice_store_state(spice_store * s, int32_t il, int32_t e) {
-    if (!valid(s, il, e)) {
+int spice_store_state(const spice_store * s, int32_t il, int32_t e) {
+    if (!spice_store_valid(s, il, e)) {
         return -1;
     }
-    const uint64_t now = refresh(s);
-    const int32_t slot = *slot_ref(s, il, e);
-    if (slot < 0) {
-        return SPICE_RES_ABSENT;
-    }
-    const int32_t ci = s->slots[slot].copy;
-    if (ci < 0) {
-        return SPICE_RES_RESIDENT;
-    }
-    const spice_copy * c = &s->copies[ci];
-    return (c->start_ns == NOT_STARTED || c->start_ns > now) ? SPICE_RES_QUEUED : SPICE_RES_COPYING;
+    return s->states[spice_store_cell(s, il, e)];
 }
 
-uint64_t spice_store_ready_at(const spice_store * s, int32_t il, int32_t e) {
-    if (!valid(s, il, e)) {
+uint64_t spice_store_ready_at(spice_store * s, int32_t il, int32_t e) {
+    if (!spice_store_valid(s, il, e)) {
         return 0;
     }
-    const int32_t slot = s->slot_of[(size_t) il * (size_t) s->max_expert + (size_t) e];
+    const uint64_t now = spice_clock_now(&s->clock);
+    start_copies(s, now);
+    const int32_t slot = *slot_ref(s, il, e);
     if (slot < 0 || s->slots[slot].copy < 0) {
         return 0;
     }
-    const spice_copy * c = &s->copies[s->slots[slot].copy];
-    if (c->end_ns == NOT_STARTED) { /* a CUDA prefetch still in our queue: a guess */
-        return monotonic_ns() - s->epoch_ns + occupancy_ns(s, c->bytes);
+    const spice_copy * target = &s->copies[s->slots[slot].copy];
+    if (target->started) {
+        return target->end_ns;
     }
-    return c->end_ns;
-}
-
-static void fill_slot(spice_store * s, int32_t slot) {
-    spice_slot * sl = &s->slots[slot];
-    const spice_store_source * src = &s->sources[sl->il];
-    if (sl->filled || src->base[0] == NULL || s->cuda != NULL) {
-        return;
-    }
-    const size_t need = src->size[0] + src->size[1] + src->size[2];
-    if (sl->memory_size < need) {
-        char * mem = (char *) realloc(sl->memory, need);
-        if (mem == NULL) {
-            return; /* slot_data() stays NULL: the expert runs on the host */
+    /* queued: it lands after the started copies and the queued ones ahead of it */
+    uint64_t cursor = now;
+    for (int32_t i = 0; i < s->n_copies; ++i) {
+        if (s->copies[i].started && s->copies[i].end_ns > cursor) {
+            cursor = s->copies[i].end_ns;
         }
-        sl->memory = mem;
-        sl->memory_size = need;
     }
-    char * dst = sl->memory;
-    for (int k = 0; k < 3; ++k) {
-        memcpy(dst, src->base[k] + (size_t) sl->e * src->stride[k], src->size[k]);
-        dst += src->size[k];
+    for (int32_t i = 0; i < s->n_copies; ++i) {
+        const spice_copy * c = &s->copies[i];
+        if (!c->started && (c == target || copy_before(c, target))) {
+            cursor += occupancy_ns(s, c->bytes);
+        }
     }
-    sl->filled = 1;
+    return cursor;
 }
 
 int spice_store_wait(spice_store * s, int32_t il, int32_t e, uint64_t * stall_ns) {
-    if (!valid(s, il, e)) {
+    if (!spice_store_valid(s, il, e)) {
         return SPICE_ERR_INVALID_ARG;
     }
-    uint64_t now = refresh(s);
+    start_copies(s, spice_clock_now(&s->clock));
     const int32_t slot = *slot_ref(s, il, e);
     if (slot < 0) {
         return SPICE_ERR_STATE;
     }
+    spice_device * dev = s->device;
     uint64_t stall = 0;
-    const int32_t ci = s->slots[slot].copy;
-    if (ci >= 0 && s->cuda != NULL) {
-        spice_copy * c = &s->copies[ci];
-        if (c->start_ns == NOT_STARTED) { /* needed now: it leaves our queue as a demand copy */
-            c->priority = SPICE_PRIORITY_DEMAND;
-            if (cuda_issue(s, c, now) != SPICE_OK) {
+    if (s->slots[slot].copy >= 0) {
+        spice_copy * c = &s->copies[s->slots[slot].copy];
+        if (!c->started) {
+            c->priority = SPICE_PRIORITY_DEMAND; /* needed now: it goes next */
+        }
+        /* the device is busy with earlier copies: wait them out one by one */
+        while (!s->copies[s->slots[slot].copy].started) {
+            int32_t first = -1;
+            for (int32_t i = 0; i < s->n_copies; ++i) {
+                if (s->copies[i].started && (first < 0 || s->copies[i].start_ns < s->copies[first].start_ns)) {
+                    first = i;
+                }
+            }
+            if (first < 0) {
+                return SPICE_ERR_INTERNAL; /* nothing on the device, and it would not start ours */
+            }
+            uint64_t waited = 0;
+            spice_store_op_counters(s)->device_waits++;
+            if (dev->iface->copy_wait(dev, s->copies[first].slot, &waited) != SPICE_OK) {
                 return SPICE_ERR_INTERNAL;
             }
+            stall += waited;
+            land(s, first);
+            start_copies(s, spice_clock_now(&s->clock));
         }
-        const uint64_t t0 = monotonic_ns();
-        if (spice_cuda_copy_wait(s->cuda, slot) != SPICE_OK) {
+        uint64_t waited = 0;
+        spice_store_op_counters(s)->device_waits++;
+        if (dev->iface->copy_wait(dev, slot, &waited) != SPICE_OK) {
             return SPICE_ERR_INTERNAL;
         }
-        stall = monotonic_ns() - t0;
-        now = refresh(s);
-    } else if (ci >= 0) {
-        const uint64_t end = s->copies[ci].end_ns;
-        if (end == NOT_STARTED) {
-            return SPICE_ERR_NO_MEMORY; /* never scheduled: reschedule ran out of memory */
-        }
-        stall = end > now ? end - now : 0;
-        fill_slot(s, slot); /* the emulated transfer's real bytes move while we wait */
-        sleep_until(s, end);
-        now = refresh(s);
+        stall += waited;
+        land(s, s->slots[slot].copy);
     }
-    fill_slot(s, slot);
     spice_slot * sl = &s->slots[slot];
     spice_counters * k = &s->counters[il];
     k->stall_ns += stall;
@@ -582,40 +551,30 @@ int spice_store_wait(spice_store * s, int32_t il, int32_t e, uint64_t * stall_ns
     if (stall_ns) {
         *stall_ns = stall;
     }
-    (void) now;
     return SPICE_OK;
 }
 
-const char * spice_store_slot_data(const spice_store * s, int32_t il, int32_t e) {
-    if (!valid(s, il, e)) {
+const char * spice_store_slot_data(spice_store * s, int32_t il, int32_t e) {
+    if (!spice_store_valid(s, il, e) || s->device == NULL) {
         return NULL;
     }
-    const int32_t slot = s->slot_of[(size_t) il * (size_t) s->max_expert + (size_t) e];
-    if (slot < 0 || s->slots[slot].copy >= 0 || !s->slots[slot].filled) {
+    const int32_t slot = *slot_ref(s, il, e);
+    if (slot < 0 || s->slots[slot].copy >= 0) {
         return NULL;
     }
-    return s->cuda != NULL ? spice_cuda_slot(s->cuda, slot) : s->slots[slot].memory;
-}
-
-uint64_t spice_store_used_bytes(const spice_store * s) {
-    return s ? s->used_bytes : 0;
-}
-
-uint64_t spice_store_budget_bytes(const spice_store * s) {
-    return s ? s->params.budget_bytes : 0;
+    return s->device->iface->slot_data(s->device, slot);
 }
 
 uint64_t spice_store_now(spice_store * s) {
-    return s ? refresh(s) : 0;
+    return s ? spice_clock_now(&s->clock) : 0;
 }
 
 int spice_store_advance(spice_store * s, uint64_t ns) {
-    if (s == NULL || !s->params.manual_clock) {
+    if (s == NULL || !s->clock.manual) {
         return SPICE_ERR_STATE;
     }
-    s->now_ns += ns;
-    refresh(s);
-    return SPICE_OK;
+    s->clock.now_ns += ns;
+    return spice_store_poll(s);
 }
 
 int spice_store_get_counters(const spice_store * s, int32_t il, spice_counters * out) {
@@ -624,26 +583,24 @@ int spice_store_get_counters(const spice_store * s, int32_t il, spice_counters *
     }
     memset(out, 0, sizeof(*out));
     for (int32_t l = (il < 0 ? 0 : il); l < (il < 0 ? s->n_layers : il + 1); ++l) {
-        const spice_counters * k = &s->counters[l];
-        out->bytes_h2d += k->bytes_h2d;
-        out->copy_ns += k->copy_ns;
-        out->stall_ns += k->stall_ns;
-        out->prefetch_issued += k->prefetch_issued;
-        out->prefetch_used += k->prefetch_used;
-        out->prefetch_cancelled += k->prefetch_cancelled;
+        const uint64_t * src = (const uint64_t *) &s->counters[l];
+        uint64_t * dst = (uint64_t *) out;
+        for (size_t i = 0; i < sizeof(spice_counters) / sizeof(uint64_t); ++i) {
+            dst[i] += src[i];
+        }
     }
     return SPICE_OK;
 }
 
-const int8_t * spice_store_states(spice_store * s, int32_t * n_layers, int32_t * max_expert) {
+void spice_store_reset_counters(spice_store * s) {
+    if (s != NULL) {
+        memset(s->counters, 0, (size_t) s->n_layers * sizeof(spice_counters));
+    }
+}
+
+const int8_t * spice_store_states(const spice_store * s, int32_t * n_layers, int32_t * max_expert) {
     if (s == NULL) {
         return NULL;
-    }
-    const uint64_t now = refresh(s);
-    for (int32_t i = 0; i < s->n_copies; ++i) {
-        const spice_copy * c = &s->copies[i];
-        *state_ref(s, c->il, c->e) =
-            (int8_t) ((c->start_ns == NOT_STARTED || c->start_ns > now) ? SPICE_RES_QUEUED : SPICE_RES_COPYING);
     }
     if (n_layers) {
         *n_layers = s->n_layers;
@@ -654,43 +611,28 @@ const int8_t * spice_store_states(spice_store * s, int32_t * n_layers, int32_t *
     return s->states;
 }
 
-int spice_store_attach_cuda(spice_store * s, size_t slot_stride, char * err, size_t err_len) {
-    if (s == NULL || s->params.device_kind != SPICE_DEVICE_CUDA || s->cuda != NULL) {
-        return SPICE_ERR_STATE;
-    }
-    return spice_cuda_create(s->params.device_index, s->n_slots, slot_stride, &s->cuda, err, err_len);
-}
-
 int spice_store_is_real(const spice_store * s) {
-    return s != NULL && s->cuda != NULL;
+    return s != NULL && spice_device_can_execute(s->device);
 }
 
 int spice_store_read_slot(spice_store * s, int32_t il, int32_t e, void * dst, size_t size) {
-    if (!valid(s, il, e) || dst == NULL) {
+    if (!spice_store_valid(s, il, e) || dst == NULL) {
         return SPICE_ERR_INVALID_ARG;
     }
-    refresh(s);
     const int32_t slot = *slot_ref(s, il, e);
     const spice_store_source * src = &s->sources[il];
-    if (slot < 0 || s->slots[slot].copy >= 0 || src->base[0] == NULL) {
+    if (slot < 0 || s->slots[slot].copy >= 0 || src->base[0] == NULL || s->device == NULL) {
         return SPICE_ERR_STATE;
     }
     if (size > src->size[0] + src->size[1] + src->size[2]) {
         return SPICE_ERR_INVALID_ARG;
     }
-    if (s->cuda == NULL) {
-        fill_slot(s, slot);
-        if (s->slots[slot].memory == NULL) {
-            return SPICE_ERR_NO_MEMORY;
-        }
-        memcpy(dst, s->slots[slot].memory, size);
-        return SPICE_OK;
-    }
     char * out = (char *) dst;
     for (int k = 0; k < 3 && size > 0; ++k) {
         const size_t n = size < src->size[k] ? size : src->size[k];
-        if (spice_cuda_read(s->cuda, slot, src->dst_offset[k], out, n) != SPICE_OK) {
-            return SPICE_ERR_INTERNAL;
+        const int rc = s->device->iface->slot_read(s->device, slot, src->dst_offset[k], out, n);
+        if (rc != SPICE_OK) {
+            return rc;
         }
         out += n;
         size -= n;
