@@ -95,9 +95,9 @@ typedef struct spice_policy_call {
      * last). When a prefetch does not fit the budget (after the plan's
      * evictions), libspice evicts, from the first of the layers listed before
      * the prefetch's own layer that has one, the resident expert selected
-     * least recently -- never one this call runs on the device nor one named
-     * in this plan's prefetch list (a resident expert listed there is kept,
-     * not copied) -- and tries again; a prefetch that still finds no room is
+     * least recently -- never a pinned one (those this call runs on the
+     * device are) nor one named in this plan's prefetch list (a resident
+     * expert listed there is kept, not copied) -- and tries again; a prefetch that still finds no room is
      * dropped with every prefetch after it (the policy lists them in order of
      * need). A prefetch of a layer not listed may take from any listed layer.
      * Empty: a prefetch only gets room that is free. */

@@ -79,9 +79,9 @@ int spice_plan_check(const spice_plan_limits * lim, const spice_policy_call * ca
         return SPICE_ERR_INVALID_PLAN;
     }
     for (int32_t i = 0; i < call->n_fetch; ++i) {
-        if (call->fetch[i] < 0 || call->fetch[i] >= call->n_expert) {
+        if (call->fetch[i] < 0 || !is_moe(lim, call->il) || call->fetch[i] >= lim->n_expert[call->il]) {
             snprintf(err, err_len, "layer %d: plan fetch[%d] = %d is not an expert id (0..%d)", call->il, i,
-                     call->fetch[i], call->n_expert - 1);
+                     call->fetch[i], is_moe(lim, call->il) ? lim->n_expert[call->il] - 1 : -1);
             return SPICE_ERR_INVALID_PLAN;
         }
     }

@@ -18,6 +18,7 @@ typedef struct spice_copy {
     int32_t  started;
     uint64_t bytes;
     uint64_t issue_ns;     /* when the store queued it */
+    uint64_t seq;          /* request order: the tie-break among copies queued at the same time */
     uint64_t start_ns, end_ns; /* once started: as the device reports them (end: due, an estimate on a real bus) */
 } spice_copy;
 
@@ -59,6 +60,7 @@ struct spice_store {
     spice_copy *copies;       /* pending copies, unordered */
     int32_t  n_copies;
     int32_t  n_started;       /* of which handed to the device */
+    uint64_t n_requested;     /* copies ever queued (their seq) */
 
     spice_clock clock;
     spice_device * device;    /* NULL until attached */

@@ -46,7 +46,7 @@ int spice_store_begin_call(spice_store * s, int32_t il, int32_t n_tokens, int32_
 
 /* evict_from: evicts the least recently selected resident expert of the first
  * listed layer, from *next on and before position `limit`, that is neither
- * running on the device in this call (pinned) nor kept by the plan; *next
+ * pinned (e.g. running on the device in this call) nor kept by the plan; *next
  * skips the layers found empty (they stay so for the rest of the call). 0 when
  * none is left. */
 static int evict_least_recent(spice_store * s, const spice_policy_call * call, int32_t * next, int32_t limit) {
@@ -56,9 +56,10 @@ static int evict_least_recent(spice_store * s, const spice_policy_call * call, i
         const uint8_t * kept = s->scratch.kept + spice_store_cell(s, il, 0);
         const int8_t * state = s->states + spice_store_cell(s, il, 0);
         int32_t victim = -1;
+        const int32_t * slot_of = s->slot_of + spice_store_cell(s, il, 0);
         for (int32_t e = 0; e < s->n_expert[il]; ++e) {
-            if ((victim < 0 || last_use[e] < last_use[victim]) && !kept[e] &&
-                !(il == call->il && s->scratch.pinned[e]) && state[e] == SPICE_RES_RESIDENT) {
+            if ((victim < 0 || last_use[e] < last_use[victim]) && !kept[e] && state[e] == SPICE_RES_RESIDENT &&
+                s->slots[slot_of[e]].pins == 0) {
                 victim = e;
             }
         }

@@ -45,7 +45,7 @@ static void remove_copy(spice_store * s, int32_t index) {
     s->n_copies--;
 }
 
-/* Queue order: demand first, then by when asked for, then any fixed tie-break. */
+/* Queue order: demand first, then in the order asked for. */
 static int copy_before(const spice_copy * x, const spice_copy * y) {
     if (x->priority != y->priority) {
         return x->priority > y->priority;
@@ -53,7 +53,7 @@ static int copy_before(const spice_copy * x, const spice_copy * y) {
     if (x->issue_ns != y->issue_ns) {
         return x->issue_ns < y->issue_ns;
     }
-    return x->slot < y->slot;
+    return x->seq < y->seq;
 }
 
 static int32_t next_queued(const spice_store * s) {
@@ -368,6 +368,7 @@ int spice_store_request(spice_store * s, int32_t il, int32_t e, int32_t priority
     c->was_prefetch = priority == SPICE_PRIORITY_PREFETCH;
     c->bytes = s->expert_bytes[il];
     c->issue_ns = now;
+    c->seq = ++s->n_requested;
     s->slots[slot_new] = (spice_slot) { il, e, 0, s->n_copies, 0 };
     s->n_copies++;
     *slot_ref(s, il, e) = slot_new;

@@ -33,7 +33,6 @@ from pyspice.policy.base import (
     ACTION_HOST,
     ACTION_SURROGATE,
     RESIDENCY_ABSENT,
-    RESIDENCY_RESIDENT,
     HookCall,
     Plan,
 )
@@ -288,13 +287,11 @@ class ApplyResult:
 
 
 def wait_until_landed(tier: SimTier, layer: int) -> Wait:
-    """A wait that costs nothing but the copy itself: the clock moves to when the
-    expert's copy lands and the wait is booked (stall, a prefetch's first use)."""
+    """A wait that costs nothing but the copy itself (spice_store_wait on the tier's
+    clock): the clock moves to when the expert's copy lands, the wait is booked."""
 
     def wait(expert: int) -> None:
-        stall = max(0, tier.ready_at(layer, expert) - tier.now_ns)
-        tier.now_ns += stall
-        tier.finish_wait(layer, expert, stall)
+        tier.wait(layer, expert)
 
     return wait
 
@@ -374,24 +371,12 @@ def _to_host(ids: Ids, actions: Actions, no_slot: Iterable[int], n_expert: int) 
 # ---- driving a policy ------------------------------------------------------------
 
 
-def call_residency(tier: SimTier) -> npt.NDArray[np.int8]:
-    """The residency a hook call carries, read once as the call begins (copies that
-    have landed by now are resident)."""
-    return tier.states()
-
-
 def begin_call(tier: SimTier, layer: int, ids: Ids) -> tuple[npt.NDArray[np.int8], npt.NDArray[np.bool_]]:
-    """spice_store_begin_call: the residency as the call begins, the selection noted
-    for recency (evict_from), and which activations find their expert resident."""
-    residency = call_residency(tier)
-    tier.note_selected(layer, ids)
-    n_expert = tier.n_expert[layer]
-    if ids.size == 0 or (ids.min() >= 0 and ids.max() < n_expert):
-        return residency, residency[layer, ids] == RESIDENCY_RESIDENT
-    inside = (ids >= 0) & (ids < n_expert)  # an id outside the layer is never a hit
-    hit = np.zeros(ids.shape, dtype=np.bool_)
-    hit[inside] = residency[layer, ids[inside]] == RESIDENCY_RESIDENT
-    return residency, hit
+    """spice_store_begin_call: one poll (residency current as the call begins, copies
+    in flight included), the selection noted for recency (evict_from), and which
+    activations find their expert resident; with the residency a HookCall carries."""
+    hit = tier.begin_call(layer, ids)
+    return tier.states(), hit
 
 
 @dataclass

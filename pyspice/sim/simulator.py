@@ -324,7 +324,8 @@ class Simulator:
         )
 
     def _preload(self, tier: SimTier) -> int:
-        """spice_runtime_preload: every expert in order while the budget lasts; set-up, not service."""
+        """spice_runtime_preload: every expert in order while the budget lasts, each
+        waited for; set-up, not service."""
         for il, n in enumerate(self.workload.n_expert):
             for e in range(n):
                 if tier.request(il, e, PRIORITY_DEMAND) != OK:
@@ -332,8 +333,10 @@ class Simulator:
             else:
                 continue
             break
-        tier.now_ns = tier.bus_free_at()
-        tier.refresh()
+        for il, n in enumerate(self.workload.n_expert):
+            for e in range(n):
+                if tier.holds(il, e):
+                    tier.wait(il, e)
         tier.filled = set(tier.resident)  # preload waits on every copy, which fills its slot
         tier.reset_counters()
         return tier.now_ns
@@ -448,18 +451,18 @@ class Simulator:
 
         def wait(e: int) -> None:
             nonlocal clock
-            stall = max(0, tier.ready_at(il, e) - clock)
             fill = 0
             if costs.fill_gbps > 0 and (il, e) not in tier.filled:
                 # the emulator copies the slot's bytes in, then sleeps out what is left of the transfer
                 fill = int(costs.expert_bytes[il] / costs.fill_gbps)
                 tier.filled.add((il, e))
+            tier.now_ns = clock
+            stall = tier.wait(il, e)
             elapsed = max(stall, fill) + (_us(costs.wake_us) if stall > fill else 0)
             tally.part("stall", stall)
             tally.part("slot fill and wake-up", elapsed - stall)
             clock += elapsed
             tier.now_ns = clock
-            tier.finish_wait(il, e, stall)
 
         result = apply_plan(tier, il, ids, actions, plan, wait)
         return clock, result.actions

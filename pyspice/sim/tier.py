@@ -1,16 +1,25 @@
-"""The simulated device tier: slots under a pooled byte budget and a copy engine
-on a virtual bus, on the simulator's clock.
+"""The simulated device tier: the twin of libspice's expert store with its
+emulated device (native/src/spice-store.c, spice-store-plan.c's begin_call,
+spice-device-emulated.c), on the simulator's clock.
 
-This mirrors native/src/spice-store.c rule for rule, so a simulated run and an
-emulated one move the same copies at the same virtual times: the bus is one
-serial timeline; copies that have started keep their place; every change (a
-new copy, an upgrade, a cancellation) re-lays the copies that have not
-started, demand copies first, then prefetches, each group in issue order, each
-starting when the bus is free and occupying it for latency + bytes /
-bandwidth. A copy lands when the clock passes its end. A prefetch is refused
-when the queue of not-started prefetches is full; a request is refused when no
-slot or budget is left; a started copy cannot be evicted; pinned slots cannot
-be evicted. Times are integer nanoseconds, as in the C store.
+It follows the C code rule for rule, so a simulated run and an emulated one
+move the same copies at the same virtual times (tests/native/test_store_twin.py
+drives both with the same operations and compares them):
+
+- Copies wait in the store's queue -- demand first, then prefetches, each in
+  the order asked for -- until the bus can start one. The bus is one serial
+  timeline: a copy starts when the bus is free (possibly in the past of now:
+  the store catches the timeline up whenever it looks) and lands latency +
+  bytes / bandwidth later. Every operation first starts what the bus could
+  have started by now; a started copy can no longer be overtaken or cancelled.
+- Landed copies become resident only at a poll (`poll`, once per hook call,
+  in `begin_call`) or a wait; lookups (`state`, `states`) read the table as of
+  then, plus the store's own changes since.
+- A prefetch is refused when the queue of not-started prefetches is full; a
+  request when no slot record or budget is left; pinned experts and started
+  copies cannot be evicted. copy_ns is booked when a copy lands. Device
+  operations (polls, copies started, waits) count against the layer of the
+  hook call in progress. Times are integer nanoseconds, as in C.
 """
 
 from __future__ import annotations
@@ -32,9 +41,10 @@ PRIORITY_PREFETCH = 0
 PRIORITY_DEMAND = 1
 PREFETCH_QUEUE_DEFAULT = 64  # SPICE_PREFETCH_QUEUE_DEFAULT in spice-store.c
 
+# spice_status values the store returns
 OK = 0
-REFUSED_BUDGET = 1  # SPICE_ERR_BUDGET: no slot or budget left
-REFUSED_STATE = 2  # SPICE_ERR_STATE: prefetch queue full, copy in flight, pinned
+REFUSED_BUDGET = 6  # SPICE_ERR_BUDGET: no slot or budget left
+REFUSED_STATE = 7  # SPICE_ERR_STATE: prefetch queue full, copy started, pinned, nothing pending
 
 Key = tuple[int, int]
 
@@ -47,9 +57,14 @@ class Copy:
     was_prefetch: bool
     nbytes: int
     issue_ns: int
-    seq: int  # stands in for the C store's slot number as the final tie-break
-    start_ns: int | None = None
-    end_ns: int | None = None
+    seq: int  # request order: the tie-break among copies queued at the same time
+    started: bool = False
+    start_ns: int = 0
+    end_ns: int = 0
+
+    def before(self, other: Copy) -> bool:
+        """Queue order (copy_before in spice-store.c)."""
+        return (-self.priority, self.issue_ns, self.seq) < (-other.priority, other.issue_ns, other.seq)
 
 
 @dataclass
@@ -60,6 +75,9 @@ class LayerCounters:
     prefetch_issued: int = 0
     prefetch_used: int = 0
     prefetch_cancelled: int = 0
+    store_polls: int = 0
+    device_copies: int = 0
+    device_waits: int = 0
 
 
 @dataclass
@@ -82,12 +100,20 @@ class SimTier:
     counters: list[LayerCounters] = field(default_factory=list)
     last_use: dict[Key, int] = field(default_factory=dict)  # hook call that last selected each expert
     use_clock: int = 0
+    call_layer: int = -1  # the hook call in progress (device operations count against it)
+    bus_free_ns: int = 0  # the emulated bus: when the last started copy lands
+    n_slots: int = 0  # slot records (set from the budget, as spice_store_create does)
     _seq: int = 0
 
     def __post_init__(self) -> None:
         if not self.bandwidth_gbps > 0 or self.latency_us < 0:
             raise ValueError("bus bandwidth must be positive and latency non-negative")
         self.counters = [LayerCounters() for _ in self.n_expert]
+        if not self.n_slots:
+            moe = [b for n, b in zip(self.n_expert, self.expert_bytes, strict=True) if n > 0]
+            smallest = min(moe, default=0)
+            total = sum(self.n_expert)
+            self.n_slots = min(self.budget_bytes // smallest, total) if smallest else 0
 
     @property
     def n_layers(self) -> int:
@@ -100,49 +126,60 @@ class SimTier:
     def occupancy_ns(self, nbytes: int) -> int:
         return int(self.latency_us * 1e3 + nbytes / self.bandwidth_gbps)
 
-    # -- the timeline -----------------------------------------------------------
+    def _op_counters(self) -> LayerCounters:
+        return self.counters[self.call_layer if 0 <= self.call_layer < self.n_layers else 0]
+
+    # -- the queue and the bus ----------------------------------------------------
+
+    def _queued(self) -> list[Copy]:
+        return [c for c in self.copies.values() if not c.started]
+
+    def _start_copies(self, now: int) -> None:
+        """start_copies: hand the bus what it can have started by now, in queue order."""
+        while self.bus_free_ns <= now:
+            queued = self._queued()
+            if not queued:
+                return
+            c = queued[0]
+            for other in queued[1:]:
+                if other.before(c):
+                    c = other
+            c.start_ns = max(self.bus_free_ns, c.issue_ns)
+            c.end_ns = c.start_ns + self.occupancy_ns(c.nbytes)
+            c.started = True
+            self.bus_free_ns = c.end_ns
+            self._op_counters().device_copies += 1
+
+    def _land(self, key: Key) -> None:
+        c = self.copies.pop(key)
+        self.resident.add(key)
+        if c.was_prefetch:
+            self.from_prefetch.add(key)
+        else:
+            self.from_prefetch.discard(key)
+        self.counters[c.layer].copy_ns += c.end_ns - c.start_ns
+
+    def _poll(self) -> None:
+        now = self.now_ns
+        self._start_copies(now)
+        for key, c in list(self.copies.items()):
+            if c.started and c.end_ns <= now:
+                self._land(key)
+        self._start_copies(now)
+
+    def poll(self) -> None:
+        """spice_store_poll: landed copies become resident, queued ones start."""
+        self._op_counters().store_polls += 1
+        self._poll()
 
     def refresh(self) -> int:
-        """Retire every copy that has landed by now."""
-        now = self.now_ns
-        for key, c in list(self.copies.items()):
-            if c.start_ns is not None and c.end_ns is not None and c.end_ns <= now:
-                del self.copies[key]
-                self.resident.add(key)
-                if c.was_prefetch:
-                    self.from_prefetch.add(key)
-                else:
-                    self.from_prefetch.discard(key)
-        return now
+        """A poll the simulator makes for its own bookkeeping (at the start and end of
+        decoding), counted nowhere. Returns now."""
+        self._poll()
+        return self.now_ns
 
-    def _started(self, c: Copy, now: int) -> bool:
-        return c.start_ns is not None and c.start_ns <= now
-
-    def reschedule(self) -> None:
-        now = self.refresh()
-        cursor = now
-        pending: list[Copy] = []
-        for c in self.copies.values():
-            if self._started(c, now):
-                assert c.end_ns is not None
-                cursor = max(cursor, c.end_ns)
-            else:
-                c.start_ns = None
-                pending.append(c)
-        pending.sort(key=lambda c: (-c.priority, c.issue_ns, c.seq))
-        for c in pending:
-            c.start_ns = max(cursor, c.issue_ns)
-            c.end_ns = c.start_ns + self.occupancy_ns(c.nbytes)
-            cursor = c.end_ns
-
-    def queued_prefetches(self, now: int) -> int:
-        return sum(
-            1 for c in self.copies.values() if c.priority == PRIORITY_PREFETCH and not self._started(c, now)
-        )
-
-    def bus_free_at(self) -> int:
-        """When the bus has carried every copy issued so far."""
-        return max((c.end_ns or 0 for c in self.copies.values()), default=self.now_ns)
+    def queued_prefetches(self) -> int:
+        return sum(1 for c in self.copies.values() if c.priority == PRIORITY_PREFETCH and not c.started)
 
     # -- operations (spice_store_* in spice-store.c) ------------------------------
 
@@ -151,24 +188,21 @@ class SimTier:
         return key in self.resident or key in self.copies
 
     def request(self, layer: int, expert: int, priority: int) -> int:
-        now = self.refresh()
+        now = self.now_ns
+        self._start_copies(now)  # what has started by now can no longer be overtaken
         key = (layer, expert)
         if key in self.resident:
             return OK
         copy = self.copies.get(key)
         if copy is not None:
-            if (
-                priority == PRIORITY_DEMAND
-                and copy.priority == PRIORITY_PREFETCH
-                and not self._started(copy, now)
-            ):
+            if priority == PRIORITY_DEMAND and not copy.started:
                 copy.priority = PRIORITY_DEMAND  # overtakes the other queued prefetches
-                self.reschedule()
             return OK
-        if priority == PRIORITY_PREFETCH and self.queued_prefetches(now) >= self.prefetch_queue_max:
+        if priority == PRIORITY_PREFETCH and self.queued_prefetches() >= self.prefetch_queue_max:
             return REFUSED_STATE
         nbytes = self.expert_bytes[layer]
-        if self.used_bytes + nbytes > self.budget_bytes:
+        held = len(self.resident) + len(self.copies)
+        if held >= self.n_slots or self.used_bytes + nbytes > self.budget_bytes:
             return REFUSED_BUDGET
         self.used_bytes += nbytes
         self._seq += 1
@@ -179,14 +213,13 @@ class SimTier:
         self.filled.discard(key)
         k = self.counters[layer]
         k.bytes_h2d += nbytes
-        k.copy_ns += self.occupancy_ns(nbytes)
         if priority == PRIORITY_PREFETCH:
             k.prefetch_issued += 1
-        self.reschedule()
+        self._start_copies(now)
         return OK
 
     def evict(self, layer: int, expert: int) -> int:
-        now = self.refresh()
+        self._start_copies(self.now_ns)
         key = (layer, expert)
         if key not in self.resident and key not in self.copies:
             return OK
@@ -194,26 +227,32 @@ class SimTier:
             return REFUSED_STATE
         copy = self.copies.get(key)
         if copy is not None:
-            if self._started(copy, now):
-                return REFUSED_STATE  # in flight: a bus transfer cannot be taken back
+            if copy.started:
+                return REFUSED_STATE  # on the bus (or landed unseen): a transfer cannot be taken back
             k = self.counters[layer]
             k.bytes_h2d -= copy.nbytes
-            k.copy_ns -= self.occupancy_ns(copy.nbytes)
             if copy.was_prefetch:
                 k.prefetch_cancelled += 1
             del self.copies[key]
-            self.reschedule()
         self.resident.discard(key)
         self.from_prefetch.discard(key)
         self.filled.discard(key)
         self.used_bytes -= self.expert_bytes[layer]
         return OK
 
-    def note_selected(self, layer: int, experts: npt.ArrayLike) -> None:
-        """The hook call's selected experts: the recency evict_least_recent reads."""
+    def begin_call(self, layer: int, ids: npt.ArrayLike) -> npt.NDArray[np.bool_]:
+        """spice_store_begin_call: poll once, note the selection's recency, and say
+        which activations find their expert resident (ids outside the layer: no hit)."""
+        self.call_layer = layer
+        self.poll()
         self.use_clock += 1
-        for e in np.asarray(experts).ravel().tolist():
-            self.last_use[(layer, e)] = self.use_clock
+        picked = np.asarray(ids)
+        hit = np.zeros(picked.shape, dtype=np.bool_)
+        for index, e in np.ndenumerate(picked):
+            if 0 <= int(e) < self.n_expert[layer]:
+                hit[index] = (layer, int(e)) in self.resident
+                self.last_use[(layer, int(e))] = self.use_clock
+        return hit
 
     def evict_least_recent(self, layers: Sequence[int], start: int, limit: int, kept: set[Key]) -> int:
         """spice_policy_call.evict_from: evicts the least recently selected resident expert
@@ -237,49 +276,80 @@ class SimTier:
         self.pins[(layer, expert)] = self.pins.get((layer, expert), 0) + 1
         return OK
 
-    def unpin(self, layer: int, expert: int) -> None:
+    def unpin(self, layer: int, expert: int) -> int:
         key = (layer, expert)
+        if self.pins.get(key, 0) == 0:
+            return REFUSED_STATE
         self.pins[key] -= 1
         if self.pins[key] == 0:
             del self.pins[key]
+        return OK
 
     def state(self, layer: int, expert: int) -> int:
-        now = self.refresh()
+        """As of the last poll and the tier's own changes since."""
         key = (layer, expert)
         if key in self.resident:
             return RESIDENCY_RESIDENT
         copy = self.copies.get(key)
         if copy is None:
             return RESIDENCY_ABSENT
-        return RESIDENCY_COPYING if self._started(copy, now) else RESIDENCY_QUEUED
+        return RESIDENCY_COPYING if copy.started else RESIDENCY_QUEUED
 
     def ready_at(self, layer: int, expert: int) -> int:
-        """When the expert's copy lands (now if resident)."""
-        copy = self.copies.get((layer, expert))
-        if copy is None or copy.end_ns is None:
-            return self.now_ns
-        return copy.end_ns
+        """When the expert's pending copy lands (0: none pending); a queued copy's is
+        projected behind the copies ahead of it."""
+        now = self.now_ns
+        self._start_copies(now)
+        target = self.copies.get((layer, expert))
+        if target is None:
+            return 0
+        if target.started:
+            return target.end_ns
+        cursor = max([now] + [c.end_ns for c in self.copies.values() if c.started])
+        for c in self._queued():
+            if c is target or c.before(target):
+                cursor += self.occupancy_ns(c.nbytes)
+        return cursor
 
-    def finish_wait(self, layer: int, expert: int, stall_ns: int) -> bool:
-        """Book a completed wait the way spice_store_wait does: the stall, and a
-        prefetched expert's first use. Returns whether it came from a prefetch."""
-        self.refresh()
+    def wait(self, layer: int, expert: int) -> int:
+        """spice_store_wait on the manual clock: the clock moves to when the expert's
+        copy lands (waiting out the copies the bus carries first); books the stall and
+        a prefetch's first use. Returns the stall, or raises for an absent expert."""
+        self._start_copies(self.now_ns)
         key = (layer, expert)
-        self.counters[layer].stall_ns += stall_ns
+        if not self.holds(layer, expert):
+            raise ValueError(f"wait on ({layer}, {expert}), which the tier does not hold")
+        stall = 0
+        target = self.copies.get(key)
+        if target is not None:
+            if not target.started:
+                target.priority = PRIORITY_DEMAND  # needed now: it goes next
+            while not target.started:
+                first = min((c for c in self.copies.values() if c.started), key=lambda c: c.start_ns)
+                stall += self._wait_copy(first)
+                self._start_copies(self.now_ns)
+            stall += self._wait_copy(target)
+        k = self.counters[layer]
+        k.stall_ns += stall
         if key in self.from_prefetch:
             self.from_prefetch.discard(key)
-            self.counters[layer].prefetch_used += 1
-            return True
-        return False
+            k.prefetch_used += 1
+        return stall
+
+    def _wait_copy(self, c: Copy) -> int:
+        self._op_counters().device_waits += 1
+        stall = max(0, c.end_ns - self.now_ns)
+        self.now_ns = max(self.now_ns, c.end_ns)
+        self._land((c.layer, c.expert))
+        return stall
 
     def states(self) -> npt.NDArray[np.int8]:
         """The residency table a HookCall carries: RESIDENCY_* per (layer, expert)."""
-        now = self.refresh()
         table = np.zeros((self.n_layers, self.max_expert), dtype=np.int8)
         for layer, expert in self.resident:
             table[layer, expert] = RESIDENCY_RESIDENT
         for (layer, expert), c in self.copies.items():
-            table[layer, expert] = RESIDENCY_COPYING if self._started(c, now) else RESIDENCY_QUEUED
+            table[layer, expert] = RESIDENCY_COPYING if c.started else RESIDENCY_QUEUED
         return table
 
     def reset_counters(self) -> None:

@@ -145,8 +145,10 @@ def tier(budget_experts: int, n_expert: tuple[int, ...] = (4, 4, 4)) -> SimTier:
 
 
 def hold(t: SimTier, layer: int, *experts: int) -> None:
+    """Make the experts resident: demand copies, landed and seen by a poll."""
     for e in experts:
         t.request(layer, e, PRIORITY_DEMAND)
+    t.poll()
 
 
 def held(t: SimTier) -> set[tuple[int, int]]:
@@ -197,10 +199,10 @@ def test_evict_from_takes_the_least_recently_selected_expert_of_the_first_listed
     t = tier(4)
     hold(t, 0, 0, 1)
     hold(t, 1, 0, 1)
-    t.note_selected(0, [1])
-    t.note_selected(0, [0])  # layer 0: 1 is the least recent
-    t.note_selected(1, [0, 1])
-    t.note_selected(2, [3])
+    t.begin_call(0, [[1]])
+    t.begin_call(0, [[0]])  # layer 0: 1 is the least recent
+    t.begin_call(1, [[0, 1]])
+    t.begin_call(2, [[3]])
     ids = np.array([[3]], np.int32)
     apply_plan(t, 2, ids, np.array([[ACTION_HOST]], np.int32), Plan(prefetch=[(2, 0)], evict_from=[0, 1]))
     assert held(t) == {(0, 0), (1, 0), (1, 1), (2, 0)}
@@ -244,7 +246,7 @@ def test_victims_come_from_the_listed_layers_in_order_across_prefetches() -> Non
     t = tier(3)
     hold(t, 2, 0, 1)
     hold(t, 0, 0)
-    t.note_selected(2, [0, 1])
+    t.begin_call(2, [[0, 1]])
     ids = np.array([[3]], np.int32)
     host = np.array([[ACTION_HOST]], np.int32)
     plan = Plan(prefetch=[(1, 0), (1, 1), (0, 1)], evict_from=[0, 2])

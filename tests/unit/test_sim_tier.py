@@ -44,14 +44,18 @@ def test_upgrading_a_queued_prefetch_moves_it_ahead() -> None:
     assert tier.ready_at(1, 1) == 3 * COPY_NS
 
 
-def test_copies_land_when_the_clock_passes_their_end() -> None:
+def test_copies_land_at_the_first_poll_after_their_end() -> None:
     tier = make_tier()
     tier.request(0, 0, PRIORITY_DEMAND)
     tier.now_ns = COPY_NS - 1
+    tier.poll()
     assert tier.state(0, 0) == RESIDENCY_COPYING
     tier.now_ns = COPY_NS
+    assert tier.state(0, 0) == RESIDENCY_COPYING  # lookups ask the device nothing
+    tier.poll()
     assert tier.state(0, 0) == RESIDENCY_RESIDENT
     assert tier.states()[0, 0] == RESIDENCY_RESIDENT
+    assert tier.counters[0].copy_ns == COPY_NS  # booked as it lands
 
 
 def test_budget_queue_bound_and_in_flight_evictions_are_refused() -> None:
@@ -76,6 +80,7 @@ def test_pinned_experts_stay() -> None:
     tier = make_tier()
     tier.request(0, 0, PRIORITY_DEMAND)
     tier.now_ns = COPY_NS
+    tier.poll()
     assert tier.pin(0, 0) == OK
     assert tier.evict(0, 0) == REFUSED_STATE
     tier.unpin(0, 0)

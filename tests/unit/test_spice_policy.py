@@ -214,7 +214,7 @@ def test_every_activation_gets_one_action_and_the_budget_holds(
     # the engine accepts the plan and applies it within the budget; every device action
     # left runs on an expert the tier holds
     tier = tier_holding(ctx, residency)
-    tier.note_selected(call.layer, call.ids)
+    tier.begin_call(call.layer, call.ids)
     hit = residency[call.layer][call.ids] == RESIDENCY_RESIDENT
     surrogates = np.ones((ctx.n_layers, ctx.max_expert), np.bool_)  # every error is finite
     checked = validate_plan(plan, call.layer, call.ids, ctx.n_expert, surrogates)
@@ -315,6 +315,7 @@ def test_victims_are_the_experts_needed_last() -> None:
     place(drive, 0, [6, 7])
     place(drive, 3, [6, 7])
     drive.call(1, [4, 5])
+    drive.tier.poll()  # the prefetches have landed by the next call
     states = drive.tier.states()
     assert states[2, [0, 1]].tolist() == [RESIDENCY_RESIDENT] * 2
     assert states[0, [6, 7]].tolist() == [RESIDENCY_ABSENT] * 2  # layer 1 held nothing
@@ -332,6 +333,7 @@ def test_among_equals_the_least_recently_selected_expert_goes_first() -> None:
     drive.call(0, [4, 2])  # now 3 is the least recently selected
     predictor.future = {2: [0, 1]}
     drive.call(1, [5, 6])  # two prefetches: the free slot, then 3's
+    drive.tier.poll()  # the prefetches have landed by the next call
     states = drive.tier.states()
     assert states[0].tolist()[2:5] == [RESIDENCY_RESIDENT, RESIDENCY_ABSENT, RESIDENCY_RESIDENT]
     assert states[2, [0, 1]].tolist() == [RESIDENCY_RESIDENT] * 2
