@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pyspice.trace import TraceMeta, TraceReader, TraceRecorder, TraceWriter
+from pyspice.formats.trace import TraceMeta, TraceReader, TraceRecorder, TraceWriter
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ _GATING = {1: "softmax", 2: "sigmoid"}
 
 def model_geometry(model_path: str | os.PathLike[str]) -> ModelGeometry:
     """Layer geometry of a MoE GGUF from its metadata and tensor names (header only)."""
-    from pyspice.model_info import read_header
+    from pyspice.formats.model_info import read_header
 
     header = read_header(Path(model_path))
 
@@ -82,7 +82,7 @@ class CaptureConfig:
 
 
 def trace_meta(model_path: Path, geo: ModelGeometry, source: str, extra: dict[str, Any]) -> TraceMeta:
-    from pyspice.sidecar import fingerprint
+    from pyspice.formats.sidecar import fingerprint
 
     fields = ["hidden", "probs", "ids", "weights"] + (["shared"] if geo.has_shared else [])
     return TraceMeta(

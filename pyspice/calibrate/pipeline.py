@@ -22,8 +22,8 @@ import numpy.typing as npt
 from pyspice.calibrate.capture import CaptureConfig, ModelGeometry, capture, model_geometry
 from pyspice.calibrate.lore_fit import LayerExperts, LoreConfig, fit_layer, heldout_mask, open_gguf
 from pyspice.calibrate.predictor_fit import fit_transition
+from pyspice.formats.sidecar import LayerSurrogates, SidecarData, fingerprint, write_sidecar
 from pyspice.policy.predictor import Transition, gate_probs, top_k
-from pyspice.sidecar import LayerSurrogates, SidecarData, fingerprint, write_sidecar
 
 _FIT_VERSION = 2  # per-layer fit files of another version are refitted
 

@@ -20,7 +20,7 @@ EXIT_INTERRUPTED = 130
 
 def explain(exc: BaseException) -> tuple[str, int]:
     """(message, exit status) for a failure."""
-    from pyspice.model_info import ModelFileError
+    from pyspice.formats.model_info import ModelFileError
 
     if isinstance(exc, KeyboardInterrupt):
         return "interrupted", EXIT_INTERRUPTED

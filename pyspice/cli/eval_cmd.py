@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +17,12 @@ from pyspice.cli.common import (
     add_model_args,
     add_sidecar_arg,
     add_text_arg,
-    default_policy,
     note,
-    open_model,
     read_text_or_corpus,
     resolve_model,
+    run_config,
 )
+from pyspice.engine.config import RunConfig
 
 _PPL_CTX = 512  # llama-perplexity's usual context; results are only comparable at equal context
 
@@ -121,7 +122,7 @@ def _register_sidecar_evals(esub: Any) -> None:
 
 
 def _eval_inputs(args: argparse.Namespace) -> tuple[Path, Any, str]:
-    from pyspice.sidecar import Sidecar, default_sidecar_path
+    from pyspice.formats.sidecar import Sidecar, default_sidecar_path
 
     model = resolve_eval_model(args.model or args.model_pos)
     sidecar_path = args.sidecar or default_sidecar_path(model)
@@ -221,9 +222,9 @@ def run_surrogate_eval(args: argparse.Namespace) -> int:
 def _substitute_ppl(
     args: argparse.Namespace, model: Path, sidecar: Any, text: str, ranks: list[int]
 ) -> dict[str, Any]:
-    from pyspice.perplexity import perplexity
+    from pyspice.formats.sidecar import TruncatedSurrogates
+    from pyspice.measure.perplexity import perplexity
     from pyspice.policy.substitute import SubstitutePolicy
-    from pyspice.sidecar import TruncatedSurrogates
 
     layers = sidecar.moe_layers
     resident: set[tuple[int, int]] = set()
@@ -233,21 +234,16 @@ def _substitute_ppl(
         keep = round(args.resident * n_expert)
         order = np.argsort(-counts, kind="stable") if counts is not None else np.arange(n_expert)
         resident |= {(il, int(e)) for e in order[:keep]}
-    model_args = argparse.Namespace(
-        model=str(model),
-        model_pos=None,
-        ctx_size=args.ctx_size,
-        batch_size=args.ctx_size,
-        ubatch_size=args.ctx_size,
+    config = RunConfig(
+        model=model,
+        policy="exact",
         threads=args.threads,
         n_gpu_layers=0,
-        policy="exact",
-        device_budget=None,
-        emulate_bandwidth=None,
-        emulate_latency=None,
-        max_hook_tokens=0,
+        n_ctx=args.ctx_size,
+        n_batch=args.ctx_size,
+        n_ubatch=args.ctx_size,
     )
-    llm = _open(model_args, model, "exact")
+    llm = _load(config)
     results: dict[str, float] = {}
     scored = 0
 
@@ -298,20 +294,23 @@ def resolve_eval_model(name: str | None) -> Path:
 
 
 def _open(args: argparse.Namespace, path: Path, policy: str | None) -> Any:
-    model_args = argparse.Namespace(**{**vars(args), "model": str(path), "model_pos": None})
     if not _is_moe(path):
         if policy not in (None, "stock"):
             raise ValueError(f"{path.name} has no MoE layers: only --policy stock applies to it")
         policy = "stock"
-    elif policy is None:
-        policy = default_policy(args)
-    if getattr(args, "token_by_token", False):
-        model_args.batch_size = model_args.ubatch_size = 1  # every hook call sees one token, as in decoding
+    if args.token_by_token:
+        batch = ubatch = 1  # every hook call sees one token, as in decoding
     else:
-        if args.batch_size < args.ctx_size:
-            model_args.batch_size = args.ctx_size  # one chunk per decode, as llama-perplexity with -b >= -c
-        model_args.ubatch_size = min(args.ubatch_size, model_args.batch_size)
-    return open_model(model_args, policy, logits_all=True)
+        batch = max(args.batch_size, args.ctx_size)  # one chunk per decode, as llama-perplexity with -b >= -c
+        ubatch = min(args.ubatch_size, batch)
+    config = replace(run_config(args, policy, model=path), n_batch=batch, n_ubatch=ubatch)
+    return _load(config)
+
+
+def _load(config: RunConfig) -> Any:
+    from pyspice.api import Llama  # lazy: native code loads here, not at CLI start-up
+
+    return Llama.from_config(config, logits_all=True, note=note)
 
 
 def _ppl_text(args: argparse.Namespace) -> str:
@@ -321,7 +320,7 @@ def _ppl_text(args: argparse.Namespace) -> str:
 
 
 def run_ppl(args: argparse.Namespace) -> int:
-    from pyspice.perplexity import perplexity
+    from pyspice.measure.perplexity import perplexity
 
     text = _ppl_text(args)
     model = resolve_eval_model(args.model or args.model_pos)
@@ -333,11 +332,11 @@ def run_ppl(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
 
     def progress(done: int, total: int, ppl: float) -> None:
-        print(f"[{llm.spice_policy_name} {done}/{total}] ppl {ppl:.4f}", file=sys.stderr, flush=True)
+        print(f"[{llm.spice_policy} {done}/{total}] ppl {ppl:.4f}", file=sys.stderr, flush=True)
 
     try:
         for name in policies:
-            if name is not None and name != llm.spice_policy_name:
+            if name is not None and name != llm.spice_policy:
                 llm.set_policy(name)
             llm.spice_reset_stats()
             result = perplexity(
@@ -347,7 +346,7 @@ def run_ppl(args: argparse.Namespace) -> int:
             activations = max(1, int(stats["activations"]))
             rows.append(
                 {
-                    "policy": llm.spice_policy_name,
+                    "policy": llm.spice_policy,
                     "ppl": result.ppl,
                     "tokens": result.tokens,
                     "chunks": result.chunks,

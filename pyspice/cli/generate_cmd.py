@@ -14,7 +14,6 @@ from pyspice.cli.common import (
     add_prompt_args,
     add_sampling_args,
     add_sidecar_arg,
-    default_policy,
     open_model,
     read_prompt,
 )
@@ -91,8 +90,7 @@ def generate_tokens(
 
 
 def run(args: argparse.Namespace) -> int:
-    policy = default_policy(args)
-    llm = open_model(args, policy, seed=args.seed)
+    llm = open_model(args, seed=args.seed)
     prompt = read_prompt(args)
     recorder = None
     if getattr(args, "trace", None):

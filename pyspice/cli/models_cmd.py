@@ -83,11 +83,13 @@ def register(sub: Any) -> None:
 
 
 def run_build(args: argparse.Namespace) -> int:
-    from pyspice.models.smolmoe_build import build_smolmoe, smolmoe_sidecar
+    # lazy: calibrating loads native code, and `models --help` needs none of it
+    from pyspice.calibrate.run import ensure_sidecar
+    from pyspice.models.smolmoe_build import build_smolmoe
 
     path = build_smolmoe(args.quant, progress=True, force=args.force)
     if not args.no_sidecar:
-        print(f"sidecar: {smolmoe_sidecar(path, progress=True, force=args.force)}", file=sys.stderr)
+        print(f"sidecar: {ensure_sidecar(path, progress=True, force=args.force)}", file=sys.stderr)
     print(path)
     return 0
 

@@ -10,11 +10,13 @@ from typing import Any
 from pyspice.cli.common import (
     add_context_args,
     add_model_args,
-    gpu_present,
     note,
     open_model,
     resolve_model,
 )
+from pyspice.engine.config import gpu_present
+from pyspice.engine.device import DEFAULT_EMULATED_GBPS, DEFAULT_EMULATED_LATENCY_US
+from pyspice.formats.profile import profile_path, save_profile
 
 
 def register(sub: Any) -> None:
@@ -28,8 +30,7 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pyspice.api import DEFAULT_EMULATED_GBPS, DEFAULT_EMULATED_LATENCY_US
-    from pyspice.probe import measure_profile, profile_path, save_profile
+    from pyspice.measure.probe import measure_profile  # lazy: loads native code
 
     sizes = tuple(int(x) for x in args.batch_sizes.split(",") if x.strip())
     if not sizes or min(sizes) < 1:

@@ -22,7 +22,6 @@ from pyspice.cli.common import (
     add_context_args,
     add_model_args,
     add_sidecar_arg,
-    default_policy,
     note,
     open_model,
     resolve_model,
@@ -133,8 +132,7 @@ def run(args: argparse.Namespace) -> int:
 
     sock = listen(args.host, args.port)
     try:
-        policy = default_policy(args)
-        llm = open_model(args, policy)
+        llm = open_model(args)
         port = sock.getsockname()[1]
         alias = args.alias or resolve_model(args).name
         app = build_app(llm, alias, args.host, port, args.api_key)

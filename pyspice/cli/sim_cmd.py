@@ -88,8 +88,8 @@ def source_expert_bytes(model: Path, n_layers: int) -> tuple[int, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pyspice.probe import profile_path
-    from pyspice.routers import RouterReader
+    from pyspice.formats.profile import profile_path
+    from pyspice.formats.routers import RouterReader
     from pyspice.sim.hardware import EMULATED, load_profile
     from pyspice.sim.report import SimConfig, format_tables, plot, simulate_all, stderr_progress
     from pyspice.sim.targets import load_target
@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
     if args.sidecar is not None:
         import numpy as np
 
-        from pyspice.sidecar import Sidecar
+        from pyspice.formats.sidecar import Sidecar
 
         sidecar = Sidecar.load(args.sidecar, model)
         errors = sidecar.surrogate_error

@@ -10,8 +10,8 @@ from typing import Any
 
 from pyspice.policy import make_policy, policy_spec
 from pyspice.sim.belady import BeladyOracle, belady
-from pyspice.sim.simulator import Simulator
 from pyspice.sim.hardware import HardwareProfile, budget_bytes, emulated_costs, policy_profile, target_costs
+from pyspice.sim.simulator import Simulator
 from pyspice.sim.targets import TargetModel
 from pyspice.sim.workload import Workload
 

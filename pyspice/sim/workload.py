@@ -2,7 +2,7 @@
 
 A step is one evaluation (a prompt micro-batch or one decoded token); it holds
 one call per MoE layer with the arrays a policy sees (hidden, probs, ids,
-weights, optional shared). Traces on disk are read by pyspice.trace (one
+weights, optional shared). Traces on disk are read by pyspice.formats.trace (one
 format, shared with calibration); `from_trace` adapts its reader, and
 `from_arrays` takes plain token-major arrays (tests, scratch recordings).
 """
@@ -143,10 +143,10 @@ class Workload:
 
 
 def from_trace(path: Path) -> Workload:
-    """A trace directory written by pyspice.trace (`generate/bench --trace`). Every
+    """A trace directory written by pyspice.formats.trace (`generate/bench --trace`). Every
     token is a decode step, unless meta.extra names `prompt_tokens`: those first
     tokens then form one prompt step (it warms the tier, it is not timed)."""
-    from pyspice.trace import TraceReader
+    from pyspice.formats.trace import TraceReader
 
     reader = TraceReader(path)
     meta = reader.meta

@@ -49,7 +49,7 @@ class SidecarMismatchError(ValueError):
 
 def tensor_signature(model_path: str | os.PathLike[str]) -> list[tuple[str, tuple[int, ...], str]]:
     """(name, ggml shape, type name) of every tensor of a GGUF, in file order (header only)."""
-    from pyspice.model_info import read_header
+    from pyspice.formats.model_info import read_header
 
     header = read_header(Path(model_path))
     return [(t.name, tuple(int(x) for x in t.shape), t.type_name) for t in header.tensors]
@@ -294,7 +294,7 @@ class Sidecar:
         if routers is None:
             if self.model_path is None:
                 raise ValueError("the sidecar was loaded without its model: pass routers= to predictor()")
-            from pyspice.routers import RouterReader
+            from pyspice.formats.routers import RouterReader
 
             routers = RouterReader(self.model_path)
         get = routers if callable(routers) else routers.__getitem__

@@ -40,7 +40,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from pyspice.policy.base import HookCall, Plan
+from pyspice.policy.base import HookCall, Plan, Policy, PolicyBase, attach_policy, is_lossless
+from pyspice.policy.context import PolicyContext
 
 FORMAT = "pyspice-trace"
 FORMAT_VERSION = 1
@@ -58,7 +59,7 @@ class TraceError(ValueError):
 @dataclass
 class TraceMeta:
     model: str  # model name (file name or general.name)
-    fingerprint: str  # pyspice.sidecar.fingerprint() of the model file, or "" if unknown
+    fingerprint: str  # pyspice.formats.sidecar.fingerprint() of the model file, or "" if unknown
     n_layers: int
     moe_layers: list[int]
     n_expert: int
@@ -397,7 +398,7 @@ class TraceReader:
                 )
 
 
-class TraceRecorder:
+class TraceRecorder(PolicyBase):
     """A policy that records every hook call into a TraceWriter.
 
     It runs `inner`'s plan (the exact plan when inner is None), so a recorded
@@ -411,21 +412,27 @@ class TraceRecorder:
     still runs `inner`'s plan, unrecorded.
     """
 
-    def __init__(self, writer: TraceWriter, inner: Any = None, *, decode_only: bool = False) -> None:
+    def __init__(
+        self, writer: TraceWriter, inner: Policy | None = None, *, decode_only: bool = False
+    ) -> None:
         self.writer = writer
         self.inner = inner
         self.decode_only = decode_only
         self.skipped_tokens = 0
         self._in_step = False
-        self.name = f"trace+{getattr(inner, 'name', 'exact')}" if inner is not None else "trace"
+        self.name = f"trace+{inner.name}" if inner is not None else "trace"
         self._fields = tuple(writer.meta.fields)
         self._next: dict[int, int] = {il: 0 for il in writer.meta.moe_layers}
         self.calls = 0
 
-    def attach(self, ctx: Any) -> None:
-        attach = getattr(self.inner, "attach", None)
-        if attach is not None:
-            attach(ctx)
+    @property
+    def lossless(self) -> bool:
+        """As lossless as the plans it runs: a recorded run is the run it records."""
+        return self.inner is None or is_lossless(self.inner)
+
+    def attach(self, ctx: PolicyContext) -> None:
+        if self.inner is not None:
+            attach_policy(self.inner, ctx)
 
     def set_position(self, token: int) -> None:
         """The next call of every layer starts at this token."""
