@@ -13,8 +13,8 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-from pyspice.runtime import Runtime, SpiceError, native
 from pyspice.formats.sidecar import Sidecar, TruncatedSurrogates
+from pyspice.runtime import Runtime, SpiceError, native
 
 # Lossy policies get at most this share of the device budget for their
 # surrogates (the rank is cut to fit); the rest stays for experts.
