@@ -24,6 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pyspice.calibrate.lore_fit import LayerExperts, expert_forward, surrogate_apply
+from pyspice.formats.sidecar import TruncatedSurrogates
 from pyspice.formats.trace import TraceReader
 from pyspice.policy.predictor import DraftPredictor, gate_probs, top_k
 
@@ -155,8 +156,6 @@ def evaluate_surrogates(
     max_tokens_per_expert: int = 256,
 ) -> SurrogateEval:
     """Relative errors per expert on the trace's tokens; surrogates truncated to each rank."""
-    from pyspice.formats.sidecar import TruncatedSurrogates
-
     has_shared = "shared" in trace.meta.fields
     fields = ("hidden", "ids", "shared") if has_shared else ("hidden", "ids")
     out = SurrogateEval(ranks=list(ranks), layers=[], surrogate=[], shared=[], drop=[])

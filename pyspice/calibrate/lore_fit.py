@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+from gguf import GGUFReader
+from gguf.quants import dequantize
 
 F32 = npt.NDArray[np.float32]
 F64 = npt.NDArray[np.float64]
@@ -51,8 +53,6 @@ class LayerExperts:
 
     @staticmethod
     def _one(tensor: Any, e: int, rows: int, cols: int) -> F32:
-        from gguf.quants import dequantize
-
         raw = np.asarray(tensor.data)[e]
         out = dequantize(raw, tensor.tensor_type)
         return np.ascontiguousarray(np.asarray(out, dtype=np.float32).reshape(rows, cols))
@@ -283,8 +283,6 @@ def fit_layer(
 
 
 def open_gguf(path: str | os.PathLike[str]) -> Any:
-    from gguf import GGUFReader
-
     return GGUFReader(path)
 
 

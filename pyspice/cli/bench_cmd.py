@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pyspice.calibrate.capture import finish_decode_trace, start_decode_trace
 from pyspice.cli.common import add_context_args, add_model_args, add_sidecar_arg, open_model, resolve_model
 from pyspice.measure.bench import (
     DEFAULT_PROMPT,
@@ -63,7 +64,6 @@ def register(sub: Any) -> None:
 
 def _record_trace(llm: Any, out: str, policies: list[str], prompt: tuple[int, ...], n_predict: int) -> None:
     # lazy: the capture module loads native code
-    from pyspice.calibrate.capture import finish_decode_trace, start_decode_trace
 
     name = policies[0] if policies else "exact"
     recorder = start_decode_trace(llm, out, "exact" if name == "stock" else name)

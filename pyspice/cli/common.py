@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pyspice.engine.config import RunConfig
+from pyspice.models.default import default_model
+from pyspice.models.smolmoe_build import MODEL_NAMES
 from pyspice.models.smolmoe_recipe import text_or_corpus
 from pyspice.policy import policy_names
 
@@ -113,13 +115,11 @@ def resolve_model(args: argparse.Namespace, *, sidecar: bool = True) -> Path:
     neither the default model (smolmoe, built on first use, and its sidecar with
     it unless `sidecar` is False or --no-sidecar is given)."""
     chosen = args.model or args.model_pos
-    from pyspice.models.smolmoe_build import MODEL_NAMES  # lazy: numpy and gguf, for one name
 
     if not chosen or chosen in MODEL_NAMES:
         if not chosen:
             note("no model given: using the default model smolmoe (built on first use)")
         # lazy: calibrating runs the model (native code), only on the default model's first use
-        from pyspice.models.default import default_model
 
         path = default_model(sidecar=sidecar and not getattr(args, "no_sidecar", False), note=note)
         args.model, args.model_pos = str(path), None  # resolved once per command

@@ -6,12 +6,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from pyspice.calibrate.capture import CaptureConfig, capture
+from pyspice.calibrate.evaluate import evaluate_predictor, evaluate_surrogates
+from pyspice.calibrate.lore_fit import open_gguf
 from pyspice.cli.common import (
     add_context_args,
     add_model_args,
@@ -23,6 +27,11 @@ from pyspice.cli.common import (
     run_config,
 )
 from pyspice.engine.config import RunConfig
+from pyspice.formats.sidecar import Sidecar, TruncatedSurrogates, default_sidecar_path
+from pyspice.measure.perplexity import perplexity
+from pyspice.models.synth import tensor_types
+from pyspice.paths import cache_dir
+from pyspice.policy.substitute import SubstitutePolicy
 
 _PPL_CTX = 512  # llama-perplexity's usual context; results are only comparable at equal context
 
@@ -122,8 +131,6 @@ def _register_sidecar_evals(esub: Any) -> None:
 
 
 def _eval_inputs(args: argparse.Namespace) -> tuple[Path, Any, str]:
-    from pyspice.formats.sidecar import Sidecar, default_sidecar_path
-
     model = resolve_eval_model(args.model or args.model_pos)
     sidecar_path = args.sidecar or default_sidecar_path(model)
     sidecar = Sidecar.load(sidecar_path, model)
@@ -131,8 +138,6 @@ def _eval_inputs(args: argparse.Namespace) -> tuple[Path, Any, str]:
 
 
 def _capture_eval_trace(args: argparse.Namespace, model: Path, text: str, tmp: Path) -> Any:
-    from pyspice.calibrate.capture import CaptureConfig, capture
-
     return capture(
         model,
         text,
@@ -143,10 +148,6 @@ def _capture_eval_trace(args: argparse.Namespace, model: Path, text: str, tmp: P
 
 
 def run_predictor_eval(args: argparse.Namespace) -> int:
-    import tempfile
-
-    from pyspice.calibrate.evaluate import evaluate_predictor
-    from pyspice.paths import cache_dir
 
     model, sidecar, text = _eval_inputs(args)
     with tempfile.TemporaryDirectory(prefix="eval-", dir=cache_dir()) as tmp:
@@ -171,11 +172,6 @@ def run_predictor_eval(args: argparse.Namespace) -> int:
 
 
 def run_surrogate_eval(args: argparse.Namespace) -> int:
-    import tempfile
-
-    from pyspice.calibrate.evaluate import evaluate_surrogates
-    from pyspice.calibrate.lore_fit import open_gguf
-    from pyspice.paths import cache_dir
 
     try:
         ranks = sorted({int(r) for r in str(args.ranks).split(",") if r.strip()})
@@ -222,10 +218,6 @@ def run_surrogate_eval(args: argparse.Namespace) -> int:
 def _substitute_ppl(
     args: argparse.Namespace, model: Path, sidecar: Any, text: str, ranks: list[int]
 ) -> dict[str, Any]:
-    from pyspice.formats.sidecar import TruncatedSurrogates
-    from pyspice.measure.perplexity import perplexity
-    from pyspice.policy.substitute import SubstitutePolicy
-
     layers = sidecar.moe_layers
     resident: set[tuple[int, int]] = set()
     for il in layers:
@@ -283,8 +275,6 @@ def _substitute_ppl(
 
 
 def _is_moe(path: Path) -> bool:
-    from pyspice.models.synth import tensor_types
-
     return any(name.endswith("ffn_gate_inp.weight") for name in tensor_types(path))
 
 
@@ -320,8 +310,6 @@ def _ppl_text(args: argparse.Namespace) -> str:
 
 
 def run_ppl(args: argparse.Namespace) -> int:
-    from pyspice.measure.perplexity import perplexity
-
     text = _ppl_text(args)
     model = resolve_eval_model(args.model or args.model_pos)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()] if args.policies else [args.policy]

@@ -8,6 +8,7 @@ import json
 import sys
 from typing import Any
 
+from pyspice.calibrate.capture import finish_decode_trace, start_decode_trace
 from pyspice.cli.common import (
     add_context_args,
     add_model_args,
@@ -94,8 +95,6 @@ def run(args: argparse.Namespace) -> int:
     prompt = read_prompt(args)
     recorder = None
     if getattr(args, "trace", None):
-        from pyspice.calibrate.capture import start_decode_trace
-
         recorder = start_decode_trace(llm, args.trace, llm.spice_policy)
 
     def echo(text: str) -> None:
@@ -104,8 +103,6 @@ def run(args: argparse.Namespace) -> int:
 
     text, tokens = generate_tokens(llm, prompt, args, None if args.json else echo)
     if recorder is not None:
-        from pyspice.calibrate.capture import finish_decode_trace
-
         finish_decode_trace(recorder, tokens=tokens)
     if args.json:
         json.dump({"text": text, "tokens": tokens, "stats": llm.spice_stats()}, sys.stdout)

@@ -17,6 +17,7 @@ from pyspice.cli.common import (
 from pyspice.engine.config import gpu_present
 from pyspice.engine.device import DEFAULT_EMULATED_GBPS, DEFAULT_EMULATED_LATENCY_US
 from pyspice.formats.profile import profile_path, save_profile
+from pyspice.measure.probe import measure_profile
 
 
 def register(sub: Any) -> None:
@@ -30,8 +31,6 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pyspice.measure.probe import measure_profile  # lazy: loads native code
-
     sizes = tuple(int(x) for x in args.batch_sizes.split(",") if x.strip())
     if not sizes or min(sizes) < 1:
         raise ValueError("--batch-sizes needs positive integers")

@@ -197,6 +197,7 @@ def format_table(results: dict[str, PolicyResult], baseline: str) -> str:
 
 
 def plot(results: dict[str, PolicyResult], baseline: str, path: str, title: str) -> None:
+    # lazy: matplotlib is optional, for --plot only
     import matplotlib
 
     matplotlib.use("Agg")

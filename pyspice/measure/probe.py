@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 
 from pyspice.formats.profile import model_fingerprint
@@ -68,8 +69,6 @@ def _exact_and_dropped(llm: Any, tokens: list[int], repeats: int) -> tuple[float
 
 
 def _type_name(t: int) -> str:
-    import gguf
-
     try:
         return str(gguf.GGMLQuantizationType(t).name)
     except ValueError:

@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from pyspice.formats.trace import TraceReader
+
 
 @dataclass
 class SimCall:
@@ -146,8 +148,6 @@ def from_trace(path: Path) -> Workload:
     """A trace directory written by pyspice.formats.trace (`generate/bench --trace`). Every
     token is a decode step, unless meta.extra names `prompt_tokens`: those first
     tokens then form one prompt step (it warms the tier, it is not timed)."""
-    from pyspice.formats.trace import TraceReader
-
     reader = TraceReader(path)
     meta = reader.meta
     fields = tuple(f for f in ("ids", "weights", "probs", "hidden") if f in meta.fields)
