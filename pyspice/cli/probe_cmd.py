@@ -10,6 +10,7 @@ from typing import Any
 from pyspice.cli.common import (
     add_context_args,
     add_model_args,
+    add_sidecar_arg,
     note,
     open_model,
     resolve_model,
@@ -24,6 +25,7 @@ def register(sub: Any) -> None:
     p = sub.add_parser("probe", help="measure this machine's cost profile for a model", description=__doc__)
     add_model_args(p)
     add_context_args(p)
+    add_sidecar_arg(p)
     p.add_argument("--batch-sizes", default="1,8,32", help="tokens per micro-batch to time (default 1,8,32)")
     p.add_argument("--repeat", type=int, default=5, help="timed runs per measurement (median; default 5)")
     p.add_argument("--json", action="store_true", help="print the profile as JSON")

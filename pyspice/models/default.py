@@ -1,8 +1,9 @@
 """The default model, smolmoe, as every command opens it: built on first use, with its sidecar.
 
 The sidecar (the draft predictor and the surrogates) is what SPICE runs with;
-a first use without it would run SPICE half-blind, so it is calibrated then
-too, with progress bars (a few minutes on 2 cores), unless asked not to.
+a first use without it would run SPICE without its draft predictor, so it is
+calibrated then too, with progress bars (a few minutes on 2 cores), unless
+asked not to (--no-sidecar, which says so in one line).
 """
 
 from __future__ import annotations
@@ -15,23 +16,26 @@ from pyspice.calibrate.run import ensure_sidecar
 from pyspice.formats.sidecar import default_sidecar_path
 from pyspice.models.smolmoe_build import build_smolmoe
 
+Note = Callable[[str], None]
 
-def default_model(*, sidecar: bool = True, progress: bool = True, note: Callable[[str], None]) -> Path:
+
+def default_model(*, sidecar: bool = True, progress: bool = True, note: Note) -> Path:
     """The default model's GGUF, built on first use; with `sidecar`, its sidecar too."""
-    path = build_smolmoe(progress=progress)
-    if sidecar:
-        with_sidecar(path, progress=progress, note=note)
-    elif not default_sidecar_path(path).is_file():
-        note("--no-sidecar: the default model runs without a calibration sidecar")
-    return path
+    return prepare(build_smolmoe(progress=progress), sidecar=sidecar, progress=progress, note=note)
 
 
-def with_sidecar(model: Path, *, progress: bool = True, note: Callable[[str], None], **settings: Any) -> Path:
-    """`model`'s sidecar, calibrated first if it has none (`settings`: run_calibration's)."""
+def prepare(model: Path, *, sidecar: bool, progress: bool = True, note: Note, **settings: Any) -> Path:
+    """`model`, with its sidecar beside it made first if `sidecar` and there is none
+    (`settings`: run_calibration's keywords, for smaller runs in tests)."""
     out = default_sidecar_path(model)
+    if not sidecar:
+        if not out.is_file():
+            note(f"--no-sidecar: {model.name} runs without a calibration sidecar")
+        return model
     if not out.is_file():
         note(
             f"first use of {model.name}: calibrating its sidecar {out.name} (the draft predictor and "
             "surrogates SPICE runs with; a few minutes; --no-sidecar skips it)"
         )
-    return ensure_sidecar(model, progress=progress, **settings)
+    ensure_sidecar(model, progress=progress, **settings)
+    return model
