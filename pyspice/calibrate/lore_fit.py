@@ -22,7 +22,7 @@ Relative error ||Y - Ŷ|| / ||Y|| is measured on held-out tokens only.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -202,7 +202,7 @@ def fit_expert(
     return out
 
 
-def surrogate_apply(h: npt.ArrayLike, s: npt.ArrayLike | None, alpha: float, A: F32, B: F32) -> F64:
+def surrogate_forward(h: npt.ArrayLike, s: npt.ArrayLike | None, alpha: float, A: F32, B: F32) -> F64:
     """α·S + B·A·h for rows h [n, d] (numpy reference of the executor's arithmetic)."""
     x = np.asarray(h, dtype=np.float64)
     out: F64 = (x @ A.T.astype(np.float64)) @ B.T.astype(np.float64)
@@ -262,7 +262,7 @@ def fit_layer(
         St = S[ntr:] if S is not None else None
         errors: dict[int, float] = {}
         for r, (a, A, B) in per_rank.items():
-            errors[r] = _rel_error(Yt, surrogate_apply(H[ntr:], St, a, A, B)) if len(test) else float("nan")
+            errors[r] = _rel_error(Yt, surrogate_forward(H[ntr:], St, a, A, B)) if len(test) else float("nan")
         alpha, A, B = per_rank[config.rank]
         fits.append(
             ExpertFit(
@@ -284,8 +284,3 @@ def fit_layer(
 
 def open_gguf(path: str | os.PathLike[str]) -> Any:
     return GGUFReader(path)
-
-
-def iter_layers(reader: Any, layers: Sequence[int]) -> Iterator[LayerExperts]:
-    for il in layers:
-        yield LayerExperts(reader, il)

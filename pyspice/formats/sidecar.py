@@ -71,10 +71,6 @@ def fingerprint(model_path: str | os.PathLike[str]) -> str:
     return "sha256:" + h.hexdigest()[:32]
 
 
-def model_name(model_path: str | os.PathLike[str]) -> str:
-    return Path(model_path).name
-
-
 def default_sidecar_path(model_path: str | os.PathLike[str]) -> Path:
     p = Path(model_path)
     stem = p.name[: -len(".gguf")] if p.name.endswith(".gguf") else p.name
@@ -331,18 +327,3 @@ class Sidecar:
         for s in self.data.surrogates.values():
             total += int(s.rank.sum()) * 2 * self.data.n_embd * dtype_bytes + 4 * int(s.rank.shape[0])
         return total
-
-    def summary_rows(self) -> list[tuple[int, float, float, float, float]]:
-        """(layer, mean rank, mean error, mean shared-alone error, mean drop error) per MoE layer."""
-        rows = []
-        for il, s in sorted(self.data.surrogates.items()):
-            rows.append(
-                (
-                    il,
-                    float(s.rank.mean()),
-                    float(np.nanmean(s.error)),
-                    float(np.nanmean(s.error_shared)) if np.isfinite(s.error_shared).any() else float("nan"),
-                    float(np.nanmean(s.error_drop)),
-                )
-            )
-        return rows

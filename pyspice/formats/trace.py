@@ -28,7 +28,6 @@ layer buffer is flushed first), whatever the number of layers.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -468,15 +467,3 @@ class TraceRecorder(PolicyBase):
         if plan.resume_layer != -1:  # a recorder must see every call: the inner policy is asked at each
             plan = replace(plan, resume_layer=-1)
         return plan
-
-
-def remove_trace(path: str | os.PathLike[str]) -> None:
-    """Delete a trace directory made by TraceWriter (only its own files)."""
-    p = Path(path)
-    if not (p / "meta.json").exists():
-        raise TraceError(f"{p} is not a pyspice trace")
-    for entry in os.scandir(p):
-        if _CHUNK_RE.match(entry.name) or entry.name.endswith((".tmp.npz", "meta.json", "meta.json.tmp")):
-            os.unlink(entry.path)
-    with contextlib.suppress(OSError):
-        p.rmdir()

@@ -78,7 +78,7 @@ class HookCall:
         self.n_expert_used = int(ids.shape[1])
         self.n_expert = int(probs.shape[1])
         self._arrays: list[Any] = [hidden, probs, ids, weights, shared, residency]
-        self._fetch: Callable[[int], Any] | None = None
+        self._fetch: Callable[[int], Any] = self._arrays.__getitem__  # every array is set already
 
     @classmethod
     def lazy(
@@ -98,10 +98,6 @@ class HookCall:
     def _get(self, i: int) -> Any:
         value = self._arrays[i]
         if value is _UNSET:
-            if self._fetch is None:
-                raise RuntimeError(
-                    "a HookCall's arrays can only be read during Policy.decide; copy what you keep"
-                )
             value = self._arrays[i] = self._fetch(i)
         return value
 
