@@ -39,7 +39,7 @@ from pyspice.policy import Policy, PolicyContext, make_policy, policy_spec
 from pyspice.policy.base import attach_policy, is_lossless
 from pyspice.policy.predictor import DraftPredictor
 from pyspice.policy.profile import CostProfile
-from pyspice.runtime import IncompatibleModelError, LayerInfo, Runtime, StoreParams, device_count
+from pyspice.runtime import IncompatibleModelError, LayerInfo, Runtime, StoreParams, device_count, native
 from pyspice.stats import StatsSnapshot, Timing, stats_record
 from pyspice.units import Budget, parse_budget
 
@@ -85,7 +85,9 @@ class Engine:
         if self.runtime is None:
             if self.attach_error is not None:
                 raise self.attach_error
-            raise IncompatibleModelError(2, "this model has no MoE layers the pyspice hook can serve")
+            raise IncompatibleModelError(
+                native().SPICE_ERR_UNSUPPORTED, "this model has no MoE layers the pyspice hook can serve"
+            )
         return self.runtime
 
     def layers(self) -> list[LayerInfo]:
