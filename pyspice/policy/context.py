@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -39,6 +39,16 @@ class RoutePredictor(Protocol):
     cross-layer router baseline (pyspice.policy.spice.lookahead.RouterLookahead)."""
 
     def rollout_logits(self, layer: int, hidden: F32, depth: int) -> list[tuple[int, F32]]: ...
+
+
+@runtime_checkable
+class AffinePredictor(RoutePredictor, Protocol):
+    """A RoutePredictor whose rollout to `depth` layers is one affine map of the input:
+    logits = G h (+ offset). Both shipped predictors are; a rollout is then one product."""
+
+    def affine_map(self, layer: int, depth: int) -> tuple[list[int], F32, F32 | None]:
+        """(layers reached, G [len(layers) * n_expert, n_embd], offset or None)."""
+        ...
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from math import exp
 import numpy as np
 import numpy.typing as npt
 
-from pyspice.policy.context import PolicyContext, RoutePredictor
+from pyspice.policy.context import AffinePredictor, PolicyContext, RoutePredictor
 
 F32 = npt.NDArray[np.float32]
 
@@ -71,7 +71,7 @@ class Rollout:
 
     def __init__(self, predictor: RoutePredictor) -> None:
         self.predictor = predictor
-        self.affine = getattr(predictor, "affine_map", None)
+        self.affine = predictor.affine_map if isinstance(predictor, AffinePredictor) else None
         self.maps: dict[int, tuple[list[int], F32, F32 | None, int]] = {}
 
     def rollout_logits(self, layer: int, hidden: F32, depth: int) -> list[tuple[int, F32]]:
@@ -160,9 +160,8 @@ def _stack(rolled: list[tuple[int, F32]]) -> tuple[list[int], F32]:
 
 def _stacked(predictor: RoutePredictor, layer: int, hidden: F32, depth: int) -> tuple[list[int], F32]:
     """(layers, logits [..., depth, n_expert]) in one array, from either predictor interface."""
-    stacked = getattr(predictor, "stacked_logits", None)
-    if stacked is not None:
-        return stacked(layer, hidden, depth)  # type: ignore[no-any-return]
+    if isinstance(predictor, Rollout):
+        return predictor.stacked_logits(layer, hidden, depth)
     return _stack(predictor.rollout_logits(layer, hidden, depth))
 
 
