@@ -22,12 +22,15 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
 from pyspice.formats.model_info import read_header
 from pyspice.formats.sidecar import fingerprint
+
+if TYPE_CHECKING:
+    from pyspice.api import Llama
 from pyspice.formats.trace import TraceMeta, TraceReader, TraceRecorder, TraceWriter
 from pyspice.policy import make_policy, policy_spec
 
@@ -183,12 +186,12 @@ def capture(
     return TraceReader(out_dir)
 
 
-def start_decode_trace(llm: Any, out: str | os.PathLike[str], policy: str | None = None) -> TraceRecorder:
+def start_decode_trace(llm: Llama, out: str | os.PathLike[str], policy: str | None = None) -> TraceRecorder:
     """Record the decode steps of `llm` from now on into a new trace directory `out`
     (`generate/bench --trace`). The model keeps running `policy`'s plans (a Python
     policy of that name; the exact plan for `exact` and `stock`); one-token calls are
     recorded, prompt batches are not (see TraceRecorder). Finish with finish_decode_trace."""
-    name: str = policy or str(getattr(llm, "spice_policy", "exact"))
+    name = policy or llm.spice_policy
     inner = make_policy(name) if policy_spec(name).kind == "python" else None
     model = Path(llm.model_path)
     geo = model_geometry(model)
