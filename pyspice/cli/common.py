@@ -111,19 +111,22 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def resolve_model(args: argparse.Namespace, *, sidecar: bool = True) -> Path:
-    """The GGUF to use: -m/positional path, the default model's name, or with
-    neither the default model (smolmoe, built on first use, and its sidecar with
-    it unless `sidecar` is False or --no-sidecar is given)."""
-    chosen = args.model or args.model_pos
+    """The GGUF of -m or the positional MODEL (see model_path); `sidecar`: the default
+    model's is made on first use unless --no-sidecar is given."""
+    path = model_path(
+        args.model or args.model_pos, sidecar=sidecar and not getattr(args, "no_sidecar", False)
+    )
+    args.model, args.model_pos = str(path), None  # resolved once per command
+    return path
 
+
+def model_path(chosen: str | None, *, sidecar: bool = True) -> Path:
+    """A GGUF path, or the default model (its name, or nothing): smolmoe, built on first
+    use, and its sidecar with it when `sidecar`."""
     if not chosen or chosen in MODEL_NAMES:
         if not chosen:
             note("no model given: using the default model smolmoe (built on first use)")
-        # lazy: calibrating runs the model (native code), only on the default model's first use
-
-        path = default_model(sidecar=sidecar and not getattr(args, "no_sidecar", False), note=note)
-        args.model, args.model_pos = str(path), None  # resolved once per command
-        return path
+        return default_model(sidecar=sidecar, note=note)
     path = Path(chosen).expanduser()
     if not path.is_file():
         raise FileNotFoundError(

@@ -21,9 +21,9 @@ from pyspice.cli.common import (
     add_model_args,
     add_sidecar_arg,
     add_text_arg,
+    model_path,
     note,
     read_text_or_corpus,
-    resolve_model,
     run_config,
 )
 from pyspice.engine.config import RunConfig
@@ -131,7 +131,7 @@ def _register_sidecar_evals(esub: Any) -> None:
 
 
 def _eval_inputs(args: argparse.Namespace) -> tuple[Path, Any, str]:
-    model = resolve_eval_model(args.model or args.model_pos)
+    model = model_path(args.model or args.model_pos)
     sidecar_path = args.sidecar or default_sidecar_path(model)
     sidecar = Sidecar.load(sidecar_path, model)
     return model, sidecar, read_text_or_corpus(args.file, "heldout")
@@ -278,11 +278,6 @@ def _is_moe(path: Path) -> bool:
     return any(name.endswith("ffn_gate_inp.weight") for name in tensor_types(path))
 
 
-def resolve_eval_model(name: str | None) -> Path:
-    """A GGUF path, or the default model's name (built on first use)."""
-    return resolve_model(argparse.Namespace(model=name, model_pos=None))
-
-
 def _open(args: argparse.Namespace, path: Path, policy: str | None) -> Any:
     if not _is_moe(path):
         if policy not in (None, "stock"):
@@ -311,12 +306,12 @@ def _ppl_text(args: argparse.Namespace) -> str:
 
 def run_ppl(args: argparse.Namespace) -> int:
     text = _ppl_text(args)
-    model = resolve_eval_model(args.model or args.model_pos)
+    model = model_path(args.model or args.model_pos)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()] if args.policies else [args.policy]
     if args.policies and args.reference:
         raise ValueError("--reference and --policies do not go together; run them separately")
     llm = _open(args, model, policies[0])
-    reference = _open(args, resolve_eval_model(args.reference), None) if args.reference else None
+    reference = _open(args, model_path(args.reference), None) if args.reference else None
     rows: list[dict[str, Any]] = []
 
     def progress(done: int, total: int, ppl: float) -> None:
