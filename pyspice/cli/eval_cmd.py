@@ -24,6 +24,7 @@ from pyspice.cli.common import (
     model_path,
     note,
     read_text_or_corpus,
+    resolve_model,
     run_config,
 )
 from pyspice.engine.config import RunConfig
@@ -131,7 +132,8 @@ def _register_sidecar_evals(esub: Any) -> None:
 
 
 def _eval_inputs(args: argparse.Namespace) -> tuple[Path, Any, str]:
-    model = model_path(args.model or args.model_pos)
+    # the default model's own sidecar is made on first use unless another is given
+    model = model_path(args.model or args.model_pos, sidecar=args.sidecar is None)
     sidecar_path = args.sidecar or default_sidecar_path(model)
     sidecar = Sidecar.load(sidecar_path, model)
     return model, sidecar, read_text_or_corpus(args.file, "heldout")
@@ -306,7 +308,7 @@ def _ppl_text(args: argparse.Namespace) -> str:
 
 def run_ppl(args: argparse.Namespace) -> int:
     text = _ppl_text(args)
-    model = model_path(args.model or args.model_pos)
+    model = resolve_model(args)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()] if args.policies else [args.policy]
     if args.policies and args.reference:
         raise ValueError("--reference and --policies do not go together; run them separately")
