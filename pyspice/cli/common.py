@@ -112,10 +112,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def resolve_model(args: argparse.Namespace, *, sidecar: bool = True) -> Path:
     """The GGUF of -m or the positional MODEL (see model_path); `sidecar`: the default
-    model's is made on first use unless --no-sidecar is given."""
-    path = model_path(
-        args.model or args.model_pos, sidecar=sidecar and not getattr(args, "no_sidecar", False)
-    )
+    model's own is made on first use, unless --no-sidecar or another --sidecar is given."""
+    own = getattr(args, "sidecar", None) is None and not getattr(args, "no_sidecar", False)
+    path = model_path(args.model or args.model_pos, sidecar=sidecar and own)
     args.model, args.model_pos = str(path), None  # resolved once per command
     return path
 
