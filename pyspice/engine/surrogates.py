@@ -34,7 +34,7 @@ class SurrogateSet:
     """The loaded LoRE surrogates: how many (layer, expert) pairs, and the budget bytes they take."""
 
     count: int
-    device_bytes: int
+    device_bytes: int  # charged to the device budget (the f16 matrices themselves are in host memory)
 
 
 def load_surrogates(runtime: Runtime, source: SurrogateSource) -> SurrogateSet:
