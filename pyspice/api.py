@@ -6,96 +6,32 @@ Switching an app is one import: `from pyspice import Llama` (or
 the settings the hook needs: routed-expert tensors in plain host memory,
 never repacked (pinned host memory on GPU builds), everything else where
 llama.cpp puts it. One model, one context, one library in the process.
+
+`Llama` keeps llama-cpp-python's surface; what pyspice adds lives in the
+`Engine` it composes (pyspice.engine). `Llama.from_config` opens a model
+with the defaults the CLI uses (pyspice.engine.RunConfig).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import dataclasses
-import importlib
-import importlib.util
-import os
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import llama_cpp
-import numpy as np
-import numpy.typing as npt
 
-from pyspice.blas_threads import limit_blas_threads
-from pyspice.policy import Policy, PolicyContext, make_policy, policy_spec
-from pyspice.routers import RouterReader
-from pyspice.runtime import (
-    DEVICE_CUDA,
-    ExpertBufferType,
-    IncompatibleModelError,
-    Runtime,
-    SpiceError,
-    StoreParams,
-    device_count,
-    device_memory,
-)
-from pyspice.stats import StatsSnapshot, Timing, stats_record
-from pyspice.units import Budget, format_bytes, parse_budget
-
-# The emulated device when no --emulate-bandwidth/latency is given: about a
-# Lossy policies keep their surrogates on the device; they get at most this share
-# of its budget (the rank is cut to fit), the rest stays for experts.
-SURROGATE_BUDGET_SHARE = 0.25
-
-# PCIe 4.0 x8 link as seen by real copies (RTX 4060-class machines).
-DEFAULT_EMULATED_GBPS = 12.0
-DEFAULT_EMULATED_LATENCY_US = 10.0
-
-# A real device measures its own copies; these only seed the store's guess of
-# when a queued prefetch lands (PCIe 4.0 x16 as seen by pinned copies).
-REAL_BUS_GUESS_GBPS = 25.0
-REAL_BUS_GUESS_LATENCY_US = 10.0
-
-# Device memory a real budget leaves free for ggml's own buffers (the
-# executor's activations, the other layers' weights when offloaded).
-REAL_DEVICE_MARGIN = 0.9
-
-
-@dataclass(frozen=True)
-class DeviceTier:
-    """What a device budget turned into (printed once by the CLI)."""
-
-    budget: str
-    budget_bytes: int
-    holds: int  # experts of average size the budget holds
-    experts: int
-    expert_bytes: int
-    bandwidth_gbps: float
-    latency_us: float
-    emulated: bool
-    device_name: str = ""
-
-    def describe(self) -> str:
-        kind = "emulated device" if self.emulated else (self.device_name or "device")
-        return (
-            f"{kind}: budget {self.budget} = {format_bytes(self.budget_bytes)} of "
-            f"{format_bytes(self.expert_bytes)} routed-expert bytes, "
-            f"about {self.holds} of {self.experts} experts"
-            + (
-                f", bus {self.bandwidth_gbps:g} GB/s + {self.latency_us:g} us per copy"
-                if self.emulated
-                else ""
-            )
-        )
-
-
-@dataclass(frozen=True)
-class SurrogateSet:
-    """The loaded LoRE surrogates: how many (layer, expert) pairs, device bytes."""
-
-    count: int
-    device_bytes: int
-
+from pyspice.engine import DeviceTier, Engine, ResolvedRun, RunConfig, SurrogateSet
+from pyspice.engine.surrogates import SurrogateSource
+from pyspice.formats.model_info import ModelFileError, read_header
+from pyspice.formats.sidecar import Sidecar
+from pyspice.policy import Policy, PolicyContext
+from pyspice.runtime import ExpertBufferType, IncompatibleModelError, LayerInfo, Runtime, device_count
+from pyspice.stats import StatsSnapshot
+from pyspice.units import format_bytes
 
 # llama.cpp matches this against tensor names with std::regex_search
 EXPERT_TENSOR_PATTERN = rb"\.ffn_(gate|up|down)_exps\.weight$"
@@ -144,18 +80,13 @@ class Llama(llama_cpp.Llama):
         # llama_cpp.Llama.__del__ closes self._stack: make it exist even if loading fails early
         self._stack = contextlib.ExitStack()
         # checked before loading: a sidecar made for another model fails in milliseconds
-        self.spice_sidecar: Any = load_sidecar(sidecar, model_path) if sidecar is not None else None
+        self.spice_sidecar = load_sidecar(sidecar, model_path) if sidecar is not None else None
         # the buffer type must outlive the model: the instance holds it until it is collected
         self._spice_buft = ExpertBufferType()
         self._spice_overrides = _expert_overrides(self._spice_buft)
+        self._spice_model_params: Any = None  # see the model_params property
         self._spice_runtime: Runtime | None = None
-        self._spice_timing = Timing()
-        self._spice_policy_name = "stock"
-        self._spice_custom_policy: Policy | None = None  # set_policy's object, if not a registry name
-        self._spice_max_hook_tokens = max_hook_tokens
-        self._spice_device_params: StoreParams | None = None
-        self._spice_routers: RouterReader | None = None
-        self._spice_profile: Any = None
+        self._spice_twin: llama_cpp.Llama | None = None
         if kwargs.get("n_gpu_layers", 0) == 0 and "op_offload" not in kwargs and device_count() > 0:
             # with no layer on the GPU, llama.cpp's op offload copies host weights over
             # for prompt batches; beside a real device tier those copies failed
@@ -164,21 +95,84 @@ class Llama(llama_cpp.Llama):
         super().__init__(model_path, **kwargs)
         ctx_address = ctypes.cast(self._ctx.ctx, ctypes.c_void_p).value
         assert ctx_address is not None
-        self._spice_attach_error: IncompatibleModelError | None = None
+        attach_error: IncompatibleModelError | None = None
         try:
             self._spice_runtime = Runtime(ctx_address)
         except IncompatibleModelError as exc:
             if policy != "stock":
                 self.close()
                 raise
-            self._spice_attach_error = exc
+            attach_error = exc
         if self._spice_runtime is not None:
             # runs before the context is freed (the stack unwinds last-in first-out)
             self._stack.callback(self._spice_runtime.close)
-        self.spice_device: DeviceTier | None = None
+        arch = self.metadata.get("general.architecture", "")
+        self.spice_engine = Engine(
+            self._spice_runtime,
+            Path(model_path),
+            int(self.metadata.get(f"{arch}.expert_used_count", 0) or 0),
+            sidecar=self.spice_sidecar,
+            max_hook_tokens=max_hook_tokens,
+            attach_error=attach_error,
+        )
         if device_budget is not None:
             self.set_device(device_budget, emulate_bandwidth, emulate_latency)
         self.set_policy(policy)
+
+    @classmethod
+    def from_config(
+        cls,
+        config: RunConfig | ResolvedRun,
+        *,
+        logits_all: bool = False,
+        seed: int | None = None,
+        note: Callable[[str], None] | None = None,
+    ) -> Llama:
+        """The model of `config` with every default resolved as the CLI resolves it
+        (RunConfig.resolve); each choice made is said through `note` (default: stderr)."""
+        say = note or _note
+        run = config.resolve(say) if isinstance(config, RunConfig) else config
+        llm = cls(
+            str(run.model),
+            policy="stock" if run.auto_budget else run.policy,  # the policy starts once its tier exists
+            max_hook_tokens=run.max_hook_tokens,
+            n_ctx=run.n_ctx,
+            n_batch=run.n_batch,
+            n_ubatch=run.n_ubatch,
+            n_threads=run.threads,
+            n_threads_batch=run.threads,
+            n_gpu_layers=run.n_gpu_layers,
+            logits_all=logits_all,
+            seed=seed if seed is not None else 0xFFFFFFFF,
+            # an automatic budget is sized after loading, from what the GPU has left
+            device_budget=run.device_budget,
+            emulate_bandwidth=run.emulate_bandwidth,
+            emulate_latency=run.emulate_latency,
+            sidecar=run.sidecar,
+            verbose=False,
+        )
+        if run.auto_budget:
+            budget = llm.automatic_device_budget()
+            say(
+                f"no --device-budget: using {format_bytes(budget)}, what the GPU has free after the "
+                "model's other weights and the KV cache, less a margin (or all routed experts if less)"
+            )
+            llm.set_device(budget)
+            llm.set_policy(run.policy)
+        if llm.spice_device is not None:
+            say(llm.spice_device.describe())
+        return llm
+
+    # llama_cpp.Llama.__init__ assigns self.model_params and fills it before
+    # loading; intercepting the assignment places the expert overrides there.
+    @property
+    def model_params(self) -> Any:
+        return self._spice_model_params
+
+    @model_params.setter
+    def model_params(self, value: Any) -> None:
+        value.tensor_buft_overrides = ctypes.addressof(self._spice_overrides)
+        self._spice_model_params = value
 
     # ---- device tier ----------------------------------------------------------------
 
@@ -195,303 +189,62 @@ class Llama(llama_cpp.Llama):
         device 0) unless a bandwidth or latency to emulate is given; otherwise it
         is emulated: slots in their own host buffer, copies on a virtual bus of
         the given bandwidth/latency."""
-        runtime = self._require_runtime()
-        layers = [info for info in runtime.layers() if info.is_moe]
-        total = self.spice_expert_bytes()
-        spec = parse_budget(budget) if isinstance(budget, str) else Budget(bytes=int(budget))
-        real = bandwidth_gbps is None and latency_us is None and not manual_clock and device_count() > 0
-        if real:
-            check_real_budget(spec, spec.resolve(total))
-            params = StoreParams(
-                budget_bytes=spec.resolve(total),
-                bandwidth_gbps=REAL_BUS_GUESS_GBPS,
-                latency_us=REAL_BUS_GUESS_LATENCY_US,
-                device_kind=DEVICE_CUDA,
-            )
-        else:
-            check_emulated_budget(spec, spec.resolve(total), total)
-            params = StoreParams(
-                budget_bytes=spec.resolve(total),
-                bandwidth_gbps=bandwidth_gbps if bandwidth_gbps is not None else DEFAULT_EMULATED_GBPS,
-                latency_us=latency_us if latency_us is not None else DEFAULT_EMULATED_LATENCY_US,
-                manual_clock=manual_clock,
-            )
-        runtime.set_device(params)
-        self._spice_device_params = params
-        n_experts = sum(info.n_expert for info in layers)
-        self.spice_device = DeviceTier(
-            budget=str(spec),
-            budget_bytes=params.budget_bytes,
-            holds=min(n_experts, int(params.budget_bytes * n_experts / max(1, total))),
-            experts=n_experts,
-            expert_bytes=total,
-            bandwidth_gbps=params.bandwidth_gbps,
-            latency_us=params.latency_us,
-            emulated=not real,
-            device_name="CUDA device 0" if real else "",
-        )
-        if self._spice_custom_policy is not None:  # a policy object: re-attached to the new tier
-            self.set_policy(self._spice_custom_policy)
-        elif self._spice_policy_name != "stock":
-            self.set_policy(self._spice_policy_name)
-        return self.spice_device
+        return self.spice_engine.set_device(budget, bandwidth_gbps, latency_us, manual_clock=manual_clock)
+
+    def clear_device(self) -> None:
+        self.spice_engine.clear_device()
 
     @property
-    def spice_policy_name(self) -> str:
-        """The policy in use (its registry name, or a custom policy's `name`)."""
-        return self._spice_policy_name
+    def spice_device(self) -> DeviceTier | None:
+        return self.spice_engine.device
 
     def automatic_device_budget(self) -> int:
         """Bytes for a real device tier when none is given (DESIGN section 11): the
         GPU's free memory now (after this model's other weights and KV cache are
         allocated), less the margin ggml's buffers need, and never more than all
         routed experts."""
-        free, _ = device_memory(0)
-        return int(min(self.spice_expert_bytes(), REAL_DEVICE_MARGIN * free))
+        return self.spice_engine.automatic_budget()
 
     def spice_expert_bytes(self) -> int:
         """Bytes of all routed experts (what a 100% device budget holds)."""
-        return sum(info.bytes_per_expert * info.n_expert for info in self.spice_layers() if info.is_moe)
+        return self.spice_engine.expert_bytes()
 
-    def clear_device(self) -> None:
-        self._require_runtime().set_device(None)
-        self._spice_device_params = None
-        self.spice_device = None
-
-    def set_profile(self, profile: Any) -> None:
-        """A cost profile (pyspice.probe.CostProfile) for policies that weigh costs."""
-        self._spice_profile = profile
+    def spice_layers(self) -> list[LayerInfo]:
+        return self.spice_engine.layers()
 
     # ---- surrogates ------------------------------------------------------------------
 
-    def set_surrogates(self, sidecar: Any) -> SurrogateSet:
+    def set_surrogates(self, source: SurrogateSource) -> SurrogateSet:
         """Load LoRE surrogates for the policies that ask for them (plan action
-        "surrogate"). `sidecar` is anything with `surrogate(layer, expert) ->
-        (alpha, A [rank, n_embd], B [n_embd, rank]) or None` (pyspice.sidecar.Sidecar).
-        They replace any loaded before; their f16 bytes count against the
-        device budget. Over budget: nothing stays loaded and ValueError says
-        by how much. Exact policies never use them."""
-        runtime = self._require_runtime()
-        runtime.clear_surrogates()
-        try:
-            for info in runtime.layers():
-                if not info.is_moe:
-                    continue
-                for e in range(info.n_expert):
-                    entry = sidecar.surrogate(info.il, e)
-                    if entry is None:
-                        continue
-                    alpha, a, b = entry
-                    if np.shape(a)[-1:] != (info.n_embd,):
-                        raise ValueError(
-                            f"surrogate ({info.il}, {e}): A has shape {np.shape(a)}; this model needs "
-                            f"[rank, {info.n_embd}] (a sidecar for another model?)"
-                        )
-                    runtime.set_surrogate(info.il, e, float(alpha), a, b)
-        except SpiceError as exc:
-            runtime.clear_surrogates()
-            if exc.status == 6:
-                raise ValueError(
-                    f"the surrogates do not fit the device budget: {exc}; give a larger "
-                    "--device-budget or a lower rank"
-                ) from exc
-            raise
-        except Exception:
-            runtime.clear_surrogates()
-            raise
-        return self.spice_surrogates()
+        "surrogate"). `source` is anything with `surrogate(layer, expert) ->
+        (alpha, A [rank, n_embd], B [n_embd, rank]) or None` (a
+        pyspice.formats.sidecar.Sidecar). They replace any loaded before; they
+        are f16 host copies whose bytes count against the device budget. Over
+        budget: nothing stays loaded and ValueError says by how much. Exact
+        policies never use them."""
+        return self.spice_engine.set_surrogates(source)
 
     def clear_surrogates(self) -> None:
-        """Unload every surrogate (their device bytes go back to the budget)."""
-        self._require_runtime().clear_surrogates()
+        """Unload every surrogate (their bytes go back to the device budget)."""
+        self.spice_engine.clear_surrogates()
 
     def spice_surrogates(self) -> SurrogateSet:
-        """How many surrogates are loaded and the device bytes they hold."""
-        runtime = self._require_runtime()
-        return SurrogateSet(count=runtime.n_surrogates(), device_bytes=runtime.surrogate_bytes())
-
-    # llama_cpp.Llama.__init__ assigns self.model_params and fills it before
-    # loading; intercepting the assignment places the expert overrides there.
-    @property
-    def model_params(self) -> Any:
-        return self.__dict__["_spice_model_params"]
-
-    @model_params.setter
-    def model_params(self, value: Any) -> None:
-        value.tensor_buft_overrides = ctypes.addressof(self._spice_overrides)
-        self.__dict__["_spice_model_params"] = value
+        """How many surrogates are loaded and the budget bytes they take."""
+        return self.spice_engine.surrogates()
 
     # ---- policy ----------------------------------------------------------------
 
     @property
     def spice_policy(self) -> str:
-        return self._spice_policy_name
+        """The policy in use (its registry name, or a custom policy's `name`)."""
+        return self.spice_engine.policy_name
 
     def set_policy(self, policy: str | Policy, max_hook_tokens: int | None = None) -> None:
         """Switch policy without reloading (bench runs every policy on one model)."""
-        if max_hook_tokens is not None:
-            self._spice_max_hook_tokens = max_hook_tokens
-        max_tokens = self._spice_max_hook_tokens
-        if isinstance(policy, str):
-            spec = policy_spec(policy)
-            if spec.kind == "stock":
-                if self._spice_runtime is not None:
-                    self._spice_runtime.disable()
-                self._spice_policy_name = "stock"
-                self._spice_custom_policy = None
-                return
-            runtime = self._require_runtime()
-            if spec.needs_device and self.spice_device is None:
-                raise ValueError(f"policy {policy!r} manages a device tier: give it one with --device-budget")
-            self._reset_device()  # empty first: surrogates loaded next must find room
-            self._sync_surrogates(spec.lossless)
-            if spec.kind == "native":
-                if self.spice_device is not None:
-                    runtime.preload()  # `exact` means every expert resident (as far as the budget goes)
-                runtime.enable_exact(max_tokens)
-            else:
-                policy_obj = make_policy(policy)
-                assert policy_obj is not None
-                self._attach(policy_obj)
-                self._limit_blas()
-                runtime.enable_policy(policy_obj, max_tokens)
-            self._spice_policy_name = policy
-            self._spice_custom_policy = None
-        else:
-            runtime = self._require_runtime()
-            self._reset_device()
-            self._sync_surrogates(bool(getattr(policy, "lossless", True)))
-            self._attach(policy)
-            self._limit_blas()
-            runtime.enable_policy(policy, max_tokens)
-            self._spice_policy_name = getattr(policy, "name", type(policy).__name__)
-            self._spice_custom_policy = policy
-
-    def _sync_surrogates(self, lossless: bool) -> None:
-        """A lossy policy gets the sidecar's surrogates on the device; a lossless one
-        leaves the whole budget to experts (the surrogates would only take room)."""
-        if self.spice_sidecar is None:
-            return
-        loaded = self._require_runtime().n_surrogates() > 0
-        if lossless and loaded:
-            self.clear_surrogates()
-        elif not lossless and not loaded:
-            self.set_surrogates(self._surrogates_for_budget())
-
-    def _surrogates_for_budget(self) -> Any:
-        """The sidecar's surrogates, cut to the rank that keeps them within
-        SURROGATE_BUDGET_SHARE of the device budget (the rest stays for experts)."""
-        sidecar = self.spice_sidecar
-        params = self._spice_device_params
-        if params is None:
-            return sidecar
-        data = sidecar.data
-        count = sum(int((s.rank > 0).sum()) for s in data.surrogates.values())
-        per_rank = 2 * data.n_embd * 2  # A row + B column, f16
-        cap = SURROGATE_BUDGET_SHARE * params.budget_bytes
-        if count == 0 or sidecar.surrogate_bytes() <= cap:
-            return sidecar
-        from pyspice.sidecar import TruncatedSurrogates
-
-        rank = max(1, int(cap // (count * per_rank)))
-        if self.__dict__.setdefault("_spice_warned_rank", rank) == rank and not self.__dict__.get(
-            "_spice_rank_said"
-        ):
-            self.__dict__["_spice_rank_said"] = True
-            warn(
-                f"surrogates cut from rank {data.lore_rank} to rank {rank} so that they hold at most "
-                f"{SURROGATE_BUDGET_SHARE:.0%} of the device budget"
-            )
-        return TruncatedSurrogates(sidecar, rank)
-
-    def _policy_profile(self) -> Any:
-        """The cost profile policies weigh copies with: the one set, else the one
-        `pyspice probe` saved for this model, with the bus of the device tier in use."""
-        profile = self._spice_profile
-        if profile is None:
-            from pyspice.probe import load_profile, profile_path
-
-            path = profile_path(Path(self.model_path))
-            if path.is_file():
-                try:
-                    profile = load_profile(path)
-                except (ValueError, OSError, TypeError, KeyError):
-                    return None  # an old or damaged profile: policies fall back to their defaults
-        params = self._spice_device_params
-        emulated_profile = profile is not None and str(profile.bus_source).startswith("emulated")
-        if emulated_profile and params is not None and params.device_kind == DEVICE_CUDA:
-            return None  # measured against an emulated bus: says nothing about this GPU
-        if emulated_profile and params is not None:
-            profile = dataclasses.replace(
-                profile, bus_gbps=params.bandwidth_gbps, bus_latency_us=params.latency_us
-            )
-        return profile
-
-    def _sidecar_predictor(self) -> Any:
-        if self.spice_sidecar is None:
-            return None
-        if getattr(self, "_spice_predictor", None) is None:
-            self._spice_predictor = self.spice_sidecar.predictor(self._spice_routers)
-        return self._spice_predictor
-
-    def _limit_blas(self) -> None:
-        """Python policies run inside ggml's threads: numpy's BLAS must not start its own."""
-        if getattr(self, "_spice_blas_limit", None) is None:
-            self._spice_blas_limit = limit_blas_threads()
-
-    def _reset_device(self) -> None:
-        """Each policy starts from an empty device tier (comparisons stay fair)."""
-        if self._spice_device_params is not None:
-            self._require_runtime().set_device(self._spice_device_params)
+        self.spice_engine.set_policy(policy, max_hook_tokens)
 
     def policy_context(self) -> PolicyContext:
-        runtime = self._require_runtime()
-        layers = runtime.layers()
-        if self._spice_routers is None:
-            self._spice_routers = RouterReader(Path(self.model_path))
-        return PolicyContext(
-            n_layers=len(layers),
-            n_expert=tuple(info.n_expert if info.is_moe else 0 for info in layers),
-            n_expert_used=int(
-                self.metadata.get(f"{self.metadata.get('general.architecture', '')}.expert_used_count", 0)
-                or 0
-            ),
-            expert_bytes=tuple(info.bytes_per_expert for info in layers),
-            budget_bytes=self._spice_device_params.budget_bytes if self._spice_device_params else None,
-            router=self._spice_routers,
-            profile=self._policy_profile(),
-            predictor=self._sidecar_predictor(),
-            surrogate_error=self._surrogate_errors,
-            surrogates_loaded=runtime.n_surrogates() > 0,
-            reserved_bytes=runtime.surrogate_bytes(),
-        )
-
-    def _surrogate_errors(self, layer: int) -> npt.NDArray[np.float32] | None:
-        """Held-out relative error of each of a layer's surrogates (inf: none fitted)."""
-        if self.spice_sidecar is None:
-            return None
-        cache = self.__dict__.setdefault("_spice_surrogate_errors", {})
-        if layer not in cache:
-            errors = self.spice_sidecar.surrogate_error.get(layer)
-            if errors is not None:
-                errors = np.nan_to_num(np.asarray(errors, dtype=np.float32), nan=np.inf)
-                for e in range(errors.shape[0]):  # no surrogate loaded: never a candidate
-                    if self.spice_sidecar.surrogate(layer, e) is None:
-                        errors[e] = np.inf
-            cache[layer] = errors
-        return cache[layer]  # type: ignore[no-any-return]
-
-    def _attach(self, policy: Any) -> None:
-        attach = getattr(policy, "attach", None)
-        if attach is not None:
-            attach(self.policy_context())
-
-    def _require_runtime(self) -> Runtime:
-        if self._spice_runtime is None:
-            if self._spice_attach_error is not None:
-                raise self._spice_attach_error
-            raise IncompatibleModelError(2, "this model has no MoE layers the pyspice hook can serve")
-        return self._spice_runtime
+        return self.spice_engine.policy_context()
 
     # ---- evaluation ---------------------------------------------------------------
 
@@ -505,14 +258,7 @@ class Llama(llama_cpp.Llama):
             if self._spice_runtime is not None and self._spice_runtime.take_interrupt():
                 raise KeyboardInterrupt from None
             raise
-        elapsed = time.perf_counter() - start
-        n = len(tokens)
-        if n > 1:
-            self._spice_timing.prefill_tokens += n
-            self._spice_timing.prefill_s += elapsed
-        elif n == 1:
-            self._spice_timing.decoded_tokens += 1
-            self._spice_timing.decode_s += elapsed
+        self.spice_engine.record_eval(len(tokens), time.perf_counter() - start)
         if self._spice_runtime is not None:
             if self._spice_runtime.take_interrupt():
                 raise KeyboardInterrupt
@@ -521,32 +267,22 @@ class Llama(llama_cpp.Llama):
     # ---- stats -----------------------------------------------------------------------
 
     def spice_snapshot(self) -> StatsSnapshot:
-        snap = StatsSnapshot(timing=Timing(**vars(self._spice_timing)))
-        rt = self._spice_runtime
-        if rt is not None:
-            snap.total = rt.counters(-1)
-            snap.layers = {info.il: rt.counters(info.il) for info in rt.layers() if info.is_moe}
-        return snap
+        return self.spice_engine.snapshot()
 
     def spice_stats(self) -> dict[str, Any]:
         """The stats record of DESIGN section 11 since the last reset."""
-        record = stats_record(self.spice_snapshot())
-        record["policy"] = self._spice_policy_name
-        return record
+        return self.spice_engine.stats()
 
     def spice_reset_stats(self) -> None:
-        self._spice_timing = Timing()
-        if self._spice_runtime is not None:
-            self._spice_runtime.reset_counters()
+        self.spice_engine.reset_stats()
 
     def spice_upstream_twin(self) -> llama_cpp.Llama:
         """The same model loaded by plain llama_cpp.Llama with upstream's defaults
         (weight repacking on), made on first use: what `bench` compares against
         as "upstream". Shares nothing with this instance but the file."""
-        twin = self.__dict__.get("_spice_twin")
-        if twin is None:
+        if self._spice_twin is None:
             cp = self.context_params
-            twin = llama_cpp.Llama(
+            self._spice_twin = llama_cpp.Llama(
                 self.model_path,
                 n_ctx=cp.n_ctx,
                 n_batch=cp.n_batch,
@@ -556,81 +292,20 @@ class Llama(llama_cpp.Llama):
                 n_gpu_layers=self.model_params.n_gpu_layers,
                 verbose=False,
             )
-            self.__dict__["_spice_twin"] = twin
-            self._stack.callback(twin.close)
-        return twin
-
-    def spice_layers(self) -> list[Any]:
-        return self._require_runtime().layers()
+            self._stack.callback(self._spice_twin.close)
+        return self._spice_twin
 
 
-def host_memory_available() -> int | None:
-    """Bytes the kernel says can be allocated without swapping (None: unknown)."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-    except (ValueError, OSError):
-        return None
-
-
-def check_real_budget(spec: Budget, budget_bytes: int) -> None:
-    """A real device's budget must fit its free memory, with room left for ggml."""
-    free, total = device_memory(0)
-    if budget_bytes > REAL_DEVICE_MARGIN * free:
-        raise ValueError(
-            f"device budget {spec} = {format_bytes(budget_bytes)} does not fit CUDA device 0: "
-            f"{format_bytes(free)} of {format_bytes(total)} are free and "
-            f"{1 - REAL_DEVICE_MARGIN:.0%} of that stays for ggml's buffers; give a smaller --device-budget"
-        )
-
-
-def check_emulated_budget(spec: Budget, budget_bytes: int, expert_bytes_total: int) -> None:
-    """The emulated device keeps its slots in host memory: a budget the machine
-    cannot hold would end in swapping or the OOM killer mid-run, so refuse it now."""
-    try:
-        physical = int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-    except (ValueError, OSError):
-        physical = 0
-    if physical and budget_bytes > physical:
-        raise ValueError(
-            f"device budget {spec} = {format_bytes(budget_bytes)} is more than this machine's "
-            f"{format_bytes(physical)} of memory, which holds the emulated device; give a smaller "
-            "--device-budget (e.g. 25%)"
-        )
-    need = min(budget_bytes, expert_bytes_total)  # a budget above the model holds all of it
-    free = host_memory_available()
-    if free is not None and need > free:
-        raise ValueError(
-            f"device budget {spec} = {format_bytes(budget_bytes)} does not fit this machine: the emulated "
-            f"device keeps {format_bytes(need)} of expert copies in host memory and only "
-            f"{format_bytes(free)} is available; give a smaller --device-budget (e.g. 25%)"
-        )
-
-
-def load_sidecar(path: str | Path, model_path: str | Path) -> Any:
+def load_sidecar(path: str | Path, model_path: str | Path) -> Sidecar:
     """The calibration sidecar for `model_path`, checked against the model."""
-    if importlib.util.find_spec("pyspice.sidecar") is None:
-        raise ValueError(
-            f"cannot use sidecar {path}: this pyspice has no calibration support (pyspice.sidecar) yet; "
-            "run without --sidecar"
-        )
     if not Path(path).is_file():
         raise FileNotFoundError(f"sidecar {path} does not exist (make one with `pyspice calibrate -m MODEL`)")
-    from pyspice.model_info import ModelFileError, read_header
-
     try:
         read_header(path)  # the sidecar is a GGUF too: say what is wrong with it in one line
     except ModelFileError as exc:
         raise ValueError(f"bad sidecar: {exc}; remake it with `pyspice calibrate -m MODEL`") from None
-    sidecar_module = importlib.import_module("pyspice.sidecar")
-    return sidecar_module.Sidecar.load(Path(path), Path(model_path))
+    return Sidecar.load(Path(path), Path(model_path))
 
 
-def warn(message: str) -> None:
+def _note(message: str) -> None:
     print(f"pyspice: {message}", file=sys.stderr)

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import pyspice.policy.spice.policy as spice_module
-from pyspice.bench import _greedy_next
 from pyspice.cli.common import add_context_args, add_model_args, add_sidecar_arg, open_model
+from pyspice.measure.bench import greedy_next
 from pyspice.policy import make_policy
 from pyspice.policy.spice import SpiceConfig, SpicePolicy
 
@@ -126,10 +126,10 @@ def run_policy(
         row.prompt_us.append(float(llm.spice_stats()["policy_us_per_call"]))
         timers.clear()
         llm.spice_reset_stats()
-        token = _greedy_next(llm)
+        token = greedy_next(llm)
         for _ in range(n_decode):
             llm.eval([token])
-            token = _greedy_next(llm)
+            token = greedy_next(llm)
     finally:
         undo()
         for method in ("_hook_call", "_write_plan"):

@@ -46,32 +46,37 @@ def main() -> int:
     args = parser.parse_args()
 
     from pyspice.api import Llama
-    from pyspice.cli.common import resolve_model
+    from pyspice.engine import RunConfig
+    from pyspice.formats.sidecar import default_sidecar_path
+    from pyspice.measure.perplexity import perplexity
+    from pyspice.models.default import default_model
+    from pyspice.models.smolmoe_build import MODEL_NAMES
     from pyspice.models.smolmoe_recipe import corpus_part
-    from pyspice.perplexity import perplexity
     from pyspice.policy.spice import SpicePolicy, spice_config
-    from pyspice.sidecar import default_sidecar_path
 
-    model = resolve_model(argparse.Namespace(model=args.model, model_pos=None))
+    def say(message: str) -> None:
+        print(f"pyspice: {message}", file=sys.stderr)
+
+    default = args.model is None or args.model in MODEL_NAMES
+    model = default_model(note=say) if default else Path(args.model)
     sidecar = args.sidecar or default_sidecar_path(model)
     text = corpus_part("calibration").text
     grid = list(itertools.product(floats(args.weights), floats(args.errors)))
     # (budget, weight, error) -> (ppl change vs exact, surrogate rate)
     results: dict[tuple[str, float, float], tuple[float, float]] = {}
     for budget in [b.strip() for b in args.budgets.split(",") if b.strip()]:
-        llm = Llama(
-            str(model),
+        config = RunConfig(
+            model=model,
             policy="exact",
+            device_budget=budget,
+            sidecar=sidecar,
+            threads=args.threads,
+            n_gpu_layers=0,
             n_ctx=512,
             n_batch=1,
             n_ubatch=1,
-            n_threads=args.threads,
-            n_threads_batch=args.threads,
-            logits_all=True,
-            device_budget=budget,
-            sidecar=str(sidecar),
-            verbose=False,
         )
+        llm = Llama.from_config(config, logits_all=True, note=say)
         try:
             llm.set_policy("spice:exact")
             exact = perplexity(llm, text, 512, max_chunks=args.chunks).ppl

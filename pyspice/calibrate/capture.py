@@ -22,9 +22,17 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pyspice.trace import TraceMeta, TraceReader, TraceRecorder, TraceWriter
+from tqdm import tqdm
+
+from pyspice.formats.model_info import read_header
+from pyspice.formats.sidecar import fingerprint
+
+if TYPE_CHECKING:
+    from pyspice.api import Llama
+from pyspice.formats.trace import TraceMeta, TraceReader, TraceRecorder, TraceWriter
+from pyspice.policy import make_policy, policy_spec
 
 
 @dataclass(frozen=True)
@@ -44,8 +52,6 @@ _GATING = {1: "softmax", 2: "sigmoid"}
 
 def model_geometry(model_path: str | os.PathLike[str]) -> ModelGeometry:
     """Layer geometry of a MoE GGUF from its metadata and tensor names (header only)."""
-    from pyspice.model_info import read_header
-
     header = read_header(Path(model_path))
 
     def kv(key: str, default: Any = None) -> Any:
@@ -82,8 +88,6 @@ class CaptureConfig:
 
 
 def trace_meta(model_path: Path, geo: ModelGeometry, source: str, extra: dict[str, Any]) -> TraceMeta:
-    from pyspice.sidecar import fingerprint
-
     fields = ["hidden", "probs", "ids", "weights"] + (["shared"] if geo.has_shared else [])
     return TraceMeta(
         model=model_path.name,
@@ -113,8 +117,7 @@ def capture(
 
     An existing complete trace of the same model is reused as it is; an
     incomplete one is resumed."""
-    from tqdm import tqdm
-
+    # lazy: loads libllama; the calibration library imports this module without running a model
     from pyspice.api import Llama
 
     config = config or CaptureConfig()
@@ -183,14 +186,12 @@ def capture(
     return TraceReader(out_dir)
 
 
-def start_decode_trace(llm: Any, out: str | os.PathLike[str], policy: str | None = None) -> TraceRecorder:
+def start_decode_trace(llm: Llama, out: str | os.PathLike[str], policy: str | None = None) -> TraceRecorder:
     """Record the decode steps of `llm` from now on into a new trace directory `out`
     (`generate/bench --trace`). The model keeps running `policy`'s plans (a Python
     policy of that name; the exact plan for `exact` and `stock`); one-token calls are
     recorded, prompt batches are not (see TraceRecorder). Finish with finish_decode_trace."""
-    from pyspice.policy import make_policy, policy_spec
-
-    name: str = policy or str(getattr(llm, "spice_policy", "exact"))
+    name = policy or llm.spice_policy
     inner = make_policy(name) if policy_spec(name).kind == "python" else None
     model = Path(llm.model_path)
     geo = model_geometry(model)

@@ -23,9 +23,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from pyspice.calibrate.lore_fit import LayerExperts, expert_forward, surrogate_apply
+from pyspice.calibrate.lore_fit import LayerExperts, expert_forward, surrogate_forward
+from pyspice.formats.sidecar import TruncatedSurrogates
+from pyspice.formats.trace import TraceReader
 from pyspice.policy.predictor import DraftPredictor, gate_probs, top_k
-from pyspice.trace import TraceReader
 
 CONFIDENCE_BINS = 5
 
@@ -155,8 +156,6 @@ def evaluate_surrogates(
     max_tokens_per_expert: int = 256,
 ) -> SurrogateEval:
     """Relative errors per expert on the trace's tokens; surrogates truncated to each rank."""
-    from pyspice.sidecar import TruncatedSurrogates
-
     has_shared = "shared" in trace.meta.fields
     fields = ("hidden", "ids", "shared") if has_shared else ("hidden", "ids")
     out = SurrogateEval(ranks=list(ranks), layers=[], surrogate=[], shared=[], drop=[])
@@ -180,7 +179,9 @@ def evaluate_surrogates(
             y = expert_forward(h, *experts.weights(e)).astype(np.float64)
             for i, src in enumerate(sources):
                 entry = src.surrogate(il, e)
-                errs[i].append(_rel(y, surrogate_apply(h, s, *entry)) if entry is not None else float("nan"))
+                errs[i].append(
+                    _rel(y, surrogate_forward(h, s, *entry)) if entry is not None else float("nan")
+                )
             shared_e.append(_rel(y, s.astype(np.float64)) if s is not None else float("nan"))
             drop_e.append(_rel(y, None))
         out.layers.append(il)

@@ -22,12 +22,14 @@ Relative error ||Y - Ŷ|| / ||Y|| is measured on held-out tokens only.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+from gguf import GGUFReader
+from gguf.quants import dequantize
 
 F32 = npt.NDArray[np.float32]
 F64 = npt.NDArray[np.float64]
@@ -51,8 +53,6 @@ class LayerExperts:
 
     @staticmethod
     def _one(tensor: Any, e: int, rows: int, cols: int) -> F32:
-        from gguf.quants import dequantize
-
         raw = np.asarray(tensor.data)[e]
         out = dequantize(raw, tensor.tensor_type)
         return np.ascontiguousarray(np.asarray(out, dtype=np.float32).reshape(rows, cols))
@@ -202,7 +202,7 @@ def fit_expert(
     return out
 
 
-def surrogate_apply(h: npt.ArrayLike, s: npt.ArrayLike | None, alpha: float, A: F32, B: F32) -> F64:
+def surrogate_forward(h: npt.ArrayLike, s: npt.ArrayLike | None, alpha: float, A: F32, B: F32) -> F64:
     """α·S + B·A·h for rows h [n, d] (numpy reference of the executor's arithmetic)."""
     x = np.asarray(h, dtype=np.float64)
     out: F64 = (x @ A.T.astype(np.float64)) @ B.T.astype(np.float64)
@@ -262,7 +262,7 @@ def fit_layer(
         St = S[ntr:] if S is not None else None
         errors: dict[int, float] = {}
         for r, (a, A, B) in per_rank.items():
-            errors[r] = _rel_error(Yt, surrogate_apply(H[ntr:], St, a, A, B)) if len(test) else float("nan")
+            errors[r] = _rel_error(Yt, surrogate_forward(H[ntr:], St, a, A, B)) if len(test) else float("nan")
         alpha, A, B = per_rank[config.rank]
         fits.append(
             ExpertFit(
@@ -283,11 +283,4 @@ def fit_layer(
 
 
 def open_gguf(path: str | os.PathLike[str]) -> Any:
-    from gguf import GGUFReader
-
     return GGUFReader(path)
-
-
-def iter_layers(reader: Any, layers: Sequence[int]) -> Iterator[LayerExperts]:
-    for il in layers:
-        yield LayerExperts(reader, il)

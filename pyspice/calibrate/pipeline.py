@@ -18,12 +18,14 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+from gguf.quants import dequantize
+from tqdm import tqdm
 
 from pyspice.calibrate.capture import CaptureConfig, ModelGeometry, capture, model_geometry
 from pyspice.calibrate.lore_fit import LayerExperts, LoreConfig, fit_layer, heldout_mask, open_gguf
 from pyspice.calibrate.predictor_fit import fit_transition
+from pyspice.formats.sidecar import LayerSurrogates, SidecarData, fingerprint, write_sidecar
 from pyspice.policy.predictor import Transition, gate_probs, top_k
-from pyspice.sidecar import LayerSurrogates, SidecarData, fingerprint, write_sidecar
 
 _FIT_VERSION = 2  # per-layer fit files of another version are refitted
 
@@ -88,8 +90,6 @@ def calibrate(
     corpus: str = "",
     progress: bool = True,
 ) -> CalibrateResult:
-    from tqdm import tqdm
-
     config = config or CalibrateConfig()
     model = Path(model_path)
     work = Path(work_dir)
@@ -180,8 +180,6 @@ def calibrate(
 
 
 def _routers(reader: Any, geo: ModelGeometry) -> dict[int, npt.NDArray[np.float32]]:
-    from gguf.quants import dequantize
-
     tensors = {t.name: t for t in reader.tensors}
     out = {}
     for il in geo.moe_layers:

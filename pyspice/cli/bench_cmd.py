@@ -8,11 +8,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pyspice.cli.common import add_context_args, add_model_args, open_model, resolve_model
-
-DEFAULT_PROMPT = (
-    "The history of computing is a story of machines that grew smaller, faster and more capable, "
-    "from rooms full of vacuum tubes to processors that fit in a pocket. Each generation"
+from pyspice.calibrate.capture import finish_decode_trace, start_decode_trace
+from pyspice.cli.common import add_context_args, add_model_args, add_sidecar_arg, open_model, resolve_model
+from pyspice.measure.bench import (
+    DEFAULT_PROMPT,
+    BenchConfig,
+    format_table,
+    greedy_next,
+    plot,
+    run_bench,
+    stderr_progress,
 )
 
 
@@ -22,13 +27,16 @@ def register(sub: Any) -> None:
     )
     add_model_args(p)
     add_context_args(p)
+    add_sidecar_arg(p)
     p.add_argument(
         "--policies",
         default="stock,exact,exact-py",
         help="comma-separated policy names; 'upstream' adds the model loaded by plain llama_cpp.Llama "
         "with upstream's defaults (weight repacking on)",
     )
-    p.add_argument("--baseline", default="stock", help="policy the ratios divide by (default stock)")
+    p.add_argument(
+        "--baseline", default=None, help="policy the ratios divide by (default: the first of --policies)"
+    )
     group = p.add_mutually_exclusive_group()
     group.add_argument(
         "-p", "--prompt", help=f"prompt text (default: a {len(DEFAULT_PROMPT.split())}-word passage)"
@@ -55,27 +63,27 @@ def register(sub: Any) -> None:
 
 
 def _record_trace(llm: Any, out: str, policies: list[str], prompt: tuple[int, ...], n_predict: int) -> None:
-    from pyspice.bench import _greedy_next
-    from pyspice.calibrate.capture import finish_decode_trace, start_decode_trace
+    # lazy: the capture module loads native code
 
     name = policies[0] if policies else "exact"
     recorder = start_decode_trace(llm, out, "exact" if name == "stock" else name)
     llm.reset()
     llm.eval(list(prompt))
-    tokens = [_greedy_next(llm)]
+    tokens = [greedy_next(llm)]
     for _ in range(n_predict - 1):
         llm.eval([tokens[-1]])
-        tokens.append(_greedy_next(llm))
+        tokens.append(greedy_next(llm))
     trace = finish_decode_trace(recorder, prompt_tokens=len(prompt), tokens=tokens)
     print(f"bench: trace of {trace.n_tokens} decode steps written to {out}", file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:
-    from pyspice.bench import BenchConfig, format_table, plot, run_bench, stderr_progress
-
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
-    if args.baseline not in policies:
-        raise ValueError(f"baseline {args.baseline!r} is not among --policies {','.join(policies)}")
+    if not policies:
+        raise ValueError("--policies needs at least one policy name")
+    baseline = args.baseline if args.baseline is not None else policies[0]
+    if baseline not in policies:
+        raise ValueError(f"baseline {baseline!r} is not among --policies {','.join(policies)}")
     if args.n_predict < 1 or args.repeat < 1:
         raise ValueError("-n and --repeat must be at least 1")
     prompt = Path(args.file).read_text(encoding="utf-8") if args.file else (args.prompt or DEFAULT_PROMPT)
@@ -92,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(
             f"prompt ({len(prompt_tokens)} tokens) + -n {args.n_predict} exceed -c {args.ctx_size}"
         )
-    cfg = BenchConfig(policies, prompt_tokens, args.n_predict, args.repeat, args.baseline)
+    cfg = BenchConfig(policies, prompt_tokens, args.n_predict, args.repeat)
     stderr_progress(
         f"{resolve_model(args).name}: {len(prompt_tokens)} prompt tokens, {args.n_predict} decoded, "
         f"{args.repeat} repeats, {llm.n_threads} threads"
@@ -115,10 +123,10 @@ def run(args: argparse.Namespace) -> int:
         json.dump(doc, sys.stdout)
         sys.stdout.write("\n")
     else:
-        print(format_table(results, args.baseline))
+        print(format_table(results, baseline))
     if args.plot:
         title = f"{resolve_model(args).name}: {len(prompt_tokens)}-token prompt, {args.n_predict} decoded"
-        plot(results, args.baseline, args.plot, title)
+        plot(results, baseline, args.plot, title)
         print(f"bench: plot written to {args.plot}", file=sys.stderr)
     if tiers := (llm.spice_device.describe() if llm.spice_device is not None else None):
         print(f"bench: {tiers}", file=sys.stderr)

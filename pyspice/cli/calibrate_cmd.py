@@ -10,17 +10,13 @@ Safe to interrupt: run the same command again to continue.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import shutil
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from pyspice.cli.common import add_model_args, add_text_arg, note, read_text_or_corpus, resolve_model
-
-DEFAULT_CORPUS = "pydoc_data.topics:calibration"
+from pyspice.calibrate.run import format_summary, run_calibration, summary_doc
+from pyspice.cli.common import add_model_args, add_text_arg, note, resolve_model
 
 
 def register(sub: Any) -> None:
@@ -54,156 +50,8 @@ def register(sub: Any) -> None:
     p.set_defaults(func=run_calibrate)
 
 
-def calibration_text(path: Path | None) -> tuple[str, str]:
-    """(text, corpus name)."""
-    return read_text_or_corpus(path, "calibration"), path.name if path is not None else DEFAULT_CORPUS
-
-
-def default_work_dir(model: Path, fp: str, corpus: str, text: str, tokens: int, n_ctx: int) -> Path:
-    from pyspice.paths import cache_dir
-
-    key = hashlib.sha256(f"{fp}|{corpus}|{tokens}|{n_ctx}|".encode() + text.encode()).hexdigest()[:12]
-    stem = model.name[: -len(".gguf")] if model.name.endswith(".gguf") else model.name
-    return cache_dir() / "calibrate" / f"{stem}-{key}"
-
-
-def run_calibration(
-    model: Path,
-    output: Path | None = None,
-    text_file: Path | None = None,
-    *,
-    rank: int = 8,
-    draft_rank: int = 128,
-    tokens: int = 8192,
-    expert_tokens: int = 2048,
-    n_ctx: int = 512,
-    threads: int | None = None,
-    work_dir: Path | None = None,
-    keep_work: bool = False,
-    progress: bool = True,
-) -> Any:
-    """The calibration behind the command (also used by `models build smolmoe`)."""
-    from pyspice.calibrate.capture import CaptureConfig
-    from pyspice.calibrate.lore_fit import LoreConfig
-    from pyspice.calibrate.pipeline import CalibrateConfig, calibrate
-    from pyspice.sidecar import default_sidecar_path, fingerprint
-
-    if rank < 0 or draft_rank < 1 or tokens < 2 or n_ctx < 2:
-        raise ValueError("--rank >= 0, --draft-rank >= 1, --tokens >= 2 and --ctx-size >= 2 are needed")
-    text, corpus = calibration_text(text_file)
-    out = output or default_sidecar_path(model)
-    work = work_dir or default_work_dir(model, fingerprint(model), corpus, text, tokens, n_ctx)
-    lore = LoreConfig()
-    config = CalibrateConfig(
-        capture=CaptureConfig(tokens=tokens, n_ctx=n_ctx, threads=threads),
-        lore=replace(
-            lore,
-            rank=rank,
-            report_ranks=tuple(sorted({*lore.report_ranks, rank})),
-            max_train_tokens=expert_tokens,
-        ),
-        draft_rank=draft_rank,
-    )
-    result = calibrate(model, text, out, work, config, corpus=corpus, progress=progress)
-    if not keep_work:
-        shutil.rmtree(work, ignore_errors=True)
-    return result
-
-
-def _fmt(x: float, spec: str = ".3f") -> str:
-    return "-" if x != x else format(x, spec)  # NaN -> "-"
-
-
-def summary_doc(result: Any) -> dict[str, Any]:
-    layers = result.layers
-    ranks = sorted({r for s in layers for r in s.error_by_rank})
-
-    def mean(values: list[float]) -> float:
-        vals = [v for v in values if v == v]
-        return sum(vals) / len(vals) if vals else float("nan")
-
-    expert_bytes = mean([float(s.expert_bytes) for s in layers])
-    return {
-        "sidecar": str(result.sidecar),
-        "tokens": result.tokens,
-        "capture_s": result.capture_s,
-        "fit_s": result.fit_s,
-        "trace_bytes": result.trace_bytes,
-        "sidecar_bytes": result.sidecar_bytes,
-        "draft": {
-            "recall_baseline_depth1": mean([s.recall_base for s in layers]),
-            "recall_draft_depth1": mean([s.recall_draft for s in layers]),
-            "r2": mean([s.draft_r2 for s in layers]),
-        },
-        "surrogate": {
-            "ranks": ranks,
-            "error": [mean([s.error_by_rank.get(r, float("nan")) for s in layers]) for r in ranks],
-            "error_shared_alone": mean([s.shared_error for s in layers]),
-            "error_drop": 1.0,
-            "bytes_per_expert": mean([s.surrogate_bytes for s in layers]),
-            "expert_bytes": expert_bytes,
-        },
-        "layers": [
-            {
-                "layer": s.layer,
-                "draft_r2": s.draft_r2,
-                "recall_baseline": s.recall_base,
-                "recall_draft": s.recall_draft,
-                "surrogate_error": {str(r): v for r, v in s.error_by_rank.items()},
-                "shared_alone_error": s.shared_error,
-            }
-            for s in layers
-        ],
-    }
-
-
-def print_summary(result: Any) -> None:
-    doc = summary_doc(result)
-    ranks = doc["surrogate"]["ranks"]
-    head = (
-        ["layer", "draft R2", "recall@1 base", "recall@1 draft"] + [f"err r{r}" for r in ranks] + ["shared"]
-    )
-    rows = [
-        [
-            str(s["layer"]),
-            _fmt(s["draft_r2"]),
-            _fmt(s["recall_baseline"]),
-            _fmt(s["recall_draft"]),
-            *[_fmt(s["surrogate_error"].get(str(r), float("nan"))) for r in ranks],
-            _fmt(s["shared_alone_error"]),
-        ]
-        for s in doc["layers"]
-    ]
-    d, sg = doc["draft"], doc["surrogate"]
-    rows.append(
-        [
-            "mean",
-            _fmt(d["r2"]),
-            _fmt(d["recall_baseline_depth1"]),
-            _fmt(d["recall_draft_depth1"]),
-            *[_fmt(e) for e in sg["error"]],
-            _fmt(sg["error_shared_alone"]),
-        ]
-    )
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
-    print("  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True)))
-    for r in rows:
-        print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
-    print(
-        "held-out relative error of each expert's output (drop = 1.000); recall@1 = top-k recall one MoE "
-        "layer ahead on held-out blocks of the calibration text"
-    )
-    print(
-        f"{doc['tokens']} tokens; capture {doc['capture_s']:.1f} s, fit {doc['fit_s']:.1f} s; trace "
-        f"{doc['trace_bytes'] / 2**20:.1f} MiB; sidecar {doc['sidecar_bytes'] / 2**20:.2f} MiB "
-        f"({doc['sidecar']}); surrogate {sg['bytes_per_expert'] / 1024:.1f} KiB per expert = "
-        f"{100 * sg['bytes_per_expert'] / max(sg['expert_bytes'], 1):.1f}% of an expert's "
-        f"{sg['expert_bytes'] / 1024:.1f} KiB"
-    )
-
-
 def run_calibrate(args: argparse.Namespace) -> int:
-    model = resolve_model(args)
+    model = resolve_model(args, sidecar=False)  # the sidecar is what this command makes
     result = run_calibration(
         model,
         args.output,
@@ -222,6 +70,6 @@ def run_calibrate(args: argparse.Namespace) -> int:
         json.dump(summary_doc(result), sys.stdout)
         sys.stdout.write("\n")
     else:
-        print_summary(result)
+        print(format_summary(result))
     note(f"sidecar written: {result.sidecar}")
     return 0

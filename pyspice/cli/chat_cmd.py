@@ -23,7 +23,6 @@ from pyspice.cli.common import (
     add_model_args,
     add_sampling_args,
     add_sidecar_arg,
-    default_policy,
     open_model,
 )
 from pyspice.units import format_bytes
@@ -209,8 +208,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     if sys.stdin.isatty():
         import readline  # noqa: F401  (line editing and history for input())
-    policy = default_policy(args)
-    llm = open_model(args, policy, seed=args.seed)
+    llm = open_model(args, seed=args.seed)
     try:
         session = ChatSession(llm, args)
         print(session.banner(), file=sys.stderr)

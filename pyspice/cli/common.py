@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pyspice.build_info import BuildNotFoundError, load_build_info
-from pyspice.policy import policy_names, policy_spec
-from pyspice.units import format_bytes
+from pyspice.engine.config import RunConfig
+from pyspice.models.default import default_model
+from pyspice.models.smolmoe_build import MODEL_NAMES
+from pyspice.models.smolmoe_recipe import text_or_corpus
+from pyspice.policy import policy_names
 
 if TYPE_CHECKING:
     from pyspice.api import Llama
@@ -77,11 +78,18 @@ def add_context_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_sidecar_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
+    group = p.add_mutually_exclusive_group()
+    group.add_argument(
         "--sidecar",
         type=Path,
         default=None,
-        help="calibration sidecar of the model (<model>.spice.gguf, made by `pyspice calibrate`)",
+        help="calibration sidecar of the model (default: <model>.spice.gguf beside it, made by "
+        "`pyspice calibrate`, and for the default model on first use)",
+    )
+    group.add_argument(
+        "--no-sidecar",
+        action="store_true",
+        help="run without a sidecar (the default model's first use then skips calibrating one)",
     )
 
 
@@ -102,18 +110,22 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def resolve_model(args: argparse.Namespace) -> Path:
-    """The GGUF to use: -m/positional path, the default model's name, or with
-    neither the default model (smolmoe, built on first use)."""
-    chosen = args.model or args.model_pos
-    from pyspice.models.smolmoe_build import MODEL_NAMES, build_smolmoe
+def resolve_model(args: argparse.Namespace, *, sidecar: bool = True) -> Path:
+    """The GGUF of -m or the positional MODEL (see model_path); `sidecar`: the default
+    model's own is made on first use, unless --no-sidecar or another --sidecar is given."""
+    own = getattr(args, "sidecar", None) is None and not getattr(args, "no_sidecar", False)
+    path = model_path(args.model or args.model_pos, sidecar=sidecar and own)
+    args.model, args.model_pos = str(path), None  # resolved once per command
+    return path
 
+
+def model_path(chosen: str | None, *, sidecar: bool = True) -> Path:
+    """A GGUF path, or the default model (its name, or nothing): smolmoe, built on first
+    use, and its sidecar with it when `sidecar`."""
     if not chosen or chosen in MODEL_NAMES:
         if not chosen:
             note("no model given: using the default model smolmoe (built on first use)")
-        path = build_smolmoe()
-        args.model, args.model_pos = str(path), None  # resolved once per command
-        return path
+        return default_model(sidecar=sidecar, note=note)
     path = Path(chosen).expanduser()
     if not path.is_file():
         raise FileNotFoundError(
@@ -126,13 +138,7 @@ def resolve_model(args: argparse.Namespace) -> Path:
 def read_text_or_corpus(path: Path | None, part: str) -> str:
     """The text of `path`; with none, the `part` ("calibration" or "heldout") of the
     default model's corpus."""
-    if path is None:
-        from pyspice.models.smolmoe_recipe import corpus_part
-
-        return str(corpus_part(part).text)
-    if not path.is_file():
-        raise FileNotFoundError(f"text file {path} does not exist")
-    return path.read_text(encoding="utf-8")
+    return text_or_corpus(path, part)
 
 
 def add_text_arg(p: argparse.ArgumentParser, help_text: str) -> None:
@@ -146,117 +152,36 @@ def read_prompt(args: argparse.Namespace) -> str:
     return str(args.prompt)
 
 
-def gpu_present() -> bool:
-    """A CUDA build that sees a GPU (the real device tier is available)."""
-    from pyspice.runtime import device_count
-
-    try:
-        return device_count() > 0
-    except BuildNotFoundError:
-        return False
-
-
-def default_policy(args: argparse.Namespace) -> str:
-    if args.policy is not None:
-        return str(args.policy)
-    try:
-        cuda = load_build_info().cuda
-    except BuildNotFoundError:
-        cuda = False
-    if args.device_budget is None and args.emulate_bandwidth is None and gpu_present():
-        from pyspice.sidecar import default_sidecar_path
-
-        sidecar = getattr(args, "sidecar", None) or default_sidecar_path(resolve_model(args))
-        if sidecar.is_file():
-            note("GPU found, no --policy: using 'spice' (the model has a calibration sidecar)")
-            return "spice"
-        note("GPU found, no --policy: using 'lru' (no calibration sidecar; `pyspice calibrate` makes one)")
-        return "lru"
-    if args.device_budget is not None:
-        note("device budget given, no --policy: using 'exact' (the tier preloaded as far as it goes)")
-    elif cuda:
-        note("no device budget given; using policy 'exact' (all experts exact)")
-    else:
-        note(
-            "CPU-only build: no device tier to manage; using policy 'exact' "
-            "(routed experts run exactly on the host)"
-        )
-    return "exact"
-
-
-def thread_count(args: argparse.Namespace) -> int:
-    return int(args.threads) if args.threads else max(1, os.cpu_count() or 1)
-
-
-def open_model(
-    args: argparse.Namespace, policy: str, *, logits_all: bool = False, seed: int | None = None
-) -> Llama:
-    from pyspice.api import Llama  # native code loads here, not at CLI start-up
-    from pyspice.model_info import inspect_model
-
-    threads = thread_count(args)
-    emulation = args.emulate_bandwidth is not None or args.emulate_latency is not None
-    gpu = not emulation and gpu_present()
-    n_gpu_layers = args.n_gpu_layers
-    if n_gpu_layers is None:
-        n_gpu_layers = 999 if gpu else 0
-        if gpu:
-            note("GPU found: every layer's non-expert weights go to it (-ngl to change)")
-    if args.device_budget is None and emulation:
-        raise ValueError("--emulate-bandwidth/--emulate-latency need --device-budget")
-    path = resolve_model(args)
-    # header only: a truncated or foreign file fails here with a precise message
-    summary = inspect_model(path)
-    device_budget = args.device_budget
-    if not summary.is_moe and policy != "stock":
-        note(
-            f"{path.name} is a dense {summary.architecture} model: no routed experts, nothing to "
-            "offload; running it with policy 'stock'"
-        )
-        policy = "stock"
-        if device_budget is not None:
-            note("--device-budget ignored: a dense model has no experts to place")
-            device_budget = None
-    sidecar = getattr(args, "sidecar", None)
-    if sidecar is None and policy != "stock":
-        from pyspice.sidecar import default_sidecar_path
-
-        beside = default_sidecar_path(path)
-        if beside.is_file():
-            note(f"using the model's calibration sidecar {beside}")
-            sidecar = beside
-    auto_budget = device_budget is None and gpu and summary.is_moe and policy_needs_device(policy)
-    llm = Llama(
-        str(path),
-        policy="stock" if auto_budget else policy,  # the policy starts once its tier exists
-        max_hook_tokens=args.max_hook_tokens,
+def run_config(
+    args: argparse.Namespace, policy: str | None = None, *, model: Path | None = None
+) -> RunConfig:
+    """The RunConfig of the model options (add_model_args, add_context_args,
+    add_sidecar_arg); `policy` stands for --policy, `model` for -m, when given."""
+    return RunConfig(
+        model=model if model is not None else resolve_model(args),
+        policy=policy if policy is not None else args.policy,
+        device_budget=args.device_budget,
+        emulate_bandwidth=args.emulate_bandwidth,
+        emulate_latency=args.emulate_latency,
+        sidecar=getattr(args, "sidecar", None),
+        use_sidecar=not getattr(args, "no_sidecar", False),
+        threads=args.threads,
+        n_gpu_layers=args.n_gpu_layers,
         n_ctx=args.ctx_size,
         n_batch=args.batch_size,
         n_ubatch=args.ubatch_size,
-        n_threads=threads,
-        n_threads_batch=threads,
-        n_gpu_layers=n_gpu_layers,
-        logits_all=logits_all,
-        seed=seed if seed is not None else 0xFFFFFFFF,
-        # an automatic budget is sized after loading, from what the GPU has left
-        device_budget=device_budget,
-        emulate_bandwidth=args.emulate_bandwidth,
-        emulate_latency=args.emulate_latency,
-        sidecar=sidecar,
-        verbose=False,
+        max_hook_tokens=args.max_hook_tokens,
     )
-    if auto_budget:
-        budget = llm.automatic_device_budget()
-        note(
-            f"no --device-budget: using {format_bytes(budget)}, what the GPU has free after the "
-            "model's other weights and the KV cache, less a margin (or all routed experts if less)"
-        )
-        llm.set_device(budget)
-        llm.set_policy(policy)
-    if llm.spice_device is not None:
-        note(llm.spice_device.describe())
-    return llm
 
 
-def policy_needs_device(policy: str) -> bool:
-    return bool(policy_spec(policy).needs_device)
+def open_model(
+    args: argparse.Namespace,
+    policy: str | None = None,
+    *,
+    logits_all: bool = False,
+    seed: int | None = None,
+) -> Llama:
+    """The model of the command's options, its defaults resolved by RunConfig."""
+    from pyspice.api import Llama  # lazy: native code loads here, not at CLI start-up
+
+    return Llama.from_config(run_config(args, policy), logits_all=logits_all, seed=seed, note=note)

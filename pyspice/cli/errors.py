@@ -14,14 +14,14 @@ import sys
 import traceback
 from collections.abc import Callable
 
+from pyspice.formats.model_info import ModelFileError
+
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130
 
 
 def explain(exc: BaseException) -> tuple[str, int]:
     """(message, exit status) for a failure."""
-    from pyspice.model_info import ModelFileError
-
     if isinstance(exc, KeyboardInterrupt):
         return "interrupted", EXIT_INTERRUPTED
     if isinstance(exc, ModelFileError | FileNotFoundError | IsADirectoryError | PermissionError):

@@ -6,22 +6,33 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from pyspice.calibrate.capture import CaptureConfig, capture
+from pyspice.calibrate.evaluate import evaluate_predictor, evaluate_surrogates
+from pyspice.calibrate.lore_fit import open_gguf
 from pyspice.cli.common import (
     add_context_args,
     add_model_args,
     add_sidecar_arg,
     add_text_arg,
-    default_policy,
+    model_path,
     note,
-    open_model,
     read_text_or_corpus,
     resolve_model,
+    run_config,
 )
+from pyspice.engine.config import RunConfig
+from pyspice.formats.sidecar import Sidecar, TruncatedSurrogates, default_sidecar_path
+from pyspice.measure.perplexity import perplexity
+from pyspice.models.synth import tensor_types
+from pyspice.paths import cache_dir
+from pyspice.policy.substitute import SubstitutePolicy
 
 _PPL_CTX = 512  # llama-perplexity's usual context; results are only comparable at equal context
 
@@ -121,17 +132,14 @@ def _register_sidecar_evals(esub: Any) -> None:
 
 
 def _eval_inputs(args: argparse.Namespace) -> tuple[Path, Any, str]:
-    from pyspice.sidecar import Sidecar, default_sidecar_path
-
-    model = resolve_eval_model(args.model or args.model_pos)
+    # the default model's own sidecar is made on first use unless another is given
+    model = model_path(args.model or args.model_pos, sidecar=args.sidecar is None)
     sidecar_path = args.sidecar or default_sidecar_path(model)
     sidecar = Sidecar.load(sidecar_path, model)
     return model, sidecar, read_text_or_corpus(args.file, "heldout")
 
 
 def _capture_eval_trace(args: argparse.Namespace, model: Path, text: str, tmp: Path) -> Any:
-    from pyspice.calibrate.capture import CaptureConfig, capture
-
     return capture(
         model,
         text,
@@ -142,10 +150,6 @@ def _capture_eval_trace(args: argparse.Namespace, model: Path, text: str, tmp: P
 
 
 def run_predictor_eval(args: argparse.Namespace) -> int:
-    import tempfile
-
-    from pyspice.calibrate.evaluate import evaluate_predictor
-    from pyspice.paths import cache_dir
 
     model, sidecar, text = _eval_inputs(args)
     with tempfile.TemporaryDirectory(prefix="eval-", dir=cache_dir()) as tmp:
@@ -170,11 +174,6 @@ def run_predictor_eval(args: argparse.Namespace) -> int:
 
 
 def run_surrogate_eval(args: argparse.Namespace) -> int:
-    import tempfile
-
-    from pyspice.calibrate.evaluate import evaluate_surrogates
-    from pyspice.calibrate.lore_fit import open_gguf
-    from pyspice.paths import cache_dir
 
     try:
         ranks = sorted({int(r) for r in str(args.ranks).split(",") if r.strip()})
@@ -221,10 +220,6 @@ def run_surrogate_eval(args: argparse.Namespace) -> int:
 def _substitute_ppl(
     args: argparse.Namespace, model: Path, sidecar: Any, text: str, ranks: list[int]
 ) -> dict[str, Any]:
-    from pyspice.perplexity import perplexity
-    from pyspice.policy.substitute import SubstitutePolicy
-    from pyspice.sidecar import TruncatedSurrogates
-
     layers = sidecar.moe_layers
     resident: set[tuple[int, int]] = set()
     for il in layers:
@@ -233,21 +228,16 @@ def _substitute_ppl(
         keep = round(args.resident * n_expert)
         order = np.argsort(-counts, kind="stable") if counts is not None else np.arange(n_expert)
         resident |= {(il, int(e)) for e in order[:keep]}
-    model_args = argparse.Namespace(
-        model=str(model),
-        model_pos=None,
-        ctx_size=args.ctx_size,
-        batch_size=args.ctx_size,
-        ubatch_size=args.ctx_size,
+    config = RunConfig(
+        model=model,
+        policy="exact",
         threads=args.threads,
         n_gpu_layers=0,
-        policy="exact",
-        device_budget=None,
-        emulate_bandwidth=None,
-        emulate_latency=None,
-        max_hook_tokens=0,
+        n_ctx=args.ctx_size,
+        n_batch=args.ctx_size,
+        n_ubatch=args.ctx_size,
     )
-    llm = _open(model_args, model, "exact")
+    llm = _load(config)
     results: dict[str, float] = {}
     scored = 0
 
@@ -287,31 +277,27 @@ def _substitute_ppl(
 
 
 def _is_moe(path: Path) -> bool:
-    from pyspice.models.synth import tensor_types
-
     return any(name.endswith("ffn_gate_inp.weight") for name in tensor_types(path))
 
 
-def resolve_eval_model(name: str | None) -> Path:
-    """A GGUF path, or the default model's name (built on first use)."""
-    return resolve_model(argparse.Namespace(model=name, model_pos=None))
-
-
 def _open(args: argparse.Namespace, path: Path, policy: str | None) -> Any:
-    model_args = argparse.Namespace(**{**vars(args), "model": str(path), "model_pos": None})
     if not _is_moe(path):
         if policy not in (None, "stock"):
             raise ValueError(f"{path.name} has no MoE layers: only --policy stock applies to it")
         policy = "stock"
-    elif policy is None:
-        policy = default_policy(args)
-    if getattr(args, "token_by_token", False):
-        model_args.batch_size = model_args.ubatch_size = 1  # every hook call sees one token, as in decoding
+    if args.token_by_token:
+        batch = ubatch = 1  # every hook call sees one token, as in decoding
     else:
-        if args.batch_size < args.ctx_size:
-            model_args.batch_size = args.ctx_size  # one chunk per decode, as llama-perplexity with -b >= -c
-        model_args.ubatch_size = min(args.ubatch_size, model_args.batch_size)
-    return open_model(model_args, policy, logits_all=True)
+        batch = max(args.batch_size, args.ctx_size)  # one chunk per decode, as llama-perplexity with -b >= -c
+        ubatch = min(args.ubatch_size, batch)
+    config = replace(run_config(args, policy, model=path), n_batch=batch, n_ubatch=ubatch)
+    return _load(config)
+
+
+def _load(config: RunConfig) -> Any:
+    from pyspice.api import Llama  # lazy: native code loads here, not at CLI start-up
+
+    return Llama.from_config(config, logits_all=True, note=note)
 
 
 def _ppl_text(args: argparse.Namespace) -> str:
@@ -321,23 +307,21 @@ def _ppl_text(args: argparse.Namespace) -> str:
 
 
 def run_ppl(args: argparse.Namespace) -> int:
-    from pyspice.perplexity import perplexity
-
     text = _ppl_text(args)
-    model = resolve_eval_model(args.model or args.model_pos)
+    model = resolve_model(args)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()] if args.policies else [args.policy]
     if args.policies and args.reference:
         raise ValueError("--reference and --policies do not go together; run them separately")
     llm = _open(args, model, policies[0])
-    reference = _open(args, resolve_eval_model(args.reference), None) if args.reference else None
+    reference = _open(args, model_path(args.reference), None) if args.reference else None
     rows: list[dict[str, Any]] = []
 
     def progress(done: int, total: int, ppl: float) -> None:
-        print(f"[{llm.spice_policy_name} {done}/{total}] ppl {ppl:.4f}", file=sys.stderr, flush=True)
+        print(f"[{llm.spice_policy} {done}/{total}] ppl {ppl:.4f}", file=sys.stderr, flush=True)
 
     try:
         for name in policies:
-            if name is not None and name != llm.spice_policy_name:
+            if name is not None and name != llm.spice_policy:
                 llm.set_policy(name)
             llm.spice_reset_stats()
             result = perplexity(
@@ -347,7 +331,7 @@ def run_ppl(args: argparse.Namespace) -> int:
             activations = max(1, int(stats["activations"]))
             rows.append(
                 {
-                    "policy": llm.spice_policy_name,
+                    "policy": llm.spice_policy,
                     "ppl": result.ppl,
                     "tokens": result.tokens,
                     "chunks": result.chunks,

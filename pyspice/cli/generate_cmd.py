@@ -8,13 +8,13 @@ import json
 import sys
 from typing import Any
 
+from pyspice.calibrate.capture import finish_decode_trace, start_decode_trace
 from pyspice.cli.common import (
     add_context_args,
     add_model_args,
     add_prompt_args,
     add_sampling_args,
     add_sidecar_arg,
-    default_policy,
     open_model,
     read_prompt,
 )
@@ -91,13 +91,10 @@ def generate_tokens(
 
 
 def run(args: argparse.Namespace) -> int:
-    policy = default_policy(args)
-    llm = open_model(args, policy, seed=args.seed)
+    llm = open_model(args, seed=args.seed)
     prompt = read_prompt(args)
     recorder = None
     if getattr(args, "trace", None):
-        from pyspice.calibrate.capture import start_decode_trace
-
         recorder = start_decode_trace(llm, args.trace, llm.spice_policy)
 
     def echo(text: str) -> None:
@@ -106,8 +103,6 @@ def run(args: argparse.Namespace) -> int:
 
     text, tokens = generate_tokens(llm, prompt, args, None if args.json else echo)
     if recorder is not None:
-        from pyspice.calibrate.capture import finish_decode_trace
-
         finish_decode_trace(recorder, tokens=tokens)
     if args.json:
         json.dump({"text": text, "tokens": tokens, "stats": llm.spice_stats()}, sys.stdout)

@@ -14,7 +14,7 @@ import sys
 from typing import Any
 
 from pyspice.cli.common import add_model_args, resolve_model
-from pyspice.model_info import DEFAULT_BUDGETS, format_summary, inspect_model, summary_record
+from pyspice.formats.model_info import DEFAULT_BUDGETS, format_summary, inspect_model, summary_record
 from pyspice.units import parse_budget
 
 
@@ -38,7 +38,7 @@ def register(sub: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    summary = inspect_model(resolve_model(args))
+    summary = inspect_model(resolve_model(args, sidecar=False))  # header only: no sidecar needed
     budgets = [parse_budget(b) for b in (args.device_budget or DEFAULT_BUDGETS)]
     fits = [summary.fit(b) for b in budgets] if summary.is_moe else []
     if args.json:

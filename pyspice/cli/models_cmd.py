@@ -9,14 +9,19 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from pyspice.calibrate.run import ensure_sidecar
+from pyspice.models.corpus import Split
+from pyspice.models.smolmoe_build import DEFAULT_QUANT, MODEL_NAMES, QUANT_TYPES, build_smolmoe
+from pyspice.models.smolmoe_derive import DeriveConfig, derive
+from pyspice.models.smolmoe_recipe import corpus_part, default_recipe_dir
+from pyspice.models.synth import ARCHS, SHAPES, synthesize
+
 
 def register(sub: Any) -> None:
-    from pyspice.models.smolmoe_build import DEFAULT_QUANT, MODEL_NAMES, QUANT_TYPES
-    from pyspice.models.synth import ARCHS, SHAPES
-
     p = sub.add_parser("models", help="make models (smolmoe, synthetic MoE fixtures)", description=__doc__)
     msub = p.add_subparsers(dest="models_command", metavar="ACTION")
     msub.required = True
@@ -83,21 +88,16 @@ def register(sub: Any) -> None:
 
 
 def run_build(args: argparse.Namespace) -> int:
-    from pyspice.models.smolmoe_build import build_smolmoe, smolmoe_sidecar
+    # lazy: calibrating loads native code, and `models --help` needs none of it
 
     path = build_smolmoe(args.quant, progress=True, force=args.force)
     if not args.no_sidecar:
-        print(f"sidecar: {smolmoe_sidecar(path, progress=True, force=args.force)}", file=sys.stderr)
+        print(f"sidecar: {ensure_sidecar(path, progress=True, force=args.force)}", file=sys.stderr)
     print(path)
     return 0
 
 
 def run_derive(args: argparse.Namespace) -> int:
-    from dataclasses import replace
-
-    from pyspice.models.corpus import Split
-    from pyspice.models.smolmoe_derive import DeriveConfig, derive
-    from pyspice.models.smolmoe_recipe import default_recipe_dir
 
     try:
         import torch  # noqa: F401
@@ -119,8 +119,6 @@ def run_derive(args: argparse.Namespace) -> int:
 
 
 def run_corpus(args: argparse.Namespace) -> int:
-    from pyspice.models.smolmoe_recipe import corpus_part
-
     part = corpus_part(args.part)
     if part.missing_keys:
         print(f"pyspice: this Python lacks topics {', '.join(part.missing_keys)}", file=sys.stderr)
@@ -132,8 +130,6 @@ def run_corpus(args: argparse.Namespace) -> int:
 
 
 def run_synth(args: argparse.Namespace) -> int:
-    from pyspice.models.synth import synthesize
-
     path = synthesize(
         args.arch,
         args.shape,

@@ -10,17 +10,22 @@ from typing import Any
 from pyspice.cli.common import (
     add_context_args,
     add_model_args,
-    gpu_present,
+    add_sidecar_arg,
     note,
     open_model,
     resolve_model,
 )
+from pyspice.engine.config import gpu_present
+from pyspice.engine.device import DEFAULT_EMULATED_GBPS, DEFAULT_EMULATED_LATENCY_US
+from pyspice.formats.profile import profile_path, save_profile
+from pyspice.measure.probe import measure_profile
 
 
 def register(sub: Any) -> None:
     p = sub.add_parser("probe", help="measure this machine's cost profile for a model", description=__doc__)
     add_model_args(p)
     add_context_args(p)
+    add_sidecar_arg(p)
     p.add_argument("--batch-sizes", default="1,8,32", help="tokens per micro-batch to time (default 1,8,32)")
     p.add_argument("--repeat", type=int, default=5, help="timed runs per measurement (median; default 5)")
     p.add_argument("--json", action="store_true", help="print the profile as JSON")
@@ -28,9 +33,6 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pyspice.api import DEFAULT_EMULATED_GBPS, DEFAULT_EMULATED_LATENCY_US
-    from pyspice.probe import measure_profile, profile_path, save_profile
-
     sizes = tuple(int(x) for x in args.batch_sizes.split(",") if x.strip())
     if not sizes or min(sizes) < 1:
         raise ValueError("--batch-sizes needs positive integers")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import importlib.util
 import signal
 import socket
 import sys
@@ -22,7 +23,6 @@ from pyspice.cli.common import (
     add_context_args,
     add_model_args,
     add_sidecar_arg,
-    default_policy,
     note,
     open_model,
     resolve_model,
@@ -48,8 +48,6 @@ def register(sub: Any) -> argparse.ArgumentParser:
 
 
 def check_server_deps() -> None:
-    import importlib.util
-
     missing = [m for m in SERVER_MODULES if importlib.util.find_spec(m) is None]
     if missing:
         raise ValueError(
@@ -77,6 +75,7 @@ def listen(host: str, port: int) -> socket.socket:
 
 def build_app(llm: Any, alias: str, host: str, port: int, api_key: str | None = None) -> Any:
     """llama-cpp-python's FastAPI routes serving `llm` (already loaded), plus /spice/stats."""
+    # lazy: the server extra is optional (check_server_deps says what is missing)
     from fastapi import FastAPI
     from fastapi.middleware import Middleware
     from fastapi.middleware.cors import CORSMiddleware
@@ -129,12 +128,12 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_server_deps()
+    # lazy: the server extra is optional
     import uvicorn
 
     sock = listen(args.host, args.port)
     try:
-        policy = default_policy(args)
-        llm = open_model(args, policy)
+        llm = open_model(args)
         port = sock.getsockname()[1]
         alias = args.alias or resolve_model(args).name
         app = build_app(llm, alias, args.host, port, args.api_key)

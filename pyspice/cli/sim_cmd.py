@@ -15,7 +15,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import gguf
+import numpy as np
+
 from pyspice.cli.common import add_model_args, note, resolve_model
+from pyspice.formats.profile import profile_path
+from pyspice.formats.routers import RouterReader
+from pyspice.formats.sidecar import Sidecar
+from pyspice.sim.hardware import EMULATED, load_profile
+from pyspice.sim.report import SimConfig, format_tables, plot, simulate_all, stderr_progress
+from pyspice.sim.targets import load_target
+from pyspice.sim.validate import compare, format_comparison, measured_policy_us, parse_compare
+from pyspice.sim.workload import from_trace
 
 
 def register(sub: Any) -> None:
@@ -76,8 +87,6 @@ def _split(text: str) -> tuple[str, ...]:
 
 def source_expert_bytes(model: Path, n_layers: int) -> tuple[int, ...]:
     """Bytes of one routed expert per layer, read from the GGUF's expert tensors."""
-    import gguf
-
     reader = gguf.GGUFReader(model)
     per = [0] * n_layers
     for t in reader.tensors:
@@ -88,13 +97,6 @@ def source_expert_bytes(model: Path, n_layers: int) -> tuple[int, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pyspice.probe import profile_path
-    from pyspice.routers import RouterReader
-    from pyspice.sim.hardware import EMULATED, load_profile
-    from pyspice.sim.report import SimConfig, format_tables, plot, simulate_all, stderr_progress
-    from pyspice.sim.targets import load_target
-    from pyspice.sim.workload import from_trace
-
     if args.show_profiles:
         for name in _split(args.profile):
             if name != EMULATED:
@@ -126,8 +128,6 @@ def run(args: argparse.Namespace) -> int:
     expert_bytes = source_expert_bytes(model, workload.n_layers)
     policy_us_by_budget = None
     if args.compare and args.policy_us_from is None:
-        from pyspice.sim.validate import measured_policy_us, parse_compare
-
         policy_us_by_budget = measured_policy_us(parse_compare(args.compare))
     cfg = SimConfig(
         profiles,
@@ -146,10 +146,6 @@ def run(args: argparse.Namespace) -> int:
     router = RouterReader(model)
     extra: dict[str, Any] = {}
     if args.sidecar is not None:
-        import numpy as np
-
-        from pyspice.sidecar import Sidecar
-
         sidecar = Sidecar.load(args.sidecar, model)
         errors = sidecar.surrogate_error
         extra = {
@@ -165,8 +161,6 @@ def run(args: argparse.Namespace) -> int:
         note(f"plot written to {args.plot}")
     doc: dict[str, Any] = {"rows": rows, "simulated": True}
     if args.compare:
-        from pyspice.sim.validate import compare, format_comparison, parse_compare
-
         doc["validation"] = compare(rows, parse_compare(args.compare))
     if args.json:
         json.dump(doc, sys.stdout)

@@ -7,10 +7,12 @@ from pathlib import Path
 
 from pyspice import __version__
 from pyspice.build_info import BuildNotFoundError, load_build_info
+from pyspice.runtime import device_count
 
 
 def loaded_libllama() -> tuple[Path, str | None]:
     """Path of the libllama `llama_cpp` loaded and its patch series (None: not ours)."""
+    # lazy: loads libllama, only to report what it is
     import llama_cpp
 
     lib = llama_cpp.llama_cpp._lib
@@ -59,7 +61,6 @@ def device_tier_kind(cuda_build: bool) -> str:
     """What --device-budget gives on this machine."""
     if not cuda_build:
         return "emulated (CPU-only build)"
-    from pyspice.runtime import device_count
 
     try:
         n = device_count()

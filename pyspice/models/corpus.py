@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import platform
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,7 @@ _HELDOUT_EVERY = 5  # one topic in five is held out, chosen by a hash of its key
 
 
 def _topics() -> dict[str, str]:
+    # lazy: a large stdlib module, read only when the corpus is built
     from pydoc_data.topics import topics
 
     return dict(topics)
@@ -62,8 +64,6 @@ class Split:
     @classmethod
     def create(cls) -> Split:
         """A fresh split of this Python's topics (what the first derivation commits)."""
-        import platform
-
         topics = _topics()
         keys = make_split(list(topics))
         sha = {part: text_sha256(join_topics(keys[part], topics)) for part in SPLITS}

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -218,30 +219,8 @@ def build_smolmoe(quant: str = DEFAULT_QUANT, *, progress: bool = True, force: b
     return out
 
 
-def smolmoe_sidecar(model: Path, *, progress: bool = True, force: bool = False) -> Path:
-    """The default model's calibration sidecar (`<model>.spice.gguf` next to it), made on
-    first use with `pyspice calibrate`'s defaults (a few minutes on 2 cores) and cached.
-    A cached sidecar that does not match the model (rebuilt file) is made again."""
-    from pyspice.cli.calibrate_cmd import print_summary, run_calibration
-    from pyspice.sidecar import Sidecar, SidecarMismatchError, default_sidecar_path
-
-    out = default_sidecar_path(model)
-    if out.is_file() and not force:
-        try:
-            Sidecar.load(out, model)
-            return out
-        except (SidecarMismatchError, ValueError):
-            pass
-    result = run_calibration(model, out, progress=progress)
-    if progress:
-        print_summary(result)
-    return out
-
-
 def record_gguf_hashes(directory: Path, *, progress: bool = True) -> dict[str, str]:
     """Build every quant of the recipe in `directory` and record their sha256 in its recipe.json."""
-    import tempfile
-
     recipe, arrays = load_recipe(directory)
     hashes = {}
     with tempfile.TemporaryDirectory(prefix="smolmoe-", dir=models_dir()) as tmp:

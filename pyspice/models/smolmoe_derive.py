@@ -24,8 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
 
-from pyspice.models.corpus import Split, text_of
+from pyspice.models.corpus import Split, text_of, topic_texts
+from pyspice.models.smollm2 import dense_gguf, load_dense
+from pyspice.models.smolmoe_build import record_gguf_hashes
 from pyspice.models.smolmoe_recipe import (
     RECIPE_VERSION,
     MoeShape,
@@ -64,6 +67,7 @@ _CHAT_FRAME = (
 
 def tokenize(dense_path: Path, text: str, *, special: bool = False) -> list[int]:
     """Token ids as llama.cpp makes them for this model (its own tokenizer, vocab only)."""
+    # lazy: loads libllama
     import llama_cpp
 
     vocab = llama_cpp.Llama(str(dense_path), vocab_only=True, verbose=False)
@@ -75,13 +79,12 @@ def tokenize(dense_path: Path, text: str, *, special: bool = False) -> list[int]
 
 def chat_stream(split: Split) -> str:
     """The calibration topics as chat turns: "Explain KEY in Python." answered by the topic's text."""
-    from pyspice.models.corpus import topic_texts
-
     return "".join(_CHAT_FRAME.format(key=key, text=text) for key, text in topic_texts(split, "calibration"))
 
 
 def _chunks(ids: list[int], n: int, *, spread: bool = False) -> Any:
     """n chunks of CHUNK tokens: the first n, or (spread) n evenly spaced over the whole text."""
+    # lazy: torch is optional, needed only to derive the recipe (here and in the modules below)
     import torch
 
     total = len(ids) // CHUNK
@@ -93,12 +96,11 @@ def _chunks(ids: list[int], n: int, *, spread: bool = False) -> Any:
 
 
 def derive(out_dir: Path, config: DeriveConfig, split: Split, *, progress: bool = True) -> Recipe:
+    # lazy: torch is optional, needed only to derive the recipe (here and in the modules below)
     import torch
-    from tqdm import tqdm
 
     from pyspice.models import torch_blocks as tb
     from pyspice.models.moefy import apply_layer, fit_layer
-    from pyspice.models.smollm2 import dense_gguf, load_dense
 
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -210,8 +212,6 @@ def derive(out_dir: Path, config: DeriveConfig, split: Split, *, progress: bool 
     )
     (out_dir / "recipe.json").write_text(recipe_obj.to_json())
     if config.record_hashes:
-        from pyspice.models.smolmoe_build import record_gguf_hashes
-
         recipe_obj.gguf_sha256 = record_gguf_hashes(out_dir, progress=progress)
         log(f"built GGUF sha256: {recipe_obj.gguf_sha256}")
     return recipe_obj
@@ -221,6 +221,7 @@ def _compare(
     h_d: Any, h_m: Any, tokens: Any, out_norm: Any, embd: Any, eps: float
 ) -> tuple[float, float, float]:
     """Perplexity of both streams on each chunk's second half (as eval ppl scores), top-1 agreement."""
+    # lazy: torch is optional, needed only to derive the recipe (here and in the modules below)
     import torch
 
     from pyspice.models.torch_blocks import logits

@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from pyspice.models.corpus import PartText, Split, text_of
+
 RECIPE_NAME = "smolmoe"
 # Bump when the recipe arrays or the build transform change: sidecars record
 # it to tell which smolmoe they were calibrated on.
@@ -35,12 +37,20 @@ def default_recipe_dir() -> Path:
     return Path(__file__).resolve().parents[2] / "models" / RECIPE_NAME
 
 
-def corpus_part(part: str) -> Any:
+def corpus_part(part: str) -> PartText:
     """The text of one part ("calibration" or "heldout") of the corpus split the
-    recipe was derived with (its committed split.json), as a corpus.PartText."""
-    from pyspice.models.corpus import Split, text_of
-
+    recipe was derived with (its committed split.json)."""
     return text_of(Split.from_file(recipe_dir() / "split.json"), part)
+
+
+def text_or_corpus(path: Path | None, part: str) -> str:
+    """The text of `path`; with none, the `part` ("calibration" or "heldout") of the
+    default model's corpus."""
+    if path is None:
+        return str(corpus_part(part).text)
+    if not path.is_file():
+        raise FileNotFoundError(f"text file {path} does not exist")
+    return path.read_text(encoding="utf-8")
 
 
 def recipe_dir() -> Path:

@@ -65,6 +65,7 @@ from gguf import GGML_QUANT_VERSION, GGMLQuantizationType, GGUFValueType, GGUFWr
 from tqdm import tqdm
 
 from pyspice.build_info import load_build_info
+from pyspice.formats.gguf_header import GGUF_MAGIC, KeyValue, parse_header
 
 ARCHS: tuple[str, ...] = ("qwen2moe", "deepseek2")
 
@@ -220,14 +221,6 @@ class SynthTensor:
         return 4 * math.prod(self.shape)
 
 
-@dataclass(frozen=True)
-class _KeyValue:
-    key: str
-    value: Any
-    vtype: GGUFValueType
-    sub_type: GGUFValueType | None = None
-
-
 def shape_for(arch: str, shape: str, layers: int | None = None) -> SynthShape:
     """The validated shape for `arch`, with its depth limited to `layers` when given."""
     if arch not in ARCHS:
@@ -338,135 +331,61 @@ def tensor_plan(arch: str, dims: SynthShape, n_vocab: int) -> list[SynthTensor]:
     ]
 
 
-def _model_kv(arch: str, dims: SynthShape, n_vocab: int, seed: int) -> list[_KeyValue]:
+def _model_kv(arch: str, dims: SynthShape, n_vocab: int, seed: int) -> list[KeyValue]:
     u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
     common = [
-        _KeyValue("general.name", f"pyspice-synth-{arch}-{dims.name}", GGUFValueType.STRING),
-        _KeyValue("general.file_type", _LLAMA_FTYPE_ALL_F32, u32),  # llama-quantize rewrites it
-        _KeyValue("general.quantization_version", GGML_QUANT_VERSION, u32),
-        _KeyValue("pyspice.synth.shape", dims.name, GGUFValueType.STRING),
-        _KeyValue("pyspice.synth.seed", seed, GGUFValueType.UINT64),
-        _KeyValue(f"{arch}.vocab_size", n_vocab, u32),
-        _KeyValue(f"{arch}.context_length", dims.n_ctx, u32),
-        _KeyValue(f"{arch}.embedding_length", dims.n_embd, u32),
-        _KeyValue(f"{arch}.block_count", dims.n_layer, u32),
-        _KeyValue(f"{arch}.feed_forward_length", dims.n_ff, u32),
-        _KeyValue(f"{arch}.attention.head_count", dims.n_head, u32),
-        _KeyValue(f"{arch}.attention.layer_norm_rms_epsilon", _RMS_EPS, f32),
-        _KeyValue(f"{arch}.rope.freq_base", _ROPE_FREQ_BASE[arch], f32),
-        _KeyValue(f"{arch}.expert_count", dims.n_expert, u32),
-        _KeyValue(f"{arch}.expert_used_count", dims.n_expert_used, u32),
-        _KeyValue(f"{arch}.expert_feed_forward_length", dims.n_ff_exp, u32),
+        KeyValue("general.name", f"pyspice-synth-{arch}-{dims.name}", GGUFValueType.STRING),
+        KeyValue("general.file_type", _LLAMA_FTYPE_ALL_F32, u32),  # llama-quantize rewrites it
+        KeyValue("general.quantization_version", GGML_QUANT_VERSION, u32),
+        KeyValue("pyspice.synth.shape", dims.name, GGUFValueType.STRING),
+        KeyValue("pyspice.synth.seed", seed, GGUFValueType.UINT64),
+        KeyValue(f"{arch}.vocab_size", n_vocab, u32),
+        KeyValue(f"{arch}.context_length", dims.n_ctx, u32),
+        KeyValue(f"{arch}.embedding_length", dims.n_embd, u32),
+        KeyValue(f"{arch}.block_count", dims.n_layer, u32),
+        KeyValue(f"{arch}.feed_forward_length", dims.n_ff, u32),
+        KeyValue(f"{arch}.attention.head_count", dims.n_head, u32),
+        KeyValue(f"{arch}.attention.layer_norm_rms_epsilon", _RMS_EPS, f32),
+        KeyValue(f"{arch}.rope.freq_base", _ROPE_FREQ_BASE[arch], f32),
+        KeyValue(f"{arch}.expert_count", dims.n_expert, u32),
+        KeyValue(f"{arch}.expert_used_count", dims.n_expert_used, u32),
+        KeyValue(f"{arch}.expert_feed_forward_length", dims.n_ff_exp, u32),
     ]
     if arch == "qwen2moe":
         return [
             *common,
-            _KeyValue(f"{arch}.attention.head_count_kv", dims.n_head_kv, u32),
-            _KeyValue(f"{arch}.expert_shared_feed_forward_length", dims.n_ff_shexp, u32),
+            KeyValue(f"{arch}.attention.head_count_kv", dims.n_head_kv, u32),
+            KeyValue(f"{arch}.expert_shared_feed_forward_length", dims.n_ff_shexp, u32),
         ]
     return [
         *common,
-        _KeyValue(f"{arch}.attention.head_count_kv", 1, u32),  # MLA caches one latent "head"
-        _KeyValue(f"{arch}.attention.key_length", dims.kv_lora_rank + dims.qk_rope_dim, u32),
-        _KeyValue(f"{arch}.attention.value_length", dims.kv_lora_rank, u32),
-        _KeyValue(f"{arch}.attention.key_length_mla", dims.qk_nope_dim + dims.qk_rope_dim, u32),
-        _KeyValue(f"{arch}.attention.value_length_mla", dims.v_head_dim, u32),
-        _KeyValue(f"{arch}.attention.q_lora_rank", 0, u32),
-        _KeyValue(f"{arch}.attention.kv_lora_rank", dims.kv_lora_rank, u32),
-        _KeyValue(f"{arch}.rope.dimension_count", dims.qk_rope_dim, u32),
-        _KeyValue(f"{arch}.leading_dense_block_count", dims.n_dense_lead, u32),
-        _KeyValue(f"{arch}.expert_shared_count", dims.n_expert_shared, u32),
-        _KeyValue(f"{arch}.expert_weights_scale", 1.0, f32),
-        _KeyValue(f"{arch}.expert_weights_norm", False, GGUFValueType.BOOL),
-        _KeyValue(f"{arch}.expert_gating_func", _LLAMA_GATING_SOFTMAX, u32),
+        KeyValue(f"{arch}.attention.head_count_kv", 1, u32),  # MLA caches one latent "head"
+        KeyValue(f"{arch}.attention.key_length", dims.kv_lora_rank + dims.qk_rope_dim, u32),
+        KeyValue(f"{arch}.attention.value_length", dims.kv_lora_rank, u32),
+        KeyValue(f"{arch}.attention.key_length_mla", dims.qk_nope_dim + dims.qk_rope_dim, u32),
+        KeyValue(f"{arch}.attention.value_length_mla", dims.v_head_dim, u32),
+        KeyValue(f"{arch}.attention.q_lora_rank", 0, u32),
+        KeyValue(f"{arch}.attention.kv_lora_rank", dims.kv_lora_rank, u32),
+        KeyValue(f"{arch}.rope.dimension_count", dims.qk_rope_dim, u32),
+        KeyValue(f"{arch}.leading_dense_block_count", dims.n_dense_lead, u32),
+        KeyValue(f"{arch}.expert_shared_count", dims.n_expert_shared, u32),
+        KeyValue(f"{arch}.expert_weights_scale", 1.0, f32),
+        KeyValue(f"{arch}.expert_weights_norm", False, GGUFValueType.BOOL),
+        KeyValue(f"{arch}.expert_gating_func", _LLAMA_GATING_SOFTMAX, u32),
     ]
 
 
-_SCALAR_DTYPES: dict[GGUFValueType, str] = {
-    GGUFValueType.UINT8: "<u1",
-    GGUFValueType.INT8: "<i1",
-    GGUFValueType.UINT16: "<u2",
-    GGUFValueType.INT16: "<i2",
-    GGUFValueType.UINT32: "<u4",
-    GGUFValueType.INT32: "<i4",
-    GGUFValueType.FLOAT32: "<f4",
-    GGUFValueType.BOOL: "?",
-    GGUFValueType.UINT64: "<u8",
-    GGUFValueType.INT64: "<i8",
-    GGUFValueType.FLOAT64: "<f8",
-}
-
-
-class _MetadataParser:
-    """Reads a GGUF's header, metadata and tensor infos, never its data.
-
-    GGUFReader maps every tensor and needs over a second for a 32000-token
-    vocabulary; this needs milliseconds. Strings stay raw bytes: a token need
-    not be valid UTF-8, and the copy must be exact.
-    """
-
-    def __init__(self, buf: memoryview) -> None:
-        self.buf = buf
-        self.pos = 0
-
-    def scalar(self, dtype: str) -> Any:
-        value = np.frombuffer(self.buf, dtype=dtype, count=1, offset=self.pos)[0].item()
-        self.pos += np.dtype(dtype).itemsize
-        return value
-
-    def string(self) -> bytes:
-        n = int(self.scalar("<u8"))
-        self.pos += n
-        return bytes(self.buf[self.pos - n : self.pos])
-
-    def value(self, vtype: GGUFValueType) -> tuple[Any, GGUFValueType | None]:
-        """The value and, for an array, its element type."""
-        if vtype == GGUFValueType.STRING:
-            return self.string(), None
-        if vtype != GGUFValueType.ARRAY:
-            return self.scalar(_SCALAR_DTYPES[vtype]), None
-        sub = GGUFValueType(self.scalar("<u4"))
-        count = int(self.scalar("<u8"))
-        if sub in _SCALAR_DTYPES:
-            items = np.frombuffer(self.buf, dtype=_SCALAR_DTYPES[sub], count=count, offset=self.pos)
-            self.pos += items.nbytes
-            return items.tolist(), sub
-        return [self.value(sub)[0] for _ in range(count)], sub
-
-    def parse(self) -> tuple[list[_KeyValue], dict[str, GGMLQuantizationType]]:
-        """All key/values, and each tensor's type by name."""
-        if bytes(self.buf[:4]) != b"GGUF":
-            raise ValueError("not a GGUF file")
-        self.pos = 4
-        version = self.scalar("<u4")
-        if version not in (2, 3):
-            raise ValueError(f"unsupported GGUF version {version} (a big-endian file?)")
-        n_tensors, n_kv = self.scalar("<u8"), self.scalar("<u8")
-        kvs: list[_KeyValue] = []
-        for _ in range(n_kv):
-            key = self.string().decode()
-            vtype = GGUFValueType(self.scalar("<u4"))
-            value, sub = self.value(vtype)
-            kvs.append(_KeyValue(key, value, vtype, sub))
-        types: dict[str, GGMLQuantizationType] = {}
-        for _ in range(n_tensors):
-            name = self.string().decode()
-            n_dims = self.scalar("<u4")
-            self.pos += 8 * n_dims  # the dims themselves
-            types[name] = GGMLQuantizationType(self.scalar("<u4"))
-            self.pos += 8  # the data offset
-        return kvs, types
-
-
-def _read_metadata(path: Path) -> tuple[list[_KeyValue], dict[str, GGMLQuantizationType]]:
+def _read_metadata(path: Path) -> tuple[list[KeyValue], dict[str, GGMLQuantizationType]]:
+    """All key/values (strings as raw bytes, for an exact copy), and each tensor's type by name."""
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            view = memoryview(mapped)
-            try:
-                return _MetadataParser(view).parse()
-            finally:
-                view.release()
-    except (ValueError, IndexError) as exc:  # also a truncated file: reads past the end raise these
+            if mapped[:4] != GGUF_MAGIC:
+                raise ValueError("not a GGUF file")
+            header = parse_header(mapped, path, raw_strings=True)
+        if header.version not in (2, 3):
+            raise ValueError(f"unsupported GGUF version {header.version} (a big-endian file?)")
+        return header.metadata, {t.name: GGMLQuantizationType(t.type_id) for t in header.tensors}
+    except ValueError as exc:  # ModelFileError too: a truncated file
         raise ValueError(f"{path}: cannot read GGUF metadata: {exc}") from exc
 
 
@@ -475,7 +394,7 @@ def tensor_types(path: Path) -> dict[str, str]:
     return {name: qtype.name for name, qtype in _read_metadata(path)[1].items()}
 
 
-def read_vocab(path: Path) -> tuple[list[_KeyValue], int]:
+def read_vocab(path: Path) -> tuple[list[KeyValue], int]:
     """The `tokenizer.*` metadata of a GGUF, ready to copy, and its token count."""
     kvs = [kv for kv in _read_metadata(path)[0] if kv.key.startswith("tokenizer.")]
     for kv in kvs:
@@ -489,7 +408,7 @@ def read_vocab(path: Path) -> tuple[list[_KeyValue], int]:
     return kvs, len(tokens)
 
 
-def pad_vocab(tokenizer: list[_KeyValue], n_vocab: int) -> list[_KeyValue]:
+def pad_vocab(tokenizer: list[KeyValue], n_vocab: int) -> list[KeyValue]:
     """`tokenizer` (as `read_vocab` gives it) with its per-token arrays padded to `n_vocab` tokens.
 
     Appends "[PAD<id>]" tokens of type UNUSED, as upstream's converter does when
@@ -515,7 +434,7 @@ def pad_vocab(tokenizer: list[_KeyValue], n_vocab: int) -> list[_KeyValue]:
         "tokenizer.ggml.token_type": [_TOKEN_TYPE_UNUSED] * len(ids),
         "tokenizer.ggml.scores": [_PAD_SCORE] * len(ids),
     }
-    padded: list[_KeyValue] = []
+    padded: list[KeyValue] = []
     for kv in tokenizer:
         extra = fill.get(kv.key)
         if extra is not None and isinstance(kv.value, list):
@@ -526,7 +445,7 @@ def pad_vocab(tokenizer: list[_KeyValue], n_vocab: int) -> list[_KeyValue]:
     return padded
 
 
-def load_vocab(dims: SynthShape, vocab: Path | None = None) -> tuple[list[_KeyValue], int]:
+def load_vocab(dims: SynthShape, vocab: Path | None = None) -> tuple[list[KeyValue], int]:
     """The tokenizer keys a model of `dims` gets, and its n_vocab.
 
     `vocab` replaces the shape's upstream vocabulary file; either is padded to
@@ -597,7 +516,7 @@ def _write_f32(
     arch: str,
     dims: SynthShape,
     seed: int,
-    tokenizer: list[_KeyValue],
+    tokenizer: list[KeyValue],
     n_vocab: int,
     progress: bool,
 ) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from pyspice.models.smollm2 import DenseConfig, DenseLayer
@@ -37,8 +38,6 @@ class TorchLayer:
 
     @classmethod
     def of(cls, layer: DenseLayer) -> TorchLayer:
-        import numpy as np
-
         return cls(
             attn_norm=_t(layer.attn_norm),
             wq=_t(layer.wq),

@@ -9,6 +9,8 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
+from pyspice.policy.context import PolicyContext
+
 # Actions per (token, selected expert). The values are the C API's
 # (spice_action in native/include/spice.h); a native test checks they agree.
 ACTION_DEVICE = 0  # exact, expert resident in the device tier
@@ -76,7 +78,7 @@ class HookCall:
         self.n_expert_used = int(ids.shape[1])
         self.n_expert = int(probs.shape[1])
         self._arrays: list[Any] = [hidden, probs, ids, weights, shared, residency]
-        self._fetch: Callable[[int], Any] | None = None
+        self._fetch: Callable[[int], Any] = self._arrays.__getitem__  # every array is set already
 
     @classmethod
     def lazy(
@@ -96,10 +98,6 @@ class HookCall:
     def _get(self, i: int) -> Any:
         value = self._arrays[i]
         if value is _UNSET:
-            if self._fetch is None:
-                raise RuntimeError(
-                    "a HookCall's arrays can only be read during Policy.decide; copy what you keep"
-                )
             value = self._arrays[i] = self._fetch(i)
         return value
 
@@ -165,12 +163,55 @@ class Plan:
 
 
 class Policy(Protocol):
-    """A decision-maker for hook calls. `name` is what `--policy` accepts.
+    """A decision-maker for hook calls.
 
-    A policy may also define `attach(ctx: PolicyContext) -> None`, called each
-    time it is enabled, before its first call (see pyspice.policy.context).
+    name      what `--policy` accepts, and what stats records call it
+    lossless  never substitutes nor drops: the engine loads the sidecar's
+              surrogates only for a policy that is not lossless
+    attach    called with the PolicyContext each time the policy is enabled,
+              before its first call
+    decide    the plan for one hook call
+
+    Subclass PolicyBase for the defaults (lossless, nothing to attach). An
+    object with only `name` and `decide` is accepted too (a user's policy
+    written against the minimal interface): `is_lossless` and `attach_policy`
+    give it the same defaults.
     """
 
-    name: str
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def lossless(self) -> bool: ...
+
+    def attach(self, ctx: PolicyContext) -> None: ...
 
     def decide(self, call: HookCall) -> Plan: ...
+
+
+class PolicyBase:
+    """The defaults of the Policy protocol: lossless, and nothing to learn at attach."""
+
+    name = "policy"
+
+    @property
+    def lossless(self) -> bool:
+        return True
+
+    def attach(self, ctx: PolicyContext) -> None:
+        pass
+
+    def decide(self, call: HookCall) -> Plan:
+        return Plan()
+
+
+def is_lossless(policy: object) -> bool:
+    """`policy.lossless`, True for an object that does not say (the minimal interface)."""
+    return bool(getattr(policy, "lossless", True))
+
+
+def attach_policy(policy: object, ctx: PolicyContext) -> None:
+    """`policy.attach(ctx)` where the policy defines it (the minimal interface does not)."""
+    attach = getattr(policy, "attach", None)
+    if attach is not None:
+        attach(ctx)

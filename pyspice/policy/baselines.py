@@ -29,6 +29,7 @@ from pyspice.policy.base import (
     RESIDENCY_COPYING,
     HookCall,
     Plan,
+    PolicyBase,
     held_bytes,
 )
 from pyspice.policy.context import PolicyContext
@@ -46,7 +47,7 @@ def _require_device(call: HookCall, policy: str) -> npt.NDArray[np.int8]:
     return call.residency
 
 
-class HostOnly:
+class HostOnly(PolicyBase):
     """Every routed expert on the host; the device tier (if any) stays empty."""
 
     name = "host"
@@ -55,7 +56,7 @@ class HostOnly:
         return Plan(actions=_actions(call, ACTION_HOST))
 
 
-class StaticLayers:
+class StaticLayers(PolicyBase):
     """Whole layers resident, in order, as far as the budget goes (llama.cpp
     --n-cpu-moe N keeps the LAST N layers' experts on the CPU, i.e. the first
     ones on the GPU). Each resident layer is loaded on its first call; after
@@ -95,7 +96,7 @@ class StaticLayers:
         return Plan(actions=_actions(call, ACTION_DEVICE), fetch=fetch)
 
 
-class OnDemand:
+class OnDemand(PolicyBase):
     """Fetch every expert a layer needs when it needs it and keep nothing:
     each call first evicts whatever an earlier call brought in."""
 
@@ -112,7 +113,7 @@ class OnDemand:
         )
 
 
-class LruCache:
+class LruCache(PolicyBase):
     """One pooled slot cache over all layers, least recently used out first;
     misses are fetched synchronously (demand copies)."""
 
@@ -163,7 +164,7 @@ class LruCache:
         return evict
 
 
-class AdapMoE:
+class AdapMoE(PolicyBase):
     """AdapMoE-like: per-layer LRU caches whose sizes follow each layer's
     miss cost, plus a prefetch of the next MoE layer's experts predicted by
     applying that layer's router to the current MoE input (its gate).

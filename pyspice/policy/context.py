@@ -1,6 +1,6 @@
 """What a policy may know about the model and the machine before the first call.
 
-The engine (and the simulator) hand a `PolicyContext` to a policy's optional
+The engine (and the simulator) hand a `PolicyContext` to a policy's
 `attach(ctx)` whenever it is (re)enabled: layer geometry, expert sizes, the
 device budget, the target model's routers (for look-ahead policies) and the
 measured cost profile. Plain data only; nothing native.
@@ -10,10 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
+
+from pyspice.policy.profile import CostProfile
+
+F32 = npt.NDArray[np.float32]
 
 RouterLoader = Callable[[int], "npt.NDArray[np.float32] | None"]
 
@@ -29,6 +33,24 @@ def _no_errors(layer: int) -> npt.NDArray[np.float32] | None:
     return None
 
 
+class RoutePredictor(Protocol):
+    """Predicted router logits of the next MoE layers from one layer's input: the
+    sidecar's draft predictor (pyspice.policy.predictor.DraftPredictor) or the
+    cross-layer router baseline (pyspice.policy.spice.lookahead.RouterLookahead)."""
+
+    def rollout_logits(self, layer: int, hidden: F32, depth: int) -> list[tuple[int, F32]]: ...
+
+
+@runtime_checkable
+class AffinePredictor(RoutePredictor, Protocol):
+    """A RoutePredictor whose rollout to `depth` layers is one affine map of the input:
+    logits = G h (+ offset). Both shipped predictors are; a rollout is then one product."""
+
+    def affine_map(self, layer: int, depth: int) -> tuple[list[int], F32, F32 | None]:
+        """(layers reached, G [len(layers) * n_expert, n_embd], offset or None)."""
+        ...
+
+
 @dataclass(frozen=True)
 class PolicyContext:
     n_layers: int
@@ -38,10 +60,10 @@ class PolicyContext:
     budget_bytes: int | None  # device tier size; None: no device tier
     # router(layer) -> [n_expert, n_embd] weights of that layer's router (float32), or None
     router: RouterLoader = field(default=_no_router, compare=False)
-    # cost profile from `pyspice probe` (pyspice.probe.CostProfile), if one was measured
-    profile: Any = field(default=None, compare=False)
-    # the sidecar's draft predictor (rollout(layer, hidden, depth) -> [(layer, probs)]), if any
-    predictor: Any = field(default=None, compare=False)
+    # the machine's cost profile (measured by `pyspice probe`, or simulated), if any
+    profile: CostProfile | None = field(default=None, compare=False)
+    # the sidecar's draft predictor, if the model has a sidecar
+    predictor: RoutePredictor | None = field(default=None, compare=False)
     # surrogate_error(layer) -> held-out relative error per expert (inf: none), when loaded
     surrogate_error: ErrorLoader = field(default=_no_errors, compare=False)
     surrogates_loaded: bool = False

@@ -141,9 +141,6 @@ class DraftPredictor:
     def n_embd(self) -> int:
         return int(next(iter(self.routers.values())).shape[1])
 
-    def next_layer(self, layer: int) -> int | None:
-        return self._next.get(layer)
-
     def _stacked_logits(self, layer: int, hidden: npt.ArrayLike, depth: int) -> tuple[list[int], F32]:
         """(layers reached, logits [..., n, n_expert]) in one product."""
         reach = self._reach.get(layer)

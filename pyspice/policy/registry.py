@@ -2,9 +2,8 @@
 
 Three kinds: `stock` (hook unregistered: the reference), `native` (decided in
 libspice with no Python per layer) and `python` (a Policy object called from
-the hook). The registry grows as issues land; names that do not exist yet are
-not listed, so `--help` never offers something that only says "not
-implemented".
+the hook). Only names that run are listed, so `--help` never offers one that
+only says "not implemented".
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Literal
 
-from pyspice.policy.base import HookCall, Plan, Policy
+from pyspice.policy.base import Policy, PolicyBase
 from pyspice.policy.baselines import AdapMoE, HostOnly, LruCache, OnDemand, StaticLayers
 from pyspice.policy.spice import SpicePolicy
 from pyspice.policy.spice.config import ABLATION_DESCRIPTIONS
@@ -31,13 +30,10 @@ class PolicySpec:
     needs_device: bool = False  # makes no sense without --device-budget
 
 
-class ExactPassThrough:
+class ExactPassThrough(PolicyBase):
     """`exact-py`: every activation exact, decided in Python (measures the Python path's cost)."""
 
     name = "exact-py"
-
-    def decide(self, call: HookCall) -> Plan:
-        return Plan()
 
 
 _SPECS: dict[str, PolicySpec] = {

@@ -33,7 +33,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from pyspice.policy.base import ACTION_DEVICE, ACTION_DROP, ACTION_SURROGATE, HookCall, Plan
+from pyspice.policy.base import ACTION_DEVICE, ACTION_DROP, ACTION_SURROGATE, HookCall, Plan, PolicyBase
 
 Mode = Literal["surrogate", "shared", "drop"]
 MODES: tuple[Mode, ...] = ("surrogate", "shared", "drop")
@@ -54,7 +54,7 @@ class SharedExpertOnly:
         return 1.0, self._a, self._b
 
 
-class SubstitutePolicy:
+class SubstitutePolicy(PolicyBase):
     """Experts in `resident` ((layer, expert) pairs) run exactly (device
     actions: resident on a device tier once fetched, on the host without
     one); every other activation is replaced as `mode` says. In `surrogate`
@@ -74,6 +74,10 @@ class SubstitutePolicy:
         self.resident = frozenset((int(il), int(e)) for il, e in resident)
         self.available = None if available is None else frozenset((int(il), int(e)) for il, e in available)
         self._exact: dict[int, npt.NDArray[np.bool_]] = {}
+
+    @property
+    def lossless(self) -> bool:
+        return False  # every mode replaces the non-resident experts
 
     def surrogate_source(self, sidecar: Any, n_embd: int) -> Any:
         """What `Llama.set_surrogates` needs for this mode: the sidecar

@@ -23,7 +23,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pyspice.policy.base import ACTION_DEVICE, RESIDENCY_ABSENT, RESIDENCY_COPYING, HookCall, Plan
+from pyspice.policy.base import (
+    ACTION_DEVICE,
+    RESIDENCY_ABSENT,
+    RESIDENCY_COPYING,
+    HookCall,
+    Plan,
+    PolicyBase,
+)
 from pyspice.policy.context import PolicyContext
 from pyspice.sim.workload import Workload
 
@@ -138,7 +145,7 @@ def belady(workload: Workload, expert_bytes: Sequence[int], budget_bytes: int) -
     return results
 
 
-class BeladyOracle:
+class BeladyOracle(PolicyBase):
     """MIN as a policy, for the simulator only: it knows the whole trace, fetches what a
     call needs on demand and evicts what is used farthest in the future (never what the
     call needs, nor a copy in flight). Its simulated TPOT is that of optimal replacement

@@ -40,9 +40,12 @@ from typing import Any
 
 import numpy as np
 
+from pyspice.formats.profile import load_profile as load_cost_profile
+from pyspice.policy.profile import PROFILE_VERSION, BatchCost, CostProfile
 from pyspice.sim.simulator import BatchTable, Costs
 from pyspice.sim.targets import TargetModel
 from pyspice.sim.workload import Workload
+from pyspice.units import parse_budget
 
 SOURCES = ("measured", "derived", "published", "estimate")
 EMULATED = "emulated"
@@ -99,7 +102,7 @@ class HardwareProfile:
     description: str
     values: dict[str, Value]
     emulated: bool = False
-    probe: Any = None  # the pyspice.probe.CostProfile of an emulated profile
+    probe: CostProfile | None = None  # the measured cost profile of an emulated profile
     fill_gbps: float = 0.0
     wake_us: float = 0.0
 
@@ -169,9 +172,7 @@ def measure_wake_us(sleep_us: float = 10.0, repeats: int = 50) -> float:
 def emulated_profile(probe_path: Path) -> HardwareProfile:
     """This machine with its emulated device, from a `pyspice probe` cost profile: the
     bus as the probe's emulation set it, device compute = host compute."""
-    from pyspice.probe import load_profile as load_probe
-
-    probe = load_probe(probe_path)
+    probe = load_cost_profile(probe_path)
     expert_bytes = max(probe.expert_bytes.values(), default=0)
     fill = measure_fill_gbps(expert_bytes)
     wake = measure_wake_us()
@@ -201,6 +202,8 @@ def _table(points: list[tuple[int, float]]) -> BatchTable:
 def emulated_costs(profile: HardwareProfile, workload: Workload, expert_bytes: tuple[int, ...]) -> Costs:
     """The source model on this machine, as `pyspice bench` runs it with an emulated device."""
     probe = profile.probe
+    if probe is None:
+        raise ValueError(f"hardware profile {profile.name} has no measured cost profile to emulate")
     expert = _table([(b.tokens, b.expert_us) for b in probe.batches])
     rest = _table([(b.tokens, b.rest_us_per_layer) for b in probe.batches])
     return Costs(
@@ -265,14 +268,13 @@ def target_costs(profile: HardwareProfile, target: TargetModel, workload: Worklo
     )
 
 
-def policy_profile(profile: HardwareProfile, costs: Costs) -> Any:
+def policy_profile(profile: HardwareProfile, costs: Costs) -> CostProfile | None:
     """What `pyspice probe` would have measured on the simulated machine (a
-    pyspice.probe.CostProfile), so policies that weigh copies against host work
+    CostProfile), so policies that weigh copies against host work
     (adapmoe, spice) weigh them as on that hardware. The emulated profile hands
     over the measured one itself."""
     if profile.emulated:
         return profile.probe
-    from pyspice.probe import PROFILE_VERSION, BatchCost, CostProfile
 
     moe_bytes = [b for b in costs.expert_bytes if b > 0]
     host = dict(costs.host_expert_us)
@@ -297,8 +299,6 @@ def policy_profile(profile: HardwareProfile, costs: Costs) -> Any:
 def budget_bytes(spec: str, routed_bytes: int, target_routed: int | None = None) -> int:
     """A --device-budget entry: a share ("25%") of the simulated routed-expert bytes, or
     bytes with a unit ("8GiB"), which for a target mean target bytes (taken as a share)."""
-    from pyspice.units import parse_budget
-
     budget = parse_budget(spec)
     if target_routed is not None and budget.share is None:
         return int(routed_bytes * min(1.0, budget.resolve(target_routed) / target_routed))

@@ -181,6 +181,7 @@ def format_tables(rows: Sequence[dict[str, Any]]) -> str:
 
 def plot(rows: Sequence[dict[str, Any]], path: str, title: str) -> None:
     """Fig. 7 style: speedup over adapmoe per policy, grouped by profile and budget."""
+    # lazy: matplotlib is optional, for --plot only
     import matplotlib
 
     matplotlib.use("Agg")

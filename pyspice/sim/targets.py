@@ -16,6 +16,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import gguf
+
+from pyspice.models.synth import SHAPES, tensor_plan
+
 _QK_K = 256
 _BASE = {
     "Q4_K_M": "Q4_K",
@@ -30,8 +34,6 @@ TARGET_SHAPES = {"qwen2-57b-a14b": "qwen2moe", "deepseek-v2-lite": "deepseek2"}
 
 
 def _type_size(name: str) -> tuple[int, int]:
-    import gguf
-
     block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]]
     return int(block), int(size)
 
@@ -92,8 +94,6 @@ class TargetModel:
 
 def load_target(spec: str) -> TargetModel:
     """`qwen2-57b-a14b:Q5_K_M`, `deepseek-v2-lite:Q4_K_M`."""
-    from pyspice.models.synth import SHAPES, tensor_plan
-
     shape_name, _, quant = spec.partition(":")
     quant = quant.upper() or "Q4_K_M"
     arch = TARGET_SHAPES.get(shape_name)

@@ -1,4 +1,4 @@
-"""Simulated TPOT against measured `pyspice bench` TPOT (issue 10, item 5).
+"""Simulated TPOT against measured `pyspice bench` TPOT.
 
 For the emulated profile the simulator models exactly what bench runs: the
 same copy rules (spice-store.c), this machine's per-layer and per-expert

@@ -2,20 +2,22 @@
 
 A step is one evaluation (a prompt micro-batch or one decoded token); it holds
 one call per MoE layer with the arrays a policy sees (hidden, probs, ids,
-weights, optional shared). Traces on disk are read by pyspice.trace (one
+weights, optional shared). Traces on disk are read by pyspice.formats.trace (one
 format, shared with calibration); `from_trace` adapts its reader, and
 `from_arrays` takes plain token-major arrays (tests, scratch recordings).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+
+from pyspice.formats.trace import TraceReader
 
 
 @dataclass
@@ -58,12 +60,6 @@ class Workload:
     @property
     def decoded_tokens(self) -> int:
         return sum(s.n_tokens for s in self.steps if s.decode)
-
-    def accesses(self) -> Iterator[tuple[bool, int, list[int], int]]:
-        """(decode step?, layer, distinct experts the call routes to, activations), in time order."""
-        for step in self.steps:
-            for call in step.calls:
-                yield step.decode, call.layer, sorted({int(e) for e in call.ids.ravel()}), int(call.ids.size)
 
     @staticmethod
     def from_arrays(
@@ -112,42 +108,11 @@ class Workload:
             wl.steps.append(SimStep(calls, decode=hi - lo == 1 and lo >= prompt_tokens))
         return wl
 
-    @staticmethod
-    def from_calls(
-        n_layers: int,
-        n_expert: Sequence[int],
-        n_expert_used: int,
-        steps: Sequence[tuple[bool, Sequence[Mapping[str, Any]]]],
-        source: str = "calls",
-    ) -> Workload:
-        """Steps as (decode?, [{layer, ids, weights, probs?, hidden?, shared?}, ...])."""
-        wl = Workload(n_layers, tuple(n_expert), n_expert_used, 0, source=source)
-        for decode, calls in steps:
-            sim_calls = []
-            for c in calls:
-                hidden = c.get("hidden")
-                sim_calls.append(
-                    SimCall(
-                        layer=int(c["layer"]),
-                        ids=np.asarray(c["ids"], dtype=np.int32),
-                        weights=np.asarray(c["weights"], dtype=np.float32),
-                        probs=None if c.get("probs") is None else np.asarray(c["probs"], np.float32),
-                        hidden=None if hidden is None else np.asarray(hidden, np.float32),
-                        shared=None if c.get("shared") is None else np.asarray(c["shared"], np.float32),
-                    )
-                )
-                if hidden is not None:
-                    wl.n_embd = int(np.asarray(hidden).shape[-1])
-            wl.steps.append(SimStep(sim_calls, bool(decode)))
-        return wl
-
 
 def from_trace(path: Path) -> Workload:
-    """A trace directory written by pyspice.trace (`generate/bench --trace`). Every
+    """A trace directory written by pyspice.formats.trace (`generate/bench --trace`). Every
     token is a decode step, unless meta.extra names `prompt_tokens`: those first
     tokens then form one prompt step (it warms the tier, it is not timed)."""
-    from pyspice.trace import TraceReader
-
     reader = TraceReader(path)
     meta = reader.meta
     fields = tuple(f for f in ("ids", "weights", "probs", "hidden") if f in meta.fields)

@@ -91,3 +91,15 @@ def test_a_run_with_policy_fallbacks_is_invalid(synth_model, monkeypatch, capsys
     )
     assert rc == 1
     assert "INVALID" in capsys.readouterr().err
+
+
+def test_the_first_policy_is_the_baseline_unless_told(synth_model) -> None:
+    model = synth_model("qwen2moe", "tiny", "Q8_0")
+    run = [*BENCH, "-m", str(model), "--device-budget", "50%", "--no-sidecar", "--policies", "lru,exact"]
+    out = subprocess.run(run, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "x lru" in out.stdout  # no stock needed: ratios divide by the first policy
+    told = subprocess.run([*run, "--baseline", "exact"], capture_output=True, text=True)
+    assert told.returncode == 0 and "x exact" in told.stdout
+    missing = subprocess.run([*run, "--baseline", "stock"], capture_output=True, text=True)
+    assert missing.returncode != 0 and "not among --policies" in missing.stderr

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pyspice.cli.main import main
-from pyspice.sidecar import Sidecar, SidecarMismatchError
+from pyspice.formats.sidecar import Sidecar, SidecarMismatchError
 from tests.native.conftest import ModelFactory
 
 N_CTX = 128
@@ -80,7 +80,7 @@ def test_capture_resumes_after_an_interruption(
     synth_model: ModelFactory, text_file: Path, tmp_path: Path
 ) -> None:
     from pyspice.calibrate.capture import CaptureConfig, capture
-    from pyspice.trace import TraceReader
+    from pyspice.formats.trace import TraceReader
 
     model = synth_model("qwen2moe")
     text = text_file.read_text()
@@ -130,7 +130,7 @@ def test_eval_predictor_and_surrogate(
 def test_decode_trace_from_generate_and_bench(
     command: str, synth_model: ModelFactory, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from pyspice.trace import TraceReader
+    from pyspice.formats.trace import TraceReader
 
     model = synth_model("deepseek2")
     out = tmp_path / "trace"

@@ -61,7 +61,7 @@ def load_cuda(path, n_gpu_layers: int = ALL_LAYERS):  # type: ignore[no-untyped-
 def test_cpu_build_refuses_a_cuda_tier_clearly(synth_model) -> None:
     llm = load(synth_model("qwen2moe", "tiny", "Q8_0"))
     try:
-        runtime = llm._require_runtime()
+        runtime = llm.spice_engine.require_runtime()
         with pytest.raises(SpiceError, match="CUDA"):  # "built without CUDA" or "no CUDA device"
             runtime.set_device(StoreParams(budget_bytes=1 << 30, device_kind=DEVICE_CUDA))
         tier = llm.set_device("25%")  # with no GPU, a budget means the emulated device
@@ -80,7 +80,7 @@ def test_slots_hold_the_host_bytes(synth_model, arch: str, quant: str) -> None:
     try:
         tier = llm.set_device("100%")
         assert not tier.emulated
-        runtime = llm._require_runtime()
+        runtime = llm.spice_engine.require_runtime()
         assert runtime.device_is_real()
         llm.set_policy("exact")  # preloads every expert
         reader = GGUFReader(path)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pyspice.probe import load_profile, measure_profile, save_profile
+from pyspice.formats.profile import load_profile, save_profile
+from pyspice.measure.probe import measure_profile
 
 from .golden import load
 

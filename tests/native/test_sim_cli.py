@@ -11,7 +11,7 @@ from tests.native.conftest import ModelFactory
 
 
 def _record(model: Path, out: Path, n_tokens: int) -> None:
-    from pyspice.sim.record import record_bench_trace
+    from pyspice.measure.record import record_bench_trace
 
     tokens = record_bench_trace(model, out, prompt_tokens=4, n_predict=n_tokens + 1)
     assert len(tokens) == n_tokens + 1

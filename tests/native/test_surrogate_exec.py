@@ -185,7 +185,7 @@ def test_a_plan_asking_for_a_missing_surrogate_runs_exactly(model: Llama, capsys
     s = part.stats
     assert 0 < s["policy_fallbacks"] < s["hook_calls"]
     assert 0 < s["misses"]["surrogate"] < s["activations"]
-    assert "does not have" in model._require_runtime().last_error()
+    assert "does not have" in model.spice_engine.require_runtime().last_error()
     model.clear_surrogates()
 
 
@@ -201,7 +201,7 @@ def test_substitute_policy_keeps_resident_experts_exact(model: Llama) -> None:
 def test_surrogate_bytes_come_out_of_the_device_budget(synth_model: Any) -> None:
     llm = load(synth_model("qwen2moe", "tiny", "Q8_0"))
     try:
-        rt = llm._require_runtime()
+        rt = llm.spice_engine.require_runtime()
         expert_bytes = llm.spice_layers()[0].bytes_per_expert
         budget = 10 * expert_bytes
         n_embd = n_embd_of(llm)

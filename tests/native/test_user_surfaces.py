@@ -1,4 +1,4 @@
-"""The user surfaces end to end (issue 8): `generate --json`, `inspect`, `chat`
+"""The user surfaces end to end: `generate --json`, `inspect`, `chat`
 through a pseudo-terminal, `serve` answered over loopback HTTP, and errors a
 person can act on. Subprocesses on tiny synthetic models, a few tokens each."""
 

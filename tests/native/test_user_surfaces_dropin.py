@@ -1,4 +1,4 @@
-"""`pyspice.Llama` is a drop-in `llama_cpp.Llama` (issue 8): the same calls give
+"""`pyspice.Llama` is a drop-in `llama_cpp.Llama`: the same calls give
 the same greedy output, `exact` is bit-identical to `stock` (the reference)
 and really runs the hook, and the pyspice options are keyword arguments."""
 

@@ -1,4 +1,4 @@
-"""`pyspice.model_info`: the header-only reader and what a budget holds (no native code)."""
+"""`pyspice.formats.model_info`: the header-only reader and what a budget holds (no native code)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import gguf
 import numpy as np
 import pytest
 
-from pyspice.model_info import ModelFileError, format_summary, inspect_model, read_header
+from pyspice.formats.model_info import ModelFileError, format_summary, inspect_model, read_header
 from pyspice.units import parse_budget
 
 N_EMBD, N_FF, N_EXPERT = 32, 16, 4

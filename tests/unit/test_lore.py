@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pyspice.calibrate.lore_fit import expert_forward, fit_expert, heldout_mask, surrogate_apply
+from pyspice.calibrate.lore_fit import expert_forward, fit_expert, heldout_mask, surrogate_forward
 
 
 def planted(n: int, d: int, rank: int, alpha: float, seed: int) -> tuple[np.ndarray, ...]:
@@ -25,10 +25,10 @@ def test_fit_recovers_planted_alpha_and_low_rank_map(n: int, d: int) -> None:
     alpha, A, B = fits[3]
     assert alpha == pytest.approx(0.6, abs=1e-2)
     assert A.shape == (3, d) and B.shape == (d, 3)
-    err = np.linalg.norm(Y - surrogate_apply(H, S, alpha, A, B)) / np.linalg.norm(Y)
+    err = np.linalg.norm(Y - surrogate_forward(H, S, alpha, A, B)) / np.linalg.norm(Y)
     assert err < 1e-2
     a1, A1, B1 = fits[1]  # one rank short of the planted map: clearly worse
-    assert np.linalg.norm(Y - surrogate_apply(H, S, a1, A1, B1)) / np.linalg.norm(Y) > 10 * err
+    assert np.linalg.norm(Y - surrogate_forward(H, S, a1, A1, B1)) / np.linalg.norm(Y) > 10 * err
 
 
 def test_no_shared_expert_means_no_alpha_and_few_tokens_mean_rank_zero() -> None:

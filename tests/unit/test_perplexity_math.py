@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pyspice.cli.main import build_parser
-from pyspice.perplexity import chunk_tokens, token_nll
+from pyspice.measure.perplexity import chunk_tokens, token_nll
 
 
 def test_token_nll_matches_log_softmax() -> None:

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 from gguf import GGUFWriter
 
-from pyspice.policy.predictor import Transition
-from pyspice.sidecar import (
+from pyspice.formats.sidecar import (
     LayerSurrogates,
     Sidecar,
     SidecarData,
@@ -17,6 +16,7 @@ from pyspice.sidecar import (
     fingerprint,
     write_sidecar,
 )
+from pyspice.policy.predictor import Transition
 
 D, E, R = 8, 4, 3
 

@@ -13,7 +13,6 @@ low-weight misses with good surrogates.
 from __future__ import annotations
 
 from dataclasses import replace
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -34,6 +33,7 @@ from pyspice.policy import (
     PolicyContext,
     make_policy,
 )
+from pyspice.policy.profile import PROFILE_VERSION, BatchCost, CostProfile
 from pyspice.policy.spice import SpicePolicy, spice_config
 from pyspice.policy.spice.cost import CostModel
 from pyspice.policy.spice.lookahead import look_ahead
@@ -62,14 +62,21 @@ class ScriptedPredictor:
         return out
 
 
-def profile(bus_gbps: float, host_us: float, device_us: float, emulated: bool) -> Any:
-    batch = SimpleNamespace(tokens=1, expert_us=host_us, rest_us_per_layer=50.0)
-    return SimpleNamespace(
+def profile(bus_gbps: float, host_us: float, device_us: float, emulated: bool) -> CostProfile:
+    return CostProfile(
+        version=PROFILE_VERSION,
+        model="test",
+        model_sha="",
+        threads=1,
+        n_layers=0,
+        n_moe_layers=0,
+        expert_bytes={},
         bus_gbps=bus_gbps,
         bus_latency_us=1.0,
-        batches=[batch],
+        bus_source="measured",
         device_expert_us=device_us,
         device_source="emulated: the host's own time" if emulated else "measured",
+        batches=[BatchCost(tokens=1, expert_us=host_us, rest_us_per_layer=50.0)],
     )
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pyspice.trace import TraceError, TraceMeta, TraceReader, TraceWriter, scan_chunks
+from pyspice.formats.trace import TraceError, TraceMeta, TraceReader, TraceWriter, scan_chunks
 
 N_EMBD, N_EXPERT, K = 8, 6, 2
 LAYERS = [1, 2, 4]
@@ -133,8 +133,8 @@ def test_add_checks_fields_and_order(tmp_path: Path) -> None:
 
 
 def test_recorder_keeps_decode_steps_only(tmp_path: Path) -> None:
+    from pyspice.formats.trace import TraceRecorder
     from pyspice.policy.base import HookCall
-    from pyspice.trace import TraceRecorder
 
     recs = records(6)
     w = TraceWriter(tmp_path / "t", meta(), chunk_tokens=2)
@@ -161,8 +161,8 @@ def test_recorder_keeps_decode_steps_only(tmp_path: Path) -> None:
 def test_recorder_asks_its_inner_policy_at_every_call(tmp_path: Path) -> None:
     """An inner policy may decide calls in advance (Plan.resume_layer), but the recorder
     must see every call to record it, so it takes that permission back."""
+    from pyspice.formats.trace import TraceRecorder
     from pyspice.policy.base import HookCall, Plan
-    from pyspice.trace import TraceRecorder
 
     class Skips:
         name = "skips"

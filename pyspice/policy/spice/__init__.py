@@ -1,4 +1,4 @@
-"""The SPICE policy (issue 9): one policy class, configured per quality level and ablation."""
+"""The SPICE policy: one policy class, configured per quality level and ablation."""
 
 from pyspice.policy.spice.config import ABLATIONS, QUALITY_LEVELS, SpiceConfig, spice_config
 from pyspice.policy.spice.policy import SpicePolicy

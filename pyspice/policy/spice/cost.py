@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 from dataclasses import dataclass
-from typing import Any
 
 from pyspice.policy.context import PolicyContext
 
@@ -41,9 +40,9 @@ class CostModel:
 
     @staticmethod
     def from_context(ctx: PolicyContext) -> CostModel:
-        profile: Any = ctx.profile
+        profile = ctx.profile
         nbytes = tuple(ctx.expert_bytes)
-        if profile is None or not getattr(profile, "batches", None):
+        if profile is None or not profile.batches:
             mean_bytes = max(1, max(nbytes, default=1))
             host = mean_bytes / (NOMINAL_HOST_GBPS * 1e3)
             return CostModel(
@@ -58,14 +57,13 @@ class CostModel:
             )
         points = tuple(sorted((int(b.tokens), float(b.expert_us)) for b in profile.batches))
         rest = float(min(profile.batches, key=lambda b: b.tokens).rest_us_per_layer)
-        emulated = str(getattr(profile, "device_source", "")).startswith("emulated")
         return CostModel(
             bus_gbps=float(profile.bus_gbps),
             latency_us=float(profile.bus_latency_us),
             host_points=points,
             device_expert_us=float(profile.device_expert_us),
             rest_us_per_layer=rest,
-            overlap=not emulated,
+            overlap=not profile.device_emulated,
             expert_bytes=nbytes,
             measured=True,
         )

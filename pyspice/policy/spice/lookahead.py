@@ -20,18 +20,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from math import exp
-from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-from pyspice.policy.context import PolicyContext
+from pyspice.policy.context import AffinePredictor, PolicyContext, RoutePredictor
 
 F32 = npt.NDArray[np.float32]
-
-
-class Predictor(Protocol):
-    def rollout_logits(self, layer: int, hidden: F32, depth: int) -> list[tuple[int, F32]]: ...
 
 
 class RouterLookahead:
@@ -74,9 +69,9 @@ class Rollout:
     depth) as one contiguous matrix, so a decode rollout is one matrix-vector product and
     an in-place add; any other predictor goes through its rollout_logits."""
 
-    def __init__(self, predictor: Predictor) -> None:
+    def __init__(self, predictor: RoutePredictor) -> None:
         self.predictor = predictor
-        self.affine = getattr(predictor, "affine_map", None)
+        self.affine = predictor.affine_map if isinstance(predictor, AffinePredictor) else None
         self.maps: dict[int, tuple[list[int], F32, F32 | None, int]] = {}
 
     def rollout_logits(self, layer: int, hidden: F32, depth: int) -> list[tuple[int, F32]]:
@@ -163,16 +158,22 @@ def _stack(rolled: list[tuple[int, F32]]) -> tuple[list[int], F32]:
     return [m for m, _ in rolled], np.stack([lg for _, lg in rolled], axis=-2)
 
 
-def _stacked(predictor: Predictor, layer: int, hidden: F32, depth: int) -> tuple[list[int], F32]:
+def _stacked(predictor: RoutePredictor, layer: int, hidden: F32, depth: int) -> tuple[list[int], F32]:
     """(layers, logits [..., depth, n_expert]) in one array, from either predictor interface."""
-    stacked = getattr(predictor, "stacked_logits", None)
-    if stacked is not None:
-        return stacked(layer, hidden, depth)  # type: ignore[no-any-return]
+    if isinstance(predictor, Rollout):
+        return predictor.stacked_logits(layer, hidden, depth)
     return _stack(predictor.rollout_logits(layer, hidden, depth))
 
 
 def look_ahead(
-    predictor: Predictor, layer: int, hidden: F32, k: int, h_min: int, h_max: int, tau: float, keep: int = 0
+    predictor: RoutePredictor,
+    layer: int,
+    hidden: F32,
+    k: int,
+    h_min: int,
+    h_max: int,
+    tau: float,
+    keep: int = 0,
 ) -> Predictions:
     """Algorithm 1: predictions for the next MoE layers, depth adapted by confidence;
     each layer's top-k most probable first, cut to its `keep` most probable (0: all k).
@@ -197,7 +198,7 @@ def look_ahead(
 
 
 def look_ahead_batch(
-    predictor: Predictor, layer: int, hidden: F32, k: int, depth: int, voters: int = VOTERS
+    predictor: RoutePredictor, layer: int, hidden: F32, k: int, depth: int, voters: int = VOTERS
 ) -> Predictions:
     """A prompt batch: for each of the next `depth` MoE layers, the experts any token is
     predicted to pick, the most often predicted first (what that layer will need most).

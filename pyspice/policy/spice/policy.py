@@ -31,12 +31,11 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from pyspice.policy.base import RESIDENCY_RESIDENT, HookCall, Plan
-from pyspice.policy.context import PolicyContext
+from pyspice.policy.base import RESIDENCY_RESIDENT, HookCall, Plan, PolicyBase
+from pyspice.policy.context import PolicyContext, RoutePredictor
 from pyspice.policy.spice.config import SpiceConfig, spice_config
 from pyspice.policy.spice.cost import CostModel
 from pyspice.policy.spice.lookahead import (
-    Predictor,
     Rollout,
     RouterLookahead,
     look_ahead,
@@ -50,7 +49,7 @@ DEFAULT_PLAN = Plan()
 NO_DECISION = MissDecision(None, [], [])
 
 
-class SpicePolicy:
+class SpicePolicy(PolicyBase):
     def __init__(self, config: SpiceConfig | str) -> None:
         self.config = spice_config(config) if isinstance(config, str) else config
         self.name = self.config.name
@@ -85,10 +84,10 @@ class SpicePolicy:
         self.plans = [False] * ctx.n_layers  # whether a decode step plans at this layer
         for i, il in enumerate(moe):
             self.plans[il] = cfg.prefetch and i % every == 0
-        predictor: Predictor | None = ctx.predictor
+        predictor: RoutePredictor | None = ctx.predictor
         if predictor is None:
             predictor = RouterLookahead(ctx, max(self.h_max.values(), default=1))
-        self.predictor: Predictor = Rollout(predictor)
+        self.predictor: RoutePredictor = Rollout(predictor)
         self.planner = PrefetchPlanner(ctx)
         errors = ctx.surrogate_error if ctx.surrogates_loaded else None
         if not cfg.lossless and errors is None:

@@ -16,69 +16,34 @@ with every expert resident on the GPU.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 
-from pyspice.paths import cache_dir
-from pyspice.policy import ACTION_DROP, HookCall, Plan
+from pyspice.formats.profile import model_fingerprint
+from pyspice.policy import ACTION_DEVICE, ACTION_DROP, HookCall, Plan
+from pyspice.policy.base import PolicyBase
+from pyspice.policy.profile import PROFILE_VERSION, BatchCost, CostProfile
 
-PROFILE_VERSION = 1
 # KV position decode costs are measured at: about where bench's TPOT is (its
 # 128-token prompt); attention at position 0 is cheaper than at any real step
 DECODE_POSITION = 128
 
 
-@dataclass
-class BatchCost:
-    tokens: int  # tokens per micro-batch
-    expert_us: float  # host time per expert activation (one token through one expert)
-    rest_us_per_layer: float  # per token: everything in a layer but the routed experts
+class DropAll(PolicyBase):
+    """Every routed expert contributes nothing: with it, a step's time is the rest of the model.
 
-
-@dataclass
-class CostProfile:
-    version: int
-    model: str
-    model_sha: str  # of the first MiB: which file this profile belongs to
-    threads: int
-    n_layers: int
-    n_moe_layers: int
-    expert_bytes: dict[str, int]  # per expert, by "gate/up/down" ggml type names
-    bus_gbps: float
-    bus_latency_us: float
-    bus_source: str  # "emulated (set by the user)" or "measured"
-    device_expert_us: float
-    device_source: str
-    batches: list[BatchCost] = field(default_factory=list)
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @staticmethod
-    def from_json(doc: dict[str, Any]) -> CostProfile:
-        batches = [BatchCost(**b) for b in doc.pop("batches", [])]
-        return CostProfile(**doc, batches=batches)
-
-
-class DropAll:
-    """Every routed expert contributes nothing: with it, a step's time is the rest of the model."""
+    It keeps PolicyBase's lossless=True although it drops: it needs no surrogates,
+    and so the engine loads none (the tier stays the experts', as in the exact run)."""
 
     name = "drop-all"
 
     def decide(self, call: HookCall) -> Plan:
         return Plan(actions=np.full((call.n_tokens, call.n_expert_used), ACTION_DROP, np.int32))
-
-
-def model_fingerprint(path: Path) -> str:
-    with path.open("rb") as fh:
-        return hashlib.sha256(fh.read(1 << 20)).hexdigest()[:16]
 
 
 def _timed_eval(llm: Any, tokens: list[int], repeats: int) -> float:
@@ -104,8 +69,6 @@ def _exact_and_dropped(llm: Any, tokens: list[int], repeats: int) -> tuple[float
 
 
 def _type_name(t: int) -> str:
-    import gguf
-
     try:
         return str(gguf.GGMLQuantizationType(t).name)
     except ValueError:
@@ -223,12 +186,10 @@ def measure_profile(
 def _measure_bus(llm: Any) -> tuple[float, float]:
     """Fetch every expert once (a full tier, emptied first) and read back what the
     copy engine timed with CUDA events: (GB/s, 0 us latency)."""
-    from pyspice.policy import ACTION_DEVICE
-
     llm.set_policy("stock")
     llm.set_device(llm.automatic_device_budget())  # every expert, as far as the GPU has room
 
-    class _FetchAll:
+    class _FetchAll(PolicyBase):
         name = "probe-fetch-all"
 
         def decide(self, call: HookCall) -> Plan:
@@ -252,24 +213,3 @@ def _measure_device_expert_us(llm: Any, vocab: int, rng: Any, repeats: int) -> f
     full, empty, activations = _exact_and_dropped(llm, [int(rng.integers(100, min(vocab, 30000)))], repeats)
     llm.clear_device()
     return max(0.0, full - empty) * 1e6 / max(1.0, activations)
-
-
-def profile_path(model_path: Path) -> Path:
-    directory = cache_dir() / "profiles"
-    directory.mkdir(parents=True, exist_ok=True)
-    return directory / f"{model_path.stem}-{model_fingerprint(model_path)}.json"
-
-
-def save_profile(profile: CostProfile, path: Path) -> Path:
-    path.write_text(json.dumps(profile.to_json(), indent=2) + "\n")
-    return path
-
-
-def load_profile(path: Path) -> CostProfile:
-    doc = json.loads(Path(path).read_text())
-    if doc.get("version") != PROFILE_VERSION:
-        raise ValueError(
-            f"{path}: cost profile version {doc.get('version')}, expected {PROFILE_VERSION}; "
-            "run `pyspice probe` again"
-        )
-    return CostProfile.from_json(doc)

@@ -32,7 +32,10 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+from gguf import GGUFReader, GGUFWriter
 
+from pyspice.formats.model_info import read_header
+from pyspice.formats.routers import RouterReader
 from pyspice.policy.predictor import DraftPredictor, Transition
 
 SIDECAR_VERSION = 1
@@ -49,8 +52,6 @@ class SidecarMismatchError(ValueError):
 
 def tensor_signature(model_path: str | os.PathLike[str]) -> list[tuple[str, tuple[int, ...], str]]:
     """(name, ggml shape, type name) of every tensor of a GGUF, in file order (header only)."""
-    from pyspice.model_info import read_header
-
     header = read_header(Path(model_path))
     return [(t.name, tuple(int(x) for x in t.shape), t.type_name) for t in header.tensors]
 
@@ -68,10 +69,6 @@ def fingerprint(model_path: str | os.PathLike[str]) -> str:
             f.seek(size * i // _SAMPLE_BLOCKS)
             h.update(f.read(_SAMPLE_BYTES))
     return "sha256:" + h.hexdigest()[:32]
-
-
-def model_name(model_path: str | os.PathLike[str]) -> str:
-    return Path(model_path).name
 
 
 def default_sidecar_path(model_path: str | os.PathLike[str]) -> Path:
@@ -115,8 +112,6 @@ class SidecarData:
 
 def write_sidecar(path: str | os.PathLike[str], data: SidecarData) -> Path:
     """Write a sidecar GGUF (to a temporary name first, so a reader never sees half a file)."""
-    from gguf import GGUFWriter
-
     out = Path(path)
     tmp = out.with_name(out.name + ".tmp")
     w = GGUFWriter(tmp, SIDECAR_ARCH)
@@ -166,8 +161,6 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
 
 
 def read_sidecar(path: str | os.PathLike[str]) -> SidecarData:
-    from gguf import GGUFReader
-
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"sidecar {p} does not exist (make one with `pyspice calibrate`)")
@@ -294,7 +287,6 @@ class Sidecar:
         if routers is None:
             if self.model_path is None:
                 raise ValueError("the sidecar was loaded without its model: pass routers= to predictor()")
-            from pyspice.routers import RouterReader
 
             routers = RouterReader(self.model_path)
         get = routers if callable(routers) else routers.__getitem__
@@ -335,18 +327,3 @@ class Sidecar:
         for s in self.data.surrogates.values():
             total += int(s.rank.sum()) * 2 * self.data.n_embd * dtype_bytes + 4 * int(s.rank.shape[0])
         return total
-
-    def summary_rows(self) -> list[tuple[int, float, float, float, float]]:
-        """(layer, mean rank, mean error, mean shared-alone error, mean drop error) per MoE layer."""
-        rows = []
-        for il, s in sorted(self.data.surrogates.items()):
-            rows.append(
-                (
-                    il,
-                    float(s.rank.mean()),
-                    float(np.nanmean(s.error)),
-                    float(np.nanmean(s.error_shared)) if np.isfinite(s.error_shared).any() else float("nan"),
-                    float(np.nanmean(s.error_drop)),
-                )
-            )
-        return rows

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 import numpy.typing as npt
 
@@ -26,8 +27,6 @@ class RouterReader:
         return self._cache[layer]
 
     def _load(self, layer: int) -> npt.NDArray[np.float32] | None:
-        import gguf
-
         if self._reader is None:
             self._reader = gguf.GGUFReader(self.path)
             self._tensors = {t.name: t for t in self._reader.tensors}

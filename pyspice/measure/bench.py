@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,12 @@ import numpy as np
 
 from pyspice.policy import policy_spec
 
+# The prompt every policy runs when none is given (and the simulator's recorded workload).
+DEFAULT_PROMPT = (
+    "The history of computing is a story of machines that grew smaller, faster and more capable, "
+    "from rooms full of vacuum tubes to processors that fit in a pocket. Each generation"
+)
+
 
 @dataclass(frozen=True)
 class BenchConfig:
@@ -27,7 +34,6 @@ class BenchConfig:
     prompt_tokens: tuple[int, ...]
     n_predict: int
     repeat: int = 3
-    baseline: str = "stock"
 
 
 @dataclass
@@ -63,7 +69,9 @@ def spread(values: Sequence[float]) -> float:
     return (max(values) - min(values)) / m if values and m else 0.0
 
 
-def _greedy_next(llm: Any) -> int:
+def greedy_next(llm: Any) -> int:
+    """The argmax token of the last evaluated position's logits (no sampler involved)."""
+    # lazy: llama_cpp loads libllama on import; this module is imported before any model is
     import llama_cpp
 
     ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
@@ -85,10 +93,10 @@ def run_one(llm: Any, name: str, cfg: BenchConfig) -> tuple[float, float, list[i
     llm.spice_reset_stats()
     llm.eval(list(cfg.prompt_tokens))
     prompt = llm.spice_stats()
-    tokens = [_greedy_next(llm)]
+    tokens = [greedy_next(llm)]
     for _ in range(cfg.n_predict - 1):
         llm.eval([tokens[-1]])
-        tokens.append(_greedy_next(llm))
+        tokens.append(greedy_next(llm))
     stats = llm.spice_stats()
     stats["policy_us_per_decode_call"] = _decode_share(stats, prompt)
     return float(stats["prefill_tps"]), float(stats["tpot_ms"]), tokens, stats
@@ -107,20 +115,18 @@ def _decode_share(total: dict[str, Any], prompt: dict[str, Any]) -> float:
 
 
 def _run_plain(llm: Any, cfg: BenchConfig) -> tuple[float, float, list[int], dict[str, Any]]:
-    import time
-
     plain = llm.spice_upstream_twin()
     plain.reset()
     start = time.perf_counter()
     plain.eval(list(cfg.prompt_tokens))
     prefill_s = time.perf_counter() - start
-    tokens = [_greedy_next(plain)]
+    tokens = [greedy_next(plain)]
     decode_s = 0.0
     for _ in range(cfg.n_predict - 1):
         start = time.perf_counter()
         plain.eval([tokens[-1]])
         decode_s += time.perf_counter() - start
-        tokens.append(_greedy_next(plain))
+        tokens.append(greedy_next(plain))
     pps = len(cfg.prompt_tokens) / prefill_s
     tpot = decode_s * 1e3 / max(1, cfg.n_predict - 1)
     return pps, tpot, tokens, {"tpot_ms": tpot, "prefill_tps": pps, "hook_calls": 0, "hit_rate": 0.0}
@@ -191,6 +197,7 @@ def format_table(results: dict[str, PolicyResult], baseline: str) -> str:
 
 
 def plot(results: dict[str, PolicyResult], baseline: str, path: str, title: str) -> None:
+    # lazy: matplotlib is optional, for --plot only
     import matplotlib
 
     matplotlib.use("Agg")

@@ -1,7 +1,7 @@
 """What validating the simulator against `pyspice bench` needs from the real engine.
 
-`python -m pyspice.sim.record trace MODEL OUT [--prompt-tokens 128] [-n 32] [-t 2]`
-writes a pyspice.trace directory (TraceWriter: the one trace format) of
+`python -m pyspice.measure.record trace MODEL OUT [--prompt-tokens 128] [-n 32] [-t 2]`
+writes a pyspice.formats.trace directory (TraceWriter: the one trace format) of
 exactly what bench runs: its default prompt cut to --prompt-tokens tokens,
 then -n greedy tokens. The prompt is evaluated one token per call so every
 layer records every row (in a batch llama.cpp hands the last layer only the
@@ -10,7 +10,7 @@ the ones bench's batched prompt gives (tokens.json lets you check), and
 `meta.extra["prompt_tokens"]` has the simulator replay those rows as one
 untimed prompt step that warms the device tier as bench's prompt does.
 
-`python -m pyspice.sim.record costs MODEL OUT.json [--position 128]` measures
+`python -m pyspice.measure.record costs MODEL OUT.json [--position 128]` measures
 this machine's per-layer and per-expert times where bench measures TPOT: one
 token decoded at KV position --position (not 0, as `pyspice probe` does), a
 different token each repeat (so routing, and what the caches hold, varies as in
@@ -29,10 +29,17 @@ from typing import Any
 
 import numpy as np
 
+from pyspice.api import Llama
+from pyspice.formats.profile import model_fingerprint, save_profile
+from pyspice.formats.trace import TraceMeta, TraceWriter
+from pyspice.measure.bench import DEFAULT_PROMPT, greedy_next
+from pyspice.measure.probe import measure_decode_step
 from pyspice.policy import HookCall, Plan
+from pyspice.policy.base import PolicyBase
+from pyspice.policy.profile import PROFILE_VERSION, BatchCost, CostProfile
 
 
-class _Recorder:
+class _Recorder(PolicyBase):
     """A policy that writes every call's rows to a TraceWriter and runs the exact default plan."""
 
     name = "record"
@@ -49,9 +56,7 @@ class _Recorder:
         return Plan()
 
 
-def _open(model: Path, threads: int) -> Any:
-    from pyspice.api import Llama
-
+def _open(model: Path, threads: int) -> Llama:
     return Llama(
         str(model), policy="exact", n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False
     )
@@ -59,8 +64,6 @@ def _open(model: Path, threads: int) -> Any:
 
 def bench_prompt(llm: Any, prompt_tokens: int) -> list[int]:
     """bench's default prompt cut or repeated to `prompt_tokens` tokens, as bench does."""
-    from pyspice.cli.bench_cmd import DEFAULT_PROMPT
-
     tokens = tuple(llm.tokenize(DEFAULT_PROMPT.encode("utf-8"), add_bos=True))
     body = tokens[1:] or tokens
     return list((tokens[:1] + body * (prompt_tokens // len(body) + 1))[:prompt_tokens])
@@ -69,9 +72,6 @@ def bench_prompt(llm: Any, prompt_tokens: int) -> list[int]:
 def record_bench_trace(
     model: Path, out: Path, *, prompt_tokens: int = 128, n_predict: int = 32, threads: int = 2
 ) -> list[int]:
-    from pyspice.bench import _greedy_next
-    from pyspice.trace import TraceMeta, TraceWriter
-
     llm = _open(model, threads)
     try:
         layers = llm.spice_layers()
@@ -93,13 +93,13 @@ def record_bench_trace(
         )
         writer = TraceWriter(out, meta)
         llm.set_policy(_Recorder(writer))
-        llm.reset()
+        llm.reset()  # type: ignore[no-untyped-call]
         for t in prompt:
             llm.eval([t])
-        generated = [_greedy_next(llm)]
+        generated = [greedy_next(llm)]
         for _ in range(n_predict - 1):
             llm.eval([generated[-1]])
-            generated.append(_greedy_next(llm))
+            generated.append(greedy_next(llm))
         writer.close()
     finally:
         llm.close()
@@ -116,8 +116,7 @@ def measure_decode_costs(
     bus_gbps: float = 12.0,
     bus_latency_us: float = 10.0,
 ) -> Any:
-    """A pyspice.probe.CostProfile for one-token decode steps at KV position `position`."""
-    from pyspice.probe import PROFILE_VERSION, BatchCost, CostProfile, measure_decode_step, model_fingerprint
+    """A pyspice.measure.probe.CostProfile for one-token decode steps at KV position `position`."""
 
     llm = _open(model, threads)
     try:
@@ -150,7 +149,7 @@ def measure_decode_costs(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pyspice.sim.record", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m pyspice.measure.record", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="what", required=True)
     t = sub.add_parser("trace", help="record bench's workload as a trace")
     t.add_argument("model", type=Path)
@@ -175,8 +174,6 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"recorded {args.prompt_tokens} prompt + {len(tokens) - 1} decoded tokens into {args.out}")
     else:
-        from pyspice.probe import save_profile
-
         profile = measure_decode_costs(
             args.model, position=args.position, repeats=args.repeat, threads=args.threads
         )

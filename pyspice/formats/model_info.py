@@ -2,56 +2,30 @@
 
 The header (metadata and tensor directory) sits at the start of the file;
 tensor data is never touched, so inspecting a 40 GB model costs the same as a
-tiny one. `gguf.GGUFReader` would also work but maps and parses every array
-and tensor view, which takes seconds on a large vocabulary; this reader skips
-arrays it does not need. Pure Python: no native code is loaded.
+tiny one (formats.gguf_header reads it, summarizing long arrays). Pure
+Python: no native code is loaded.
 """
 
 from __future__ import annotations
 
 import mmap
 import re
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import gguf
 
+# ModelFileError is re-exported: it is the error callers of read_header catch
+from pyspice.formats.gguf_header import ModelFileError as ModelFileError
+from pyspice.formats.gguf_header import parse_header
 from pyspice.units import Budget, format_bytes
 
-GGUF_MAGIC = b"GGUF"
 # arrays longer than this are summarized (tokenizer vocabularies), not decoded
 _MAX_ARRAY_ITEMS = 64
 
-_SCALAR_FORMATS: dict[int, str] = {
-    gguf.GGUFValueType.UINT8: "<B",
-    gguf.GGUFValueType.INT8: "<b",
-    gguf.GGUFValueType.UINT16: "<H",
-    gguf.GGUFValueType.INT16: "<h",
-    gguf.GGUFValueType.UINT32: "<I",
-    gguf.GGUFValueType.INT32: "<i",
-    gguf.GGUFValueType.FLOAT32: "<f",
-    gguf.GGUFValueType.BOOL: "<?",
-    gguf.GGUFValueType.UINT64: "<Q",
-    gguf.GGUFValueType.INT64: "<q",
-    gguf.GGUFValueType.FLOAT64: "<d",
-}
-
 EXPERT_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 SHARED_EXPERT_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_shexp\.weight$")
-
-
-class ModelFileError(ValueError):
-    """The file is missing, not a GGUF, or truncated/corrupt."""
-
-
-@dataclass(frozen=True)
-class ArraySummary:
-    """A long metadata array, kept as its element type and length only."""
-
-    item_type: str
-    length: int
 
 
 @dataclass(frozen=True)
@@ -73,66 +47,6 @@ class GGUFHeader:
     tensors: list[TensorInfo]
 
 
-class _Cursor:
-    def __init__(self, buf: Any, path: Path) -> None:
-        self.buf = buf
-        self.pos = 0
-        self.path = path
-
-    def take(self, fmt: str) -> Any:
-        size = struct.calcsize(fmt)
-        if self.pos + size > len(self.buf):
-            raise ModelFileError(
-                f"{self.path} is truncated or corrupt: its GGUF header ends early "
-                "(re-download or rebuild the file)"
-            )
-        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
-        self.pos += size
-        return value
-
-    def string(self) -> str:
-        n = int(self.take("<Q"))
-        if self.pos + n > len(self.buf):
-            raise ModelFileError(f"{self.path} is truncated or corrupt: a header string runs past the end")
-        raw = bytes(self.buf[self.pos : self.pos + n])
-        self.pos += n
-        return raw.decode("utf-8", errors="replace")
-
-    def skip_string(self) -> None:
-        n = int(self.take("<Q"))
-        self.pos += n
-
-    def value(self, vtype: int) -> Any:
-        if vtype == gguf.GGUFValueType.STRING:
-            return self.string()
-        if vtype == gguf.GGUFValueType.ARRAY:
-            item_type = int(self.take("<I"))
-            length = int(self.take("<Q"))
-            if length > _MAX_ARRAY_ITEMS:
-                self._skip_array(item_type, length)
-                return ArraySummary(gguf.GGUFValueType(item_type).name.lower(), length)
-            return [self.value(item_type) for _ in range(length)]
-        fmt = _SCALAR_FORMATS.get(vtype)
-        if fmt is None:
-            raise ModelFileError(f"{self.path} is corrupt: unknown metadata value type {vtype}")
-        return self.take(fmt)
-
-    def _skip_array(self, item_type: int, length: int) -> None:
-        if item_type == gguf.GGUFValueType.STRING:
-            for _ in range(length):
-                self.skip_string()
-        elif item_type == gguf.GGUFValueType.ARRAY:
-            for _ in range(length):
-                self.value(item_type)
-        else:
-            fmt = _SCALAR_FORMATS.get(item_type)
-            if fmt is None:
-                raise ModelFileError(f"{self.path} is corrupt: unknown array item type {item_type}")
-            self.pos += struct.calcsize(fmt) * length
-        if self.pos > len(self.buf):
-            raise ModelFileError(f"{self.path} is truncated or corrupt: an array runs past the end")
-
-
 def tensor_nbytes(type_name: str, shape: tuple[int, ...]) -> int:
     qtype = gguf.GGMLQuantizationType[type_name]
     block, type_size = gguf.GGML_QUANT_SIZES[qtype]
@@ -151,33 +65,19 @@ def read_header(path: Path | str) -> GGUFHeader:
     if file_size < 24:
         raise ModelFileError(f"{path} is not a GGUF model (only {file_size} bytes)")
     with path.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        if buf[:4] != GGUF_MAGIC:
-            raise ModelFileError(f"{path} is not a GGUF model (bad magic {bytes(buf[:4])!r})")
-        cur = _Cursor(buf, path)
-        cur.pos = 4
-        version = int(cur.take("<I"))
-        if version < 2:
-            raise ModelFileError(f"{path}: GGUF version {version} is too old (convert it with llama.cpp)")
-        n_tensors = int(cur.take("<Q"))
-        n_kv = int(cur.take("<Q"))
-        metadata: dict[str, Any] = {}
-        for _ in range(n_kv):
-            key = cur.string()
-            metadata[key] = cur.value(int(cur.take("<I")))
-        raw: list[tuple[str, tuple[int, ...], str, int]] = []
-        for _ in range(n_tensors):
-            name = cur.string()
-            n_dims = int(cur.take("<I"))
-            shape = tuple(int(cur.take("<Q")) for _ in range(n_dims))
-            type_id = int(cur.take("<I"))
-            offset = int(cur.take("<Q"))
-            try:
-                type_name = gguf.GGMLQuantizationType(type_id).name
-            except ValueError:
-                raise ModelFileError(f"{path} is corrupt: tensor {name} has unknown type {type_id}") from None
-            raw.append((name, shape, type_name, offset))
-        alignment = int(metadata.get("general.alignment", 32))
-        data_offset = (cur.pos + alignment - 1) // alignment * alignment
+        header = parse_header(buf, path, max_array_items=_MAX_ARRAY_ITEMS)
+    if header.version < 2:
+        raise ModelFileError(f"{path}: GGUF version {header.version} is too old (convert it with llama.cpp)")
+    metadata: dict[str, Any] = {kv.key: kv.value for kv in header.metadata}
+    raw: list[tuple[str, tuple[int, ...], str, int]] = []
+    for t in header.tensors:
+        try:
+            type_name = gguf.GGMLQuantizationType(t.type_id).name
+        except ValueError:
+            raise ModelFileError(f"{path} is corrupt: tensor {t.name} has unknown type {t.type_id}") from None
+        raw.append((t.name, t.shape, type_name, t.offset))
+    alignment = int(metadata.get("general.alignment", 32))
+    data_offset = (header.end + alignment - 1) // alignment * alignment
     tensors = [TensorInfo(n, s, t, tensor_nbytes(t, s), o) for n, s, t, o in raw]
     end = max((data_offset + t.offset + t.nbytes for t in tensors), default=data_offset)
     if end > file_size:
@@ -185,7 +85,7 @@ def read_header(path: Path | str) -> GGUFHeader:
             f"{path} is truncated: its tensors need {end} bytes but the file has {file_size} "
             "(an interrupted download or copy? fetch or rebuild it)"
         )
-    return GGUFHeader(path, version, file_size, data_offset, metadata, tensors)
+    return GGUFHeader(path, header.version, file_size, data_offset, metadata, tensors)
 
 
 # ---- what the model means for expert offloading ------------------------------------------

@@ -28,7 +28,6 @@ layer buffer is flushed first), whatever the number of layers.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -40,7 +39,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from pyspice.policy.base import HookCall, Plan
+from pyspice.policy.base import HookCall, Plan, Policy, PolicyBase, attach_policy, is_lossless
+from pyspice.policy.context import PolicyContext
 
 FORMAT = "pyspice-trace"
 FORMAT_VERSION = 1
@@ -58,7 +58,7 @@ class TraceError(ValueError):
 @dataclass
 class TraceMeta:
     model: str  # model name (file name or general.name)
-    fingerprint: str  # pyspice.sidecar.fingerprint() of the model file, or "" if unknown
+    fingerprint: str  # pyspice.formats.sidecar.fingerprint() of the model file, or "" if unknown
     n_layers: int
     moe_layers: list[int]
     n_expert: int
@@ -397,7 +397,7 @@ class TraceReader:
                 )
 
 
-class TraceRecorder:
+class TraceRecorder(PolicyBase):
     """A policy that records every hook call into a TraceWriter.
 
     It runs `inner`'s plan (the exact plan when inner is None), so a recorded
@@ -411,21 +411,27 @@ class TraceRecorder:
     still runs `inner`'s plan, unrecorded.
     """
 
-    def __init__(self, writer: TraceWriter, inner: Any = None, *, decode_only: bool = False) -> None:
+    def __init__(
+        self, writer: TraceWriter, inner: Policy | None = None, *, decode_only: bool = False
+    ) -> None:
         self.writer = writer
         self.inner = inner
         self.decode_only = decode_only
         self.skipped_tokens = 0
         self._in_step = False
-        self.name = f"trace+{getattr(inner, 'name', 'exact')}" if inner is not None else "trace"
+        self.name = f"trace+{inner.name}" if inner is not None else "trace"
         self._fields = tuple(writer.meta.fields)
         self._next: dict[int, int] = {il: 0 for il in writer.meta.moe_layers}
         self.calls = 0
 
-    def attach(self, ctx: Any) -> None:
-        attach = getattr(self.inner, "attach", None)
-        if attach is not None:
-            attach(ctx)
+    @property
+    def lossless(self) -> bool:
+        """As lossless as the plans it runs: a recorded run is the run it records."""
+        return self.inner is None or is_lossless(self.inner)
+
+    def attach(self, ctx: PolicyContext) -> None:
+        if self.inner is not None:
+            attach_policy(self.inner, ctx)
 
     def set_position(self, token: int) -> None:
         """The next call of every layer starts at this token."""
@@ -461,15 +467,3 @@ class TraceRecorder:
         if plan.resume_layer != -1:  # a recorder must see every call: the inner policy is asked at each
             plan = replace(plan, resume_layer=-1)
         return plan
-
-
-def remove_trace(path: str | os.PathLike[str]) -> None:
-    """Delete a trace directory made by TraceWriter (only its own files)."""
-    p = Path(path)
-    if not (p / "meta.json").exists():
-        raise TraceError(f"{p} is not a pyspice trace")
-    for entry in os.scandir(p):
-        if _CHUNK_RE.match(entry.name) or entry.name.endswith((".tmp.npz", "meta.json", "meta.json.tmp")):
-            os.unlink(entry.path)
-    with contextlib.suppress(OSError):
-        p.rmdir()

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from threadpoolctl import threadpool_limits
+
 
 def limit_blas_threads() -> Any:
     """Limit BLAS to one thread; returns a handle (keep it; `restore_original_limits()` undoes)."""
-    from threadpoolctl import threadpool_limits
-
     return threadpool_limits(limits=1, user_api="blas")

@@ -1,0 +1,165 @@
+"""One run's settings, and the one place their defaults are resolved.
+
+`RunConfig` is what a user chooses (every field may be left to its default);
+`RunConfig.resolve()` turns it into a `ResolvedRun` with every default decided
+(policy, sidecar, threads, GPU layers, whether the device budget is sized
+automatically), saying each choice it makes through `note`. The CLI, the
+scripts and `pyspice.Llama.from_config` all go through it, so they get the
+same defaults.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from pyspice.build_info import BuildNotFoundError, load_build_info
+from pyspice.formats.model_info import inspect_model
+from pyspice.formats.sidecar import default_sidecar_path
+from pyspice.policy import policy_spec
+from pyspice.runtime import device_count
+
+Note = Callable[[str], None]
+
+# every layer's non-expert weights on the GPU: more than any model has
+ALL_LAYERS = 999
+
+
+def _quiet(message: str) -> None:
+    pass
+
+
+def gpu_present() -> bool:
+    """A CUDA build that sees a GPU (the real device tier is available)."""
+    try:
+        return device_count() > 0
+    except BuildNotFoundError:
+        return False
+
+
+def cuda_build() -> bool:
+    try:
+        return load_build_info().cuda
+    except BuildNotFoundError:
+        return False
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """What to run: the model, its device tier, policy, sidecar and threads.
+
+    None means "the default", decided by resolve()."""
+
+    model: Path
+    policy: str | None = None  # a registry name (pyspice.policy.policy_names())
+    device_budget: str | int | None = None  # bytes, "2GiB" or "25%" of routed-expert bytes
+    emulate_bandwidth: float | None = None  # GB/s of an emulated device's bus
+    emulate_latency: float | None = None  # us per copy on it
+    sidecar: Path | None = None  # None: the one beside the model, if any
+    use_sidecar: bool = True  # False: run without one even where one is beside the model
+    threads: int | None = None
+    n_gpu_layers: int | None = None
+    n_ctx: int = 2048
+    n_batch: int = 512
+    n_ubatch: int = 512
+    max_hook_tokens: int = 0
+
+    @property
+    def emulated(self) -> bool:
+        return self.emulate_bandwidth is not None or self.emulate_latency is not None
+
+    def default_policy(self, note: Note = _quiet) -> str:
+        """The policy when none is given: with a GPU and no tier settings, `spice` for a
+        model with a sidecar, else `lru`; otherwise `exact`."""
+        if self.policy is not None:
+            return self.policy
+        if self.device_budget is None and self.emulate_bandwidth is None and gpu_present():
+            if self._sidecar_beside() is not None:
+                note("GPU found, no --policy: using 'spice' (the model has a calibration sidecar)")
+                return "spice"
+            note(
+                "GPU found, no --policy: using 'lru' (no calibration sidecar; `pyspice calibrate` makes one)"
+            )
+            return "lru"
+        if self.device_budget is not None:
+            note("device budget given, no --policy: using 'exact' (the tier preloaded as far as it goes)")
+        elif cuda_build():
+            note("no device budget given; using policy 'exact' (all experts exact)")
+        else:
+            note(
+                "CPU-only build: no device tier to manage; using policy 'exact' "
+                "(routed experts run exactly on the host)"
+            )
+        return "exact"
+
+    def _sidecar_beside(self) -> Path | None:
+        if not self.use_sidecar:
+            return None
+        path = self.sidecar or default_sidecar_path(self.model)
+        return path if path.is_file() else None
+
+    def resolve(self, note: Note = _quiet) -> ResolvedRun:
+        """Every default decided, each choice said through `note`."""
+        policy = self.default_policy(note)
+        gpu = not self.emulated and gpu_present()
+        n_gpu_layers = self.n_gpu_layers
+        if n_gpu_layers is None:
+            n_gpu_layers = ALL_LAYERS if gpu else 0
+            if gpu:
+                note("GPU found: every layer's non-expert weights go to it (-ngl to change)")
+        if self.device_budget is None and self.emulated:
+            raise ValueError("--emulate-bandwidth/--emulate-latency need --device-budget")
+        # header only: a truncated or foreign file fails here with a precise message
+        summary = inspect_model(self.model)
+        budget = self.device_budget
+        if not summary.is_moe and policy != "stock":
+            note(
+                f"{self.model.name} is a dense {summary.architecture} model: no routed experts, nothing "
+                "to offload; running it with policy 'stock'"
+            )
+            policy = "stock"
+            if budget is not None:
+                note("--device-budget ignored: a dense model has no experts to place")
+                budget = None
+        sidecar = self.sidecar if self.use_sidecar else None
+        if sidecar is None and self.use_sidecar and policy != "stock":
+            beside = default_sidecar_path(self.model)
+            if beside.is_file():
+                note(f"using the model's calibration sidecar {beside}")
+                sidecar = beside
+        return ResolvedRun(
+            model=self.model,
+            policy=policy,
+            device_budget=budget,
+            auto_budget=budget is None and gpu and summary.is_moe and policy_spec(policy).needs_device,
+            emulate_bandwidth=self.emulate_bandwidth,
+            emulate_latency=self.emulate_latency,
+            sidecar=sidecar,
+            threads=self.threads or max(1, os.cpu_count() or 1),
+            n_gpu_layers=n_gpu_layers,
+            n_ctx=self.n_ctx,
+            n_batch=self.n_batch,
+            n_ubatch=self.n_ubatch,
+            max_hook_tokens=self.max_hook_tokens,
+        )
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    """A RunConfig with every default decided (RunConfig.resolve)."""
+
+    model: Path
+    policy: str
+    device_budget: str | int | None
+    auto_budget: bool  # size the tier after loading, from what the GPU has left
+    emulate_bandwidth: float | None
+    emulate_latency: float | None
+    sidecar: Path | None
+    threads: int
+    n_gpu_layers: int
+    n_ctx: int
+    n_batch: int
+    n_ubatch: int
+    max_hook_tokens: int

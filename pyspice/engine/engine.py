@@ -1,0 +1,299 @@
+"""The engine under `pyspice.Llama`: one model's device tier, surrogates and policy.
+
+`Llama` owns the llama.cpp side (loading, the context, `eval`); the Engine owns
+what pyspice adds on the Python side of the one crossing (libspice calls the
+policy once per MoE layer through pyspice.runtime):
+
+- the device tier: sizing a budget, refusing one the machine cannot hold;
+- surrogates: loading a sidecar's, cut to a share of the budget;
+- the cost profile policies weigh copies with;
+- the policy lifecycle: each policy starts from an empty tier, gets its
+  PolicyContext at attach, and the surrogates its kind needs;
+- the stats record.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from pyspice.engine.blas_threads import limit_blas_threads
+from pyspice.engine.device import DeviceTier, automatic_budget, store_params
+from pyspice.engine.profile import profile_for_tier, saved_profile
+from pyspice.engine.surrogates import (
+    SURROGATE_BUDGET_SHARE,
+    SurrogateSet,
+    SurrogateSource,
+    load_surrogates,
+    loaded_surrogates,
+    surrogate_errors,
+    within_budget,
+)
+from pyspice.formats.routers import RouterReader
+from pyspice.formats.sidecar import Sidecar
+from pyspice.policy import Policy, PolicyContext, make_policy, policy_spec
+from pyspice.policy.base import attach_policy, is_lossless
+from pyspice.policy.predictor import DraftPredictor
+from pyspice.policy.profile import CostProfile
+from pyspice.runtime import IncompatibleModelError, LayerInfo, Runtime, StoreParams, device_count, native
+from pyspice.stats import StatsSnapshot, Timing, stats_record
+from pyspice.units import Budget, parse_budget
+
+
+class Engine:
+    """Device tier, surrogates, cost profile, policy and stats of one model.
+
+    runtime: libspice attached to the model's context; None where attaching
+        failed (`attach_error` says why: only `stock` runs then).
+    sidecar: the model's calibration sidecar, checked against it, if any.
+    n_expert_used: the model's top-k (from its metadata).
+    """
+
+    def __init__(
+        self,
+        runtime: Runtime | None,
+        model_path: Path,
+        n_expert_used: int,
+        *,
+        sidecar: Sidecar | None = None,
+        max_hook_tokens: int = 0,
+        attach_error: IncompatibleModelError | None = None,
+    ) -> None:
+        self.runtime = runtime
+        self.attach_error = attach_error
+        self.model_path = model_path
+        self.n_expert_used = n_expert_used
+        self.sidecar = sidecar
+        self.max_hook_tokens = max_hook_tokens
+        self.device: DeviceTier | None = None
+        self.device_params: StoreParams | None = None
+        self.policy_name = "stock"
+        self.custom_policy: Policy | None = None  # set_policy's object, if not a registry name
+        self.profile: CostProfile | None = None  # the profile set; None: the saved one, if any
+        self.timing = Timing()
+        self._routers: RouterReader | None = None
+        self._predictor: DraftPredictor | None = None
+        self._errors: dict[int, npt.NDArray[np.float32] | None] = {}
+        self._blas_limit: Any = None  # threadpoolctl's handle, held while it lasts
+        self._said_rank: int | None = None  # the surrogate rank cut, once said
+
+    def require_runtime(self) -> Runtime:
+        if self.runtime is None:
+            if self.attach_error is not None:
+                raise self.attach_error
+            raise IncompatibleModelError(
+                native().SPICE_ERR_UNSUPPORTED, "this model has no MoE layers the pyspice hook can serve"
+            )
+        return self.runtime
+
+    def layers(self) -> list[LayerInfo]:
+        return self.require_runtime().layers()
+
+    def expert_bytes(self) -> int:
+        """Bytes of all routed experts (what a 100% device budget holds)."""
+        return sum(info.bytes_per_expert * info.n_expert for info in self.layers() if info.is_moe)
+
+    # ---- device tier ----------------------------------------------------------------
+
+    def set_device(
+        self,
+        budget: str | int,
+        bandwidth_gbps: float | None = None,
+        latency_us: float | None = None,
+        *,
+        manual_clock: bool = False,
+    ) -> DeviceTier:
+        """A device tier of `budget`; real on a CUDA build with a GPU unless a bus to
+        emulate (or a manual clock) is given. The policy in use restarts on it."""
+        runtime = self.require_runtime()
+        total = self.expert_bytes()
+        spec = parse_budget(budget) if isinstance(budget, str) else Budget(bytes=int(budget))
+        real = bandwidth_gbps is None and latency_us is None and not manual_clock and device_count() > 0
+        params = store_params(
+            spec,
+            total,
+            real=real,
+            bandwidth_gbps=bandwidth_gbps,
+            latency_us=latency_us,
+            manual_clock=manual_clock,
+        )
+        runtime.set_device(params)
+        self.device_params = params
+        n_experts = sum(info.n_expert for info in self.layers() if info.is_moe)
+        self.device = DeviceTier(
+            budget=str(spec),
+            budget_bytes=params.budget_bytes,
+            holds=min(n_experts, int(params.budget_bytes * n_experts / max(1, total))),
+            experts=n_experts,
+            expert_bytes=total,
+            bandwidth_gbps=params.bandwidth_gbps,
+            latency_us=params.latency_us,
+            emulated=not real,
+            device_name="CUDA device 0" if real else "",
+        )
+        if self.custom_policy is not None:  # a policy object: re-attached to the new tier
+            self.set_policy(self.custom_policy)
+        elif self.policy_name != "stock":
+            self.set_policy(self.policy_name)
+        return self.device
+
+    def clear_device(self) -> None:
+        self.require_runtime().set_device(None)
+        self.device_params = None
+        self.device = None
+
+    def automatic_budget(self) -> int:
+        """Bytes for a real device tier when none is given (see device.automatic_budget)."""
+        return automatic_budget(self.expert_bytes())
+
+    def _reset_device(self) -> None:
+        """Each policy starts from an empty device tier (comparisons stay fair)."""
+        if self.device_params is not None:
+            self.require_runtime().set_device(self.device_params)
+
+    # ---- surrogates ------------------------------------------------------------------
+
+    def set_surrogates(self, source: SurrogateSource) -> SurrogateSet:
+        return load_surrogates(self.require_runtime(), source)
+
+    def clear_surrogates(self) -> None:
+        self.require_runtime().clear_surrogates()
+
+    def surrogates(self) -> SurrogateSet:
+        return loaded_surrogates(self.require_runtime())
+
+    def _sync_surrogates(self, lossless: bool) -> None:
+        """A lossy policy gets the sidecar's surrogates; a lossless one leaves the
+        whole budget to experts (the surrogates would only take room)."""
+        if self.sidecar is None:
+            return
+        loaded = self.require_runtime().n_surrogates() > 0
+        if lossless and loaded:
+            self.clear_surrogates()
+        elif not lossless and not loaded:
+            budget = self.device_params.budget_bytes if self.device_params is not None else None
+            source, rank = within_budget(self.sidecar, budget)
+            if rank is not None and self._said_rank is None:
+                self._said_rank = rank
+                print(
+                    f"pyspice: surrogates cut from rank {self.sidecar.data.lore_rank} to rank {rank} so "
+                    f"that they hold at most {SURROGATE_BUDGET_SHARE:.0%} of the device budget",
+                    file=sys.stderr,
+                )
+            self.set_surrogates(source)
+
+    def _surrogate_errors(self, layer: int) -> npt.NDArray[np.float32] | None:
+        if self.sidecar is None:
+            return None
+        if layer not in self._errors:
+            self._errors[layer] = surrogate_errors(self.sidecar, layer)
+        return self._errors[layer]
+
+    # ---- policy ----------------------------------------------------------------------
+
+    def set_policy(self, policy: str | Policy, max_hook_tokens: int | None = None) -> None:
+        """Switch policy without reloading (bench runs every policy on one model)."""
+        if max_hook_tokens is not None:
+            self.max_hook_tokens = max_hook_tokens
+        if isinstance(policy, str):
+            spec = policy_spec(policy)
+            if spec.kind == "stock":
+                if self.runtime is not None:
+                    self.runtime.disable()
+                self.policy_name, self.custom_policy = "stock", None
+                return
+            runtime = self.require_runtime()
+            if spec.needs_device and self.device is None:
+                raise ValueError(f"policy {policy!r} manages a device tier: give it one with --device-budget")
+            if spec.kind == "native":
+                self._reset_device()
+                self._sync_surrogates(spec.lossless)
+                if self.device is not None:
+                    runtime.preload()  # `exact` means every expert resident (as far as the budget goes)
+                runtime.enable_exact(self.max_hook_tokens)
+            else:
+                shipped = make_policy(policy)
+                assert shipped is not None
+                self._enable(shipped, spec.lossless)
+            self.policy_name, self.custom_policy = policy, None
+        else:
+            self._enable(policy, is_lossless(policy))
+            # a user's object may lack even a name: its class stands for it
+            self.policy_name = str(getattr(policy, "name", type(policy).__name__))
+            self.custom_policy = policy
+
+    def _enable(self, policy: Policy, lossless: bool) -> None:
+        runtime = self.require_runtime()
+        self._reset_device()  # empty first: surrogates loaded next must find room
+        self._sync_surrogates(lossless)
+        attach_policy(policy, self.policy_context())
+        if self._blas_limit is None:
+            # Python policies run inside ggml's threads: numpy's BLAS must not start its own
+            self._blas_limit = limit_blas_threads()
+        runtime.enable_policy(policy, self.max_hook_tokens)
+
+    def policy_context(self) -> PolicyContext:
+        runtime = self.require_runtime()
+        layers = runtime.layers()
+        if self._routers is None:
+            self._routers = RouterReader(self.model_path)
+        return PolicyContext(
+            n_layers=len(layers),
+            n_expert=tuple(info.n_expert if info.is_moe else 0 for info in layers),
+            n_expert_used=self.n_expert_used,
+            expert_bytes=tuple(info.bytes_per_expert for info in layers),
+            budget_bytes=self.device_params.budget_bytes if self.device_params else None,
+            router=self._routers,
+            profile=self._profile(),
+            predictor=self._sidecar_predictor(),
+            surrogate_error=self._surrogate_errors,
+            surrogates_loaded=runtime.n_surrogates() > 0,
+            reserved_bytes=runtime.surrogate_bytes(),
+        )
+
+    def _profile(self) -> CostProfile | None:
+        """The profile set, else the one `pyspice probe` saved for this model, with the
+        bus of the device tier in use."""
+        profile = self.profile if self.profile is not None else saved_profile(self.model_path)
+        return profile_for_tier(profile, self.device_params)
+
+    def _sidecar_predictor(self) -> DraftPredictor | None:
+        if self.sidecar is None:
+            return None
+        if self._predictor is None:
+            self._predictor = self.sidecar.predictor(self._routers)
+        return self._predictor
+
+    # ---- stats -----------------------------------------------------------------------
+
+    def record_eval(self, n_tokens: int, seconds: float) -> None:
+        """Time one llama_decode of `n_tokens` into the stats record."""
+        if n_tokens > 1:
+            self.timing.prefill_tokens += n_tokens
+            self.timing.prefill_s += seconds
+        elif n_tokens == 1:
+            self.timing.decoded_tokens += 1
+            self.timing.decode_s += seconds
+
+    def snapshot(self) -> StatsSnapshot:
+        snap = StatsSnapshot(timing=Timing(**vars(self.timing)))
+        rt = self.runtime
+        if rt is not None:
+            snap.total = rt.counters(-1)
+            snap.layers = {info.il: rt.counters(info.il) for info in rt.layers() if info.is_moe}
+        return snap
+
+    def stats(self) -> dict[str, Any]:
+        """The stats record of DESIGN section 11 since the last reset."""
+        record = stats_record(self.snapshot())
+        record["policy"] = self.policy_name
+        return record
+
+    def reset_stats(self) -> None:
+        self.timing = Timing()
+        if self.runtime is not None:
+            self.runtime.reset_counters()

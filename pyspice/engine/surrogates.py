@@ -1,0 +1,105 @@
+"""LoRE surrogates in the runtime: loading them, and cutting their rank to a budget share.
+
+Surrogates are f16 host copies computed on the CPU (libspice has no device
+path for them); their bytes are charged to the device budget so that a lossy
+policy's experts and surrogates together stay within what the tier was given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from pyspice.formats.sidecar import Sidecar, TruncatedSurrogates
+from pyspice.runtime import Runtime, SpiceError, native
+
+# Lossy policies get at most this share of the device budget for their
+# surrogates (the rank is cut to fit); the rest stays for experts.
+SURROGATE_BUDGET_SHARE = 0.25
+
+F32 = npt.NDArray[np.float32]
+
+
+class SurrogateSource(Protocol):
+    """Anything that hands out (alpha, A [rank, n_embd], B [n_embd, rank]) per expert."""
+
+    def surrogate(self, layer: int, expert: int) -> tuple[float, F32, F32] | None: ...
+
+
+@dataclass(frozen=True)
+class SurrogateSet:
+    """The loaded LoRE surrogates: how many (layer, expert) pairs, and the budget bytes they take."""
+
+    count: int
+    device_bytes: int  # charged to the device budget (the f16 matrices themselves are in host memory)
+
+
+def load_surrogates(runtime: Runtime, source: SurrogateSource) -> SurrogateSet:
+    """Replace the runtime's surrogates by `source`'s. Over budget: nothing stays
+    loaded and ValueError says by how much."""
+    runtime.clear_surrogates()
+    try:
+        for info in runtime.layers():
+            if not info.is_moe:
+                continue
+            for e in range(info.n_expert):
+                entry = source.surrogate(info.il, e)
+                if entry is None:
+                    continue
+                alpha, a, b = entry
+                if np.shape(a)[-1:] != (info.n_embd,):
+                    raise ValueError(
+                        f"surrogate ({info.il}, {e}): A has shape {np.shape(a)}; this model needs "
+                        f"[rank, {info.n_embd}] (a sidecar for another model?)"
+                    )
+                runtime.set_surrogate(info.il, e, float(alpha), a, b)
+    except SpiceError as exc:
+        runtime.clear_surrogates()
+        if exc.status == native().SPICE_ERR_BUDGET:
+            raise ValueError(
+                f"the surrogates do not fit the device budget: {exc}; give a larger "
+                "--device-budget or a lower rank"
+            ) from exc
+        raise
+    except Exception:
+        runtime.clear_surrogates()
+        raise
+    return loaded_surrogates(runtime)
+
+
+def loaded_surrogates(runtime: Runtime) -> SurrogateSet:
+    return SurrogateSet(count=runtime.n_surrogates(), device_bytes=runtime.surrogate_bytes())
+
+
+def budget_rank(sidecar: Sidecar, budget_bytes: int) -> int | None:
+    """The rank that keeps the sidecar's surrogates within SURROGATE_BUDGET_SHARE of
+    `budget_bytes`, or None when they fit as stored."""
+    data = sidecar.data
+    count = sum(int((s.rank > 0).sum()) for s in data.surrogates.values())
+    per_rank = 2 * data.n_embd * 2  # A row + B column, f16
+    cap = SURROGATE_BUDGET_SHARE * budget_bytes
+    if count == 0 or sidecar.surrogate_bytes() <= cap:
+        return None
+    return max(1, int(cap // (count * per_rank)))
+
+
+def within_budget(sidecar: Sidecar, budget_bytes: int | None) -> tuple[SurrogateSource, int | None]:
+    """The sidecar's surrogates for a tier of `budget_bytes` (None: no tier), and the
+    rank they were cut to (None: not cut)."""
+    rank = budget_rank(sidecar, budget_bytes) if budget_bytes is not None else None
+    return (sidecar, None) if rank is None else (TruncatedSurrogates(sidecar, rank), rank)
+
+
+def surrogate_errors(sidecar: Sidecar, layer: int) -> F32 | None:
+    """Held-out relative error of each of a layer's surrogates (inf where none is fitted)."""
+    listed = sidecar.surrogate_error.get(layer)
+    if listed is None:
+        return None
+    errors = np.nan_to_num(np.asarray(listed, dtype=np.float32), nan=np.inf)
+    for e in range(errors.shape[0]):  # no surrogate: never a candidate
+        if sidecar.surrogate(layer, e) is None:
+            errors[e] = np.inf
+    return errors

@@ -1,0 +1,4 @@
+"""Measuring real runs: bench, probe, perplexity and the recorder of bench's workload.
+
+Each drives a loaded `pyspice.Llama`; the simulator replays what they record.
+"""
