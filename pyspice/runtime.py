@@ -19,7 +19,6 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -197,7 +196,7 @@ class StoreParams:
 
 class Store:
     """A standalone expert store (no model): the device tier's slots, residency
-    and copy engine, for tests and the simulator's cross-checks."""
+    and copy engine, for tests and the differential tests against the simulator's twin."""
 
     def __init__(self, params: StoreParams, n_expert: list[int], expert_bytes: list[int]) -> None:
         self._n = _Native.get()
@@ -224,10 +223,6 @@ class Store:
     @property
     def n_slots(self) -> int:
         return int(self._n.lib.spice_store_n_slots(self._s))
-
-    @property
-    def slot_bytes(self) -> int:
-        return int(self._n.lib.spice_store_slot_bytes(self._s))
 
     @property
     def n_free(self) -> int:
@@ -369,7 +364,11 @@ class Runtime:
                 ffi.string(err).decode(errors="replace")
                 or ffi.string(lib.spice_status_string(status)).decode()
             )
-            kind = IncompatibleModelError if status in (2, 4) else SpiceError
+            kind = (
+                IncompatibleModelError
+                if status in (lib.SPICE_ERR_UNSUPPORTED, lib.SPICE_ERR_INCOMPATIBLE)
+                else SpiceError
+            )
             raise kind(status, message)
         self._rt: Any = out[0]
         self._residency: tuple[Any, np.ndarray] | None = None
@@ -436,7 +435,7 @@ class Runtime:
         ffi, lib = self._n.ffi, self._n.lib
         cparams = params.to_c(ffi) if params is not None else ffi.NULL
         status = lib.spice_runtime_set_store(self._rt, cparams)
-        if status == 6:  # smaller than one expert, or than the loaded surrogates
+        if status == lib.SPICE_ERR_BUDGET:  # smaller than one expert, or than the loaded surrogates
             raise SpiceError(status, self.last_error())
         self._check(status, "set_device")
         self._residency = None
@@ -455,13 +454,6 @@ class Runtime:
         buf = ffi.new("char[]", size)
         self._check(lib.spice_store_read_slot(store, il, e, buf, size), "read_slot")
         return bytes(ffi.buffer(buf, size))
-
-    def device_slots(self) -> tuple[int, int]:
-        """(slots, bytes per slot) of the device tier; (0, 0) without one."""
-        store = self._n.lib.spice_runtime_get_store(self._rt)
-        if store == self._n.ffi.NULL:
-            return 0, 0
-        return int(self._n.lib.spice_store_n_slots(store)), int(self._n.lib.spice_store_slot_bytes(store))
 
     def preload(self) -> int:
         """Fill the device tier in layer order; returns how many experts it holds."""
@@ -526,9 +518,6 @@ class Runtime:
 
     def n_surrogates(self) -> int:
         return int(self._n.lib.spice_runtime_n_surrogates(self._rt))
-
-    def has_surrogate(self, il: int, e: int) -> bool:
-        return bool(self._n.lib.spice_runtime_has_surrogate(self._rt, il, e))
 
     # ---- policies ------------------------------------------------------------------
 
@@ -610,10 +599,10 @@ class Runtime:
             assert policy is not None
             view = self._hook_call(call)
             self._write_plan(call, view, policy.decide(view))
-            return 0
+            return _POLICY_OK
         except KeyboardInterrupt:
             self._interrupted = True
-            return 2
+            return _POLICY_ABORT
         except Exception as exc:  # a policy bug must never crash the host process
             if self._policy_error is None:
                 self._policy_error = f"{type(exc).__name__}: {exc}"
@@ -622,10 +611,10 @@ class Runtime:
                     "running that call exactly (warned once)",
                     file=sys.stderr,
                 )
-            return 1
+            return _POLICY_FAILED
         except BaseException:
             self._interrupted = True
-            return 2
+            return _POLICY_ABORT
 
     def _write_plan(self, call: Any, view: HookCall, plan: Plan) -> None:
         actions = plan.actions
@@ -706,6 +695,9 @@ class Runtime:
 
 
 _INT32 = np.dtype(np.int32)
+# spice_policy_fn return values (SPICE_POLICY_* in spice.h; test_cffi_declarations checks them):
+# module constants because the callback runs on the hook's thread 0 per call
+_POLICY_OK, _POLICY_FAILED, _POLICY_ABORT = 0, 1, 2
 _MAX_CACHED_CALLS = 512  # HookCalls kept by _hook_call (a model has at most a few hundred layers)
 
 
@@ -891,7 +883,3 @@ def surrogate_apply(
             status, f"spice_surrogate_apply: {ffi.string(lib.spice_status_string(status)).decode()}"
         )
     return result
-
-
-def header_path() -> Path:
-    return load_build_info().lib_dir / "spice.h"

@@ -142,7 +142,7 @@ typedef struct spice_counters {
      * operations it made; a layer's are counted against the hook call that
      * made them */
     uint64_t hook_ns;         /* inside hook calls, entry to return (executors included) */
-    uint64_t gap_ns;          /* from the end of one hook call to the start of the next */
+    uint64_t gap_ns;          /* from the end of one hook call to the start of the next in the same graph */
     uint64_t store_polls;     /* polls of the device tier: one per hook call with a tier */
     uint64_t device_copies;   /* copies handed to the device */
     uint64_t device_waits;    /* blocking waits on a copy */

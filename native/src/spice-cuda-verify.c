@@ -50,7 +50,7 @@ const uint8_t * spice_cuda_verify_begin(spice_cuda_verify * v, uint8_t * exec, i
     memcpy(v->run, exec, (size_t) n_pairs);
     for (int32_t i = 0; i < n_pairs; ++i) {
         if (exec[i] == SPICE_EXEC_DEVICE) {
-            exec[i] = 1; /* the host computes it too, and its row is the one used */
+            exec[i] = SPICE_EXEC_HOST; /* the host computes it too, and its row is the one used */
         }
     }
     v->active = 1;

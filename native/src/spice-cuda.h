@@ -12,6 +12,7 @@
 #ifndef SPICE_CUDA_H
 #define SPICE_CUDA_H
 
+#include "spice-exec.h"
 #include "spice-experts.h"
 
 #include <stddef.h>
@@ -65,9 +66,6 @@ int spice_cuda_copy_wait(spice_cuda * cu, int32_t slot);
 int spice_cuda_read(spice_cuda * cu, int32_t slot, size_t offset, void * dst, size_t n);
 /* Bus time of the slot's landed copy, ns (0 if unknown). */
 uint64_t spice_cuda_copy_ns(spice_cuda * cu, int32_t slot);
-
-/* exec value (spice_host_job.exec) of a pair the device executor computes */
-#define SPICE_EXEC_DEVICE 2
 
 /* Device executor for one layer call: pairs with run[pair] == SPICE_EXEC_DEVICE are computed
  * on the GPU from their expert's slot (slot_of[e], a device address) with

@@ -117,7 +117,7 @@ int spice_host_exec_prepare(spice_host_exec * ex, const spice_host_job * job) {
     for (int32_t t = 0; t < job->n_tokens; ++t) {
         const int32_t * ids = ids_row(job, t);
         for (int32_t k = 0; k < job->n_used; ++k) {
-            if (job->exec[(size_t) t * job->n_used + k] == 1) {
+            if (job->exec[(size_t) t * job->n_used + k] == SPICE_EXEC_HOST) {
                 start[ids[k] + 1]++;
             }
         }
@@ -135,7 +135,7 @@ int spice_host_exec_prepare(spice_host_exec * ex, const spice_host_job * job) {
         const int32_t * ids = ids_row(job, t);
         for (int32_t k = 0; k < job->n_used; ++k) {
             const int32_t pair = t * job->n_used + k;
-            if (job->exec[pair] == 1) {
+            if (job->exec[pair] == SPICE_EXEC_HOST) {
                 ex->pairs_by_expert[start[ids[k]]++] = pair;
             }
         }

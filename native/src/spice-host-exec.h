@@ -11,6 +11,7 @@
 #define SPICE_HOST_EXEC_H
 
 #include "spice-barrier.h"
+#include "spice-exec.h"
 #include "spice-experts.h"
 
 #include <stdatomic.h>
@@ -24,8 +25,8 @@ typedef struct spice_host_job {
     const float   * inp;     size_t inp_nb1;
     const int32_t * ids;     size_t ids_nb1;
     const float   * weights; size_t weights_nb1;
-    const uint8_t * exec;    /* [n_tokens*n_used]: 1 = run here, 2 = y row computed elsewhere (a real
-                                device writes it before combine), 0 = contributes nothing */
+    const uint8_t * exec;    /* [n_tokens*n_used] SPICE_EXEC_*: HOST = run here, DEVICE = y row computed
+                                elsewhere (the device writes it before combine), NONE = contributes nothing */
     const char * const * device; /* [n_expert] slot memory of experts run from the device tier
                                     (gate | up | down bytes), NULL entries (or no array): host weights */
     float * out;             size_t out_nb1;

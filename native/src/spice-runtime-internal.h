@@ -55,6 +55,7 @@ struct spice_runtime {
 
     spice_counters * counters; /* [n_layers], written by thread 0 only */
     uint64_t hook_end_ns;      /* when thread 0 left the last hook call (0: none yet) */
+    int32_t hook_end_il;       /* and its layer */
     atomic_int abort_requested;
     uint64_t plan_rejections;
     char last_error[512];

@@ -230,11 +230,11 @@ static void apply_call(spice_runtime * rt, const struct llama_moe_hook_call * hc
     rt->counters[hc->il].store_ns += spent > waited ? spent - waited : 0;
 }
 
-/* The executor's device pairs (exec 2) run on the host weights instead (exec 1). */
+/* The executor's device pairs run on the host weights instead. */
 static void device_pairs_to_host(uint8_t * exec, int32_t n_pairs) {
     for (int32_t i = 0; i < n_pairs; ++i) {
         if (exec[i] == SPICE_EXEC_DEVICE) {
-            exec[i] = 1;
+            exec[i] = SPICE_EXEC_HOST;
         }
     }
 }
@@ -296,8 +296,9 @@ static void execute_call(spice_runtime * rt, const struct llama_moe_hook_call * 
     for (int32_t i = 0; i < n_pairs; ++i) {
         const int32_t a = call->actions[i];
         /* a device that computes runs its pairs; the host only sums their rows */
-        rt->plan.exec[i] = (uint8_t) (a == SPICE_ACTION_DEVICE ? (computes ? SPICE_EXEC_DEVICE : 1)
-                                                                : a == SPICE_ACTION_HOST);
+        rt->plan.exec[i] = (uint8_t) (a == SPICE_ACTION_DEVICE ? (computes ? SPICE_EXEC_DEVICE : SPICE_EXEC_HOST)
+                                      : a == SPICE_ACTION_HOST ? SPICE_EXEC_HOST
+                                                               : SPICE_EXEC_NONE);
         any_surrogate |= a == SPICE_ACTION_SURROGATE;
         any_device |= a == SPICE_ACTION_DEVICE;
     }
@@ -399,7 +400,10 @@ static void hook_entry(const struct llama_moe_hook_call * hc, void * user_data) 
             rt->host.failed = 1;
             rt->host.job.layer = NULL;
         } else {
-            if (rt->hook_end_ns != 0) {
+            if (rt->hook_end_ns != 0 && hc->il > rt->hook_end_il) {
+                /* a later layer of the same graph: the gap is the graph's own work in between
+                 * (a new graph starts again from the first MoE layer; the time before it is
+                 * the caller's) */
                 rt->counters[hc->il].gap_ns += t_entry - rt->hook_end_ns;
             }
             plan_call(rt, hc);
@@ -426,6 +430,7 @@ static void hook_entry(const struct llama_moe_hook_call * hc, void * user_data) 
     }
     if (hc->ith == 0 && served) {
         rt->hook_end_ns = spice_monotonic_ns();
+        rt->hook_end_il = hc->il;
         rt->counters[hc->il].hook_ns += rt->hook_end_ns - t_entry;
     }
 }

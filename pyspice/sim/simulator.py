@@ -29,7 +29,7 @@ from __future__ import annotations
 import bisect
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +42,7 @@ from pyspice.policy.base import (
     ACTION_SURROGATE,
     HookCall,
     Plan,
+    attach_policy,
 )
 from pyspice.policy.context import PolicyContext, RouterLoader
 from pyspice.sim.plan import (
@@ -247,8 +248,8 @@ class Simulator:
         the policy's own decide() here and adds the cost of reaching Python."""
         wl, costs = self.workload, self.costs
         tier = self.make_tier()
-        if policy is not None and hasattr(policy, "attach"):
-            policy.attach(self.context())
+        if policy is not None:
+            attach_policy(policy, self.context())
         t = 0
         if tier is not None and preload:
             t = self._preload(tier)
@@ -466,8 +467,3 @@ class Simulator:
 
         result = apply_plan(tier, il, ids, actions, plan, wait)
         return clock, result.actions
-
-
-def make_costs(values: Mapping[str, Any]) -> Costs:
-    """Costs from a plain mapping (tests, JSON)."""
-    return Costs(**dict(values))

@@ -6,8 +6,18 @@ from pathlib import Path
 
 import cffi
 
-from pyspice.policy import ACTION_DEVICE, ACTION_DROP, ACTION_HOST, ACTION_SURROGATE
+from pyspice.policy import (
+    ACTION_DEVICE,
+    ACTION_DROP,
+    ACTION_HOST,
+    ACTION_SURROGATE,
+    RESIDENCY_ABSENT,
+    RESIDENCY_COPYING,
+    RESIDENCY_QUEUED,
+    RESIDENCY_RESIDENT,
+)
 from pyspice.runtime import cdef_from_header
+from pyspice.sim import tier
 
 HEADER = Path(__file__).resolve().parents[2] / "native" / "include" / "spice.h"
 
@@ -22,8 +32,30 @@ def test_header_parses_and_action_values_match_the_policy_package() -> None:
         lib.SPICE_ACTION_SURROGATE,
         lib.SPICE_ACTION_DROP,
     ) == (ACTION_DEVICE, ACTION_HOST, ACTION_SURROGATE, ACTION_DROP)
-    assert lib.SPICE_POLICY_ABORT == 2
+    from pyspice import runtime
+
+    assert (lib.SPICE_POLICY_OK, lib.SPICE_POLICY_FAILED, lib.SPICE_POLICY_ABORT) == (
+        runtime._POLICY_OK,
+        runtime._POLICY_FAILED,
+        runtime._POLICY_ABORT,
+    )
     assert ffi.sizeof("spice_counters") == len(_counter_fields()) * 8
+    assert (lib.SPICE_RES_ABSENT, lib.SPICE_RES_QUEUED, lib.SPICE_RES_COPYING, lib.SPICE_RES_RESIDENT) == (
+        RESIDENCY_ABSENT,
+        RESIDENCY_QUEUED,
+        RESIDENCY_COPYING,
+        RESIDENCY_RESIDENT,
+    )
+    # the simulator's tier returns libspice's status codes and priorities
+    assert (lib.SPICE_OK, lib.SPICE_ERR_BUDGET, lib.SPICE_ERR_STATE) == (
+        tier.OK,
+        tier.REFUSED_BUDGET,
+        tier.REFUSED_STATE,
+    )
+    assert (lib.SPICE_PRIORITY_PREFETCH, lib.SPICE_PRIORITY_DEMAND) == (
+        tier.PRIORITY_PREFETCH,
+        tier.PRIORITY_DEMAND,
+    )
 
 
 def _counter_fields() -> tuple[str, ...]:
