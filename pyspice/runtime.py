@@ -26,6 +26,7 @@ import numpy.typing as npt
 
 from pyspice.build_info import BuildInfo, load_build_info
 from pyspice.policy.base import HookCall, Plan, Policy
+from pyspice.policy.rule import Rule
 from pyspice.stats import Counters
 
 _COUNTER_FIELDS = (
@@ -214,6 +215,7 @@ class Store:
                 status, f"spice_store_create: {ffi.string(lib.spice_status_string(status)).decode()}"
             )
         self._s: Any = out[0]
+        self._n_expert = list(n_expert)
 
     def __del__(self) -> None:
         s, self._s = getattr(self, "_s", None), None
@@ -287,6 +289,58 @@ class Store:
         if status != 0:
             raise SpiceError(status, f"spice_store_begin_call({il}) failed")
         return hit.astype(bool)
+
+    def set_rule(self, rule: Rule | None) -> None:
+        """Install the per-activation rule this store plans by (None: the default)."""
+        ffi = self._n.ffi
+        c_rule, keep = _rule_to_c(ffi, rule, self._n_expert) if rule is not None else (ffi.NULL, ())
+        status = self._n.lib.spice_store_set_rule(self._s, c_rule)
+        del keep  # copied by libspice
+        if status != 0:
+            raise SpiceError(status, "spice_store_set_rule: the rule was refused")
+
+    def rule_plan(
+        self, il: int, ids: npt.ArrayLike, weights: npt.ArrayLike, hidden: npt.ArrayLike | None = None
+    ) -> Plan:
+        """The installed rule's plan for a call of layer il (after begin_call), as a Plan."""
+        ffi = self._n.ffi
+        ids32 = np.ascontiguousarray(ids, dtype=np.int32)
+        n_tokens, k = ids32.shape
+        w32 = np.ascontiguousarray(weights, dtype=np.float32).reshape(ids32.shape)
+        width = max(self._n_expert)
+        n_layers = len(self._n_expert)
+        h32 = np.ascontiguousarray(
+            hidden if hidden is not None else np.zeros((n_tokens, 1), np.float32), dtype=np.float32
+        )
+        bufs = {
+            "actions": np.zeros(ids32.size, np.int32),
+            "fetch": np.zeros(max(1, width), np.int32),
+            "prefetch": np.zeros(max(1, 2 * n_layers * width), np.int32),
+            "evict": np.zeros(max(1, 2 * n_layers * width), np.int32),
+            "evict_from": np.zeros(max(1, n_layers), np.int32),
+        }
+        call = ffi.new("spice_policy_call *")
+        call.il, call.n_tokens, call.n_expert_used = il, n_tokens, k
+        call.n_expert = self._n_expert[il]
+        call.ids, call.ids_nb1 = ffi.from_buffer("int32_t[]", ids32), k * 4
+        call.weights, call.weights_nb1 = ffi.from_buffer("float[]", w32), k * 4
+        call.inp, call.inp_nb1 = ffi.from_buffer("float[]", h32), h32.shape[1] * 4
+        call.n_embd = h32.shape[1]
+        for name, arr in bufs.items():
+            setattr(call, name, ffi.from_buffer("int32_t[]", arr, require_writable=True))
+            setattr(call, "cap_" + name, arr.size)
+        call.resume_il = -1
+        status = self._n.lib.spice_store_rule_plan(self._s, call)
+        if status != 0:
+            raise SpiceError(status, f"spice_store_rule_plan({il}) failed")
+        pairs = bufs["prefetch"][: call.n_prefetch].reshape(-1, 2).tolist()
+        evicts = bufs["evict"][: call.n_evict].reshape(-1, 2).tolist()
+        return Plan(
+            actions=bufs["actions"].reshape(ids32.shape).copy(),
+            fetch=bufs["fetch"][: call.n_fetch].tolist(),
+            prefetch=[(int(a), int(b)) for a, b in pairs],
+            evict=[(int(a), int(b)) for a, b in evicts],
+        )
 
     def apply_plan(
         self,
@@ -520,6 +574,18 @@ class Runtime:
         return int(self._n.lib.spice_runtime_n_surrogates(self._rt))
 
     # ---- policies ------------------------------------------------------------------
+
+    def set_rule(self, rule: Rule | None) -> None:
+        """Install the per-activation rule the engine plans the calls no policy decides
+        by (None: the default rule). Needs a device tier; a new tier starts with the
+        default rule."""
+        ffi = self._n.ffi
+        layers = self.layers()
+        n_expert = [info.n_expert if info.is_moe else 0 for info in layers]
+        c_rule, keep = _rule_to_c(ffi, rule, n_expert) if rule is not None else (ffi.NULL, ())
+        status = self._n.lib.spice_runtime_set_rule(self._rt, c_rule)
+        del keep  # copied by libspice
+        self._check(status, "set_rule")
 
     def enable_exact(self, max_tokens: int = 0) -> None:
         """Register the hook with libspice's built-in exact policy (no Python per layer)."""
@@ -769,6 +835,54 @@ def _policy_call(
     call.cap_fetch, call.cap_prefetch, call.cap_evict, call.cap_evict_from = (a.size for a in lists)
     call.resume_il = resume_layer
     return call, (ids32, acts32, *lists)
+
+
+def _rule_to_c(ffi: Any, rule: Rule, n_expert: Sequence[int]) -> tuple[Any, tuple[Any, ...]]:
+    """A spice_rule for libspice and the buffers it points into (keep them alive
+    until libspice has copied them)."""
+    n_layers, width = len(n_expert), max(n_expert, default=0)
+    c = ffi.new("spice_rule *")
+    c.resident_action, c.miss, c.keep = rule.resident_action, rule.miss, rule.keep
+    c.host_us, c.device_us, c.margin = rule.host_us, rule.device_us, rule.margin
+    c.surrogate_weight = rule.surrogate_weight
+    c.resize_every = rule.resize_every
+    keep: list[Any] = [c]
+    if rule.surrogate_set is not None:
+        table = np.zeros((n_layers, width), np.uint8)
+        given = np.asarray(rule.surrogate_set, dtype=np.uint8)
+        table[: given.shape[0], : given.shape[1]] = given[:n_layers, :width]
+        keep.append(table)
+        c.surrogate_set = ffi.from_buffer("uint8_t[]", table)
+    if rule.whole_layers:
+        layers = np.zeros(n_layers, np.uint8)
+        layers[list(rule.whole_layers)] = 1
+        keep.append(layers)
+        c.whole_layers = ffi.from_buffer("uint8_t[]", layers)
+    if rule.capacity is not None:
+        capacity = np.ascontiguousarray(rule.capacity, dtype=np.int32)
+        if capacity.shape != (n_layers,):
+            raise ValueError(f"rule.capacity has {capacity.size} entries; the model has {n_layers} layers")
+        keep.append(capacity)
+        c.capacity = ffi.from_buffer("int32_t[]", capacity)
+    if rule.prefetch_next and rule.routers is not None:
+        routers = ffi.new("float *[]", n_layers)
+        n_embd = 0
+        for il, router in enumerate(rule.routers[:n_layers]):
+            if router is None or not n_expert[il]:
+                continue
+            arr = np.ascontiguousarray(router, dtype=np.float32)
+            if arr.ndim != 2 or arr.shape[0] != n_expert[il] or (n_embd and arr.shape[1] != n_embd):
+                raise ValueError(
+                    f"rule.routers[{il}] has shape {arr.shape}; layer {il} has {n_expert[il]} experts"
+                )
+            n_embd = arr.shape[1]
+            keep.append(arr)
+            routers[il] = ffi.from_buffer("float[]", arr)
+        keep.append(routers)
+        c.prefetch_next = 1 if n_embd else 0
+        c.routers = ffi.cast("const float * const *", routers)
+        c.n_embd = n_embd
+    return c, tuple(keep)
 
 
 def plan_check(

@@ -176,6 +176,58 @@ typedef struct spice_plan_limits {
 SPICE_API int spice_plan_check(const spice_plan_limits * limits, const spice_policy_call * call, char * err,
                                size_t err_len);
 
+/* ---- the per-activation rule ------------------------------------------------
+ *
+ * What the engine decides by itself, with no policy call: every call of a
+ * runtime with no policy callback, and the calls a policy decided in advance
+ * (resume_il). A policy declares it once (spice_runtime_set_rule) and may
+ * replace it at any call; the shipped baselines are nothing but a rule, so
+ * they pay no Python per call. Per activation, in order:
+ *   resident                      -> resident_action (device, or host)
+ *   a surrogate in surrogate_set, gate weight below surrogate_weight
+ *                                 -> surrogate (lossy rules only)
+ *   in flight                     -> wait (device) when miss is FETCH, or when
+ *                                    its copy lands sooner than host execution
+ *                                    would take (COST, or HOST with host_us > 0)
+ *   absent                        -> host (HOST), demand fetch (FETCH), or a
+ *                                    fetch when copy + device time beats the
+ *                                    host by the margin (COST)
+ * Room for demand fetches comes from `keep`; a layer in whole_layers fetches
+ * all its absent experts at its call (and runs them on the device); with
+ * prefetch_next the next MoE layer's router, applied to this call's input,
+ * names experts to prefetch. The rule writes a plan like a policy's, which
+ * the store then applies (spice_store_apply_plan). */
+typedef enum spice_miss_rule {
+    SPICE_MISS_HOST  = 0, /* a miss runs on the host */
+    SPICE_MISS_FETCH = 1, /* a miss is fetched on demand and waited for */
+    SPICE_MISS_COST  = 2  /* fetched (or waited for) when that beats the host by the cost table */
+} spice_miss_rule;
+
+typedef enum spice_keep_rule {
+    SPICE_KEEP_ALL       = 0, /* nothing evicted: a fetch that does not fit runs on the host */
+    SPICE_KEEP_LRU       = 1, /* one pooled cache: least recently selected out first */
+    SPICE_KEEP_LAYER_LRU = 2, /* capacity[il] experts per layer, least recently selected out first */
+    SPICE_KEEP_NONE      = 3  /* keep nothing between calls: each evicts what earlier calls brought in */
+} spice_keep_rule;
+
+typedef struct spice_rule {
+    int32_t resident_action;       /* SPICE_ACTION_DEVICE (default) or SPICE_ACTION_HOST */
+    int32_t miss;                  /* spice_miss_rule */
+    int32_t keep;                  /* spice_keep_rule */
+    double  host_us;               /* cost table: host time per activation (0: unknown) */
+    double  device_us;             /* device time per activation */
+    double  margin;                /* COST: fetch when copy + device < host * (1 - margin) */
+    float   surrogate_weight;      /* 0: no surrogates */
+    const uint8_t * surrogate_set; /* [n_layers * max_expert] 1 = may be substituted; NULL: none */
+    const uint8_t * whole_layers;  /* [n_layers] or NULL */
+    const int32_t * capacity;      /* [n_layers] experts per layer for SPICE_KEEP_LAYER_LRU */
+    int32_t resize_every;          /* LAYER_LRU: every this many calls, capacities re-split by
+                                      (misses + 1) x copy time per layer (0: fixed) */
+    int32_t prefetch_next;         /* 1: prefetch the next MoE layer's router top-k (n_expert_used) */
+    const float * const * routers; /* [n_layers] router weights [n_expert][n_embd] f32, NULL entries allowed */
+    int32_t n_embd;                /* the routers' row width */
+} spice_rule;
+
 /* ---- expert store -----------------------------------------------------------
  *
  * The device tier: expert slots under one pooled byte budget, a residency
@@ -329,6 +381,16 @@ SPICE_API int spice_store_begin_call(spice_store * store, int32_t il, int32_t n_
  * slot memory (NULL where none, also for experts with no device action). */
 SPICE_API int spice_store_apply_plan(spice_store * store, const spice_policy_call * call, const char ** slot_data);
 
+/* Install the per-activation rule the store plans by (copied; NULL: the
+ * default rule -- resident on the device, misses on the host, keep all). */
+SPICE_API int spice_store_set_rule(spice_store * store, const spice_rule * rule);
+
+/* Write the rule's plan for the hook call into call (actions, fetch,
+ * prefetch, evict; within the call's capacities), from the residency table,
+ * recency, and the call's ids, gate weights and input rows. Call it after
+ * spice_store_begin_call, then apply it (spice_store_apply_plan). */
+SPICE_API int spice_store_rule_plan(spice_store * store, spice_policy_call * call);
+
 /* Copy the first `size` bytes of resident expert (il, e)'s slot into dst
  * (host memory), whatever the device: tests check that copies move the right
  * bytes. SPICE_ERR_STATE when it is not resident or nothing is bound. */
@@ -386,6 +448,11 @@ SPICE_API int spice_runtime_set_store(spice_runtime * rt, const spice_store_para
 
 /* The runtime's store (NULL: none), for reading residency and the clock. */
 SPICE_API spice_store * spice_runtime_get_store(spice_runtime * rt);
+
+/* Install the per-activation rule (see spice_rule) on the runtime's device tier,
+ * for the calls no policy decides; also valid from inside a policy callback
+ * (it plans the next call on). SPICE_ERR_STATE without a device tier. */
+SPICE_API int spice_runtime_set_rule(spice_runtime * rt, const spice_rule * rule);
 
 /* Copy experts onto the device tier in layer order until it is full and wait
  * for them; *n_loaded = how many. Not counted as traffic. */

@@ -155,18 +155,31 @@ static void snapshot_call(spice_runtime * rt, const struct llama_moe_hook_call *
     default_actions(rt, call, n_pairs);
 }
 
-/* decide: the policy's plan if it gives a valid one, else the default plan
- * (a decode call the policy decided in advance gets it without a call). */
+/* The engine's own plan: the installed rule's (spice_rule), or without a
+ * device tier the default one already written. Its time is deciding time. */
+static void rule_call(spice_runtime * rt, spice_policy_call * call, spice_counters * c) {
+    if (rt->store != NULL) {
+        const uint64_t t0 = spice_monotonic_ns();
+        spice_store_rule_plan(rt->store, call);
+        c->policy_ns += spice_monotonic_ns() - t0;
+    }
+}
+
+/* decide: the policy's plan if it gives a valid one, else the default plan;
+ * with no policy, and for a decode call the policy decided in advance, the
+ * rule's plan. */
 static void decide_call(spice_runtime * rt, const struct llama_moe_hook_call * hc, spice_policy_call * call) {
     spice_counters * c = &rt->counters[hc->il];
     const int quiet = rt->policy_fn != NULL && rt->resume_il >= 0 && hc->n_tokens == 1 && hc->il != rt->resume_il;
     if (quiet) {
         c->policy_quiet++;
+        rule_call(rt, call, c);
         return;
     }
     rt->resume_il = -1;
     if (rt->policy_fn == NULL) {
         c->policy_calls++;
+        rule_call(rt, call, c);
         return;
     }
     const uint64_t t0 = spice_monotonic_ns();
@@ -642,4 +655,20 @@ void spice_runtime_clear_abort(spice_runtime * rt) {
 
 uint64_t spice_runtime_plan_rejections(const spice_runtime * rt) {
     return rt ? rt->plan_rejections : 0;
+}
+
+int spice_runtime_set_rule(spice_runtime * rt, const spice_rule * rule) {
+    if (rt == NULL) {
+        return SPICE_ERR_INVALID_ARG;
+    }
+    if (rt->store == NULL) {
+        set_error(rt, "a rule plans a device tier's experts: give the runtime a tier first");
+        return SPICE_ERR_STATE;
+    }
+    const int status = spice_store_set_rule(rt->store, rule);
+    if (status == SPICE_ERR_INVALID_ARG) {
+        set_error(rt, "invalid rule: an action, miss or keep value out of range, LAYER_LRU without "
+                      "capacities, or prefetch_next without routers");
+    }
+    return status;
 }

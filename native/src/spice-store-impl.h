@@ -39,6 +39,23 @@ typedef struct spice_store_scratch {
     uint8_t * landed;  /* [n_slots] */
 } spice_store_scratch;
 
+/* The installed per-activation rule (spice_rule, with store-owned copies of
+ * its arrays) and its running state. */
+typedef struct spice_store_rule {
+    spice_rule rule;
+    uint8_t * surrogate_set; /* [n_layers * max_expert] or NULL */
+    uint8_t * whole_layers;  /* [n_layers] or NULL */
+    int32_t * capacity;      /* [n_layers] (LAYER_LRU) or NULL */
+    float ** routers;        /* [n_layers] entries [n_expert][n_embd] or NULL; the array NULL without prefetch_next */
+    int32_t * misses;        /* [n_layers] misses since the last resize */
+    int64_t calls;           /* calls planned by the rule */
+    uint8_t * incoming;      /* [max_expert] scratch: absent experts this call fetches */
+    uint8_t * selected;      /* [max_expert] scratch: experts this call selects (never victims) */
+    uint8_t * chosen;        /* [n_layers * max_expert] scratch: victims already listed */
+    double * logits;         /* [max_expert] scratch */
+    uint8_t * predicted;     /* [max_expert] scratch */
+} spice_store_rule;
+
 struct spice_store {
     spice_store_params params;
     int32_t  n_layers;
@@ -72,6 +89,8 @@ struct spice_store {
     uint64_t  use_clock;
     int32_t   call_il;
 
+    spice_store_rule rule;    /* the per-activation rule for the calls no policy decides */
+
     spice_counters *counters; /* [n_layers]: traffic by the copied expert's layer, device operations by call_il */
     spice_store_scratch scratch;
 };
@@ -88,5 +107,9 @@ static inline int spice_store_valid(const spice_store * s, int32_t il, int32_t e
 static inline spice_counters * spice_store_op_counters(spice_store * s) {
     return &s->counters[s->call_il >= 0 && s->call_il < s->n_layers ? s->call_il : 0];
 }
+
+/* Rule state: allocated with the store, released with it (spice-store-rule.c). */
+int spice_store_rule_init(spice_store * s);
+void spice_store_rule_free(spice_store * s);
 
 #endif /* SPICE_STORE_IMPL_H */

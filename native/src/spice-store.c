@@ -189,6 +189,10 @@ int spice_store_create_unattached(const spice_store_params * params, int32_t n_l
     }
     memcpy(s->n_expert, n_expert, (size_t) n_layers * sizeof(int32_t));
     memcpy(s->expert_bytes, expert_bytes, (size_t) n_layers * sizeof(uint64_t));
+    if (spice_store_rule_init(s) != SPICE_OK) {
+        spice_store_free(s);
+        return SPICE_ERR_NO_MEMORY;
+    }
     for (size_t i = 0; i < cells; ++i) {
         s->slot_of[i] = -1;
     }
@@ -230,6 +234,7 @@ void spice_store_free(spice_store * s) {
         return;
     }
     spice_device_free(s->device);
+    spice_store_rule_free(s);
     free(s->n_expert);
     free(s->expert_bytes);
     free(s->slot_of);
@@ -510,11 +515,9 @@ int spice_store_wait(spice_store * s, int32_t il, int32_t e, uint64_t * stall_ns
     spice_device * dev = s->device;
     uint64_t stall = 0;
     if (s->slots[slot].copy >= 0) {
-        spice_copy * c = &s->copies[s->slots[slot].copy];
-        if (!c->started) {
-            c->priority = SPICE_PRIORITY_DEMAND; /* needed now: it goes next */
-        }
-        /* the device is busy with earlier copies: wait them out one by one */
+        /* queued: the copies ahead of it go first (a caller that needs it sooner asks
+         * for it as demand first, as a plan does), so the wait is what ready_at said;
+         * the device is busy with them: wait them out one by one */
         while (!s->copies[s->slots[slot].copy].started) {
             int32_t first = -1;
             for (int32_t i = 0; i < s->n_copies; ++i) {

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from tqdm import tqdm
 
@@ -32,7 +32,7 @@ from pyspice.formats.sidecar import fingerprint
 if TYPE_CHECKING:
     from pyspice.api import Llama
 from pyspice.formats.trace import TraceMeta, TraceReader, TraceRecorder, TraceWriter
-from pyspice.policy import make_policy, policy_spec
+from pyspice.policy import Policy, make_policy, policy_spec
 
 
 @dataclass(frozen=True)
@@ -192,7 +192,9 @@ def start_decode_trace(llm: Llama, out: str | os.PathLike[str], policy: str | No
     policy of that name; the exact plan for `exact` and `stock`); one-token calls are
     recorded, prompt batches are not (see TraceRecorder). Finish with finish_decode_trace."""
     name = policy or llm.spice_policy
-    inner = make_policy(name) if policy_spec(name).kind == "python" else None
+    # a rule policy records under the exact plan: routing does not depend on a lossless
+    # policy, and the recorder must see every call, which a rule's never reach Python
+    inner = cast("Policy | None", make_policy(name) if policy_spec(name).kind == "python" else None)
     model = Path(llm.model_path)
     geo = model_geometry(model)
     meta = trace_meta(model, geo, "decode", {"policy": name})

@@ -35,7 +35,7 @@ from pyspice.engine.surrogates import (
 )
 from pyspice.formats.routers import RouterReader
 from pyspice.formats.sidecar import Sidecar
-from pyspice.policy import Policy, PolicyContext, make_policy, policy_spec
+from pyspice.policy import Policy, PolicyContext, declared_rule, make_policy, policy_spec
 from pyspice.policy.base import attach_policy, is_lossless
 from pyspice.policy.predictor import DraftPredictor
 from pyspice.policy.profile import CostProfile
@@ -218,13 +218,32 @@ class Engine:
             else:
                 shipped = make_policy(policy)
                 assert shipped is not None
-                self._enable(shipped, spec.lossless)
+                rule = declared_rule(shipped)
+                if rule is not None or spec.kind == "rule":
+                    self._enable_rule(shipped)
+                else:
+                    self._enable(shipped, spec.lossless)  # type: ignore[arg-type]
             self.policy_name, self.custom_policy = policy, None
         else:
-            self._enable(policy, is_lossless(policy))
+            if declared_rule(policy) is not None:
+                self._enable_rule(policy)
+            else:
+                self._enable(policy, is_lossless(policy))
             # a user's object may lack even a name: its class stands for it
             self.policy_name = str(getattr(policy, "name", type(policy).__name__))
             self.custom_policy = policy
+
+    def _enable_rule(self, policy: object) -> None:
+        """A policy that is only a rule: attached once, then libspice plans every call
+        from its rule with no Python per call."""
+        runtime = self.require_runtime()
+        self._reset_device()
+        self._sync_surrogates(is_lossless(policy))
+        attach_policy(policy, self.policy_context())
+        rule = declared_rule(policy)
+        if self.device is not None and rule is not None:
+            runtime.set_rule(rule)
+        runtime.enable_exact(self.max_hook_tokens)
 
     def _enable(self, policy: Policy, lossless: bool) -> None:
         runtime = self.require_runtime()

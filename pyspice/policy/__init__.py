@@ -25,6 +25,7 @@ from pyspice.policy.base import (
 )
 from pyspice.policy.context import PolicyContext
 from pyspice.policy.registry import NATIVE_POLICIES, PolicySpec, make_policy, policy_names, policy_spec
+from pyspice.policy.rule import Rule, RulePolicy, declared_rule
 
 __all__ = [
     "ACTION_DEVICE",
@@ -42,6 +43,9 @@ __all__ = [
     "Policy",
     "PolicyContext",
     "PolicySpec",
+    "Rule",
+    "RulePolicy",
+    "declared_rule",
     "make_policy",
     "policy_names",
     "policy_spec",

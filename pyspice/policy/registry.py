@@ -1,9 +1,11 @@
 """Policy names accepted by `--policy` and `bench --policies`.
 
-Three kinds: `stock` (hook unregistered: the reference), `native` (decided in
-libspice with no Python per layer) and `python` (a Policy object called from
-the hook). Only names that run are listed, so `--help` never offers one that
-only says "not implemented".
+Four kinds: `stock` (hook unregistered: the reference), `native` (decided in
+libspice with no Python per layer), `rule` (a policy that declares a
+per-activation rule once, which libspice then applies with no Python per
+layer: the baselines) and `python` (a Policy object called from the hook).
+Only names that run are listed, so `--help` never offers one that only says
+"not implemented".
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ from typing import Literal
 
 from pyspice.policy.base import Policy, PolicyBase
 from pyspice.policy.baselines import AdapMoE, HostOnly, LruCache, OnDemand, StaticLayers
+from pyspice.policy.rule import RulePolicy
 from pyspice.policy.spice import SpicePolicy
 from pyspice.policy.spice.config import ABLATION_DESCRIPTIONS
 
-PolicyKind = Literal["stock", "native", "python"]
+PolicyKind = Literal["stock", "native", "rule", "python"]
 
 
 @dataclass(frozen=True)
@@ -42,13 +45,11 @@ _SPECS: dict[str, PolicySpec] = {
         PolicySpec("stock", "stock", True, "hook unregistered: upstream's graph, the reference"),
         PolicySpec("exact", "native", True, "every routed expert executed exactly by libspice"),
         PolicySpec("exact-py", "python", True, "exact, decided by a Python pass-through policy"),
-        PolicySpec("host", "python", True, "every routed expert on the host (llama.cpp --cpu-moe)"),
-        PolicySpec("static", "python", True, "whole layers resident up to the budget (--n-cpu-moe)", True),
-        PolicySpec("ondemand", "python", True, "fetch each miss synchronously, keep nothing", True),
-        PolicySpec("lru", "python", True, "slot cache, LRU eviction, synchronous fetch on miss", True),
-        PolicySpec(
-            "adapmoe", "python", True, "next-layer gate prefetch, per-layer caches by miss cost", True
-        ),
+        PolicySpec("host", "rule", True, "every routed expert on the host (llama.cpp --cpu-moe)"),
+        PolicySpec("static", "rule", True, "whole layers resident up to the budget (--n-cpu-moe)", True),
+        PolicySpec("ondemand", "rule", True, "fetch each miss synchronously, keep nothing", True),
+        PolicySpec("lru", "rule", True, "slot cache, LRU eviction, synchronous fetch on miss", True),
+        PolicySpec("adapmoe", "rule", True, "next-layer gate prefetch, per-layer caches by miss cost", True),
         PolicySpec("spice", "python", True, "SPICE at its default quality level (spice:exact)", True),
         PolicySpec(
             "spice:exact", "python", True, "SPICE: deep prefetch + cost-aware fetch-or-host, lossless", True
@@ -67,7 +68,7 @@ _SPECS: dict[str, PolicySpec] = {
     )
 }
 
-_FACTORIES: dict[str, Callable[[], Policy]] = {
+_FACTORIES: dict[str, Callable[[], Policy | RulePolicy]] = {
     "exact-py": ExactPassThrough,
     "host": HostOnly,
     "static": StaticLayers,
@@ -78,6 +79,7 @@ _FACTORIES: dict[str, Callable[[], Policy]] = {
     **{name: partial(SpicePolicy, name) for name in ABLATION_DESCRIPTIONS},
 }
 
+# decided in libspice with no Python per hook call (stock: nothing to decide)
 NATIVE_POLICIES = frozenset(name for name, spec in _SPECS.items() if spec.kind != "python")
 
 
@@ -92,9 +94,9 @@ def policy_spec(name: str) -> PolicySpec:
         raise ValueError(f"unknown policy {name!r}; choose one of: {', '.join(_SPECS)}") from None
 
 
-def make_policy(name: str) -> Policy | None:
-    """The Policy object for a python policy; None for stock and native ones."""
+def make_policy(name: str) -> Policy | RulePolicy | None:
+    """The policy object of a python or rule policy; None for stock and native ones."""
     spec = policy_spec(name)
-    if spec.kind != "python":
+    if spec.kind not in ("python", "rule"):
         return None
     return _FACTORIES[name]()

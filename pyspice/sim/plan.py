@@ -37,6 +37,8 @@ from pyspice.policy.base import (
     Plan,
 )
 from pyspice.policy.context import PolicyContext
+from pyspice.policy.rule import declared_rule
+from pyspice.sim.rule import RuleState, rule_plan
 from pyspice.sim.tier import OK, PRIORITY_DEMAND, PRIORITY_PREFETCH, REFUSED_BUDGET, SimTier
 
 Actions = npt.NDArray[np.int32]  # [n_tokens, n_expert_used] of ACTION_*
@@ -391,6 +393,7 @@ class PlanDriver:
     policy: Any  # a Policy: decide(HookCall) -> Plan
     surrogates: SurrogateTable | None = None
     outcomes: Outcomes = field(default_factory=Outcomes)
+    rule_state: RuleState | None = None  # a rule policy's, from its first call on
 
     def call(
         self,
@@ -416,10 +419,18 @@ class PlanDriver:
             None,
             residency,
         )
+        rule = declared_rule(self.policy)
+        if rule is not None:  # a policy that is its rule: the engine plans, nobody is called
+            if self.rule_state is None:
+                self.rule_state = RuleState(rule, self.tier.n_layers)
+            w = np.asarray(hook.weights, np.float32)
+            ruled, rule_made = rule_plan(self.tier, self.rule_state, layer, picked, w, hook.hidden)
+            result = apply_plan(self.tier, layer, picked, ruled, rule_made)
+            self.outcomes = self.outcomes + count_outcomes(result.actions, hit)
+            return rule_made
         plan: Plan = self.policy.decide(hook)
-        actions = validate_plan(plan, layer, picked, self.tier.n_expert, self.surrogates)
-        if actions is None:
-            actions = default_actions(hit)
+        checked = validate_plan(plan, layer, picked, self.tier.n_expert, self.surrogates)
+        actions = default_actions(hit) if checked is None else checked
         result = apply_plan(self.tier, layer, picked, actions, plan)
         self.outcomes = self.outcomes + count_outcomes(result.actions, hit)
         return plan

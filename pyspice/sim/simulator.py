@@ -45,6 +45,7 @@ from pyspice.policy.base import (
     attach_policy,
 )
 from pyspice.policy.context import PolicyContext, RouterLoader
+from pyspice.policy.rule import declared_rule
 from pyspice.sim.plan import (
     InvalidPlan,
     Outcomes,
@@ -56,6 +57,7 @@ from pyspice.sim.plan import (
     surrogate_table,
     validate_plan,
 )
+from pyspice.sim.rule import RuleState, rule_plan
 from pyspice.sim.tier import OK, PRIORITY_DEMAND, SimTier
 from pyspice.sim.workload import SimCall, Workload
 
@@ -250,6 +252,8 @@ class Simulator:
         tier = self.make_tier()
         if policy is not None:
             attach_policy(policy, self.context())
+        rule = declared_rule(policy) if policy is not None else None
+        rule_state = RuleState(rule, wl.n_layers) if rule is not None else None  # kept from prompt to decode
         t = 0
         if tier is not None and preload:
             t = self._preload(tier)
@@ -267,7 +271,7 @@ class Simulator:
                     pre0 = self._prefetch_totals(tier)
                 tally = _Tally()
             start = t
-            t = self._step(step.calls, step.n_tokens, t, tier, policy, policy_us, tally)
+            t = self._step(step.calls, step.n_tokens, t, tier, policy, policy_us, tally, rule_state)
             t += _us(costs.step_us)
             tally.part("outside layers", _us(costs.step_us))
             if step.decode:
@@ -382,6 +386,7 @@ class Simulator:
         policy: Any,
         policy_us: float | None,
         tally: _Tally,
+        rule_state: RuleState | None = None,
     ) -> int:
         costs = self.costs
         by_layer = {c.layer: c for c in calls}
@@ -401,7 +406,13 @@ class Simulator:
             else:
                 residency = None
                 hit = np.ones(ids.shape, dtype=bool)
-            if policy is not None and n_tokens == 1 and 0 <= tally.resume_layer != il:
+            if rule_state is not None:
+                # a policy that is its rule: planned by the rule's twin, no call (a measured
+                # policy_us stands for the rule's own time)
+                actions, plan, spent_us = None, Plan(), policy_us or 0.0
+                if tier is not None:
+                    actions, plan = rule_plan(tier, rule_state, il, ids, call.weights, call.hidden)
+            elif policy is not None and n_tokens == 1 and 0 <= tally.resume_layer != il:
                 # decided in advance (spice_policy_call.resume_il; a batch always asks): the
                 # default plan, no call (a measured policy_us is per call served)
                 actions, plan, spent_us = None, Plan(), policy_us or 0.0

@@ -322,8 +322,8 @@ class SimTier:
         stall = 0
         target = self.copies.get(key)
         if target is not None:
-            if not target.started:
-                target.priority = PRIORITY_DEMAND  # needed now: it goes next
+            # queued: the copies ahead of it go first (a caller that needs it sooner asks
+            # for it as demand first, as a plan does), so the wait is what ready_at said
             while not target.started:
                 first = min((c for c in self.copies.values() if c.started), key=lambda c: c.start_ns)
                 stall += self._wait_copy(first)

@@ -122,12 +122,13 @@ def test_adapmoe_resizes_layers_by_miss_cost() -> None:
     policy = attached("adapmoe", ctx)
     drive = driver(policy, ctx)
     assert isinstance(policy, AdapMoE)
-    assert policy.capacity == {0: 4, 1: 4}
+    assert policy.rule().capacity == (4, 4)  # capacities start equal
     for i in range(policy.resize_every):
         # layer 0 cycles through all 8 experts (misses), layer 1 reuses the same two
         drive.call(0, [i % 8, (i + 3) % 8])
         drive.call(1, [0, 1])
-    assert policy.capacity[0] > policy.capacity[1]
+    assert drive.rule_state is not None  # the rule's state, as libspice keeps it
+    assert drive.rule_state.capacity[0] > drive.rule_state.capacity[1]
 
 
 def test_lru_class_is_the_registered_one() -> None:

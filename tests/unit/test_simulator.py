@@ -140,7 +140,7 @@ def test_policies_get_the_engine_context() -> None:
     assert seen[0].n_expert_used == K
 
 
-def test_every_python_policy_of_the_registry_runs_in_the_simulator() -> None:
+def test_every_python_and_rule_policy_of_the_registry_runs_in_the_simulator() -> None:
     rng = np.random.default_rng(2)
     base = workload()
     n_tok = sum(s.n_tokens for s in base.steps)
@@ -152,8 +152,10 @@ def test_every_python_policy_of_the_registry_runs_in_the_simulator() -> None:
     )
     routers = {il: rng.standard_normal((N_EXPERT, 16)).astype(np.float32) for il in range(N_LAYERS)}
     sim = Simulator(wl, costs(), budget_bytes=N_LAYERS * N_EXPERT * 10_000 // 4, router=routers.get)
-    names = [n for n in policy_names() if policy_spec(n).kind == "python"]
-    assert {"host", "static", "ondemand", "lru", "adapmoe"} <= set(names)
+    names = [n for n in policy_names() if policy_spec(n).kind in ("python", "rule")]
+    assert {"host", "static", "ondemand", "lru", "adapmoe"} <= {
+        n for n in names if policy_spec(n).kind == "rule"
+    }
     for name in names:
         result = sim.run(name, make_policy(name))
         assert result.policy_fallbacks == 0, name

@@ -1,0 +1,411 @@
+/* The per-activation rule (see spice_rule in spice.h): the plan the engine
+ * writes by itself for the calls no policy decides. It reads what the store
+ * knows -- the residency table as of this call's poll, recency, when copies
+ * land -- and writes a plan like a policy's, which spice_store_apply_plan
+ * then carries out. Its twin is pyspice/sim/rule.py (tests/native/
+ * test_rule_twin.py holds the two equal). */
+#include "spice-store-impl.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+int spice_store_rule_init(spice_store * s) {
+    spice_store_rule * r = &s->rule;
+    memset(r, 0, sizeof(*r));
+    r->rule.resident_action = SPICE_ACTION_DEVICE;
+    const size_t width = (size_t) (s->max_expert > 0 ? s->max_expert : 1);
+    const size_t cells = (size_t) s->n_layers * width;
+    r->misses = (int32_t *) calloc((size_t) s->n_layers, sizeof(int32_t));
+    r->incoming = (uint8_t *) calloc(width, 1);
+    r->selected = (uint8_t *) calloc(width, 1);
+    r->predicted = (uint8_t *) calloc(width, 1);
+    r->chosen = (uint8_t *) calloc(cells, 1);
+    r->logits = (double *) calloc(width, sizeof(double));
+    return r->misses && r->incoming && r->selected && r->predicted && r->chosen && r->logits ? SPICE_OK
+                                                                                          : SPICE_ERR_NO_MEMORY;
+}
+
+static void release_arrays(spice_store * s) {
+    spice_store_rule * r = &s->rule;
+    free(r->surrogate_set);
+    free(r->whole_layers);
+    free(r->capacity);
+    for (int32_t il = 0; r->routers != NULL && il < s->n_layers; ++il) {
+        free(r->routers[il]);
+    }
+    free(r->routers);
+    r->surrogate_set = r->whole_layers = NULL;
+    r->capacity = NULL;
+    r->routers = NULL;
+}
+
+void spice_store_rule_free(spice_store * s) {
+    spice_store_rule * r = &s->rule;
+    release_arrays(s);
+    free(r->misses);
+    free(r->incoming);
+    free(r->selected);
+    free(r->predicted);
+    free(r->chosen);
+    free(r->logits);
+    memset(r, 0, sizeof(*r));
+}
+
+static void * copy_of(const void * src, size_t bytes) {
+    void * dst = malloc(bytes > 0 ? bytes : 1);
+    if (dst != NULL && bytes > 0) {
+        memcpy(dst, src, bytes);
+    }
+    return dst;
+}
+
+int spice_store_set_rule(spice_store * s, const spice_rule * rule) {
+    if (s == NULL) {
+        return SPICE_ERR_INVALID_ARG;
+    }
+    spice_rule plain;
+    memset(&plain, 0, sizeof(plain));
+    plain.resident_action = SPICE_ACTION_DEVICE;
+    const spice_rule * in = rule != NULL ? rule : &plain;
+    if ((in->resident_action != SPICE_ACTION_DEVICE && in->resident_action != SPICE_ACTION_HOST) ||
+        in->miss < SPICE_MISS_HOST || in->miss > SPICE_MISS_COST || in->keep < SPICE_KEEP_ALL ||
+        in->keep > SPICE_KEEP_NONE || in->resize_every < 0 || (in->keep == SPICE_KEEP_LAYER_LRU && in->capacity == NULL) ||
+        (in->prefetch_next && (in->routers == NULL || in->n_embd <= 0)) || !(in->surrogate_weight >= 0.0f)) {
+        return SPICE_ERR_INVALID_ARG;
+    }
+    release_arrays(s);
+    spice_store_rule * r = &s->rule;
+    const size_t cells = (size_t) s->n_layers * (size_t) s->max_expert;
+    r->rule = *in;
+    int ok = 1;
+    if (in->surrogate_set != NULL) {
+        ok &= (r->surrogate_set = (uint8_t *) copy_of(in->surrogate_set, cells)) != NULL;
+    }
+    if (in->whole_layers != NULL) {
+        ok &= (r->whole_layers = (uint8_t *) copy_of(in->whole_layers, (size_t) s->n_layers)) != NULL;
+    }
+    if (in->capacity != NULL) {
+        ok &= (r->capacity = (int32_t *) copy_of(in->capacity, (size_t) s->n_layers * sizeof(int32_t))) != NULL;
+    }
+    if (in->prefetch_next) {
+        ok &= (r->routers = (float **) calloc((size_t) s->n_layers, sizeof(float *))) != NULL;
+        for (int32_t il = 0; ok && il < s->n_layers; ++il) {
+            if (in->routers[il] != NULL && s->n_expert[il] > 0) {
+                const size_t bytes = (size_t) s->n_expert[il] * (size_t) in->n_embd * sizeof(float);
+                ok &= (r->routers[il] = (float *) copy_of(in->routers[il], bytes)) != NULL;
+            }
+        }
+    }
+    r->rule.surrogate_set = r->surrogate_set;
+    r->rule.whole_layers = r->whole_layers;
+    r->rule.capacity = r->capacity;
+    r->rule.routers = (const float * const *) r->routers;
+    memset(r->misses, 0, (size_t) s->n_layers * sizeof(int32_t));
+    r->calls = 0;
+    if (!ok) { /* back to the default rule, not half of this one */
+        release_arrays(s);
+        r->rule = plain;
+        return SPICE_ERR_NO_MEMORY;
+    }
+    return SPICE_OK;
+}
+
+/* ---- pieces ---------------------------------------------------------------- */
+
+static int state_of(const spice_store * s, int32_t il, int32_t e) {
+    return s->states[spice_store_cell(s, il, e)];
+}
+
+/* microseconds one copy of layer il's expert takes on the bus */
+static double copy_us(const spice_store * s, int32_t il) {
+    return s->params.latency_us + (double) s->expert_bytes[il] / (s->params.bandwidth_gbps * 1e3);
+}
+
+static int32_t * list_slot(int32_t * list, int32_t * n, int32_t cap, int32_t count) {
+    if (*n + count > cap) {
+        return NULL;
+    }
+    int32_t * at = list + *n;
+    *n += count;
+    return at;
+}
+
+static void add_evict(spice_policy_call * call, uint8_t * chosen, const spice_store * s, int32_t il, int32_t e) {
+    int32_t * at = list_slot(call->evict, &call->n_evict, call->cap_evict, 2);
+    if (at != NULL) {
+        at[0] = il;
+        at[1] = e;
+        chosen[spice_store_cell(s, il, e)] = 1;
+    }
+}
+
+/* a held expert the rule may evict: resident, or a copy that has not started */
+static int evictable(const spice_store * s, int32_t il, int32_t e) {
+    const int st = state_of(s, il, e);
+    return st == SPICE_RES_RESIDENT || st == SPICE_RES_QUEUED;
+}
+
+/* Layer il's held experts over its capacity, least recently selected first,
+ * never one in `keep` or on the bus. */
+static void fit_layer(spice_store * s, spice_policy_call * call, int32_t il, int32_t incoming, const uint8_t * keep) {
+    spice_store_rule * r = &s->rule;
+    int32_t held = 0;
+    for (int32_t e = 0; e < s->n_expert[il]; ++e) {
+        held += state_of(s, il, e) != SPICE_RES_ABSENT && !r->chosen[spice_store_cell(s, il, e)];
+    }
+    int32_t over = held + incoming - r->capacity[il];
+    const uint64_t * last_use = s->last_use + spice_store_cell(s, il, 0);
+    while (over > 0) {
+        int32_t victim = -1;
+        for (int32_t e = 0; e < s->n_expert[il]; ++e) {
+            if (!keep[e] && !r->chosen[spice_store_cell(s, il, e)] && evictable(s, il, e) &&
+                (victim < 0 || last_use[e] < last_use[victim])) {
+                victim = e;
+            }
+        }
+        if (victim < 0) {
+            return;
+        }
+        add_evict(call, r->chosen, s, il, victim);
+        over--;
+    }
+}
+
+/* One pooled cache: least recently selected out first until `need` bytes fit. */
+static void fit_pool(spice_store * s, spice_policy_call * call, uint64_t need) {
+    spice_store_rule * r = &s->rule;
+    uint64_t used = s->used_bytes;
+    while (used + need > s->params.budget_bytes) {
+        int32_t vl = -1, ve = -1;
+        for (int32_t il = 0; il < s->n_layers; ++il) {
+            const uint64_t * last_use = s->last_use + spice_store_cell(s, il, 0);
+            for (int32_t e = 0; e < s->n_expert[il]; ++e) {
+                if ((il == call->il && r->selected[e]) || r->chosen[spice_store_cell(s, il, e)] || !evictable(s, il, e)) {
+                    continue;
+                }
+                if (vl < 0 || last_use[e] < s->last_use[spice_store_cell(s, vl, ve)]) {
+                    vl = il;
+                    ve = e;
+                }
+            }
+        }
+        if (vl < 0) {
+            return;
+        }
+        add_evict(call, r->chosen, s, vl, ve);
+        used -= s->expert_bytes[vl];
+    }
+}
+
+/* Python's float floor division for positive operands, so the simulator's
+ * twin re-splits capacities to the same integers. */
+static double py_floordiv(double a, double b) {
+    const double mod = fmod(a, b);
+    const double div = (a - mod) / b;
+    double floordiv = floor(div);
+    if (div - floordiv > 0.5) {
+        floordiv += 1.0;
+    }
+    return floordiv;
+}
+
+/* LAYER_LRU: each layer's share of the budget by (misses + 1) x copy time. */
+static void resize(spice_store * s) {
+    spice_store_rule * r = &s->rule;
+    double total = 0.0;
+    for (int32_t il = 0; il < s->n_layers; ++il) {
+        if (s->n_expert[il] > 0) {
+            total += (double) (r->misses[il] + 1) * copy_us(s, il);
+        }
+    }
+    for (int32_t il = 0; il < s->n_layers; ++il) {
+        if (s->n_expert[il] == 0) {
+            continue;
+        }
+        const double share = (double) s->params.budget_bytes * ((double) (r->misses[il] + 1) * copy_us(s, il)) / total;
+        double n = py_floordiv(share, (double) s->expert_bytes[il]);
+        n = n < (double) s->n_expert[il] ? n : (double) s->n_expert[il];
+        r->capacity[il] = n > 1.0 ? (int32_t) n : 1;
+        r->misses[il] = 0;
+    }
+}
+
+static int32_t next_moe_layer(const spice_store * s, int32_t il) {
+    for (int32_t l = il + 1; l < s->n_layers; ++l) {
+        if (s->n_expert[l] > 0) {
+            return l;
+        }
+    }
+    return -1;
+}
+
+/* The experts the next layer's router picks for this call's rows (top
+ * n_expert_used per row, ties to the lower id), into r->predicted. */
+static void predict_next(spice_store * s, const spice_policy_call * call, int32_t nxt) {
+    spice_store_rule * r = &s->rule;
+    const float * router = r->routers[nxt];
+    const int32_t n_e = s->n_expert[nxt], n_embd = r->rule.n_embd;
+    const int32_t k = call->n_expert_used < n_e ? call->n_expert_used : n_e;
+    memset(r->predicted, 0, (size_t) n_e);
+    for (int32_t t = 0; t < call->n_tokens; ++t) {
+        const float * h = (const float *) ((const char *) call->inp + (size_t) t * call->inp_nb1);
+        for (int32_t e = 0; e < n_e; ++e) {
+            const float * w = router + (size_t) e * (size_t) n_embd;
+            double acc = 0.0;
+            for (int32_t j = 0; j < n_embd; ++j) {
+                acc += (double) w[j] * (double) h[j];
+            }
+            r->logits[e] = acc;
+        }
+        for (int32_t pick = 0; pick < k; ++pick) {
+            int32_t best = -1;
+            for (int32_t e = 0; e < n_e; ++e) {
+                if (r->logits[e] != -(double) INFINITY && (best < 0 || r->logits[e] > r->logits[best])) {
+                    best = e;
+                }
+            }
+            if (best < 0) {
+                break;
+            }
+            r->predicted[best] = 1;
+            r->logits[best] = -(double) INFINITY;
+        }
+    }
+}
+
+static int32_t miss_action(spice_store * s, const spice_rule * rule, int32_t il, int32_t e, uint64_t now) {
+    if (state_of(s, il, e) == SPICE_RES_ABSENT) {
+        switch (rule->miss) {
+            case SPICE_MISS_FETCH: return SPICE_ACTION_DEVICE;
+            case SPICE_MISS_COST:
+                return copy_us(s, il) + rule->device_us < rule->host_us * (1.0 - rule->margin) ? SPICE_ACTION_DEVICE
+                                                                                            : SPICE_ACTION_HOST;
+            default: return SPICE_ACTION_HOST;
+        }
+    }
+    /* in flight: wait when that is sooner than running it on the host */
+    if (rule->miss == SPICE_MISS_FETCH) {
+        return SPICE_ACTION_DEVICE;
+    }
+    if (rule->host_us <= 0.0) {
+        return SPICE_ACTION_HOST;
+    }
+    const uint64_t ready = spice_store_ready_at(s, il, e);
+    const double remaining_us = ready > now ? (double) (ready - now) / 1e3 : 0.0;
+    return remaining_us + rule->device_us < rule->host_us ? SPICE_ACTION_DEVICE : SPICE_ACTION_HOST;
+}
+
+/* ---- the plan ---------------------------------------------------------------- */
+
+int spice_store_rule_plan(spice_store * s, spice_policy_call * call) {
+    if (s == NULL || call == NULL || call->il < 0 || call->il >= s->n_layers || s->n_expert[call->il] == 0) {
+        return SPICE_ERR_INVALID_ARG;
+    }
+    spice_store_rule * r = &s->rule;
+    const spice_rule * rule = &r->rule;
+    const int32_t il = call->il, n_e = s->n_expert[il], n_used = call->n_expert_used;
+    const uint64_t now = spice_clock_now(&s->clock);
+    const int whole = r->whole_layers != NULL && r->whole_layers[il];
+    call->n_fetch = call->n_prefetch = call->n_evict = call->n_evict_from = 0;
+    call->n_actions = call->n_tokens * n_used;
+    memset(r->incoming, 0, (size_t) n_e);
+    memset(r->selected, 0, (size_t) n_e);
+    memset(r->chosen, 0, (size_t) s->n_layers * (size_t) s->max_expert);
+
+    int32_t absent_selected = 0;
+    for (int32_t t = 0; t < call->n_tokens; ++t) {
+        const int32_t * ids = (const int32_t *) ((const char *) call->ids + (size_t) t * call->ids_nb1);
+        const float * weights = (const float *) ((const char *) call->weights + (size_t) t * call->weights_nb1);
+        for (int32_t k = 0; k < n_used; ++k) {
+            const int32_t e = ids[k];
+            int32_t * a = &call->actions[t * n_used + k];
+            if (e < 0 || e >= n_e) {
+                *a = SPICE_ACTION_HOST; /* dropped by the runtime before anything acts */
+                continue;
+            }
+            const int st = state_of(s, il, e);
+            if (!r->selected[e]) {
+                r->selected[e] = 1;
+                absent_selected += st == SPICE_RES_ABSENT;
+            }
+            if (whole) {
+                *a = SPICE_ACTION_DEVICE;
+            } else if (st == SPICE_RES_RESIDENT) {
+                *a = rule->resident_action;
+            } else if (rule->surrogate_weight > 0.0f && r->surrogate_set != NULL &&
+                       r->surrogate_set[spice_store_cell(s, il, e)] && weights[k] < rule->surrogate_weight) {
+                *a = SPICE_ACTION_SURROGATE;
+            } else if (rule->resident_action == SPICE_ACTION_HOST) {
+                *a = SPICE_ACTION_HOST;
+            } else {
+                *a = miss_action(s, rule, il, e, now);
+            }
+            if (*a == SPICE_ACTION_DEVICE && st == SPICE_RES_ABSENT) {
+                r->incoming[e] = 1;
+            }
+        }
+    }
+    if (whole) { /* the layer's absent experts all come now (and stay: nothing evicts them) */
+        for (int32_t e = 0; e < n_e; ++e) {
+            if (state_of(s, il, e) == SPICE_RES_ABSENT) {
+                int32_t * at = list_slot(call->fetch, &call->n_fetch, call->cap_fetch, 1);
+                if (at != NULL) {
+                    *at = e;
+                }
+            }
+        }
+    }
+    int32_t n_incoming = 0;
+    for (int32_t e = 0; e < n_e; ++e) {
+        n_incoming += r->incoming[e];
+    }
+
+    switch (rule->keep) {
+        case SPICE_KEEP_NONE:
+            for (int32_t l = 0; l < s->n_layers; ++l) {
+                for (int32_t e = 0; e < s->n_expert[l]; ++e) {
+                    if (!(l == il && r->selected[e]) && evictable(s, l, e)) {
+                        add_evict(call, r->chosen, s, l, e);
+                    }
+                }
+            }
+            break;
+        case SPICE_KEEP_LRU:
+            fit_pool(s, call, (uint64_t) n_incoming * s->expert_bytes[il]);
+            break;
+        case SPICE_KEEP_LAYER_LRU:
+            r->calls++;
+            if (rule->resize_every > 0 && r->calls % rule->resize_every == 0) {
+                resize(s);
+            }
+            r->misses[il] += absent_selected;
+            fit_layer(s, call, il, n_incoming, r->selected);
+            break;
+        default: break;
+    }
+
+    const int32_t nxt = rule->prefetch_next ? next_moe_layer(s, il) : -1;
+    if (nxt >= 0 && r->routers[nxt] != NULL) {
+        predict_next(s, call, nxt);
+        const int32_t limit = rule->keep == SPICE_KEEP_LAYER_LRU ? r->capacity[nxt] : s->n_expert[nxt];
+        int32_t n_wanted = 0;
+        int32_t wanted[s->n_expert[nxt] > 0 ? s->n_expert[nxt] : 1];
+        for (int32_t e = 0; e < s->n_expert[nxt] && n_wanted < limit; ++e) {
+            if (r->predicted[e] && state_of(s, nxt, e) == SPICE_RES_ABSENT) {
+                wanted[n_wanted++] = e;
+            }
+        }
+        if (n_wanted > 0 && rule->keep == SPICE_KEEP_LAYER_LRU) {
+            fit_layer(s, call, nxt, n_wanted, r->predicted);
+        }
+        for (int32_t i = 0; i < n_wanted; ++i) {
+            int32_t * at = list_slot(call->prefetch, &call->n_prefetch, call->cap_prefetch, 2);
+            if (at != NULL) {
+                at[0] = nxt;
+                at[1] = wanted[i];
+            }
+        }
+    }
+    return SPICE_OK;
+}

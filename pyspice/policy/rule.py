@@ -1,0 +1,120 @@
+"""The per-activation rule a policy declares and the engine applies by itself
+(spice_rule in native/include/spice.h; DESIGN section 3a).
+
+A policy that is fully described by a rule (the shipped baselines) is never
+called per hook call: the engine plans every call from the rule, in C, and the
+simulator from its twin (pyspice.sim.rule). Per activation, in order:
+
+- resident                    -> `resident_action` (device, or host)
+- a surrogate in `surrogate_set` and a gate weight below `surrogate_weight`
+                              -> surrogate (lossy rules only)
+- in flight                   -> wait (device) when `miss` is FETCH, or when its
+                                 copy lands sooner than `host_us` (COST, or HOST
+                                 with a cost table)
+- absent                      -> host (HOST), a demand fetch (FETCH), or a fetch
+                                 when copy + device time beats the host by
+                                 `margin` (COST)
+
+Room for demand fetches comes from `keep`; a layer in `whole_layers` fetches
+all its absent experts at its call and runs on the device; with
+`prefetch_next` the next MoE layer's router, applied to the call's input,
+names experts to prefetch (within that layer's capacity).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
+
+from pyspice.policy.base import ACTION_DEVICE, ACTION_HOST
+from pyspice.policy.context import PolicyContext
+
+# spice_miss_rule
+MISS_HOST = 0
+MISS_FETCH = 1
+MISS_COST = 2
+# spice_keep_rule
+KEEP_ALL = 0
+KEEP_LRU = 1
+KEEP_LAYER_LRU = 2
+KEEP_NONE = 3
+
+
+@dataclass(frozen=True)
+class Rule:
+    resident_action: int = ACTION_DEVICE
+    miss: int = MISS_HOST
+    keep: int = KEEP_ALL
+    host_us: float = 0.0  # cost table: host time per activation (0: unknown)
+    device_us: float = 0.0  # device time per activation
+    margin: float = 0.0  # COST: fetch when copy + device < host * (1 - margin)
+    surrogate_weight: float = 0.0  # 0: no surrogates
+    surrogate_set: npt.NDArray[np.bool_] | None = None  # [n_layers, max_expert]
+    whole_layers: tuple[int, ...] = ()  # layers whose absent experts all come at their call
+    capacity: tuple[int, ...] | None = None  # KEEP_LAYER_LRU: experts per layer
+    resize_every: int = 0  # KEEP_LAYER_LRU: re-split capacities every this many calls (0: fixed)
+    prefetch_next: bool = False
+    routers: tuple[npt.NDArray[np.float32] | None, ...] | None = None  # per layer [n_expert, n_embd]
+
+    def __post_init__(self) -> None:
+        if self.resident_action not in (ACTION_DEVICE, ACTION_HOST):
+            raise ValueError(f"rule: resident_action must be device or host, not {self.resident_action}")
+        if self.miss not in (MISS_HOST, MISS_FETCH, MISS_COST):
+            raise ValueError(f"rule: unknown miss rule {self.miss}")
+        if self.keep not in (KEEP_ALL, KEEP_LRU, KEEP_LAYER_LRU, KEEP_NONE):
+            raise ValueError(f"rule: unknown keep rule {self.keep}")
+        if self.keep == KEEP_LAYER_LRU and self.capacity is None:
+            raise ValueError("rule: KEEP_LAYER_LRU needs a capacity per layer")
+        if self.prefetch_next and self.routers is None:
+            raise ValueError("rule: prefetch_next needs the routers")
+        if not self.surrogate_weight >= 0 or self.resize_every < 0:
+            raise ValueError("rule: surrogate_weight and resize_every must be non-negative")
+
+
+DEFAULT_RULE = Rule()  # resident on the device, misses on the host, keep everything
+
+
+@runtime_checkable
+class RulePolicy(Protocol):
+    """A policy that is its rule: attached once, then never called per hook call."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def lossless(self) -> bool: ...
+
+    def attach(self, ctx: PolicyContext) -> None: ...
+
+    def rule(self) -> Rule: ...
+
+
+class RulePolicyBase:
+    """Defaults of a RulePolicy: lossless, nothing to learn at attach, the default rule."""
+
+    name = "rule"
+
+    @property
+    def lossless(self) -> bool:
+        return True
+
+    def attach(self, ctx: PolicyContext) -> None:
+        pass
+
+    def rule(self) -> Rule:
+        return DEFAULT_RULE
+
+
+def declared_rule(policy: object) -> Rule | None:
+    """The rule of a policy that is only a rule (no per-call `decide`), else None."""
+    if hasattr(policy, "decide") or not callable(getattr(policy, "rule", None)):
+        return None
+    rule = policy.rule()  # type: ignore[attr-defined]
+    if not isinstance(rule, Rule):
+        raise TypeError(
+            f"policy {getattr(policy, 'name', policy)!r}: rule() must return a pyspice.policy.Rule"
+        )
+    return rule

@@ -1,0 +1,209 @@
+"""The per-activation rule's twin: the plan libspice's spice_store_rule_plan
+(native/src/spice-store-rule.c) writes for a call no policy decides, on the
+simulated tier, step for step (tests/native/test_rule_twin.py compares the
+two on random calls). A policy that is only a rule (pyspice.policy.rule) runs
+under the simulator through this, as it runs under the engine through C.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from pyspice.policy.base import (
+    ACTION_DEVICE,
+    ACTION_HOST,
+    ACTION_SURROGATE,
+    RESIDENCY_ABSENT,
+    RESIDENCY_QUEUED,
+    RESIDENCY_RESIDENT,
+    Plan,
+)
+from pyspice.policy.rule import KEEP_LAYER_LRU, KEEP_LRU, KEEP_NONE, MISS_COST, MISS_FETCH, Rule
+from pyspice.sim.tier import SimTier
+
+Key = tuple[int, int]
+
+
+@dataclass
+class RuleState:
+    """An installed rule and what it keeps between calls (spice_store_rule)."""
+
+    rule: Rule
+    n_layers: int
+    capacity: list[int] = field(default_factory=list)
+    misses: list[int] = field(default_factory=list)
+    calls: int = 0
+
+    def __post_init__(self) -> None:
+        self.capacity = list(self.rule.capacity) if self.rule.capacity is not None else [0] * self.n_layers
+        self.misses = [0] * self.n_layers
+
+
+def _copy_us(tier: SimTier, layer: int) -> float:
+    return tier.latency_us + tier.expert_bytes[layer] / (tier.bandwidth_gbps * 1e3)
+
+
+def _evictable(tier: SimTier, layer: int, expert: int) -> bool:
+    return tier.state(layer, expert) in (RESIDENCY_RESIDENT, RESIDENCY_QUEUED)
+
+
+def _fit_layer(
+    tier: SimTier, state: RuleState, layer: int, incoming: int, keep: set[int], chosen: list[Key]
+) -> None:
+    """Layer `layer`'s held experts over its capacity, least recently selected first."""
+    taken = set(chosen)
+    held = sum(
+        1
+        for e in range(tier.n_expert[layer])
+        if tier.state(layer, e) != RESIDENCY_ABSENT and (layer, e) not in taken
+    )
+    over = held + incoming - state.capacity[layer]
+    while over > 0:
+        victim = -1
+        for e in range(tier.n_expert[layer]):
+            if e in keep or (layer, e) in taken or not _evictable(tier, layer, e):
+                continue
+            if victim < 0 or tier.last_use.get((layer, e), 0) < tier.last_use.get((layer, victim), 0):
+                victim = e
+        if victim < 0:
+            return
+        chosen.append((layer, victim))
+        taken.add((layer, victim))
+        over -= 1
+
+
+def _fit_pool(tier: SimTier, layer: int, selected: set[int], need: int, chosen: list[Key]) -> None:
+    """One pooled cache: least recently selected out first until `need` bytes fit."""
+    used = tier.used_bytes
+    taken = set(chosen)
+    while used + need > tier.budget_bytes:
+        victim: Key | None = None
+        for il in range(tier.n_layers):
+            for e in range(tier.n_expert[il]):
+                if (il == layer and e in selected) or (il, e) in taken or not _evictable(tier, il, e):
+                    continue
+                if victim is None or tier.last_use.get((il, e), 0) < tier.last_use.get(victim, 0):
+                    victim = (il, e)
+        if victim is None:
+            return
+        chosen.append(victim)
+        taken.add(victim)
+        used -= tier.expert_bytes[victim[0]]
+
+
+def _resize(tier: SimTier, state: RuleState) -> None:
+    moe = [il for il in range(tier.n_layers) if tier.n_expert[il]]
+    total = sum((state.misses[il] + 1) * _copy_us(tier, il) for il in moe)
+    for il in moe:
+        share = tier.budget_bytes * ((state.misses[il] + 1) * _copy_us(tier, il)) / total
+        n = min(share // tier.expert_bytes[il], tier.n_expert[il])
+        state.capacity[il] = int(n) if n > 1 else 1
+        state.misses[il] = 0
+
+
+def _next_moe_layer(tier: SimTier, layer: int) -> int | None:
+    return next((il for il in range(layer + 1, tier.n_layers) if tier.n_expert[il]), None)
+
+
+def _predict(router: npt.NDArray[np.float32], hidden: npt.NDArray[np.float32], k: int) -> set[int]:
+    """Top-k experts per row of the next layer's router logits, ties to the lower id."""
+    logits = np.asarray(hidden, np.float64) @ np.asarray(router, np.float64).T
+    picked: set[int] = set()
+    ids = np.arange(logits.shape[1])
+    for row in logits:
+        order = np.lexsort((ids, -row))
+        picked.update(int(e) for e in order[:k])
+    return picked
+
+
+def _miss_action(tier: SimTier, rule: Rule, layer: int, expert: int) -> int:
+    if tier.state(layer, expert) == RESIDENCY_ABSENT:
+        if rule.miss == MISS_FETCH:
+            return ACTION_DEVICE
+        if rule.miss == MISS_COST:
+            fetch = _copy_us(tier, layer) + rule.device_us < rule.host_us * (1.0 - rule.margin)
+            return ACTION_DEVICE if fetch else ACTION_HOST
+        return ACTION_HOST
+    if rule.miss == MISS_FETCH:
+        return ACTION_DEVICE  # in flight: wait for it
+    if rule.host_us <= 0:
+        return ACTION_HOST
+    ready = tier.ready_at(layer, expert)
+    remaining_us = (ready - tier.now_ns) / 1e3 if ready > tier.now_ns else 0.0
+    return ACTION_DEVICE if remaining_us + rule.device_us < rule.host_us else ACTION_HOST
+
+
+def rule_plan(
+    tier: SimTier,
+    state: RuleState,
+    layer: int,
+    ids: npt.NDArray[np.int32],
+    weights: npt.NDArray[np.float32],
+    hidden: npt.NDArray[np.float32] | None = None,
+) -> tuple[npt.NDArray[np.int32], Plan]:
+    """The rule's actions and lists for a call of `layer` (after begin_call)."""
+    rule = state.rule
+    n_expert = tier.n_expert[layer]
+    whole = layer in rule.whole_layers
+    actions = np.full(ids.shape, ACTION_HOST, dtype=np.int32)
+    selected: set[int] = set()
+    incoming: set[int] = set()
+    absent_selected = 0
+    threshold = np.float32(rule.surrogate_weight)
+    for (t, k), e_raw in np.ndenumerate(ids):
+        e = int(e_raw)
+        if not 0 <= e < n_expert:
+            continue  # dropped by the runtime before anything acts
+        st = tier.state(layer, e)
+        if e not in selected:
+            selected.add(e)
+            absent_selected += st == RESIDENCY_ABSENT
+        if whole:
+            a = ACTION_DEVICE
+        elif st == RESIDENCY_RESIDENT:
+            a = rule.resident_action
+        elif (
+            rule.surrogate_weight > 0
+            and rule.surrogate_set is not None
+            and bool(rule.surrogate_set[layer, e])
+            and np.float32(weights[t, k]) < threshold
+        ):
+            a = ACTION_SURROGATE
+        elif rule.resident_action == ACTION_HOST:
+            a = ACTION_HOST
+        else:
+            a = _miss_action(tier, rule, layer, e)
+        actions[t, k] = a
+        if a == ACTION_DEVICE and st == RESIDENCY_ABSENT:
+            incoming.add(e)
+    fetch = [e for e in range(n_expert) if tier.state(layer, e) == RESIDENCY_ABSENT] if whole else []
+    evict: list[Key] = []
+    if rule.keep == KEEP_NONE:
+        evict = [
+            (il, e)
+            for il in range(tier.n_layers)
+            for e in range(tier.n_expert[il])
+            if not (il == layer and e in selected) and _evictable(tier, il, e)
+        ]
+    elif rule.keep == KEEP_LRU:
+        _fit_pool(tier, layer, selected, len(incoming) * tier.expert_bytes[layer], evict)
+    elif rule.keep == KEEP_LAYER_LRU:
+        state.calls += 1
+        if rule.resize_every > 0 and state.calls % rule.resize_every == 0:
+            _resize(tier, state)
+        state.misses[layer] += absent_selected
+        _fit_layer(tier, state, layer, len(incoming), selected, evict)
+    prefetch: list[Key] = []
+    nxt = _next_moe_layer(tier, layer) if rule.prefetch_next else None
+    router = rule.routers[nxt] if nxt is not None and rule.routers is not None else None
+    if nxt is not None and router is not None and hidden is not None:
+        predicted = _predict(router, hidden, min(ids.shape[1], tier.n_expert[nxt]))
+        limit = state.capacity[nxt] if rule.keep == KEEP_LAYER_LRU else tier.n_expert[nxt]
+        wanted = [e for e in sorted(predicted) if tier.state(nxt, e) == RESIDENCY_ABSENT][:limit]
+        if wanted and rule.keep == KEEP_LAYER_LRU:
+            _fit_layer(tier, state, nxt, len(wanted), predicted, evict)
+        prefetch = [(nxt, e) for e in wanted]
+    return actions, Plan(actions=actions, fetch=fetch, prefetch=prefetch, evict=evict)
