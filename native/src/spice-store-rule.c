@@ -172,29 +172,87 @@ static void fit_layer(spice_store * s, spice_policy_call * call, int32_t il, int
     }
 }
 
-/* One pooled cache: least recently selected out first until `need` bytes fit. */
+/* A candidate victim: ordered by recency, then by position in (layer, expert)
+ * order, which is the order a repeated "least recent first" scan picks in. */
+typedef struct victim {
+    uint64_t last_use;
+    int32_t cell;
+} victim;
+
+static int victim_before(const victim * a, const victim * b) {
+    return a->last_use != b->last_use ? a->last_use < b->last_use : a->cell < b->cell;
+}
+
+/* One pooled cache: least recently selected out first until `need` bytes fit.
+ * One pass keeps the few oldest candidates in a small max-heap (as many as the
+ * smallest experts could need), then takes them oldest first. */
 static void fit_pool(spice_store * s, spice_policy_call * call, uint64_t need) {
     spice_store_rule * r = &s->rule;
-    uint64_t used = s->used_bytes;
-    while (used + need > s->params.budget_bytes) {
-        int32_t vl = -1, ve = -1;
-        for (int32_t il = 0; il < s->n_layers; ++il) {
-            const uint64_t * last_use = s->last_use + spice_store_cell(s, il, 0);
-            for (int32_t e = 0; e < s->n_expert[il]; ++e) {
-                if ((il == call->il && r->selected[e]) || r->chosen[spice_store_cell(s, il, e)] || !evictable(s, il, e)) {
-                    continue;
+    const uint64_t used = s->used_bytes;
+    if (used + need <= s->params.budget_bytes) {
+        return;
+    }
+    uint64_t min_bytes = UINT64_MAX;
+    for (int32_t il = 0; il < s->n_layers; ++il) {
+        if (s->n_expert[il] > 0 && s->expert_bytes[il] < min_bytes) {
+            min_bytes = s->expert_bytes[il];
+        }
+    }
+    const uint64_t over = used + need - s->params.budget_bytes;
+    int64_t want = (int64_t) ((over + min_bytes - 1) / min_bytes);
+    want = want < s->n_slots ? want : s->n_slots;
+    victim heap[want > 0 ? want : 1];
+    int32_t n = 0;
+    for (int32_t il = 0; il < s->n_layers; ++il) {
+        const size_t base = spice_store_cell(s, il, 0);
+        for (int32_t e = 0; e < s->n_expert[il]; ++e) {
+            const int8_t st = s->states[base + (size_t) e];
+            if ((st != SPICE_RES_RESIDENT && st != SPICE_RES_QUEUED) || (il == call->il && r->selected[e])) {
+                continue;
+            }
+            const victim v = { s->last_use[base + (size_t) e], (int32_t) (base + (size_t) e) };
+            if (n < want) { /* sift up */
+                int32_t i = n++;
+                while (i > 0 && victim_before(&heap[(i - 1) / 2], &v)) {
+                    heap[i] = heap[(i - 1) / 2];
+                    i = (i - 1) / 2;
                 }
-                if (vl < 0 || last_use[e] < s->last_use[spice_store_cell(s, vl, ve)]) {
-                    vl = il;
-                    ve = e;
+                heap[i] = v;
+            } else if (n > 0 && victim_before(&v, &heap[0])) { /* replace the newest kept, sift down */
+                int32_t i = 0;
+                for (;;) {
+                    int32_t c = 2 * i + 1;
+                    if (c >= n) {
+                        break;
+                    }
+                    if (c + 1 < n && victim_before(&heap[c], &heap[c + 1])) {
+                        c++;
+                    }
+                    if (!victim_before(&v, &heap[c])) {
+                        break;
+                    }
+                    heap[i] = heap[c];
+                    i = c;
                 }
+                heap[i] = v;
             }
         }
-        if (vl < 0) {
-            return;
+    }
+    /* oldest first: selection sort of the few kept */
+    uint64_t freed = 0;
+    for (int32_t taken = 0; taken < n && used + need - freed > s->params.budget_bytes; ++taken) {
+        int32_t best = taken;
+        for (int32_t i = taken + 1; i < n; ++i) {
+            if (victim_before(&heap[i], &heap[best])) {
+                best = i;
+            }
         }
-        add_evict(call, r->chosen, s, vl, ve);
-        used -= s->expert_bytes[vl];
+        const victim v = heap[best];
+        heap[best] = heap[taken];
+        heap[taken] = v;
+        const int32_t il = v.cell / s->max_expert, e = v.cell % s->max_expert;
+        add_evict(call, r->chosen, s, il, e);
+        freed += s->expert_bytes[il];
     }
 }
 
@@ -251,9 +309,21 @@ static void predict_next(spice_store * s, const spice_policy_call * call, int32_
     for (int32_t t = 0; t < call->n_tokens; ++t) {
         const float * h = (const float *) ((const char *) call->inp + (size_t) t * call->inp_nb1);
         for (int32_t e = 0; e < n_e; ++e) {
+            /* eight running sums the compiler can keep in one vector register (a
+             * different order from numpy's, which only ties at the top-k edge could show) */
             const float * w = router + (size_t) e * (size_t) n_embd;
+            float part[8] = { 0 };
+            int32_t j = 0;
+            for (; j + 8 <= n_embd; j += 8) {
+                for (int q = 0; q < 8; ++q) {
+                    part[q] += w[j + q] * h[j + q];
+                }
+            }
             double acc = 0.0;
-            for (int32_t j = 0; j < n_embd; ++j) {
+            for (int q = 0; q < 8; ++q) {
+                acc += (double) part[q];
+            }
+            for (; j < n_embd; ++j) {
                 acc += (double) w[j] * (double) h[j];
             }
             r->logits[e] = acc;
