@@ -305,41 +305,27 @@ class Store:
         """The installed rule's plan for a call of layer il (after begin_call), as a Plan."""
         ffi = self._n.ffi
         ids32 = np.ascontiguousarray(ids, dtype=np.int32)
-        n_tokens, k = ids32.shape
-        w32 = np.ascontiguousarray(weights, dtype=np.float32).reshape(ids32.shape)
-        width = max(self._n_expert)
-        n_layers = len(self._n_expert)
-        h32 = np.ascontiguousarray(
-            hidden if hidden is not None else np.zeros((n_tokens, 1), np.float32), dtype=np.float32
+        width, n_layers = max(self._n_expert), len(self._n_expert)
+        pairs_all = 2 * n_layers * width
+        call, keep = _policy_call(
+            ffi, il, ids32, np.zeros(ids32.shape, np.int32), caps=(width, pairs_all, pairs_all, n_layers)
         )
-        bufs = {
-            "actions": np.zeros(ids32.size, np.int32),
-            "fetch": np.zeros(max(1, width), np.int32),
-            "prefetch": np.zeros(max(1, 2 * n_layers * width), np.int32),
-            "evict": np.zeros(max(1, 2 * n_layers * width), np.int32),
-            "evict_from": np.zeros(max(1, n_layers), np.int32),
-        }
-        call = ffi.new("spice_policy_call *")
-        call.il, call.n_tokens, call.n_expert_used = il, n_tokens, k
+        w32 = np.ascontiguousarray(weights, dtype=np.float32).reshape(ids32.shape)
+        h32 = np.ascontiguousarray(
+            hidden if hidden is not None else np.zeros((len(ids32), 1)), dtype=np.float32
+        )
         call.n_expert = self._n_expert[il]
-        call.ids, call.ids_nb1 = ffi.from_buffer("int32_t[]", ids32), k * 4
-        call.weights, call.weights_nb1 = ffi.from_buffer("float[]", w32), k * 4
-        call.inp, call.inp_nb1 = ffi.from_buffer("float[]", h32), h32.shape[1] * 4
-        call.n_embd = h32.shape[1]
-        for name, arr in bufs.items():
-            setattr(call, name, ffi.from_buffer("int32_t[]", arr, require_writable=True))
-            setattr(call, "cap_" + name, arr.size)
-        call.resume_il = -1
+        call.weights, call.weights_nb1 = ffi.from_buffer("float[]", w32), ids32.shape[1] * 4
+        call.inp, call.inp_nb1, call.n_embd = ffi.from_buffer("float[]", h32), h32.shape[1] * 4, h32.shape[1]
         status = self._n.lib.spice_store_rule_plan(self._s, call)
         if status != 0:
             raise SpiceError(status, f"spice_store_rule_plan({il}) failed")
-        pairs = bufs["prefetch"][: call.n_prefetch].reshape(-1, 2).tolist()
-        evicts = bufs["evict"][: call.n_evict].reshape(-1, 2).tolist()
+        _, actions, fetch, prefetch, evict, _ = keep
         return Plan(
-            actions=bufs["actions"].reshape(ids32.shape).copy(),
-            fetch=bufs["fetch"][: call.n_fetch].tolist(),
-            prefetch=[(int(a), int(b)) for a, b in pairs],
-            evict=[(int(a), int(b)) for a, b in evicts],
+            actions=actions.reshape(ids32.shape).copy(),
+            fetch=fetch[: call.n_fetch].tolist(),
+            prefetch=[(int(a), int(b)) for a, b in prefetch[: call.n_prefetch].reshape(-1, 2)],
+            evict=[(int(a), int(b)) for a, b in evict[: call.n_evict].reshape(-1, 2)],
         )
 
     def apply_plan(
@@ -810,18 +796,25 @@ def _policy_call(
     evict: Sequence[tuple[int, int]] = (),
     evict_from: Sequence[int] = (),
     resume_layer: int = -1,
+    caps: tuple[int, int, int, int] | None = None,
 ) -> tuple[Any, tuple[np.ndarray, ...]]:
     """A spice_policy_call holding a plan, for libspice's standalone plan functions;
-    the arrays it points into are returned too (keep them alive while it is used)."""
+    the arrays it points into are returned too (keep them alive while it is used):
+    ids, actions, fetch, prefetch, evict, evict_from. With `caps`, the four lists are
+    empty buffers of those capacities, for libspice to write a plan into."""
     ids32 = np.ascontiguousarray(ids, dtype=np.int32)
     acts = np.ascontiguousarray(actions, dtype=np.int64)
     if acts.shape != ids32.shape:
         raise ValueError(f"actions shape {acts.shape} differs from ids shape {ids32.shape}")
     acts32 = np.ascontiguousarray(np.clip(acts, -(2**31), 2**31 - 1), dtype=np.int32).ravel()
-    lists = [
-        np.ascontiguousarray(np.asarray(list(v), dtype=np.int32).ravel())
-        for v in (fetch, [x for p in prefetch for x in p], [x for p in evict for x in p], evict_from)
-    ]
+    lists = (
+        [np.zeros(max(1, cap), np.int32) for cap in caps]
+        if caps is not None
+        else [
+            np.ascontiguousarray(np.asarray(list(v), dtype=np.int32).ravel())
+            for v in (fetch, [x for p in prefetch for x in p], [x for p in evict for x in p], evict_from)
+        ]
+    )
     call = ffi.new("spice_policy_call *")
     call.il = il
     call.n_tokens, call.n_expert_used = ids32.shape
@@ -831,7 +824,8 @@ def _policy_call(
     call.n_actions = call.cap_actions = acts32.size
     bufs = [ffi.from_buffer("int32_t[]", a, require_writable=True) if a.size else ffi.NULL for a in lists]
     call.fetch, call.prefetch, call.evict, call.evict_from = bufs
-    call.n_fetch, call.n_prefetch, call.n_evict, call.n_evict_from = (a.size for a in lists)
+    counts = (0, 0, 0, 0) if caps is not None else tuple(a.size for a in lists)
+    call.n_fetch, call.n_prefetch, call.n_evict, call.n_evict_from = counts
     call.cap_fetch, call.cap_prefetch, call.cap_evict, call.cap_evict_from = (a.size for a in lists)
     call.resume_il = resume_layer
     return call, (ids32, acts32, *lists)
