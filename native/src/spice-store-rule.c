@@ -298,6 +298,27 @@ static int32_t next_moe_layer(const spice_store * s, int32_t il) {
     return -1;
 }
 
+/* One router logit. Eight running sums the compiler keeps in vector
+ * registers (a different order from numpy's, which only a tie at the top-k
+ * edge could show). */
+static double router_dot(const float * w, const float * h, int32_t n) {
+    float part[8] = { 0 };
+    int32_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        for (int q = 0; q < 8; ++q) {
+            part[q] += w[j + q] * h[j + q];
+        }
+    }
+    double acc = 0.0;
+    for (int q = 0; q < 8; ++q) {
+        acc += (double) part[q];
+    }
+    for (; j < n; ++j) {
+        acc += (double) w[j] * (double) h[j];
+    }
+    return acc;
+}
+
 /* The experts the next layer's router picks for this call's rows (top
  * n_expert_used per row, ties to the lower id), into r->predicted. */
 static void predict_next(spice_store * s, const spice_policy_call * call, int32_t nxt) {
@@ -309,24 +330,7 @@ static void predict_next(spice_store * s, const spice_policy_call * call, int32_
     for (int32_t t = 0; t < call->n_tokens; ++t) {
         const float * h = (const float *) ((const char *) call->inp + (size_t) t * call->inp_nb1);
         for (int32_t e = 0; e < n_e; ++e) {
-            /* eight running sums the compiler can keep in one vector register (a
-             * different order from numpy's, which only ties at the top-k edge could show) */
-            const float * w = router + (size_t) e * (size_t) n_embd;
-            float part[8] = { 0 };
-            int32_t j = 0;
-            for (; j + 8 <= n_embd; j += 8) {
-                for (int q = 0; q < 8; ++q) {
-                    part[q] += w[j + q] * h[j + q];
-                }
-            }
-            double acc = 0.0;
-            for (int q = 0; q < 8; ++q) {
-                acc += (double) part[q];
-            }
-            for (; j < n_embd; ++j) {
-                acc += (double) w[j] * (double) h[j];
-            }
-            r->logits[e] = acc;
+            r->logits[e] = router_dot(router + (size_t) e * (size_t) n_embd, h, n_embd);
         }
         for (int32_t pick = 0; pick < k; ++pick) {
             int32_t best = -1;
