@@ -133,10 +133,10 @@ def _register_sidecar_evals(esub: Any) -> None:
 
 def _eval_inputs(args: argparse.Namespace) -> tuple[Path, Any, str]:
     # the default model's own sidecar is made on first use unless another is given
-    model = model_path(args.model or args.model_pos, sidecar=args.sidecar is None)
+    model = model_path(args.model or args.model_pos, sidecar=args.sidecar is None, role="benchmark")
     sidecar_path = args.sidecar or default_sidecar_path(model)
     sidecar = Sidecar.load(sidecar_path, model)
-    return model, sidecar, read_text_or_corpus(args.file, "heldout")
+    return model, sidecar, read_text_or_corpus(args.file, "heldout", model)
 
 
 def _capture_eval_trace(args: argparse.Namespace, model: Path, text: str, tmp: Path) -> Any:
@@ -300,15 +300,15 @@ def _load(config: RunConfig) -> Any:
     return Llama.from_config(config, logits_all=True, note=note)
 
 
-def _ppl_text(args: argparse.Namespace) -> str:
+def _ppl_text(args: argparse.Namespace, model: Path) -> str:
     if args.file is None:
-        note("no -f: scoring the held-out split of the default model's corpus")
-    return read_text_or_corpus(args.file, "heldout")
+        note("no -f: scoring the held-out split of the model's corpus (smolmoe's for a model not built in)")
+    return read_text_or_corpus(args.file, "heldout", model)
 
 
 def run_ppl(args: argparse.Namespace) -> int:
-    text = _ppl_text(args)
     model = resolve_model(args)
+    text = _ppl_text(args, model)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()] if args.policies else [args.policy]
     if args.policies and args.reference:
         raise ValueError("--reference and --policies do not go together; run them separately")
