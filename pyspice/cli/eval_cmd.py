@@ -46,13 +46,14 @@ def register(sub: Any) -> None:
         help="perplexity of a GGUF on a text file",
         description="Perplexity as llama-perplexity computes it: chunks of -c tokens (default 512), each "
         "scored on its second half. Any GGUF; MoE models run through the chosen --policy, dense ones "
-        "through llama.cpp unchanged. With no model, the default model smolmoe (built on first use); "
-        "with no -f, the held-out half of the default model's corpus. --policies compares several "
+        "through llama.cpp unchanged. With no model, the quality default smolmoe (built on first use); "
+        "with no -f, the held-out part of a built-in model's own corpus (smolmoe's for other models). "
+        "--policies compares several "
         "policies in one run (e.g. the lossy SPICE levels against spice:exact), --token-by-token "
         "scores as decoding runs (one token per hook call), which is where lossy levels act.",
     )
     add_model_args(ppl)
-    add_text_arg(ppl, "text to score (default: the held-out split of the default model's corpus)")
+    add_text_arg(ppl, "text to score (default: the held-out split of the model's corpus)")
     add_context_args(ppl)
     for action in ppl._actions:  # same flag as everywhere, another default: llama-perplexity's 512
         if action.dest == "ctx_size":
