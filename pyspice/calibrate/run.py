@@ -18,15 +18,26 @@ from pyspice.calibrate.capture import CaptureConfig
 from pyspice.calibrate.lore_fit import LoreConfig
 from pyspice.calibrate.pipeline import CalibrateConfig, CalibrateResult, calibrate
 from pyspice.formats.sidecar import Sidecar, SidecarMismatchError, default_sidecar_path, fingerprint
-from pyspice.models.smolmoe_recipe import text_or_corpus
+from pyspice.models.builtin import builtin_of
+from pyspice.models.smolmoe_recipe import RECIPE_NAME, text_or_corpus
 from pyspice.paths import cache_dir
 
 DEFAULT_CORPUS = "pydoc_data.topics:calibration"
 
 
-def calibration_text(path: Path | None) -> tuple[str, str]:
-    """(text, corpus name)."""
-    return text_or_corpus(path, "calibration"), path.name if path is not None else DEFAULT_CORPUS
+def default_corpus_name(model: Path | None) -> str:
+    """What a sidecar records as its corpus when calibrated on a built-in model's own text."""
+    name = builtin_of(model)
+    return DEFAULT_CORPUS if name in (None, RECIPE_NAME) else f"{name} mix:calibration"
+
+
+def calibration_text(path: Path | None, model: Path | None = None) -> tuple[str, str]:
+    """(text, corpus name): `path`'s, or with none the calibration part of the corpus of the
+    built-in model `model` is (smolmoe's for any other model)."""
+    if path is not None:
+        return text_or_corpus(path, "calibration"), path.name
+    corpus = text_or_corpus(None, "calibration", builtin_of(model) or RECIPE_NAME)
+    return corpus, default_corpus_name(model)
 
 
 def default_work_dir(model: Path, fp: str, corpus: str, text: str, tokens: int, n_ctx: int) -> Path:
@@ -53,7 +64,7 @@ def run_calibration(
     """The calibration behind `pyspice calibrate` (and a model's first use)."""
     if rank < 0 or draft_rank < 1 or tokens < 2 or n_ctx < 2:
         raise ValueError("--rank >= 0, --draft-rank >= 1, --tokens >= 2 and --ctx-size >= 2 are needed")
-    text, corpus = calibration_text(text_file)
+    text, corpus = calibration_text(text_file, model)
     out = output or default_sidecar_path(model)
     work = work_dir or default_work_dir(model, fingerprint(model), corpus, text, tokens, n_ctx)
     lore = LoreConfig()

@@ -90,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
     # open as the first policy that is not the reference, so that what it needs
     # (a device tier, the model's sidecar) is found before any run starts
     first = next((p for p in policies if p not in ("stock", "upstream")), "stock")
+    resolve_model(args, role="benchmark")  # with no -m, the model in the targets' routing regime
     llm = open_model(args, first)
     prompt_tokens = tuple(llm.tokenize(prompt.encode("utf-8"), add_bos=True))
     if args.prompt_tokens > 0:

@@ -7,10 +7,10 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pyspice.engine.config import RunConfig
+from pyspice.engine.config import ModelDefaults, RunConfig
+from pyspice.models.builtin import MODEL_NAMES, builtin_of
 from pyspice.models.default import default_model
-from pyspice.models.smolmoe_build import MODEL_NAMES
-from pyspice.models.smolmoe_recipe import text_or_corpus
+from pyspice.models.smolmoe_recipe import RECIPE_NAME, text_or_corpus
 from pyspice.policy import policy_names
 
 if TYPE_CHECKING:
@@ -25,7 +25,10 @@ def note(message: str) -> None:
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_pos", nargs="?", metavar="MODEL", help="GGUF model (same as -m)")
     p.add_argument(
-        "-m", "--model", help="GGUF model path, or 'smolmoe' (the default model, also used without -m)"
+        "-m",
+        "--model",
+        help="GGUF model path, or a built-in model: smolmoe (default of chat, generate, serve, eval ppl) "
+        "or smolmoe-b (default of bench, sim, eval predictor|surrogate); built on first use",
     )
 
 
@@ -110,22 +113,24 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def resolve_model(args: argparse.Namespace, *, sidecar: bool = True) -> Path:
-    """The GGUF of -m or the positional MODEL (see model_path); `sidecar`: the default
-    model's own is made on first use, unless --no-sidecar or another --sidecar is given."""
+def resolve_model(args: argparse.Namespace, *, sidecar: bool = True, role: str = "quality") -> Path:
+    """The GGUF of -m or the positional MODEL (see model_path; `role`: which built-in model
+    is the default); `sidecar`: a built-in model's own is made on first use, unless
+    --no-sidecar or another --sidecar is given."""
     own = getattr(args, "sidecar", None) is None and not getattr(args, "no_sidecar", False)
-    path = model_path(args.model or args.model_pos, sidecar=sidecar and own)
+    path = model_path(args.model or args.model_pos, sidecar=sidecar and own, role=role)
     args.model, args.model_pos = str(path), None  # resolved once per command
     return path
 
 
-def model_path(chosen: str | None, *, sidecar: bool = True) -> Path:
-    """A GGUF path, or the default model (its name, or nothing): smolmoe, built on first
-    use, and its sidecar with it when `sidecar`."""
+def model_path(chosen: str | None, *, sidecar: bool = True, role: str = "quality") -> Path:
+    """A GGUF path, or a built-in model (its name, or nothing: the default for `role`, as
+    ModelDefaults decides), built on first use, and its sidecar with it when `sidecar`."""
     if not chosen or chosen in MODEL_NAMES:
+        name = chosen or ModelDefaults().for_role(role)
         if not chosen:
-            note("no model given: using the default model smolmoe (built on first use)")
-        return default_model(sidecar=sidecar, note=note)
+            note(f"no model given: using the default model {name} (built on first use)")
+        return default_model(name, sidecar=sidecar, note=note)
     path = Path(chosen).expanduser()
     if not path.is_file():
         raise FileNotFoundError(
@@ -135,10 +140,10 @@ def model_path(chosen: str | None, *, sidecar: bool = True) -> Path:
     return path
 
 
-def read_text_or_corpus(path: Path | None, part: str) -> str:
-    """The text of `path`; with none, the `part` ("calibration" or "heldout") of the
-    default model's corpus."""
-    return text_or_corpus(path, part)
+def read_text_or_corpus(path: Path | None, part: str, model: Path | None = None) -> str:
+    """The text of `path`; with none, the `part` ("calibration" or "heldout") of the corpus
+    of the built-in model `model` is (smolmoe's for any other model)."""
+    return text_or_corpus(path, part, builtin_of(model) or RECIPE_NAME)
 
 
 def add_text_arg(p: argparse.ArgumentParser, help_text: str) -> None:

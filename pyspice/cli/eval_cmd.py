@@ -46,13 +46,14 @@ def register(sub: Any) -> None:
         help="perplexity of a GGUF on a text file",
         description="Perplexity as llama-perplexity computes it: chunks of -c tokens (default 512), each "
         "scored on its second half. Any GGUF; MoE models run through the chosen --policy, dense ones "
-        "through llama.cpp unchanged. With no model, the default model smolmoe (built on first use); "
-        "with no -f, the held-out half of the default model's corpus. --policies compares several "
+        "through llama.cpp unchanged. With no model, the quality default smolmoe (built on first use); "
+        "with no -f, the held-out part of a built-in model's own corpus (smolmoe's for other models). "
+        "--policies compares several "
         "policies in one run (e.g. the lossy SPICE levels against spice:exact), --token-by-token "
         "scores as decoding runs (one token per hook call), which is where lossy levels act.",
     )
     add_model_args(ppl)
-    add_text_arg(ppl, "text to score (default: the held-out split of the default model's corpus)")
+    add_text_arg(ppl, "text to score (default: the held-out split of the model's corpus)")
     add_context_args(ppl)
     for action in ppl._actions:  # same flag as everywhere, another default: llama-perplexity's 512
         if action.dest == "ctx_size":
@@ -133,10 +134,10 @@ def _register_sidecar_evals(esub: Any) -> None:
 
 def _eval_inputs(args: argparse.Namespace) -> tuple[Path, Any, str]:
     # the default model's own sidecar is made on first use unless another is given
-    model = model_path(args.model or args.model_pos, sidecar=args.sidecar is None)
+    model = model_path(args.model or args.model_pos, sidecar=args.sidecar is None, role="benchmark")
     sidecar_path = args.sidecar or default_sidecar_path(model)
     sidecar = Sidecar.load(sidecar_path, model)
-    return model, sidecar, read_text_or_corpus(args.file, "heldout")
+    return model, sidecar, read_text_or_corpus(args.file, "heldout", model)
 
 
 def _capture_eval_trace(args: argparse.Namespace, model: Path, text: str, tmp: Path) -> Any:
@@ -300,15 +301,15 @@ def _load(config: RunConfig) -> Any:
     return Llama.from_config(config, logits_all=True, note=note)
 
 
-def _ppl_text(args: argparse.Namespace) -> str:
+def _ppl_text(args: argparse.Namespace, model: Path) -> str:
     if args.file is None:
-        note("no -f: scoring the held-out split of the default model's corpus")
-    return read_text_or_corpus(args.file, "heldout")
+        note("no -f: scoring the held-out split of the model's corpus (smolmoe's for a model not built in)")
+    return read_text_or_corpus(args.file, "heldout", model)
 
 
 def run_ppl(args: argparse.Namespace) -> int:
-    text = _ppl_text(args)
     model = resolve_model(args)
+    text = _ppl_text(args, model)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()] if args.policies else [args.policy]
     if args.policies and args.reference:
         raise ValueError("--reference and --policies do not go together; run them separately")

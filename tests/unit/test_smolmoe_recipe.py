@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
+from pyspice.engine.config import ModelDefaults
+from pyspice.models.builtin import BENCH_NAME, MODEL_NAMES, builtin, builtin_of
 from pyspice.models.corpus import SPLITS, Split, make_split, text_of
 from pyspice.models.smollm2 import unpermute_rope
 from pyspice.models.smolmoe_recipe import RECIPE_VERSION, MoeShape, load_recipe, recipe_dir
@@ -62,11 +66,14 @@ def test_committed_split_covers_this_python() -> None:
         assert not held.missing_keys
 
 
-def test_committed_recipe_is_consistent() -> None:
-    recipe, arrays = load_recipe()  # also checks recipe.npz against the sha256 recipe.json records
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_committed_recipe_is_consistent(name: str) -> None:
+    # also checks recipe.npz against the sha256 recipe.json records
+    recipe, arrays = load_recipe(recipe_dir(name))
     assert recipe.version == RECIPE_VERSION
     s = recipe.shape
     s.check(N_FF)
+    assert s == builtin(name).shape
     assert arrays.order.shape == (N_LAYER, N_FF)
     for order in arrays.order:  # every dense neuron lands in exactly one expert
         assert np.array_equal(np.sort(order.astype(np.int64)), np.arange(N_FF))
@@ -75,5 +82,28 @@ def test_committed_recipe_is_consistent() -> None:
     assert arrays.shexp_gate.shape == (N_LAYER, N_EMBD)
     assert (np.abs(arrays.shexp_gate).sum(axis=1) > 0).all()  # an all-zero gate is NaN in llama.cpp
     assert set(recipe.gguf_sha256) == {"Q8_0", "Q4_0"}
-    size = sum(p.stat().st_size for p in recipe_dir().iterdir())
+    size = sum(p.stat().st_size for p in recipe_dir(name).iterdir())
     assert size < 10 * 1024 * 1024
+
+
+def test_benchmark_model_routes_like_the_targets() -> None:
+    """smolmoe-b: >= 32 routed experts, <= 12.5% of them per token, a shared expert, routed
+    experts holding >= 60% of each FFN (Qwen2-57B-A14B routes 8 of 64)."""
+    recipe, _ = load_recipe(recipe_dir(BENCH_NAME))
+    s = recipe.shape
+    assert s.n_expert >= 32
+    assert s.n_expert_used / s.n_expert <= 0.125
+    assert s.n_ff_shexp > 0
+    assert s.n_expert * s.n_ff_exp / N_FF >= 0.60
+
+
+def test_defaults_by_role_and_names_of_builds(tmp_path: Path) -> None:
+    defaults = ModelDefaults()
+    assert defaults.for_role("benchmark") == BENCH_NAME
+    assert defaults.for_role("quality") in MODEL_NAMES
+    with pytest.raises(ValueError, match="role"):
+        defaults.for_role("chat")
+    assert builtin_of(tmp_path / "smolmoe-b-r1-0123abcd-Q8_0.gguf") == "smolmoe-b"
+    assert builtin_of(tmp_path / "smolmoe-r1-6dbdc2b2-Q4_0.gguf") == "smolmoe"
+    assert builtin_of(tmp_path / "other-r1-6dbdc2b2-Q4_0.gguf") is None
+    assert builtin_of(tmp_path / "smolmoe.gguf") is None
