@@ -79,6 +79,9 @@ class Llama(llama_cpp.Llama):
     ) -> None:
         # llama_cpp.Llama.__del__ closes self._stack: make it exist even if loading fails early
         self._stack = contextlib.ExitStack()
+        # the header first, with pyspice's checks: llama.cpp aborts the process on some
+        # inconsistent headers (expert counts) and hides its reason for refusing others
+        read_header(model_path)
         # checked before loading: a sidecar made for another model fails in milliseconds
         self.spice_sidecar = load_sidecar(sidecar, model_path) if sidecar is not None else None
         # the buffer type must outlive the model: the instance holds it until it is collected

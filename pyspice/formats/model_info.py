@@ -16,6 +16,8 @@ from typing import Any
 
 import gguf
 
+from pyspice.formats.gguf_checks import validate_header
+
 # ModelFileError is re-exported: it is the error callers of read_header catch
 from pyspice.formats.gguf_header import ModelFileError as ModelFileError
 from pyspice.formats.gguf_header import parse_header
@@ -76,7 +78,11 @@ def read_header(path: Path | str) -> GGUFHeader:
         except ValueError:
             raise ModelFileError(f"{path} is corrupt: tensor {t.name} has unknown type {t.type_id}") from None
         raw.append((t.name, t.shape, type_name, t.offset))
-    alignment = int(metadata.get("general.alignment", 32))
+    alignment = metadata.get("general.alignment", 32)
+    if not isinstance(alignment, int) or isinstance(alignment, bool):
+        raise ModelFileError(f"{path} is corrupt: general.alignment is {alignment!r}, not an integer")
+    # the consistency llama.cpp assumes (expert counts above all), before any size is computed
+    validate_header(path, metadata, header.tensors, alignment)
     data_offset = (header.end + alignment - 1) // alignment * alignment
     tensors = [TensorInfo(n, s, t, tensor_nbytes(t, s), o) for n, s, t, o in raw]
     end = max((data_offset + t.offset + t.nbytes for t in tensors), default=data_offset)

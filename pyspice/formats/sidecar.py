@@ -25,6 +25,7 @@ for a 40 GB file.
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,8 +35,10 @@ import numpy as np
 import numpy.typing as npt
 from gguf import GGUFReader, GGUFWriter
 
+from pyspice.formats.gguf_header import parse_header
 from pyspice.formats.model_info import read_header
 from pyspice.formats.routers import RouterReader
+from pyspice.outputs import OutputPathError, atomic_output, check_output
 from pyspice.policy.predictor import DraftPredictor, Transition
 
 SIDECAR_VERSION = 1
@@ -44,6 +47,10 @@ _SAMPLE_BLOCKS = 16
 _SAMPLE_BYTES = 64 << 10
 
 F32 = npt.NDArray[np.float32]
+
+
+class SidecarDataError(ValueError):
+    """A sidecar whose header reads but whose contents cannot be used (non-finite weights)."""
 
 
 class SidecarMismatchError(ValueError):
@@ -110,10 +117,40 @@ class SidecarData:
     extra: dict[str, str] = field(default_factory=dict)
 
 
+def _gguf_architecture(path: Path) -> str | None:
+    """general.architecture of the GGUF at `path`; None when it is not a readable GGUF."""
+    try:
+        with path.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            header = parse_header(buf, path, max_array_items=0)
+    except (OSError, ValueError):  # empty (mmap refuses), not a GGUF, or truncated
+        return None
+    arch = next((kv.value for kv in header.metadata if kv.key == "general.architecture"), None)
+    return str(arch) if arch is not None else None
+
+
+def check_sidecar_output(out: Path, model: Path) -> Path:
+    """The rule for a sidecar's output path, checked before calibrating: never the
+    model itself, a directory, or an existing file that is not a sidecar (another
+    model, say); an older sidecar is replaced."""
+    check_output(out, [model])
+    if out.exists() and _gguf_architecture(out) != SIDECAR_ARCH:
+        raise OutputPathError(
+            f"-o {out} exists and is not a pyspice sidecar (a model?): refusing to replace it; "
+            "pick another path or delete it first"
+        )
+    return out
+
+
 def write_sidecar(path: str | os.PathLike[str], data: SidecarData) -> Path:
-    """Write a sidecar GGUF (to a temporary name first, so a reader never sees half a file)."""
+    """Write a sidecar GGUF atomically: a reader never sees half a file, and a
+    failed write leaves nothing behind."""
     out = Path(path)
-    tmp = out.with_name(out.name + ".tmp")
+    with atomic_output(out) as tmp:
+        _write_sidecar_to(tmp, data)
+    return out
+
+
+def _write_sidecar_to(tmp: Path, data: SidecarData) -> None:
     w = GGUFWriter(tmp, SIDECAR_ARCH)
     w.add_uint32("spice.version", SIDECAR_VERSION)
     w.add_string("spice.model", data.model)
@@ -149,8 +186,6 @@ def write_sidecar(path: str | os.PathLike[str], data: SidecarData) -> Path:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    os.replace(tmp, out)
-    return out
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
@@ -220,6 +255,34 @@ def read_sidecar(path: str | os.PathLike[str]) -> SidecarData:
     return data
 
 
+def check_finite(data: SidecarData, path: Path) -> None:
+    """Refuse NaN or infinite weights: a surrogate of NaNs turns every activation it
+    replaces into NaN logits (greedy decoding then emits token 0 forever) and a NaN
+    transition poisons every prediction, silently. The error tables may hold NaN by
+    design ("no held-out tokens"), so only the weights are checked."""
+    weights: list[tuple[str, npt.NDArray[Any]]] = []
+    for il, t in sorted(data.transitions.items()):
+        weights += [
+            (f"spice.draft.{il}.u", t.U),
+            (f"spice.draft.{il}.v", t.V),
+            (f"spice.draft.{il}.bias", t.bias),
+        ]
+        weights.append((f"spice.draft.{il}.scale", np.array([t.scale])))
+    for il, s in sorted(data.surrogates.items()):
+        weights += [
+            (f"spice.lore.{il}.a", s.A),
+            (f"spice.lore.{il}.b", s.B),
+            (f"spice.lore.{il}.alpha", s.alpha),
+        ]
+    for name, values in weights:
+        bad = int(np.count_nonzero(~np.isfinite(values)))
+        if bad:
+            raise SidecarDataError(
+                f"sidecar {path} is corrupt: tensor {name} holds {bad} NaN or infinite values; "
+                "remake it with `pyspice calibrate -m MODEL`"
+            )
+
+
 class TruncatedSurrogates:
     """A sidecar's surrogates cut to rank <= `rank` (the first columns of B, rows of A).
 
@@ -255,6 +318,7 @@ class Sidecar:
     @classmethod
     def load(cls, path: str | os.PathLike[str], model_path: str | os.PathLike[str] | None) -> Sidecar:
         data = read_sidecar(path)
+        check_finite(data, Path(path))
         mp = Path(model_path) if model_path is not None else None
         if mp is not None:
             fp = fingerprint(mp)
