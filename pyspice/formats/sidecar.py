@@ -36,7 +36,7 @@ import numpy.typing as npt
 from gguf import GGUFReader, GGUFWriter
 
 from pyspice.formats.gguf_header import parse_header
-from pyspice.formats.model_info import read_header
+from pyspice.formats.model_info import ModelFileError, read_header
 from pyspice.formats.routers import RouterReader
 from pyspice.outputs import OutputPathError, atomic_output, check_output
 from pyspice.policy.predictor import DraftPredictor, Transition
@@ -199,6 +199,10 @@ def read_sidecar(path: str | os.PathLike[str]) -> SidecarData:
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"sidecar {p} does not exist (make one with `pyspice calibrate`)")
+    try:
+        read_header(p)  # bounds-checked: a truncated or foreign file is one clear line
+    except ModelFileError as exc:
+        raise ModelFileError(f"bad sidecar: {exc}; remake it with `pyspice calibrate -m MODEL`") from None
     reader = GGUFReader(p)
     if _field(reader, "general.architecture") != SIDECAR_ARCH:
         raise ValueError(f"{p} is not a pyspice sidecar (no {SIDECAR_ARCH} architecture key)")

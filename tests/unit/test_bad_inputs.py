@@ -14,6 +14,7 @@ import pytest
 
 from pyspice.calibrate.run import run_calibration
 from pyspice.cli.main import main
+from pyspice.engine.config import RunConfig
 from pyspice.formats import sidecar as sidecar_mod
 from pyspice.formats.model_info import ModelFileError, read_header
 from pyspice.formats.sidecar import Sidecar, SidecarDataError, write_sidecar
@@ -185,3 +186,39 @@ def test_misaligned_tensor_offset_is_refused(tmp_path: Path) -> None:
     (tmp_path / "bad.gguf").write_bytes(bytes(raw))
     with pytest.raises(ModelFileError, match="not a multiple of the file's alignment 32"):
         read_header(tmp_path / "bad.gguf")
+
+
+# ---- a broken sidecar picked up automatically --------------------------------------------------
+
+
+def _model_with_sidecar_beside(tmp_path: Path, broken: str) -> Path:
+    model = write_moe(tmp_path / "m.gguf")
+    beside = tmp_path / "m.spice.gguf"
+    if broken == "random":
+        beside.write_bytes(np.random.default_rng(0).bytes(4096))
+    else:
+        data = data_for(model)
+        data.surrogates[0].A[0, 0, 0] = np.nan
+        write_sidecar(beside, data)
+    return model
+
+
+@pytest.mark.parametrize("broken", ["random", "nan"])
+def test_a_broken_sidecar_beside_the_model_is_skipped_for_policies_that_do_not_use_it(
+    tmp_path: Path, broken: str
+) -> None:
+    """Row 23: a random-bytes <model>.spice.gguf blocked even exact and lru."""
+    model = _model_with_sidecar_beside(tmp_path, broken)
+    notes: list[str] = []
+    run = RunConfig(model, policy="lru", device_budget="50%").resolve(notes.append)
+    assert run.sidecar is None and run.loaded_sidecar is None
+    assert any(n.startswith("warning: ignoring") and "m.spice.gguf" in n for n in notes), notes
+    with pytest.raises(ValueError, match=r"sidecar beside the model cannot be used: .*--no-sidecar"):
+        RunConfig(model, policy="spice:fast", device_budget="50%").resolve()
+
+
+def test_a_good_sidecar_beside_the_model_is_loaded_once(tmp_path: Path) -> None:
+    model = write_moe(tmp_path / "m.gguf")
+    write_sidecar(tmp_path / "m.spice.gguf", data_for(model))
+    run = RunConfig(model, policy="spice", device_budget="50%").resolve()
+    assert run.sidecar == tmp_path / "m.spice.gguf" and run.loaded_sidecar is not None
