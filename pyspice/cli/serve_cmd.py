@@ -19,6 +19,7 @@ import sys
 from typing import Any
 
 from pyspice import __version__
+from pyspice.cli import numbers
 from pyspice.cli.common import (
     add_context_args,
     add_model_args,
@@ -40,7 +41,9 @@ def register(sub: Any) -> argparse.ArgumentParser:
     add_context_args(p)
     add_sidecar_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="listen port (default 8000; 0 picks a free one)")
+    p.add_argument(
+        "--port", type=numbers.PORT, default=8000, help="listen port (default 8000; 0 picks a free one)"
+    )
     p.add_argument("--alias", default=None, help="the model's name in the API (default: the file's name)")
     p.add_argument("--api-key", default=None, help="require this bearer token on every request")
     p.set_defaults(func=run)

@@ -16,6 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pyspice.build_info import BuildNotFoundError, load_build_info
+from pyspice.engine.checks import (
+    check_at_least,
+    check_budget_value,
+    check_bus,
+    check_threads,
+    warn_threads_above_cores,
+)
 from pyspice.formats.model_info import inspect_model
 from pyspice.formats.sidecar import Sidecar, default_sidecar_path
 from pyspice.policy import policy_spec
@@ -66,6 +73,19 @@ class RunConfig:
     n_ubatch: int = 512
     max_hook_tokens: int = 0
 
+    def __post_init__(self) -> None:
+        # every numeric setting checked here, before anything loads (engine/checks.py)
+        check_threads(self.threads)
+        check_at_least("-c/--ctx-size", self.n_ctx, 1)
+        check_at_least("-b/--batch-size", self.n_batch, 1)
+        check_at_least("-ub/--ubatch-size", self.n_ubatch, 1)
+        check_at_least("-ngl/--n-gpu-layers", self.n_gpu_layers, 0)
+        check_at_least(
+            "--max-hook-tokens", self.max_hook_tokens, 0, "0 sends every micro-batch through the hook"
+        )
+        check_budget_value(self.device_budget)
+        check_bus(self.emulate_bandwidth, self.emulate_latency)
+
     @property
     def emulated(self) -> bool:
         return self.emulate_bandwidth is not None or self.emulate_latency is not None
@@ -113,6 +133,8 @@ class RunConfig:
             raise ValueError("--emulate-bandwidth/--emulate-latency need --device-budget")
         # header only: a truncated or foreign file fails here with a precise message
         summary = inspect_model(self.model)
+        threads = self.threads or max(1, os.cpu_count() or 1)
+        warn_threads_above_cores(threads, note)
         budget = self.device_budget
         if not summary.is_moe and policy != "stock":
             note(
@@ -136,7 +158,7 @@ class RunConfig:
             emulate_bandwidth=self.emulate_bandwidth,
             emulate_latency=self.emulate_latency,
             sidecar=sidecar,
-            threads=self.threads or max(1, os.cpu_count() or 1),
+            threads=threads,
             n_gpu_layers=n_gpu_layers,
             n_ctx=self.n_ctx,
             n_batch=self.n_batch,

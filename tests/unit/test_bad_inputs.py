@@ -5,6 +5,7 @@ shared/reviews/bad-inputs-2026-12-01.md)."""
 from __future__ import annotations
 
 import hashlib
+import re
 import struct
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from pyspice.engine.config import RunConfig
 from pyspice.formats import sidecar as sidecar_mod
 from pyspice.formats.model_info import ModelFileError, read_header
 from pyspice.formats.sidecar import Sidecar, SidecarDataError, write_sidecar
+from pyspice.measure.perplexity import perplexity
 from pyspice.outputs import OutputPathError, atomic_output
 from tests.unit.test_inspect_header import write_moe
 from tests.unit.test_sidecar import data_for, tiny_model
@@ -222,3 +224,70 @@ def test_a_good_sidecar_beside_the_model_is_loaded_once(tmp_path: Path) -> None:
     write_sidecar(tmp_path / "m.spice.gguf", data_for(model))
     run = RunConfig(model, policy="spice", device_budget="50%").resolve()
     assert run.sidecar == tmp_path / "m.spice.gguf" and run.loaded_sidecar is not None
+
+
+# ---- numeric flags: one line naming the flag, the value and the range, before anything loads --
+
+FLAG_CASES = [
+    (["eval", "ppl", "--chunks", "0"], "--chunks", "at least 1"),  # row 44: scored 1 chunk
+    (["eval", "ppl", "--chunks", "-3"], "--chunks", "at least 1"),
+    (["generate", "-p", "hi", "-t", "0"], "--threads", "at least 1"),  # row 32
+    (["generate", "-p", "hi", "-t", "-2"], "--threads", "at least 1"),
+    (["generate", "-p", "hi", "-n", "-5"], "--n-predict", "at least 1"),  # row 35
+    (["generate", "-p", "hi", "-b", "0"], "--batch-size", "at least 1"),  # row 38
+    (["generate", "-p", "hi", "--max-hook-tokens", "-3"], "--max-hook-tokens", "at least 0"),  # row 39
+    (["generate", "-p", "hi", "--temp", "-1"], "--temp", "at least 0"),  # row 40
+    (["generate", "-p", "hi", "--top-p", "2"], "--top-p", "0 to 1"),
+    (["generate", "-p", "hi", "--top-k", "-5"], "--top-k", "at least 0"),
+    (["generate", "-p", "hi", "--emulate-bandwidth", "0"], "--emulate-bandwidth", "above 0"),  # row 30
+    (["generate", "-p", "hi", "--emulate-bandwidth", "nan"], "--emulate-bandwidth", "at least 0"),
+    (["generate", "-p", "hi", "--emulate-latency", "-10"], "--emulate-latency", "at least 0"),
+    (["bench", "--prompt-tokens", "-8"], "--prompt-tokens", "at least 0"),  # row 42
+    (["serve", "--port", "-1"], "--port", "0 to 65535"),  # row 49
+    (["serve", "--port", "70000"], "--port", "0 to 65535"),
+    (["serve", "--port", "http"], "--port", "not an integer"),
+]
+
+
+@pytest.mark.parametrize(("argv", "flag", "allowed"), FLAG_CASES, ids=[" ".join(c[0]) for c in FLAG_CASES])
+def test_a_bad_numeric_flag_is_one_line_before_anything_runs(
+    argv: list[str], flag: str, allowed: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and flag in errors[0] and allowed in errors[0], errors
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ({"threads": 0}, "-t/--threads 0: must be at least 1"),
+        ({"n_ctx": 0}, "-c/--ctx-size 0"),
+        ({"max_hook_tokens": -3}, "--max-hook-tokens -3"),
+        ({"device_budget": -5}, "device budget -5: must be at least 1"),  # row 52: OverflowError
+        ({"device_budget": 0.25}, "give bytes as an integer, or a string such as"),  # meant 25%?
+        ({"device_budget": "25%", "emulate_bandwidth": float("nan")}, "--emulate-bandwidth nan"),
+        ({"device_budget": "25%", "emulate_latency": -1.0}, "--emulate-latency -1.0"),
+    ],
+)
+def test_run_settings_are_checked_where_the_api_enters(
+    tmp_path: Path, setting: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        RunConfig(tmp_path / "m.gguf", **setting)  # type: ignore[arg-type]
+
+
+def test_threads_above_the_cores_warn_once_and_run(tmp_path: Path) -> None:
+    """Row 33: -t 1000 on 2 cores ran 120 s for one token with no word said."""
+    model = write_moe(tmp_path / "m.gguf")
+    notes: list[str] = []
+    run = RunConfig(model, policy="exact", threads=1000).resolve(notes.append)
+    assert run.threads == 1000
+    assert len([n for n in notes if "-t 1000 is more threads than this machine's" in n]) == 1, notes
+
+
+def test_perplexity_refuses_zero_chunks() -> None:
+    with pytest.raises(ValueError, match=r"--chunks 0: must be at least 1"):
+        perplexity(None, "some text", 64, max_chunks=0)  # type: ignore[arg-type]
