@@ -67,7 +67,16 @@ def read_header(path: Path | str) -> GGUFHeader:
     if file_size < 24:
         raise ModelFileError(f"{path} is not a GGUF model (only {file_size} bytes)")
     with path.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        header = parse_header(buf, path, max_array_items=_MAX_ARRAY_ITEMS)
+        return header_from_buffer(buf, path, file_size)
+
+
+def header_from_buffer(buf: Any, path: Path, file_size: int) -> GGUFHeader:
+    """read_header on bytes already in memory (`path` names them in errors): every
+    check, no file access. The fuzz harness (fuzz/fuzz_gguf_header.py) enters here;
+    its contract is that nothing but ModelFileError comes out."""
+    if len(buf) < 24:
+        raise ModelFileError(f"{path} is not a GGUF model (only {len(buf)} bytes)")
+    header = parse_header(buf, path, max_array_items=_MAX_ARRAY_ITEMS)
     if header.version < 2:
         raise ModelFileError(f"{path}: GGUF version {header.version} is too old (convert it with llama.cpp)")
     metadata: dict[str, Any] = {kv.key: kv.value for kv in header.metadata}

@@ -49,6 +49,10 @@ _SAMPLE_BYTES = 64 << 10
 F32 = npt.NDArray[np.float32]
 
 
+class SidecarError(ValueError):
+    """A sidecar that reads as a GGUF but not as a sidecar this pyspice can use."""
+
+
 class SidecarDataError(ValueError):
     """A sidecar whose header reads but whose contents cannot be used (non-finite weights)."""
 
@@ -203,16 +207,35 @@ def read_sidecar(path: str | os.PathLike[str]) -> SidecarData:
         read_header(p)  # bounds-checked: a truncated or foreign file is one clear line
     except ModelFileError as exc:
         raise ModelFileError(f"bad sidecar: {exc}; remake it with `pyspice calibrate -m MODEL`") from None
-    reader = GGUFReader(p)
+    try:
+        reader = GGUFReader(p)
+    except Exception as exc:  # the gguf package's parser has no error type of its own
+        raise ValueError(
+            f"bad sidecar: {p} cannot be read ({type(exc).__name__}: {exc}); {_REMAKE}"
+        ) from None
+    try:
+        return _sidecar_data(reader, p)
+    except (KeyError, IndexError, TypeError, ValueError, OverflowError) as exc:
+        if isinstance(exc, SidecarError):
+            raise
+        raise ValueError(f"bad sidecar: {p} is corrupt ({type(exc).__name__}: {exc}); {_REMAKE}") from None
+
+
+_REMAKE = "remake it with `pyspice calibrate -m MODEL`"
+
+
+def _sidecar_data(reader: Any, p: Path) -> SidecarData:
     if _field(reader, "general.architecture") != SIDECAR_ARCH:
-        raise ValueError(f"{p} is not a pyspice sidecar (no {SIDECAR_ARCH} architecture key)")
+        raise SidecarError(f"{p} is not a pyspice sidecar (no {SIDECAR_ARCH} architecture key)")
     version = int(_field(reader, "spice.version", 0))
     if version > SIDECAR_VERSION:
-        raise ValueError(f"sidecar {p} has format version {version}; this pyspice reads {SIDECAR_VERSION}")
+        raise SidecarError(f"sidecar {p} has format version {version}; this pyspice reads {SIDECAR_VERSION}")
     tensors = {t.name: t for t in reader.tensors}
 
     def arr(name: str, dtype: type = np.float32) -> Any:
-        t = tensors[name]
+        t = tensors.get(name)
+        if t is None:
+            raise SidecarError(f"bad sidecar: {p} has no tensor {name}; {_REMAKE}")
         shape = tuple(int(x) for x in reversed(t.shape))
         return np.array(t.data, copy=True).reshape(shape).astype(dtype)
 
@@ -257,6 +280,35 @@ def read_sidecar(path: str | os.PathLike[str]) -> SidecarData:
                 ),
             )
     return data
+
+
+def check_shapes(data: SidecarData, path: Path) -> None:
+    """Each layer's surrogate tensors agree: A [E, R, n_embd], B [E, n_embd, R], and
+    alpha, rank, errors [E] with ranks in 0..R (Sidecar.surrogate slices by rank)."""
+    for il, t in sorted(data.transitions.items()):
+        d = t.bias.shape[0] if t.bias.ndim == 1 else -1
+        r = t.U.shape[1] if t.U.ndim == 2 else -1
+        if d < 0 or r < 0 or t.U.shape != (d, r) or t.V.shape != (r, d) or (data.n_embd and d != data.n_embd):
+            raise SidecarError(
+                f"bad sidecar: {path}: layer {il}'s draft transition tensors disagree in shape "
+                f"(u {list(t.U.shape)}, v {list(t.V.shape)}, bias {list(t.bias.shape)}); {_REMAKE}"
+            )
+    for il, s in sorted(data.surrogates.items()):
+        if s.A.ndim != 3 or s.B.ndim != 3:
+            raise SidecarError(f"bad sidecar: {path}: spice.lore.{il}.a/b are not 3-dimensional; {_REMAKE}")
+        n_exp, rank, n_embd = s.A.shape
+        vectors = (s.alpha, s.rank, s.error, s.error_shared, s.error_drop)
+        if (
+            s.B.shape != (n_exp, n_embd, rank)
+            or (data.n_embd and n_embd != data.n_embd)
+            or any(v.shape != (n_exp,) for v in vectors)
+            or (s.count is not None and s.count.shape != (n_exp,))
+            or (s.rank.size and (int(s.rank.min()) < 0 or int(s.rank.max()) > rank))
+        ):
+            raise SidecarError(
+                f"bad sidecar: {path}: layer {il}'s surrogate tensors disagree in shape "
+                f"(a {list(s.A.shape)}, b {list(s.B.shape)}, n_embd {data.n_embd}); {_REMAKE}"
+            )
 
 
 def check_finite(data: SidecarData, path: Path) -> None:
@@ -322,6 +374,7 @@ class Sidecar:
     @classmethod
     def load(cls, path: str | os.PathLike[str], model_path: str | os.PathLike[str] | None) -> Sidecar:
         data = read_sidecar(path)
+        check_shapes(data, Path(path))
         check_finite(data, Path(path))
         mp = Path(model_path) if model_path is not None else None
         if mp is not None:
