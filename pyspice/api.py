@@ -61,8 +61,8 @@ class Llama(llama_cpp.Llama):
     device_budget: a device tier ("2GiB", "25%" of routed-expert bytes, or
         bytes); emulated on CPU-only builds, with a bus of emulate_bandwidth
         GB/s and emulate_latency us per copy.
-    sidecar: the model's calibration sidecar (`<model>.spice.gguf`), refused
-        when it was made for another model.
+    sidecar: the model's calibration sidecar (`<model>.spice.gguf`, or a loaded
+        Sidecar), refused when it was made for another model or is corrupt.
     """
 
     def __init__(
@@ -74,13 +74,18 @@ class Llama(llama_cpp.Llama):
         device_budget: str | int | None = None,
         emulate_bandwidth: float | None = None,
         emulate_latency: float | None = None,
-        sidecar: str | Path | None = None,
+        sidecar: str | Path | Sidecar | None = None,
         **kwargs: Any,
     ) -> None:
         # llama_cpp.Llama.__del__ closes self._stack: make it exist even if loading fails early
         self._stack = contextlib.ExitStack()
+        # the header first, with pyspice's checks: llama.cpp aborts the process on some
+        # inconsistent headers (expert counts) and hides its reason for refusing others
+        read_header(model_path)
         # checked before loading: a sidecar made for another model fails in milliseconds
-        self.spice_sidecar = load_sidecar(sidecar, model_path) if sidecar is not None else None
+        self.spice_sidecar = (
+            sidecar if isinstance(sidecar, Sidecar) or sidecar is None else load_sidecar(sidecar, model_path)
+        )
         # the buffer type must outlive the model: the instance holds it until it is collected
         self._spice_buft = ExpertBufferType()
         self._spice_overrides = _expert_overrides(self._spice_buft)
@@ -148,7 +153,7 @@ class Llama(llama_cpp.Llama):
             device_budget=run.device_budget,
             emulate_bandwidth=run.emulate_bandwidth,
             emulate_latency=run.emulate_latency,
-            sidecar=run.sidecar,
+            sidecar=run.loaded_sidecar or run.sidecar,
             verbose=False,
         )
         if run.auto_budget:

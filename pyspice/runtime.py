@@ -601,8 +601,8 @@ class Runtime:
         self._callback = None
 
     def _hook_call(self, call: Any) -> HookCall:
-        """The HookCall of this call: one read of the call's head, then the cached
-        HookCall of the same layer, sizes and buffers (its views are made on first
+        """The HookCall of this call, opened: one read of the call's head, then the cached
+        HookCall of the same layer, sizes and buffers (its arrays are allocated on first
         access and kept), or a new one."""
         head = self._buffer(call, self._call_head)[:]
         view = self._calls.get(head)
@@ -618,31 +618,61 @@ class Runtime:
                 (call.shexp, call.n_embd, call.shexp_nb1),
             )
             rows = int(call.n_tokens)
+            owned: list[tuple[np.ndarray, np.ndarray] | None] = [None] * 6
             view = HookCall.lazy(
                 int(call.il),
                 rows,
                 int(call.n_expert),
                 int(call.n_expert_used),
-                lambda i: self._field(fields, rows, i),
+                lambda i: self._field(fields, rows, i, owned),
             )
             self._calls[head] = view
+        view.open()
         return view
 
-    def _field(self, fields: tuple[tuple[Any, int, int], ...], rows: int, i: int) -> np.ndarray | None:
-        """Field i of a hook call as a read-only view: 0 hidden, 1 probs, 2 ids, 3 weights,
-        4 shared, 5 residency."""
+    def _field(
+        self,
+        fields: tuple[tuple[Any, int, int], ...],
+        rows: int,
+        i: int,
+        owned: list[tuple[np.ndarray, np.ndarray] | None],
+    ) -> np.ndarray | None:
+        """Field i of a hook call (0 hidden, 1 probs, 2 ids, 3 weights, 4 shared,
+        5 residency) as a read-only array in memory Python owns, refilled from the
+        graph (or the store) at each first access in a call.
+
+        Why a copy and not a view into the graph: a view outlives the buffers it
+        points into when a policy keeps it (reading it after Llama.close() was a
+        segfault), and a view made writable could change the routing in the graph.
+        The memory is allocated once per cached HookCall and field, so a decode step
+        pays one memmove of a few KiB per field read, and no new objects."""
+        kept = owned[i]
         if i == 5:
-            return self.residency()
+            live = self.residency()
+            if live is None:
+                return None
+            if kept is None or kept[1].shape != live.shape:
+                table: np.ndarray = np.empty(live.shape, dtype=np.int8)
+                frozen = table.view()
+                frozen.flags.writeable = False
+                kept = owned[i] = (table, frozen)
+            np.copyto(kept[0], live)
+            return kept[1]
         ptr, cols, row_bytes = fields[i]
         if ptr == self._n.ffi.NULL:
             return None
         itemsize = 4  # float32 and int32 alike
         nbytes = (rows - 1) * row_bytes + cols * itemsize if rows > 0 else 0
-        buf = self._n.ffi.buffer(ptr, nbytes)
-        dtype = np.int32 if i == 2 else np.float32
-        arr: np.ndarray = np.ndarray((rows, cols), dtype=dtype, buffer=buf, strides=(row_bytes, itemsize))
-        arr.flags.writeable = False
-        return arr
+        if kept is None:
+            raw: np.ndarray = np.empty(max(nbytes, 1), dtype=np.uint8)
+            dtype = np.int32 if i == 2 else np.float32
+            strides = (row_bytes, itemsize) if rows > 0 else None
+            arr: np.ndarray = np.ndarray((rows, cols), dtype=dtype, buffer=raw, strides=strides)
+            arr.flags.writeable = False
+            kept = owned[i] = (raw, arr)
+        if nbytes:
+            self._n.ffi.memmove(kept[0], ptr, nbytes)
+        return kept[1]
 
     def _on_call(self, call: Any, _user_data: Any) -> int:
         """cffi callback on graph thread 0: find the views, ask the policy, write the plan."""
@@ -650,7 +680,11 @@ class Runtime:
             policy = self._policy
             assert policy is not None
             view = self._hook_call(call)
-            self._write_plan(call, view, policy.decide(view))
+            try:
+                plan = policy.decide(view)
+            finally:
+                view.close()  # a HookCall read after decide raises
+            self._write_plan(call, view, plan)
             return _POLICY_OK
         except KeyboardInterrupt:
             self._interrupted = True
@@ -747,6 +781,7 @@ class Runtime:
 
 
 _INT32 = np.dtype(np.int32)
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 # spice_policy_fn return values (SPICE_POLICY_* in spice.h; test_cffi_declarations checks them):
 # module constants because the callback runs on the hook's thread 0 per call
 _POLICY_OK, _POLICY_FAILED, _POLICY_ABORT = 0, 1, 2
@@ -760,6 +795,11 @@ def _write_actions(ffi: Any, call: Any, actions: Any, want: tuple[int, int]) -> 
         raise ValueError(f"plan.actions has shape {arr.shape}; layer {call.il} needs {want}")
     if not np.issubdtype(arr.dtype, np.integer):
         raise TypeError(f"plan.actions must be integers, got {arr.dtype}")
+    # range-checked before the cast: int32 wraps silently (2**32 + 3 would become 3, DROP);
+    # inside int32, libspice's plan check names any value that is not an action
+    if arr.size and (int(arr.min()) < _INT32_MIN or int(arr.max()) > _INT32_MAX):
+        bad = int(arr.max()) if int(arr.max()) > _INT32_MAX else int(arr.min())
+        raise ValueError(f"plan.actions holds {bad}, not an action value (ACTION_DEVICE..ACTION_DROP)")
     flat = np.ascontiguousarray(arr, dtype=np.int32).ravel()
     ffi.memmove(call.actions, flat, flat.nbytes)
 
@@ -778,11 +818,12 @@ def _copy_ints(ffi: Any, dst: Any, cap: int, values: Any) -> int:
     if n > cap:
         vals = vals[:cap]
     try:
-        dst[0 : len(vals)] = vals
-    except TypeError:  # numpy integers and other int-likes
-        dst[0 : len(vals)] = [int(v) for v in vals]
-    except OverflowError:
-        raise ValueError("plan ids must fit in int32") from None
+        try:
+            dst[0 : len(vals)] = vals
+        except TypeError:  # numpy integers and other int-likes
+            dst[0 : len(vals)] = [int(v) for v in vals]
+    except OverflowError:  # cffi range-checks each value: nothing was wrapped
+        raise ValueError(f"plan ids must fit in int32, got {max(vals, key=lambda v: abs(int(v)))}") from None
     return n  # libspice rejects a count above cap by name
 
 

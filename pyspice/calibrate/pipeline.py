@@ -25,6 +25,7 @@ from pyspice.calibrate.capture import CaptureConfig, ModelGeometry, capture, mod
 from pyspice.calibrate.lore_fit import LayerExperts, LoreConfig, fit_layer, heldout_mask, open_gguf
 from pyspice.calibrate.predictor_fit import fit_transition
 from pyspice.formats.sidecar import LayerSurrogates, SidecarData, fingerprint, write_sidecar
+from pyspice.outputs import atomic_output
 from pyspice.policy.predictor import Transition, gate_probs, top_k
 
 _FIT_VERSION = 2  # per-layer fit files of another version are refitted
@@ -75,9 +76,8 @@ def _dir_bytes(path: Path) -> int:
 
 
 def _save_layer(path: Path, arrays: dict[str, Any]) -> None:
-    tmp = path.with_name(path.stem + ".tmp.npz")
-    np.savez(tmp, **arrays)
-    os.replace(tmp, path)
+    with atomic_output(path, ".tmp.npz") as tmp:
+        np.savez(tmp, **arrays)
 
 
 def calibrate(

@@ -17,7 +17,13 @@ from typing import Any
 from pyspice.calibrate.capture import CaptureConfig
 from pyspice.calibrate.lore_fit import LoreConfig
 from pyspice.calibrate.pipeline import CalibrateConfig, CalibrateResult, calibrate
-from pyspice.formats.sidecar import Sidecar, SidecarMismatchError, default_sidecar_path, fingerprint
+from pyspice.formats.sidecar import (
+    Sidecar,
+    SidecarMismatchError,
+    check_sidecar_output,
+    default_sidecar_path,
+    fingerprint,
+)
 from pyspice.models.builtin import builtin_of
 from pyspice.models.smolmoe_recipe import RECIPE_NAME, text_or_corpus
 from pyspice.paths import cache_dir
@@ -65,7 +71,8 @@ def run_calibration(
     if rank < 0 or draft_rank < 1 or tokens < 2 or n_ctx < 2:
         raise ValueError("--rank >= 0, --draft-rank >= 1, --tokens >= 2 and --ctx-size >= 2 are needed")
     text, corpus = calibration_text(text_file, model)
-    out = output or default_sidecar_path(model)
+    # before any work: a bad -o (the model itself, a directory) fails now, not after the run
+    out = check_sidecar_output(output or default_sidecar_path(model), model)
     work = work_dir or default_work_dir(model, fingerprint(model), corpus, text, tokens, n_ctx)
     lore = LoreConfig()
     config = CalibrateConfig(

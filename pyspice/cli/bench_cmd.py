@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pyspice.calibrate.capture import finish_decode_trace, start_decode_trace
+from pyspice.cli import numbers
 from pyspice.cli.common import add_context_args, add_model_args, add_sidecar_arg, open_model, resolve_model
 from pyspice.measure.bench import (
     DEFAULT_PROMPT,
@@ -44,12 +45,19 @@ def register(sub: Any) -> None:
     group.add_argument("-f", "--file", "--text", dest="file", help="read the prompt from a file")
     p.add_argument(
         "--prompt-tokens",
-        type=int,
+        type=numbers.integer(0, hint="0 takes the prompt as given"),
         default=128,
         help="repeat or cut the prompt to exactly this many tokens (default 128; 0 = as given)",
     )
-    p.add_argument("-n", "--n-predict", type=int, default=32, help="tokens to decode per run (default 32)")
-    p.add_argument("--repeat", type=int, default=3, help="runs per policy (default 3)")
+    p.add_argument(
+        "-n", "--n-predict", type=numbers.TOKENS, default=32, help="tokens to decode per run (default 32)"
+    )
+    p.add_argument(
+        "--repeat",
+        type=numbers.integer(1, hint="runs per policy"),
+        default=3,
+        help="runs per policy (default 3)",
+    )
     p.add_argument("--json", action="store_true", help="print {policies: {NAME: stats + tokens}} as JSON")
     p.add_argument("--plot", metavar="PNG", help="also draw the comparison into this PNG")
     p.add_argument(

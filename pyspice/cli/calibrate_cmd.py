@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from pyspice.calibrate.run import format_summary, run_calibration, summary_doc
+from pyspice.cli import numbers
 from pyspice.cli.common import add_model_args, add_text_arg, note, resolve_model
 
 
@@ -38,7 +39,7 @@ def register(sub: Any) -> None:
         help="cap on training tokens per expert for its surrogate (default 2048)",
     )
     p.add_argument("-c", "--ctx-size", type=int, default=512, help="tokens per evaluated chunk (default 512)")
-    p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)")
+    p.add_argument("-t", "--threads", type=numbers.THREADS, default=None, help="threads (default: all cores)")
     p.add_argument(
         "--work-dir",
         type=Path,

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pyspice.cli import numbers
 from pyspice.engine.config import ModelDefaults, RunConfig
 from pyspice.models.builtin import MODEL_NAMES, builtin_of
 from pyspice.models.default import default_model
@@ -33,10 +34,20 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_context_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-c", "--ctx-size", type=int, default=2048, help="context size in tokens (default 2048)")
-    p.add_argument("-b", "--batch-size", type=int, default=512, help="logical batch size (default 512)")
-    p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="physical batch size (default 512)")
-    p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)")
+    p.add_argument(
+        "-c",
+        "--ctx-size",
+        type=numbers.integer(1),
+        default=2048,
+        help="context size in tokens (default 2048)",
+    )
+    p.add_argument(
+        "-b", "--batch-size", type=numbers.integer(1), default=512, help="logical batch size (default 512)"
+    )
+    p.add_argument(
+        "-ub", "--ubatch-size", type=numbers.integer(1), default=512, help="physical batch size (default 512)"
+    )
+    p.add_argument("-t", "--threads", type=numbers.THREADS, default=None, help="threads (default: all cores)")
     p.add_argument(
         "-ngl",
         "--n-gpu-layers",
@@ -60,21 +71,21 @@ def add_context_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--emulate-bandwidth",
-        type=float,
+        type=numbers.positive_real("GB/s; PCIe 4.0 x16 is about 25"),
         default=None,
         metavar="GB/s",
         help="emulated device: bus bandwidth (CPU-only builds; default 12)",
     )
     p.add_argument(
         "--emulate-latency",
-        type=float,
+        type=numbers.real(0.0, hint="microseconds per copy"),
         default=None,
         metavar="us",
         help="emulated device: latency per copy (default 10)",
     )
     p.add_argument(
         "--max-hook-tokens",
-        type=int,
+        type=numbers.integer(0, hint="0: every micro-batch through the hook"),
         default=0,
         help="micro-batches with more tokens run upstream's path (0 = all through the hook)",
     )
@@ -103,13 +114,28 @@ def add_prompt_args(p: argparse.ArgumentParser, required: bool = True) -> None:
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-n", "--n-predict", type=int, default=64, help="tokens to generate (default 64)")
-    p.add_argument("-s", "--seed", type=int, default=0xFFFFFFFF, help="RNG seed (default: random)")
-    p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy (default 0.8)")
-    p.add_argument("--top-k", type=int, default=40, help="top-k sampling (default 40)")
-    p.add_argument("--top-p", type=float, default=0.95, help="top-p sampling (default 0.95)")
     p.add_argument(
-        "--repeat-penalty", type=float, default=1.0, help="penalize repeated tokens (default 1.0 = off)"
+        "-n", "--n-predict", type=numbers.TOKENS, default=64, help="tokens to generate (default 64)"
+    )
+    p.add_argument("-s", "--seed", type=int, default=0xFFFFFFFF, help="RNG seed (default: random)")
+    p.add_argument(
+        "--temp",
+        type=numbers.real(0.0, hint="0 is greedy"),
+        default=0.8,
+        help="temperature; 0 = greedy (default 0.8)",
+    )
+    p.add_argument(
+        "--top-k",
+        type=numbers.integer(0, hint="0 keeps every token"),
+        default=40,
+        help="top-k sampling (default 40)",
+    )
+    p.add_argument("--top-p", type=numbers.real(0.0, 1.0), default=0.95, help="top-p sampling (default 0.95)")
+    p.add_argument(
+        "--repeat-penalty",
+        type=numbers.positive_real("1.0 is off"),
+        default=1.0,
+        help="penalize repeated tokens (default 1.0 = off)",
     )
 
 

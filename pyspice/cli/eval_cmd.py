@@ -16,6 +16,7 @@ import numpy as np
 from pyspice.calibrate.capture import CaptureConfig, capture
 from pyspice.calibrate.evaluate import evaluate_predictor, evaluate_surrogates
 from pyspice.calibrate.lore_fit import open_gguf
+from pyspice.cli import numbers
 from pyspice.cli.common import (
     add_context_args,
     add_model_args,
@@ -64,7 +65,7 @@ def register(sub: Any) -> None:
         metavar="MODEL",
         help="also score this model (e.g. the dense original) and report greedy next-token agreement",
     )
-    ppl.add_argument("--chunks", type=int, default=None, help="score only the first N chunks")
+    ppl.add_argument("--chunks", type=numbers.CHUNKS, default=None, help="score only the first N chunks")
     ppl.add_argument(
         "--token-by-token",
         action="store_true",
@@ -127,7 +128,9 @@ def _register_sidecar_evals(esub: Any) -> None:
     sur.add_argument(
         "-c", "--ctx-size", type=int, default=_PPL_CTX, help=f"perplexity context (default {_PPL_CTX})"
     )
-    sur.add_argument("--chunks", type=int, default=8, help="perplexity chunks to score (default 8)")
+    sur.add_argument(
+        "--chunks", type=numbers.CHUNKS, default=8, help="perplexity chunks to score (default 8)"
+    )
     sur.add_argument("--no-ppl", action="store_true", help="errors only, no perplexity runs")
     sur.set_defaults(func=run_surrogate_eval)
 

@@ -19,6 +19,7 @@ import sys
 from typing import Any
 
 from pyspice import __version__
+from pyspice.cli import numbers
 from pyspice.cli.common import (
     add_context_args,
     add_model_args,
@@ -27,6 +28,7 @@ from pyspice.cli.common import (
     open_model,
     resolve_model,
 )
+from pyspice.cli.serve_guard import DefaultMaxTokens, Guard, GuardConfig, check_messages, pydantic_validator
 
 SERVER_MODULES = ("fastapi", "uvicorn", "sse_starlette", "starlette_context", "pydantic_settings")
 
@@ -40,9 +42,34 @@ def register(sub: Any) -> argparse.ArgumentParser:
     add_context_args(p)
     add_sidecar_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="listen port (default 8000; 0 picks a free one)")
+    p.add_argument(
+        "--port", type=numbers.PORT, default=8000, help="listen port (default 8000; 0 picks a free one)"
+    )
     p.add_argument("--alias", default=None, help="the model's name in the API (default: the file's name)")
-    p.add_argument("--api-key", default=None, help="require this bearer token on every request")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require this bearer token on every request, every route (docs and stats included)",
+    )
+    p.add_argument(
+        "--max-queue",
+        type=numbers.integer(0, hint="0: only the request generating"),
+        default=4,
+        help="requests that may wait behind the one generating; more get HTTP 503 (default 4)",
+    )
+    p.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="allow browser requests from this origin (repeatable; default: CORS off)",
+    )
+    p.add_argument(
+        "--grace",
+        type=numbers.real(0.0, hint="seconds"),
+        default=10.0,
+        help="on SIGTERM or Ctrl-C, seconds in-flight requests may take to finish (default 10)",
+    )
     p.set_defaults(func=run)
     return p
 
@@ -73,8 +100,18 @@ def listen(host: str, port: int) -> socket.socket:
         raise
 
 
-def build_app(llm: Any, alias: str, host: str, port: int, api_key: str | None = None) -> Any:
-    """llama-cpp-python's FastAPI routes serving `llm` (already loaded), plus /spice/stats."""
+def build_app(
+    llm: Any,
+    alias: str,
+    host: str,
+    port: int,
+    api_key: str | None = None,
+    *,
+    max_queue: int = 4,
+    cors_origins: tuple[str, ...] = (),
+) -> Any:
+    """llama-cpp-python's FastAPI routes serving `llm` (already loaded), plus /spice/stats,
+    behind pyspice's Guard (serve_guard: key, body, queue and error rules)."""
     # lazy: the server extra is optional (check_server_deps says what is missing)
     from fastapi import FastAPI
     from fastapi.middleware import Middleware
@@ -82,6 +119,11 @@ def build_app(llm: Any, alias: str, host: str, port: int, api_key: str | None = 
     from llama_cpp.server import app as server_app
     from llama_cpp.server.model import LlamaProxy
     from llama_cpp.server.settings import ModelSettings, ServerSettings
+    from llama_cpp.server.types import (
+        CreateChatCompletionRequest,
+        CreateCompletionRequest,
+        CreateEmbeddingRequest,
+    )
     from starlette_context.middleware import RawContextMiddleware
     from starlette_context.plugins.request_id import RequestIdPlugin
 
@@ -90,7 +132,8 @@ def build_app(llm: Any, alias: str, host: str, port: int, api_key: str | None = 
 
         def __init__(self, settings: ModelSettings) -> None:
             self._model_settings_dict = {alias: settings}
-            self._current_model = llm
+            # duck-typed: the routes only call methods, which it forwards to llm
+            self._current_model = DefaultMaxTokens(llm)  # type: ignore[assignment]
             self._current_model_alias = alias
             self._default_model_settings = settings
             self._default_model_alias = alias
@@ -104,9 +147,14 @@ def build_app(llm: Any, alias: str, host: str, port: int, api_key: str | None = 
         version=__version__,
         middleware=[Middleware(RawContextMiddleware, plugins=(RequestIdPlugin(),))],
     )
-    app.add_middleware(
-        CORSMiddleware, allow_origins=["*"], allow_credentials=True, allow_methods=["*"], allow_headers=["*"]
-    )
+    if cors_origins:  # off unless asked: any origin with credentials let any web page use the server
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(cors_origins),
+            allow_credentials=False,
+            allow_methods=["GET", "POST"],
+            allow_headers=["authorization", "content-type"],
+        )
     app.include_router(server_app.router)
     # The routes read the proxy from this module attribute; its setter, set_llama_proxy,
     # only takes settings and would load a second, plain llama_cpp.Llama.
@@ -119,7 +167,17 @@ def build_app(llm: Any, alias: str, host: str, port: int, api_key: str | None = 
         async with server_app.llama_inner_lock:
             return dict(llm.spice_stats())
 
-    return app
+    guard = GuardConfig(
+        api_key=api_key,
+        max_queue=max_queue,
+        cors_origins=cors_origins,
+        validators={
+            "/v1/completions": pydantic_validator(CreateCompletionRequest),
+            "/v1/chat/completions": pydantic_validator(CreateChatCompletionRequest, check_messages),
+            "/v1/embeddings": pydantic_validator(CreateEmbeddingRequest),
+        },
+    )
+    return Guard(app, guard)
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
@@ -136,8 +194,25 @@ def run(args: argparse.Namespace) -> int:
         llm = open_model(args)
         port = sock.getsockname()[1]
         alias = args.alias or resolve_model(args).name
-        app = build_app(llm, alias, args.host, port, args.api_key)
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        app = build_app(
+            llm,
+            alias,
+            args.host,
+            port,
+            args.api_key,
+            max_queue=args.max_queue,
+            cors_origins=tuple(args.cors_origin),
+        )
+        config = uvicorn.Config(
+            app,
+            log_level="warning",
+            lifespan="off",
+            # SIGTERM/Ctrl-C: stop accepting, let in-flight requests finish this long, then cancel
+            timeout_graceful_shutdown=args.grace,
+            timeout_keep_alive=5,  # an idle connection is closed after 5 s
+            limit_concurrency=64,  # connections beyond this get 503 from uvicorn itself
+        )
+        server = uvicorn.Server(config)
         host = f"[{args.host}]" if ":" in args.host else args.host
         note(
             f"serving {alias} (policy {llm.spice_policy}) at http://{host}:{port}/v1 "

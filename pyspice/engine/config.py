@@ -12,12 +12,19 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pyspice.build_info import BuildNotFoundError, load_build_info
+from pyspice.engine.checks import (
+    check_at_least,
+    check_budget_value,
+    check_bus,
+    check_threads,
+    warn_threads_above_cores,
+)
 from pyspice.formats.model_info import inspect_model
-from pyspice.formats.sidecar import default_sidecar_path
+from pyspice.formats.sidecar import Sidecar, default_sidecar_path
 from pyspice.policy import policy_spec
 from pyspice.runtime import device_count
 
@@ -85,6 +92,19 @@ class RunConfig:
     n_ubatch: int = 512
     max_hook_tokens: int = 0
 
+    def __post_init__(self) -> None:
+        # every numeric setting checked here, before anything loads (engine/checks.py)
+        check_threads(self.threads)
+        check_at_least("-c/--ctx-size", self.n_ctx, 1)
+        check_at_least("-b/--batch-size", self.n_batch, 1)
+        check_at_least("-ub/--ubatch-size", self.n_ubatch, 1)
+        check_at_least("-ngl/--n-gpu-layers", self.n_gpu_layers, 0)
+        check_at_least(
+            "--max-hook-tokens", self.max_hook_tokens, 0, "0 sends every micro-batch through the hook"
+        )
+        check_budget_value(self.device_budget)
+        check_bus(self.emulate_bandwidth, self.emulate_latency)
+
     @property
     def emulated(self) -> bool:
         return self.emulate_bandwidth is not None or self.emulate_latency is not None
@@ -132,6 +152,8 @@ class RunConfig:
             raise ValueError("--emulate-bandwidth/--emulate-latency need --device-budget")
         # header only: a truncated or foreign file fails here with a precise message
         summary = inspect_model(self.model)
+        threads = self.threads or max(1, os.cpu_count() or 1)
+        warn_threads_above_cores(threads, note)
         budget = self.device_budget
         if not summary.is_moe and policy != "stock":
             note(
@@ -143,11 +165,10 @@ class RunConfig:
                 note("--device-budget ignored: a dense model has no experts to place")
                 budget = None
         sidecar = self.sidecar if self.use_sidecar else None
+        loaded: Sidecar | None = None
         if sidecar is None and self.use_sidecar and policy != "stock":
-            beside = default_sidecar_path(self.model)
-            if beside.is_file():
-                note(f"using the model's calibration sidecar {beside}")
-                sidecar = beside
+            loaded = self._sidecar_beside_checked(policy, note)
+            sidecar = loaded.path if loaded is not None else None
         return ResolvedRun(
             model=self.model,
             policy=policy,
@@ -156,13 +177,40 @@ class RunConfig:
             emulate_bandwidth=self.emulate_bandwidth,
             emulate_latency=self.emulate_latency,
             sidecar=sidecar,
-            threads=self.threads or max(1, os.cpu_count() or 1),
+            threads=threads,
             n_gpu_layers=n_gpu_layers,
             n_ctx=self.n_ctx,
             n_batch=self.n_batch,
             n_ubatch=self.n_ubatch,
             max_hook_tokens=self.max_hook_tokens,
+            loaded_sidecar=loaded,
         )
+
+    def _sidecar_beside_checked(self, policy: str, note: Note) -> Sidecar | None:
+        """The sidecar beside the model, loaded and checked, when one is there. One
+        picked up automatically that cannot be used (another model's, truncated,
+        non-finite weights) fails only a policy that uses it; for any other it is a
+        warning, and the run goes on without it."""
+        beside = default_sidecar_path(self.model)
+        if not beside.is_file():
+            return None
+        try:
+            loaded = Sidecar.load(beside, self.model)
+        except (ValueError, OSError) as exc:  # ModelFileError, SidecarDataError, mismatch
+            if uses_sidecar(policy):
+                raise ValueError(
+                    f"the sidecar beside the model cannot be used: {exc} (or run without it: --no-sidecar)"
+                ) from None
+            note(f"warning: ignoring {beside}, which policy {policy!r} does not use: {exc}")
+            return None
+        note(f"using the model's calibration sidecar {beside}")
+        return loaded
+
+
+def uses_sidecar(policy: str) -> bool:
+    """Whether a policy reads the sidecar (predictor, surrogates, error tables): the
+    SPICE family and its ablations; the baselines never do."""
+    return policy.startswith("spice") or policy.startswith("abl-")
 
 
 @dataclass(frozen=True)
@@ -182,3 +230,5 @@ class ResolvedRun:
     n_batch: int
     n_ubatch: int
     max_hook_tokens: int
+    # the sidecar as resolve() loaded and checked it, so loading the model reads it once
+    loaded_sidecar: Sidecar | None = field(default=None, compare=False, repr=False)

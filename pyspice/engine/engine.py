@@ -22,6 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pyspice.engine.blas_threads import limit_blas_threads
+from pyspice.engine.checks import check_budget_value, check_bus
 from pyspice.engine.device import DeviceTier, automatic_budget, store_params
 from pyspice.engine.profile import profile_for_tier, saved_profile
 from pyspice.engine.surrogates import (
@@ -109,6 +110,8 @@ class Engine:
     ) -> DeviceTier:
         """A device tier of `budget`; real on a CUDA build with a GPU unless a bus to
         emulate (or a manual clock) is given. The policy in use restarts on it."""
+        check_budget_value(budget)  # the API's entry point: RunConfig checked the CLI's already
+        check_bus(bandwidth_gbps, latency_us)
         runtime = self.require_runtime()
         total = self.expert_bytes()
         spec = parse_budget(budget) if isinstance(budget, str) else Budget(bytes=int(budget))

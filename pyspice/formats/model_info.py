@@ -16,6 +16,8 @@ from typing import Any
 
 import gguf
 
+from pyspice.formats.gguf_checks import validate_header
+
 # ModelFileError is re-exported: it is the error callers of read_header catch
 from pyspice.formats.gguf_header import ModelFileError as ModelFileError
 from pyspice.formats.gguf_header import parse_header
@@ -65,7 +67,16 @@ def read_header(path: Path | str) -> GGUFHeader:
     if file_size < 24:
         raise ModelFileError(f"{path} is not a GGUF model (only {file_size} bytes)")
     with path.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        header = parse_header(buf, path, max_array_items=_MAX_ARRAY_ITEMS)
+        return header_from_buffer(buf, path, file_size)
+
+
+def header_from_buffer(buf: Any, path: Path, file_size: int) -> GGUFHeader:
+    """read_header on bytes already in memory (`path` names them in errors): every
+    check, no file access. The fuzz harness (fuzz/fuzz_gguf_header.py) enters here;
+    its contract is that nothing but ModelFileError comes out."""
+    if len(buf) < 24:
+        raise ModelFileError(f"{path} is not a GGUF model (only {len(buf)} bytes)")
+    header = parse_header(buf, path, max_array_items=_MAX_ARRAY_ITEMS)
     if header.version < 2:
         raise ModelFileError(f"{path}: GGUF version {header.version} is too old (convert it with llama.cpp)")
     metadata: dict[str, Any] = {kv.key: kv.value for kv in header.metadata}
@@ -76,7 +87,11 @@ def read_header(path: Path | str) -> GGUFHeader:
         except ValueError:
             raise ModelFileError(f"{path} is corrupt: tensor {t.name} has unknown type {t.type_id}") from None
         raw.append((t.name, t.shape, type_name, t.offset))
-    alignment = int(metadata.get("general.alignment", 32))
+    alignment = metadata.get("general.alignment", 32)
+    if not isinstance(alignment, int) or isinstance(alignment, bool):
+        raise ModelFileError(f"{path} is corrupt: general.alignment is {alignment!r}, not an integer")
+    # the consistency llama.cpp assumes (expert counts above all), before any size is computed
+    validate_header(path, metadata, header.tensors, alignment)
     data_offset = (header.end + alignment - 1) // alignment * alignment
     tensors = [TensorInfo(n, s, t, tensor_nbytes(t, s), o) for n, s, t, o in raw]
     end = max((data_offset + t.offset + t.nbytes for t in tensors), default=data_offset)

@@ -6,6 +6,7 @@ import hashlib
 import json
 from pathlib import Path
 
+from pyspice.outputs import atomic_output
 from pyspice.paths import cache_dir
 from pyspice.policy.profile import PROFILE_VERSION, CostProfile
 
@@ -23,7 +24,8 @@ def profile_path(model_path: Path) -> Path:
 
 
 def save_profile(profile: CostProfile, path: Path) -> Path:
-    path.write_text(json.dumps(profile.to_json(), indent=2) + "\n")
+    with atomic_output(path) as tmp:  # a cache another process may be reading
+        tmp.write_text(json.dumps(profile.to_json(), indent=2) + "\n")
     return path
 
 

@@ -25,6 +25,7 @@ for a 40 GB file.
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,8 +35,10 @@ import numpy as np
 import numpy.typing as npt
 from gguf import GGUFReader, GGUFWriter
 
-from pyspice.formats.model_info import read_header
+from pyspice.formats.gguf_header import parse_header
+from pyspice.formats.model_info import ModelFileError, read_header
 from pyspice.formats.routers import RouterReader
+from pyspice.outputs import OutputPathError, atomic_output, check_output
 from pyspice.policy.predictor import DraftPredictor, Transition
 
 SIDECAR_VERSION = 1
@@ -44,6 +47,14 @@ _SAMPLE_BLOCKS = 16
 _SAMPLE_BYTES = 64 << 10
 
 F32 = npt.NDArray[np.float32]
+
+
+class SidecarError(ValueError):
+    """A sidecar that reads as a GGUF but not as a sidecar this pyspice can use."""
+
+
+class SidecarDataError(ValueError):
+    """A sidecar whose header reads but whose contents cannot be used (non-finite weights)."""
 
 
 class SidecarMismatchError(ValueError):
@@ -110,10 +121,40 @@ class SidecarData:
     extra: dict[str, str] = field(default_factory=dict)
 
 
+def _gguf_architecture(path: Path) -> str | None:
+    """general.architecture of the GGUF at `path`; None when it is not a readable GGUF."""
+    try:
+        with path.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            header = parse_header(buf, path, max_array_items=0)
+    except (OSError, ValueError):  # empty (mmap refuses), not a GGUF, or truncated
+        return None
+    arch = next((kv.value for kv in header.metadata if kv.key == "general.architecture"), None)
+    return str(arch) if arch is not None else None
+
+
+def check_sidecar_output(out: Path, model: Path) -> Path:
+    """The rule for a sidecar's output path, checked before calibrating: never the
+    model itself, a directory, or an existing file that is not a sidecar (another
+    model, say); an older sidecar is replaced."""
+    check_output(out, [model])
+    if out.exists() and _gguf_architecture(out) != SIDECAR_ARCH:
+        raise OutputPathError(
+            f"-o {out} exists and is not a pyspice sidecar (a model?): refusing to replace it; "
+            "pick another path or delete it first"
+        )
+    return out
+
+
 def write_sidecar(path: str | os.PathLike[str], data: SidecarData) -> Path:
-    """Write a sidecar GGUF (to a temporary name first, so a reader never sees half a file)."""
+    """Write a sidecar GGUF atomically: a reader never sees half a file, and a
+    failed write leaves nothing behind."""
     out = Path(path)
-    tmp = out.with_name(out.name + ".tmp")
+    with atomic_output(out) as tmp:
+        _write_sidecar_to(tmp, data)
+    return out
+
+
+def _write_sidecar_to(tmp: Path, data: SidecarData) -> None:
     w = GGUFWriter(tmp, SIDECAR_ARCH)
     w.add_uint32("spice.version", SIDECAR_VERSION)
     w.add_string("spice.model", data.model)
@@ -149,8 +190,6 @@ def write_sidecar(path: str | os.PathLike[str], data: SidecarData) -> Path:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    os.replace(tmp, out)
-    return out
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
@@ -164,16 +203,39 @@ def read_sidecar(path: str | os.PathLike[str]) -> SidecarData:
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"sidecar {p} does not exist (make one with `pyspice calibrate`)")
-    reader = GGUFReader(p)
+    try:
+        read_header(p)  # bounds-checked: a truncated or foreign file is one clear line
+    except ModelFileError as exc:
+        raise ModelFileError(f"bad sidecar: {exc}; remake it with `pyspice calibrate -m MODEL`") from None
+    try:
+        reader = GGUFReader(p)
+    except Exception as exc:  # the gguf package's parser has no error type of its own
+        raise ValueError(
+            f"bad sidecar: {p} cannot be read ({type(exc).__name__}: {exc}); {_REMAKE}"
+        ) from None
+    try:
+        return _sidecar_data(reader, p)
+    except (KeyError, IndexError, TypeError, ValueError, OverflowError) as exc:
+        if isinstance(exc, SidecarError):
+            raise
+        raise ValueError(f"bad sidecar: {p} is corrupt ({type(exc).__name__}: {exc}); {_REMAKE}") from None
+
+
+_REMAKE = "remake it with `pyspice calibrate -m MODEL`"
+
+
+def _sidecar_data(reader: Any, p: Path) -> SidecarData:
     if _field(reader, "general.architecture") != SIDECAR_ARCH:
-        raise ValueError(f"{p} is not a pyspice sidecar (no {SIDECAR_ARCH} architecture key)")
+        raise SidecarError(f"{p} is not a pyspice sidecar (no {SIDECAR_ARCH} architecture key)")
     version = int(_field(reader, "spice.version", 0))
     if version > SIDECAR_VERSION:
-        raise ValueError(f"sidecar {p} has format version {version}; this pyspice reads {SIDECAR_VERSION}")
+        raise SidecarError(f"sidecar {p} has format version {version}; this pyspice reads {SIDECAR_VERSION}")
     tensors = {t.name: t for t in reader.tensors}
 
     def arr(name: str, dtype: type = np.float32) -> Any:
-        t = tensors[name]
+        t = tensors.get(name)
+        if t is None:
+            raise SidecarError(f"bad sidecar: {p} has no tensor {name}; {_REMAKE}")
         shape = tuple(int(x) for x in reversed(t.shape))
         return np.array(t.data, copy=True).reshape(shape).astype(dtype)
 
@@ -220,6 +282,63 @@ def read_sidecar(path: str | os.PathLike[str]) -> SidecarData:
     return data
 
 
+def check_shapes(data: SidecarData, path: Path) -> None:
+    """Each layer's surrogate tensors agree: A [E, R, n_embd], B [E, n_embd, R], and
+    alpha, rank, errors [E] with ranks in 0..R (Sidecar.surrogate slices by rank)."""
+    for il, t in sorted(data.transitions.items()):
+        d = t.bias.shape[0] if t.bias.ndim == 1 else -1
+        r = t.U.shape[1] if t.U.ndim == 2 else -1
+        if d < 0 or r < 0 or t.U.shape != (d, r) or t.V.shape != (r, d) or (data.n_embd and d != data.n_embd):
+            raise SidecarError(
+                f"bad sidecar: {path}: layer {il}'s draft transition tensors disagree in shape "
+                f"(u {list(t.U.shape)}, v {list(t.V.shape)}, bias {list(t.bias.shape)}); {_REMAKE}"
+            )
+    for il, s in sorted(data.surrogates.items()):
+        if s.A.ndim != 3 or s.B.ndim != 3:
+            raise SidecarError(f"bad sidecar: {path}: spice.lore.{il}.a/b are not 3-dimensional; {_REMAKE}")
+        n_exp, rank, n_embd = s.A.shape
+        vectors = (s.alpha, s.rank, s.error, s.error_shared, s.error_drop)
+        if (
+            s.B.shape != (n_exp, n_embd, rank)
+            or (data.n_embd and n_embd != data.n_embd)
+            or any(v.shape != (n_exp,) for v in vectors)
+            or (s.count is not None and s.count.shape != (n_exp,))
+            or (s.rank.size and (int(s.rank.min()) < 0 or int(s.rank.max()) > rank))
+        ):
+            raise SidecarError(
+                f"bad sidecar: {path}: layer {il}'s surrogate tensors disagree in shape "
+                f"(a {list(s.A.shape)}, b {list(s.B.shape)}, n_embd {data.n_embd}); {_REMAKE}"
+            )
+
+
+def check_finite(data: SidecarData, path: Path) -> None:
+    """Refuse NaN or infinite weights: a surrogate of NaNs turns every activation it
+    replaces into NaN logits (greedy decoding then emits token 0 forever) and a NaN
+    transition poisons every prediction, silently. The error tables may hold NaN by
+    design ("no held-out tokens"), so only the weights are checked."""
+    weights: list[tuple[str, npt.NDArray[Any]]] = []
+    for il, t in sorted(data.transitions.items()):
+        weights += [
+            (f"spice.draft.{il}.u", t.U),
+            (f"spice.draft.{il}.v", t.V),
+            (f"spice.draft.{il}.bias", t.bias),
+        ]
+        weights.append((f"spice.draft.{il}.scale", np.array([t.scale])))
+    for il, s in sorted(data.surrogates.items()):
+        weights += [
+            (f"spice.lore.{il}.a", s.A),
+            (f"spice.lore.{il}.b", s.B),
+            (f"spice.lore.{il}.alpha", s.alpha),
+        ]
+    for name, values in weights:
+        bad = int(np.count_nonzero(~np.isfinite(values)))
+        if bad:
+            raise SidecarDataError(
+                f"sidecar {path} is corrupt: tensor {name} holds {bad} NaN or infinite values; "
+                "remake it with `pyspice calibrate -m MODEL`"
+            )
+
+
 class TruncatedSurrogates:
     """A sidecar's surrogates cut to rank <= `rank` (the first columns of B, rows of A).
 
@@ -255,6 +374,8 @@ class Sidecar:
     @classmethod
     def load(cls, path: str | os.PathLike[str], model_path: str | os.PathLike[str] | None) -> Sidecar:
         data = read_sidecar(path)
+        check_shapes(data, Path(path))
+        check_finite(data, Path(path))
         mp = Path(model_path) if model_path is not None else None
         if mp is not None:
             fp = fingerprint(mp)

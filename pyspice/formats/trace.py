@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from pyspice.outputs import atomic_output
 from pyspice.policy.base import HookCall, Plan, Policy, PolicyBase, attach_policy, is_lossless
 from pyspice.policy.context import PolicyContext
 
@@ -223,9 +224,8 @@ class TraceWriter:
         return common
 
     def _write_meta(self) -> None:
-        tmp = self.path / "meta.json.tmp"
-        tmp.write_text(self.meta.to_json())
-        os.replace(tmp, self.path / "meta.json")
+        with atomic_output(self.path / "meta.json") as tmp:
+            tmp.write_text(self.meta.to_json())
 
     def __enter__(self) -> TraceWriter:
         return self
@@ -288,9 +288,8 @@ class TraceWriter:
             return
         data = {k: np.concatenate(v, axis=0) for k, v in parts.items()}
         name = _chunk_name(layer, start, count)
-        tmp = self.path / (name[: -len(".npz")] + ".tmp.npz")
-        np.savez(tmp, **data)  # type: ignore[arg-type]
-        os.replace(tmp, self.path / name)
+        with atomic_output(self.path / name, ".tmp.npz") as tmp:
+            np.savez(tmp, **data)  # type: ignore[arg-type]
 
     def flush(self, complete: bool = False) -> None:
         for layer in list(self._buf):

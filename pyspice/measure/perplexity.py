@@ -76,10 +76,12 @@ def perplexity(
     of scored positions where both models' greedy next tokens agree. With
     `max_chunks`, only the first that many chunks are scored.
     """
+    if max_chunks is not None and max_chunks < 1:  # max(1, ...) once made --chunks 0 score one chunk
+        raise ValueError(f"--chunks {max_chunks}: must be at least 1 (leave it out to score them all)")
     tokens = llm.tokenize(text.encode("utf-8"), add_bos=True, special=False)
     chunks = chunk_tokens(tokens, n_ctx)
     if max_chunks is not None:
-        chunks = chunks[: max(1, max_chunks)]
+        chunks = chunks[:max_chunks]
     first = n_ctx // 2
     nll = ref_nll = 0.0
     count = agree = 0

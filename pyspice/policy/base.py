@@ -54,14 +54,16 @@ class HookCall:
     residency [n_layers, max_expert] or None  RESIDENCY_* of every expert on the
             device tier when the call began (None: no device tier)
 
-    Under the engine the arrays are read-only views into the running graph,
-    valid only during `Policy.decide`, and made on first access (a policy pays
-    only for what it reads; the engine hands the same HookCall, views made, to
-    later calls of the same layer while the graph's buffers stay put); a policy
-    that keeps data must copy it. The simulator and tests pass plain arrays.
+    Under the engine the arrays can be read only during `Policy.decide`: reading
+    one afterwards raises RuntimeError. Each is read-only, filled on first
+    access in a call (a policy pays only for what it reads), and owned by
+    Python, not by the graph: an array taken during a call stays memory-safe
+    after the call and after `Llama.close()`, but its contents are unspecified
+    then (a later call of the same layer refills it). A policy that keeps data
+    must copy it. The simulator and tests pass plain arrays, readable any time.
     """
 
-    __slots__ = ("_arrays", "_fetch", "layer", "n_expert", "n_expert_used", "n_tokens")
+    __slots__ = ("_arrays", "_fetch", "_live", "layer", "n_expert", "n_expert_used", "n_tokens")
 
     def __init__(
         self,
@@ -79,6 +81,7 @@ class HookCall:
         self.n_expert = int(probs.shape[1])
         self._arrays: list[Any] = [hidden, probs, ids, weights, shared, residency]
         self._fetch: Callable[[int], Any] = self._arrays.__getitem__  # every array is set already
+        self._live = True  # plain arrays: readable at any time
 
     @classmethod
     def lazy(
@@ -93,9 +96,24 @@ class HookCall:
         call.n_expert_used = n_expert_used
         call._arrays = [_UNSET] * 6
         call._fetch = fetch
+        call._live = False  # readable only between open() and close()
         return call
 
+    def open(self) -> None:
+        """Start a call of a lazy HookCall: its arrays are refetched on first access."""
+        self._arrays = [_UNSET] * 6
+        self._live = True
+
+    def close(self) -> None:
+        """End the call: reading an array raises until the next open()."""
+        self._live = False
+
     def _get(self, i: int) -> Any:
+        if not self._live:
+            raise RuntimeError(
+                f"HookCall of layer {self.layer} read after Policy.decide returned: its arrays are "
+                "valid only during the call; copy what you keep (np.array(call.hidden))"
+            )
         value = self._arrays[i]
         if value is _UNSET:
             value = self._arrays[i] = self._fetch(i)

@@ -76,6 +76,20 @@ PLANS = {
         lambda c: Plan(actions=np.zeros((c.n_tokens, c.n_expert_used), np.float32)),
         "integers",
     ),
+    # range-checked before any cast: int32 would wrap 2**32 + 3 to 3 (DROP), silently
+    "action beyond int32 (lists)": (
+        lambda c: Plan(actions=[[2**32 + 3] * c.n_expert_used for _ in range(c.n_tokens)]),
+        "not an action value",
+    ),
+    "action beyond int32 (int64 array)": (
+        lambda c: Plan(actions=np.full((c.n_tokens, c.n_expert_used), 2**32 + 3, np.int64)),
+        "not an action value",
+    ),
+    "action 2**40 (wraps to device)": (
+        lambda c: Plan(actions=np.full((c.n_tokens, c.n_expert_used), 2**40, np.int64)),
+        "not an action value",
+    ),
+    "fetch id beyond int32": (lambda c: Plan(fetch=[np.int64(2**32 + 1)]), "fit in int32"),
     "bad fetch id": (lambda c: Plan(fetch=[c.n_expert]), "is not an expert id"),
     "bad prefetch layer": (lambda c: Plan(prefetch=[(99, 0)]), "not an MoE layer"),
     "bad resume layer": (lambda c: Plan(resume_layer=99), "neither -1 nor an MoE layer"),

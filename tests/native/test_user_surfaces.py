@@ -331,10 +331,14 @@ def test_the_sidecar_beside_the_model_is_picked_up(tiny: Path, tmp_path: Path) -
     model = tmp_path / "m.gguf"
     model.symlink_to(tiny)
     (tmp_path / "m.spice.gguf").write_text("not a sidecar")
-    out = run("generate", "-m", str(model), "-p", "x", "-n", "1", "-t", "2", check=False)
-    assert "using the model's calibration sidecar" in out.stderr
+    # a policy that uses it: one line naming it and the fix
+    argv = ["generate", "-m", str(model), "-p", "x", "-n", "1", "-t", "2"]
+    out = run(*argv, "--policy", "spice", "--device-budget", "50%", check=False)
     message = _one_line_error(out)
-    assert "bad sidecar" in message and "pyspice calibrate" in message
+    assert "bad sidecar" in message and "pyspice calibrate" in message and "--no-sidecar" in message
+    # one that does not (exact, the CPU default): a warning, and the run goes on (issue 22, row 23)
+    exact = run(*argv)
+    assert "warning: ignoring" in exact.stderr and "m.spice.gguf" in exact.stderr
     # stock needs no sidecar and does not look for one
     stock = run("generate", "-m", str(model), "-p", "x", "-n", "1", "-t", "2", "--policy", "stock")
     assert "sidecar" not in stock.stderr

@@ -24,6 +24,7 @@ TABLE = {
     "pyspice._version": "base",
     "pyspice.units": "base",
     "pyspice.paths": "base",
+    "pyspice.outputs": "base",
     # decisions: pure Python/numpy, imports nothing native
     "pyspice.policy": "policy",
     # what the policy runs on: the binding to libspice, the simulator, the file

@@ -1,0 +1,67 @@
+"""argparse types for numeric flags: each flag's range is one rule, checked while
+parsing, so a bad value is one line naming the flag, the value and what is
+allowed (`argument --chunks: 0 is not allowed: at least 1 ...`) before any
+model loads. Settings that the API takes too are checked again, by the same
+kind of rule, in pyspice.engine.checks."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+
+
+def integer(minimum: int, maximum: int | None = None, hint: str = "") -> Callable[[str], int]:
+    """An integer in [minimum, maximum]; `hint` says what the flag means at its edge."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text, 0)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            allowed = f"at least {minimum}" if maximum is None else f"{minimum} to {maximum}"
+            raise argparse.ArgumentTypeError(
+                f"{value} is not allowed: {allowed}" + (f" ({hint})" if hint else "")
+            )
+        return value
+
+    return parse
+
+
+def real(minimum: float, maximum: float | None = None, hint: str = "") -> Callable[[str], float]:
+    """A finite number in [minimum, maximum]."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value) or value < minimum or (maximum is not None and value > maximum):
+            allowed = f"at least {minimum:g}" if maximum is None else f"{minimum:g} to {maximum:g}"
+            raise argparse.ArgumentTypeError(
+                f"{text} is not allowed: {allowed}" + (f" ({hint})" if hint else "")
+            )
+        return value
+
+    return parse
+
+
+def positive_real(hint: str = "") -> Callable[[str], float]:
+    """A finite number above 0."""
+
+    def parse(text: str) -> float:
+        value = real(0.0, hint=hint)(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(
+                f"{text} is not allowed: above 0" + (f" ({hint})" if hint else "")
+            )
+        return value
+
+    return parse
+
+
+PORT = integer(0, 65535, "0 picks a free port")
+THREADS = integer(1, hint="leave -t out to use every core")
+TOKENS = integer(1, hint="tokens to generate")
+CHUNKS = integer(1, hint="leave --chunks out to score them all")
