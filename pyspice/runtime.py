@@ -589,7 +589,9 @@ class Runtime:
         # each policy gets its own one-time warnings
         self._policy_error = None
         self._warned_rejection = False
-        self._callback = ffi.callback("int(spice_policy_call *, void *)", self._on_call)
+        self._callback = ffi.callback(
+            "int(spice_policy_call *, void *)", self._on_call, onerror=self._on_callback_error
+        )
         self._check(
             self._n.lib.spice_runtime_enable(self._rt, self._callback, ffi.NULL, max_tokens), "enable"
         )
@@ -701,6 +703,13 @@ class Runtime:
         except BaseException:
             self._interrupted = True
             return _POLICY_ABORT
+
+    def _on_callback_error(self, exc_type: Any, exc: Any, _tb: Any) -> int:
+        """What cffi calls when an exception escapes `_on_call` itself (a Ctrl-C that
+        lands before its try block runs): abort the decode instead of cffi's
+        "Exception ignored" and decoding on."""
+        self._interrupted = True
+        return _POLICY_ABORT
 
     def _write_plan(self, call: Any, view: HookCall, plan: Plan) -> None:
         actions = plan.actions
