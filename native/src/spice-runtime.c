@@ -8,6 +8,7 @@
  * outcome) -> execute (device work launched, host and surrogate jobs set
  * up); then every thread runs the executors. */
 #include "spice-runtime-internal.h"
+#include "spice-counters.h"
 
 #include "ggml-backend.h"
 #include "llama.h"
@@ -618,20 +619,12 @@ int spice_runtime_get_counters(const spice_runtime * rt, int32_t il, spice_count
     }
     memset(out, 0, sizeof(*out));
     for (int32_t l = (il < 0 ? 0 : il); l < (il < 0 ? rt->n_layers : il + 1); ++l) {
-        const uint64_t * src = (const uint64_t *) &rt->counters[l];
-        uint64_t * dst = (uint64_t *) out;
-        for (size_t i = 0; i < sizeof(spice_counters) / sizeof(uint64_t); ++i) {
-            dst[i] += src[i];
-        }
+        spice_counters_accumulate(out, &rt->counters[l]);
     }
     if (rt->store != NULL) { /* traffic, stalls, prefetch outcomes and device operations live in the store */
         spice_counters k;
         spice_store_get_counters(rt->store, il, &k);
-        const uint64_t * src = (const uint64_t *) &k;
-        uint64_t * dst = (uint64_t *) out;
-        for (size_t i = 0; i < sizeof(spice_counters) / sizeof(uint64_t); ++i) {
-            dst[i] += src[i];
-        }
+        spice_counters_accumulate(out, &k);
     }
     return SPICE_OK;
 }

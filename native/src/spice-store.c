@@ -12,6 +12,7 @@
  * The residency table is therefore current as of the last poll plus the
  * store's own changes since, without asking the device on every lookup. */
 #include "spice-store-impl.h"
+#include "spice-counters.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -587,11 +588,7 @@ int spice_store_get_counters(const spice_store * s, int32_t il, spice_counters *
     }
     memset(out, 0, sizeof(*out));
     for (int32_t l = (il < 0 ? 0 : il); l < (il < 0 ? s->n_layers : il + 1); ++l) {
-        const uint64_t * src = (const uint64_t *) &s->counters[l];
-        uint64_t * dst = (uint64_t *) out;
-        for (size_t i = 0; i < sizeof(spice_counters) / sizeof(uint64_t); ++i) {
-            dst[i] += src[i];
-        }
+        spice_counters_accumulate(out, &s->counters[l]);
     }
     return SPICE_OK;
 }
