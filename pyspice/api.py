@@ -25,11 +25,21 @@ from typing import Any
 import llama_cpp
 
 from pyspice.engine import DeviceTier, Engine, ResolvedRun, RunConfig, SurrogateSet
+from pyspice.engine.checks import check_budget_value
+from pyspice.engine.disk import LLAMA_LAZY_MODE_EXPERTS, check_ram_budget_alone
 from pyspice.engine.surrogates import SurrogateSource
 from pyspice.formats.model_info import ModelFileError, read_header
 from pyspice.formats.sidecar import Sidecar
 from pyspice.policy import Policy, PolicyContext
-from pyspice.runtime import ExpertBufferType, IncompatibleModelError, LayerInfo, Runtime, device_count
+from pyspice.runtime import (
+    DecodeFailedError,
+    ExpertBufferType,
+    IncompatibleModelError,
+    LayerInfo,
+    Runtime,
+    device_count,
+    native,
+)
 from pyspice.stats import StatsSnapshot
 from pyspice.units import format_bytes
 
@@ -63,6 +73,11 @@ class Llama(llama_cpp.Llama):
         GB/s and emulate_latency us per copy.
     sidecar: the model's calibration sidecar (`<model>.spice.gguf`, or a loaded
         Sidecar), refused when it was made for another model or is corrupt.
+    ram_budget: edge mode ("2GiB", "50%" of routed-expert bytes, or bytes): the
+        routed experts stay in the GGUF file and are never read at load; resident
+        ones live in a RAM slot pool of this size, filled by reads of the file
+        (pyspice.engine.disk). Every micro-batch goes through the hook. Not
+        combined with device_budget (one tier at a time).
     """
 
     def __init__(
@@ -75,6 +90,7 @@ class Llama(llama_cpp.Llama):
         emulate_bandwidth: float | None = None,
         emulate_latency: float | None = None,
         sidecar: str | Path | Sidecar | None = None,
+        ram_budget: str | int | None = None,
         **kwargs: Any,
     ) -> None:
         # llama_cpp.Llama.__del__ closes self._stack: make it exist even if loading fails early
@@ -82,6 +98,27 @@ class Llama(llama_cpp.Llama):
         # the header first, with pyspice's checks: llama.cpp aborts the process on some
         # inconsistent headers (expert counts) and hides its reason for refusing others
         read_header(model_path)
+        check_ram_budget_alone(ram_budget, device_budget)
+        if ram_budget is not None:
+            check_budget_value(ram_budget, "--ram-budget")
+            if policy == "stock":
+                raise ValueError(
+                    "policy 'stock' leaves the hook off, and with a RAM budget the routed experts are "
+                    "not in memory for upstream's path: use 'exact'"
+                )
+            if max_hook_tokens != 0:
+                raise ValueError(
+                    "with a RAM budget every micro-batch goes through the hook (the experts are not in "
+                    "memory for upstream's path): leave --max-hook-tokens at 0"
+                )
+        self._spice_experts_on_disk = ram_budget is not None
+        if self._spice_experts_on_disk:
+            if kwargs.get("use_mmap") or kwargs.get("use_mlock"):
+                raise ValueError(
+                    "with a RAM budget the model's other weights are read into RAM and its experts stay in "
+                    "the file: use_mmap and use_mlock do not apply"
+                )
+            kwargs["use_mmap"] = False
         # checked before loading: a sidecar made for another model fails in milliseconds
         self.spice_sidecar = (
             sidecar if isinstance(sidecar, Sidecar) or sidecar is None else load_sidecar(sidecar, model_path)
@@ -122,6 +159,12 @@ class Llama(llama_cpp.Llama):
         )
         if device_budget is not None:
             self.set_device(device_budget, emulate_bandwidth, emulate_latency)
+        if ram_budget is not None:
+            try:
+                self.spice_engine.set_ram(ram_budget)
+            except Exception:
+                self.close()
+                raise
         self.set_policy(policy)
 
     @classmethod
@@ -177,6 +220,10 @@ class Llama(llama_cpp.Llama):
     @model_params.setter
     def model_params(self, value: Any) -> None:
         value.tensor_buft_overrides = ctypes.addressof(self._spice_overrides)
+        if self._spice_experts_on_disk:
+            # experts mapped from the file, never read at load (the rest is read into RAM:
+            # use_mmap=False, which llama_cpp turns into the load mode after this point)
+            value.lazy_mode = LLAMA_LAZY_MODE_EXPERTS
         self._spice_model_params = value
 
     # ---- device tier ----------------------------------------------------------------
@@ -260,14 +307,21 @@ class Llama(llama_cpp.Llama):
         try:
             super().eval(tokens)
         except RuntimeError:
+            self._raise_decode_failure()
             if self._spice_runtime is not None and self._spice_runtime.take_interrupt():
                 raise KeyboardInterrupt from None
             raise
+        self._raise_decode_failure()
         self.spice_engine.record_eval(len(tokens), time.perf_counter() - start)
         if self._spice_runtime is not None:
             if self._spice_runtime.take_interrupt():
                 raise KeyboardInterrupt
             self._spice_runtime.report_rejections()
+
+    def _raise_decode_failure(self) -> None:
+        failure = self._spice_runtime.take_failure() if self._spice_runtime is not None else None
+        if failure is not None:
+            raise DecodeFailedError(native().SPICE_ERR_INTERNAL, f"pyspice: {failure}")
 
     # ---- stats -----------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ runtime to abort the running llama_decode and is re-raised by the API layer.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import sys
 import threading
@@ -57,6 +58,10 @@ _COUNTER_FIELDS = (
     "device_collects",
     "launch_ns",
     "collect_ns",
+    "disk_read_bytes",
+    "disk_reads",
+    "scratch_reads",
+    "scratch_ns",
 )
 
 
@@ -66,6 +71,11 @@ class SpiceError(RuntimeError):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
+
+
+class DecodeFailedError(SpiceError):
+    """libspice stopped a decode because it could not go on exactly (the message
+    says why: e.g. a read of the model file failed); nothing was generated from it."""
 
 
 class IncompatibleModelError(SpiceError):
@@ -124,6 +134,7 @@ def native() -> Any:
 
 DEVICE_EMULATED = 0  # spice_device_kind
 DEVICE_CUDA = 1
+DEVICE_DISK = 2  # slots in RAM, copies read from the model file (edge mode)
 
 
 def device_count() -> int:
@@ -182,9 +193,16 @@ class StoreParams:
     manual_clock: bool = False  # tests: time moves only through Store.advance
     device_kind: int = DEVICE_EMULATED  # DEVICE_CUDA: slots on a real GPU (CUDA builds)
     device_index: int = 0
+    path: str | None = None  # DEVICE_DISK: the file experts are read from
+    io_threads: int = 0  # DEVICE_DISK: reader threads (0: libspice's default, 4)
+    io_fault_after: int = 0  # DEVICE_DISK, tests only: reads after this many fail with EIO
 
-    def to_c(self, ffi: Any) -> Any:
+    def to_c(self, ffi: Any) -> tuple[Any, Any]:
+        """The C struct, and what must outlive the call it is passed to (the path:
+        libspice copies what it keeps before that call returns)."""
         p = ffi.new("spice_store_params *")
+        path = ffi.new("char[]", os.fsencode(self.path)) if self.path is not None else ffi.NULL
+        p.path = path
         p.budget_bytes = self.budget_bytes
         p.bandwidth_gbps = self.bandwidth_gbps
         p.latency_us = self.latency_us
@@ -192,7 +210,9 @@ class StoreParams:
         p.manual_clock = int(self.manual_clock)
         p.device_kind = self.device_kind
         p.device_index = self.device_index
-        return p
+        p.io_threads = self.io_threads
+        p.io_fault_after = self.io_fault_after
+        return p, path
 
 
 class Store:
@@ -203,8 +223,9 @@ class Store:
         self._n = _Native.get()
         ffi, lib = self._n.ffi, self._n.lib
         out = ffi.new("spice_store **")
+        cparams, _path = params.to_c(ffi)
         status = lib.spice_store_create(
-            params.to_c(ffi),
+            cparams,
             len(n_expert),
             ffi.new("int32_t[]", n_expert),
             ffi.new("uint64_t[]", expert_bytes),
@@ -473,7 +494,7 @@ class Runtime:
     def set_device(self, params: StoreParams | None) -> None:
         """Give the runtime a device tier (emulated on CPU-only builds), or remove it."""
         ffi, lib = self._n.ffi, self._n.lib
-        cparams = params.to_c(ffi) if params is not None else ffi.NULL
+        cparams, _path = params.to_c(ffi) if params is not None else (ffi.NULL, None)
         status = lib.spice_runtime_set_store(self._rt, cparams)
         if status == lib.SPICE_ERR_BUDGET:  # smaller than one expert, or than the loaded surrogates
             raise SpiceError(status, self.last_error())
@@ -761,6 +782,17 @@ class Runtime:
         self._interrupted = False
         lib.spice_runtime_clear_abort(self._rt)
         return hit
+
+    def take_failure(self) -> str | None:
+        """Why libspice itself stopped the last decode (a disk tier's read error, no
+        memory for the executors), once; None when it did not."""
+        lib = self._n.lib
+        if not lib.spice_runtime_failed(self._rt):
+            return None
+        message = self.last_error()
+        self._interrupted = False
+        lib.spice_runtime_clear_abort(self._rt)
+        return message
 
     def last_error(self) -> str:
         return str(

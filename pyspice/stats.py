@@ -45,6 +45,11 @@ class Counters:
     device_collects: int = 0  # collections of device results
     launch_ns: int = 0
     collect_ns: int = 0
+    # a disk tier (edge mode): what was read from the model file
+    disk_read_bytes: int = 0  # widened to the file system's alignment
+    disk_reads: int = 0
+    scratch_reads: int = 0  # experts read for one call only (host actions on absent experts)
+    scratch_ns: int = 0  # time waiting for them
 
     def add(self, other: Counters) -> None:
         for f in fields(self):
@@ -98,6 +103,10 @@ def _counter_record(c: Counters, decoded_tokens: int) -> dict[str, Any]:
         "policy_quiet_share": _ratio(c.policy_quiet, c.policy_calls + c.policy_quiet),
         "policy_fallbacks": c.policy_fallbacks,
         "store_us_per_call": _ratio(c.store_ns / 1e3, c.hook_calls),
+        "disk_read_bytes": c.disk_read_bytes,
+        "disk_read_bytes_per_token": _ratio(c.disk_read_bytes, decoded_tokens),
+        "disk_scratch_reads": c.scratch_reads,
+        "disk_scratch_ms_per_token": _ratio(c.scratch_ns / 1e6, decoded_tokens),
         "per_call": _per_call_record(c),
     }
 

@@ -150,6 +150,12 @@ typedef struct spice_counters {
     uint64_t device_collects; /* collections of device results */
     uint64_t launch_ns;       /* time spent launching device work */
     uint64_t collect_ns;      /* time spent waiting for device results */
+    /* a disk tier (SPICE_DEVICE_DISK): what was read from the file, by the
+     * call during which it landed or was asked for */
+    uint64_t disk_read_bytes; /* bytes read, widened to the file system's alignment */
+    uint64_t disk_reads;      /* read requests (one per matrix of an expert) */
+    uint64_t scratch_reads;   /* experts read for one call only (host actions on absent experts) */
+    uint64_t scratch_ns;      /* time waiting for them */
 } spice_counters;
 
 /* Add each activation's outcome (DESIGN section 11) to c: n actions with,
@@ -262,7 +268,9 @@ typedef struct spice_store spice_store;
 
 typedef enum spice_device_kind {
     SPICE_DEVICE_EMULATED = 0, /* slots in host memory, virtual bus */
-    SPICE_DEVICE_CUDA     = 1  /* slots on CUDA device `device_index` */
+    SPICE_DEVICE_CUDA     = 1, /* slots on CUDA device `device_index` */
+    SPICE_DEVICE_DISK     = 2  /* slots in RAM, copies read from the model file (`path`), O_DIRECT
+                                  where the file system allows, on `io_threads` reader threads */
 } spice_device_kind;
 
 /* CUDA devices this libspice can use: 0 on a CPU-only build. */
@@ -276,9 +284,13 @@ typedef struct spice_store_params {
     double   bandwidth_gbps;     /* bus bandwidth, 1e9 bytes per second */
     double   latency_us;         /* per-copy latency */
     int32_t  prefetch_queue_max; /* prefetches queued but not started; <= 0: 64 */
-    int32_t  manual_clock;       /* 1: time moves only via spice_store_advance (emulated only) */
+    int32_t  manual_clock;       /* 1: time moves only via spice_store_advance (emulated, disk) */
     int32_t  device_kind;        /* spice_device_kind; 0 (zeroed params) = emulated */
     int32_t  device_index;       /* CUDA device for SPICE_DEVICE_CUDA */
+    /* SPICE_DEVICE_DISK only */
+    const char * path;           /* the file experts are read from (a runtime's: the model's GGUF) */
+    int32_t  io_threads;         /* reader threads; <= 0: 4 */
+    int32_t  io_fault_after;     /* tests: every read after this many fails with EIO; 0: never */
 } spice_store_params;
 
 typedef enum spice_residency {
@@ -466,6 +478,10 @@ SPICE_API void spice_runtime_reset_counters(spice_runtime * rt);
  * stops the current llama_decode. Reading clears nothing; clear it explicitly. */
 SPICE_API int spice_runtime_abort_requested(const spice_runtime * rt);
 SPICE_API void spice_runtime_clear_abort(spice_runtime * rt);
+/* 1 when the runtime itself stopped the decode because it could not go on
+ * exactly (a read error from a disk tier, no memory for the executors):
+ * spice_runtime_last_error says why. Cleared by spice_runtime_clear_abort. */
+SPICE_API int spice_runtime_failed(const spice_runtime * rt);
 
 /* Number of plan rejections and policy failures so far; last_error holds the
  * latest message, so a caller that sees the count grow can warn once. */

@@ -54,7 +54,7 @@ static int cuda_issue(spice_device * dev, int32_t slot, const spice_device_copy 
     for (int k = 0; k < 3; ++k) {
         seg[k].src = copy->src[k];
         seg[k].dst_offset = copy->dst_offset[k];
-        seg[k].size = copy->size[k];
+        seg[k].size = copy->src[k] != NULL ? copy->size[k] : 0; /* unbound: no bytes move */
         seg[k].pad = copy->pad[k];
     }
     if (spice_cuda_copy_issue(cd->cu, slot, seg) != SPICE_OK) {
@@ -161,6 +161,9 @@ static const spice_device_i cuda_iface = {
     /* .exec_begin     = */ cuda_exec_begin,
     /* .exec_end       = */ cuda_exec_end,
     /* .host_prepare   = */ cuda_host_prepare,
+    /* .host_read      = */ NULL,
+    /* .io_totals      = */ NULL,
+    /* .last_error     = */ NULL,
 };
 
 static int cuda_create(const spice_device_params * p, spice_clock * clock, spice_device ** out, char * err,

@@ -148,6 +148,9 @@ static const spice_device_i emulated_iface = {
     /* .exec_begin     = */ NULL,
     /* .exec_end       = */ NULL,
     /* .host_prepare   = */ NULL,
+    /* .host_read      = */ NULL,
+    /* .io_totals      = */ NULL,
+    /* .last_error     = */ NULL,
 };
 
 static int emulated_create(const spice_device_params * p, spice_clock * clock, spice_device ** out, char * err,
@@ -197,6 +200,7 @@ const spice_device_type * spice_device_type_of(int32_t kind) {
     switch (kind) {
         case SPICE_DEVICE_EMULATED: return &spice_device_type_emulated;
         case SPICE_DEVICE_CUDA:     return &spice_device_type_cuda;
+        case SPICE_DEVICE_DISK:     return &spice_device_type_disk;
         default:                    return NULL;
     }
 }

@@ -12,7 +12,10 @@
  *             (spice-device-emulated.c)
  *   cuda      slots in GPU memory, copies on a CUDA stream, ggml's CUDA
  *             kernels for execution (spice-device-cuda.c over spice-cuda.c)
- * A disk tier (slots in RAM, copies are file reads) fits the same shape.
+ *   disk      slots in RAM, copies are reads of the model file on reader
+ *             threads (spice-device-disk.c); it does not compute, and the
+ *             host weights it would copy from are not in memory, so a host
+ *             action reads its expert first (host_read)
  *
  * Every call comes from one thread at a time (thread 0 of the graph). */
 #ifndef SPICE_DEVICE_H
@@ -26,11 +29,13 @@
 #include <stdint.h>
 
 /* Where one layer's experts come from and go to: expert e's matrix k (gate,
- * up, down) starts at base[k] + e * stride[k] in host memory and is size[k]
- * bytes; in a slot it goes to dst_offset[k], followed by pad[k] zero bytes
- * (ggml's CUDA kernels read past a matrix's last row). */
+ * up, down) starts at base[k] + e * stride[k] in host memory (at
+ * file_offset[k] + e * stride[k] in the model file) and is size[k] bytes;
+ * in a slot it goes to dst_offset[k], followed by pad[k] zero bytes (ggml's
+ * CUDA kernels read past a matrix's last row). */
 typedef struct spice_store_source {
     const char * base[3];
+    uint64_t file_offset[3];
     size_t stride[3];
     size_t size[3];
     size_t dst_offset[3];
@@ -40,10 +45,12 @@ typedef struct spice_store_source {
 /* One expert's copy into a slot. */
 typedef struct spice_device_copy {
     const char * src[3];
+    uint64_t file_offset[3];
     size_t size[3];
     size_t dst_offset[3];
     size_t pad[3];
     uint64_t bytes; /* what the bus carries (the expert's bytes as the budget charges them) */
+    int32_t priority; /* SPICE_PRIORITY_*: a device with its own queue serves demand first */
 } spice_device_copy;
 
 typedef struct spice_device spice_device;
@@ -84,6 +91,18 @@ typedef struct spice_device_i {
     /* Make host ranges that copies read from fast to copy (a CUDA device
      * page-locks them); returns the bytes it could not. NULL: nothing to do. */
     uint64_t (*host_prepare)(spice_device * dev, const void * const * data, const size_t * size, int32_t n);
+
+    /* ---- devices whose sources are not in host memory (NULL otherwise) ---- */
+    /* Read n experts into host buffers dst[i] (packed layout) now, ahead of
+     * every queued copy; blocks until all have landed; *wait_ns = time
+     * waited. SPICE_ERR_INTERNAL on a read error (last_error says which). */
+    int (*host_read)(spice_device * dev, const spice_device_copy * copies, char * const * dst, int32_t n,
+                     uint64_t * wait_ns);
+    /* Bytes read and read requests so far (cumulative). */
+    void (*io_totals)(spice_device * dev, uint64_t * bytes, uint64_t * reads);
+    /* The first failure, or NULL while every copy succeeded. A failed copy
+     * never lands: polls leave it in flight and a wait on it fails. */
+    const char * (*last_error)(spice_device * dev);
 } spice_device_i;
 
 struct spice_device {
@@ -97,6 +116,9 @@ typedef struct spice_device_params {
     int32_t device_index;   /* which GPU */
     int32_t n_slots;
     size_t  slot_stride;    /* bytes of one slot (the largest layer layout) */
+    const char * path;      /* disk: the file copies read from */
+    int32_t io_threads;     /* disk: reader threads */
+    int32_t io_fault_after; /* disk, tests: reads after this many fail */
 } spice_device_params;
 
 /* A kind of device: how it lays an expert out in a slot, and how to make one. */
@@ -111,6 +133,7 @@ typedef struct spice_device_type {
 
 extern const spice_device_type spice_device_type_emulated;
 extern const spice_device_type spice_device_type_cuda;
+extern const spice_device_type spice_device_type_disk;
 
 /* The type of a spice_device_kind value, or NULL for an unknown one. */
 const spice_device_type * spice_device_type_of(int32_t kind);

@@ -64,12 +64,32 @@ struct spice_runtime {
     float * device_y;          /* verify mode: where the device's rows go instead of the host's */
     uint64_t unpinned_bytes;   /* CUDA: expert weight bytes that could not be page-locked */
     spice_cuda_verify * verify; /* SPICE_CUDA_VERIFY=1 only */
+    atomic_int failed;         /* the runtime stopped the decode itself (spice_runtime_failed) */
+    struct {                   /* a tier without host weights in memory (spice-runtime-host-read.c) */
+        uint8_t * wanted;      /* [max_n_expert] */
+        int32_t * experts;     /* [max_n_expert] read for this call */
+        spice_device_copy * copies; /* [max_n_expert] */
+        char ** dst;           /* [max_n_expert] */
+        char * buf;            /* the call's scratch */
+        size_t cap;
+        uint64_t bytes_seen, reads_seen; /* the tier's read totals already booked */
+    } host_read;
 };
 
 /* Validates the plan the policy wrote into call against the runtime's
  * layers and loaded surrogates; on failure writes a message into err and
  * returns SPICE_ERR_INVALID_PLAN. */
 int spice_plan_validate(const spice_runtime * rt, const spice_policy_call * call, char * err, size_t err_len);
+
+/* Reads the experts this call runs on the host into scratch when the tier's
+ * host weights are not in memory (a disk tier), and books the tier's reads;
+ * not SPICE_OK when the call cannot run exactly (last_error says why). */
+int spice_runtime_read_host_experts(spice_runtime * rt, int32_t il, const spice_policy_call * call);
+/* The tier's reads since the last booking, into layer il's counters (il < 0:
+ * only move the baseline, e.g. after a preload or a new tier). */
+void spice_runtime_book_io(spice_runtime * rt, int32_t il);
+int spice_runtime_host_read_init(spice_runtime * rt);
+void spice_runtime_host_read_free(spice_runtime * rt);
 
 /* The surrogate of (il, e), or NULL when none is loaded. */
 const spice_surrogate * spice_runtime_surrogate(const spice_runtime * rt, int32_t il, int32_t e);

@@ -4,6 +4,7 @@
  * Plans are applied by the store itself (spice_store_apply_plan). */
 #include "spice-runtime-internal.h"
 
+#include "gguf.h"
 #include "llama.h"
 
 #include <stdio.h>
@@ -27,6 +28,38 @@ static uint64_t prepare_host_weights(const spice_runtime * rt, spice_device * de
         }
     }
     return dev->iface->host_prepare(dev, data, size, n);
+}
+
+/* A disk tier reads experts from the model file: where each layer's expert
+ * tensors start in it, from the file's own header (gguf), checked against
+ * the tensors llama.cpp made. */
+static int bind_file_offsets(spice_runtime * rt, const char * path, spice_store_source * sources) {
+    struct gguf_init_params gp = { /* .no_alloc = */ true, /* .ctx = */ NULL };
+    struct gguf_context * g = path != NULL ? gguf_init_from_file(path, gp) : NULL;
+    if (g == NULL) {
+        snprintf(rt->last_error, sizeof(rt->last_error), "a disk tier cannot read the GGUF header of %s",
+                 path ? path : "(no path given)");
+        return SPICE_ERR_INVALID_ARG;
+    }
+    int status = SPICE_OK;
+    for (int32_t il = 0; il < rt->n_layers && status == SPICE_OK; ++il) {
+        const spice_expert_layer * L = &rt->layers[il];
+        const spice_expert_matrix * mats[3] = { &L->gate, &L->up, &L->down };
+        for (int k = 0; L->is_moe && k < 3 && status == SPICE_OK; ++k) {
+            const struct ggml_tensor * t = mats[k]->tensor;
+            const int64_t id = gguf_find_tensor(g, t->name);
+            if (id < 0 || gguf_get_tensor_size(g, id) != ggml_nbytes(t)) {
+                snprintf(rt->last_error, sizeof(rt->last_error),
+                         "%s does not hold tensor %s as loaded (a split GGUF? a disk tier reads experts from "
+                         "one file: merge it with llama-gguf-split --merge)", path, t->name);
+                status = SPICE_ERR_INCOMPATIBLE;
+                break;
+            }
+            sources[il].file_offset[k] = (uint64_t) (gguf_get_data_offset(g) + gguf_get_tensor_offset(g, id));
+        }
+    }
+    gguf_free(g);
+    return status;
 }
 
 int spice_runtime_set_store(spice_runtime * rt, const spice_store_params * params) {
@@ -57,14 +90,19 @@ int spice_runtime_set_store(spice_runtime * rt, const spice_store_params * param
         return status;
     }
     const spice_device_type * type = spice_device_type_of(params->device_kind);
+    spice_store_source sources[rt->n_layers > 0 ? rt->n_layers : 1];
+    memset(sources, 0, sizeof(sources));
+    if (params->device_kind == SPICE_DEVICE_DISK && (status = bind_file_offsets(rt, params->path, sources)) != SPICE_OK) {
+        spice_store_free(store);
+        return status;
+    }
     size_t slot_stride = 0;
     for (int32_t il = 0; il < rt->n_layers; ++il) {
         const spice_expert_layer * L = &rt->layers[il];
         if (!L->is_moe) {
             continue;
         }
-        spice_store_source src;
-        memset(&src, 0, sizeof(src));
+        spice_store_source src = sources[il];
         const spice_expert_matrix * mats[3] = { &L->gate, &L->up, &L->down };
         for (int k = 0; k < 3; ++k) {
             src.base[k] = (const char *) mats[k]->tensor->data;
@@ -80,7 +118,8 @@ int spice_runtime_set_store(spice_runtime * rt, const spice_store_params * param
         }
     }
     const spice_device_params dp = { params->bandwidth_gbps, params->latency_us, params->device_index,
-                                     spice_store_n_slots(store), slot_stride };
+                                     spice_store_n_slots(store), slot_stride, params->path, params->io_threads,
+                                     params->io_fault_after };
     spice_device * dev = NULL;
     status = type->create(&dp, spice_store_clock(store), &dev, rt->last_error, sizeof(rt->last_error));
     if (status == SPICE_OK && (status = spice_store_attach_device(store, dev)) != SPICE_OK) {
@@ -108,6 +147,7 @@ int spice_runtime_set_store(spice_runtime * rt, const spice_store_params * param
         return SPICE_ERR_BUDGET;
     }
     rt->store = store;
+    rt->host_read.bytes_seen = rt->host_read.reads_seen = 0; /* a new device's totals start at 0 */
     return SPICE_OK;
 }
 
@@ -138,6 +178,7 @@ done:
     }
     /* a preload is set-up, not service: it does not count as traffic or stalls */
     spice_store_reset_counters(rt->store);
+    spice_runtime_book_io(rt, -1);
     if (n_loaded) {
         *n_loaded = n;
     }

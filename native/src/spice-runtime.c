@@ -397,6 +397,14 @@ static void plan_call(spice_runtime * rt, const struct llama_moe_hook_call * hc)
     spice_counters * c = &rt->counters[hc->il];
     c->hook_calls++;
     spice_counters_add_outcomes(c, call.actions, rt->plan.hit, n_pairs);
+    if (spice_runtime_read_host_experts(rt, hc->il, &call) != SPICE_OK) {
+        /* no bytes to run some experts on: no output from this call, and the decode stops */
+        atomic_store(&rt->failed, 1);
+        atomic_store(&rt->abort_requested, 1);
+        rt->host.failed = 1;
+        rt->host.job.layer = NULL;
+        return;
+    }
     execute_call(rt, hc, &call);
 }
 
@@ -489,6 +497,7 @@ int spice_runtime_create(struct llama_context * lctx, spice_runtime ** out, char
     spice_host_exec_init(&rt->host);
     spice_surrogate_exec_init(&rt->surrogate_exec);
     atomic_init(&rt->abort_requested, 0);
+    atomic_init(&rt->failed, 0);
 
     int n_moe = 0;
     for (int32_t il = 0; il < n_layers; ++il) {
@@ -525,7 +534,8 @@ int spice_runtime_create(struct llama_context * lctx, spice_runtime ** out, char
     rt->n_expert_of = (int32_t *) calloc((size_t) n_layers, sizeof(int32_t));
     rt->surrogate_mask = (uint8_t *) calloc((size_t) n_layers * (size_t) rt->max_n_expert, 1);
     rt->matrix_offset = (size_t (*)[3]) calloc((size_t) n_layers, sizeof(*rt->matrix_offset));
-    if (rt->n_expert_of == NULL || rt->surrogate_mask == NULL || rt->matrix_offset == NULL) {
+    if (rt->n_expert_of == NULL || rt->surrogate_mask == NULL || rt->matrix_offset == NULL ||
+        spice_runtime_host_read_init(rt) != SPICE_OK) {
         write_err(err, err_len, "out of memory");
         spice_runtime_free(rt);
         return SPICE_ERR_NO_MEMORY;
@@ -550,6 +560,7 @@ void spice_runtime_free(spice_runtime * rt) {
     spice_runtime_clear_surrogates(rt);
     spice_surrogate_exec_free(&rt->surrogate_exec);
     spice_store_free(rt->store);
+    spice_runtime_host_read_free(rt);
     plan_free(&rt->plan);
     free(rt->layers);
     free(rt->counters);
@@ -640,8 +651,13 @@ int spice_runtime_abort_requested(const spice_runtime * rt) {
     return rt ? atomic_load(&rt->abort_requested) : 0;
 }
 
+int spice_runtime_failed(const spice_runtime * rt) {
+    return rt ? atomic_load(&rt->failed) : 0;
+}
+
 void spice_runtime_clear_abort(spice_runtime * rt) {
     if (rt != NULL) {
+        atomic_store(&rt->failed, 0);
         atomic_store(&rt->abort_requested, 0);
     }
 }

@@ -67,19 +67,27 @@ static int32_t next_queued(const spice_store * s) {
     return best;
 }
 
-static spice_device_copy device_copy(const spice_store * s, const spice_copy * c) {
-    const spice_store_source * src = &s->sources[c->il];
-    spice_device_copy dc;
-    memset(&dc, 0, sizeof(dc));
+void spice_store_expert_copy(const spice_store * s, int32_t il, int32_t e, spice_device_copy * dc) {
+    const spice_store_source * src = &s->sources[il];
+    memset(dc, 0, sizeof(*dc));
     for (int k = 0; k < 3; ++k) {
-        if (src->base[k] != NULL) { /* unbound layers (standalone stores) move no bytes */
-            dc.src[k] = src->base[k] + (size_t) c->e * src->stride[k];
-            dc.size[k] = src->size[k];
+        if (src->base[k] != NULL) { /* unbound layers (standalone stores) move no bytes from memory */
+            dc->src[k] = src->base[k] + (size_t) e * src->stride[k];
         }
-        dc.dst_offset[k] = src->dst_offset[k];
-        dc.pad[k] = src->pad[k];
+        dc->file_offset[k] = src->file_offset[k] + (uint64_t) e * src->stride[k];
+        dc->size[k] = src->size[k];
+        dc->dst_offset[k] = src->dst_offset[k];
+        dc->pad[k] = src->pad[k];
     }
+    dc->bytes = s->expert_bytes[il];
+    dc->priority = SPICE_PRIORITY_DEMAND;
+}
+
+static spice_device_copy device_copy(const spice_store * s, const spice_copy * c) {
+    spice_device_copy dc;
+    spice_store_expert_copy(s, c->il, c->e, &dc);
     dc.bytes = c->bytes;
+    dc.priority = c->priority;
     return dc;
 }
 
@@ -121,7 +129,7 @@ int spice_store_create_unattached(const spice_store_params * params, int32_t n_l
                                   const uint64_t * expert_bytes, spice_store ** out) {
     if (out == NULL || params == NULL || n_layers <= 0 || n_expert == NULL || expert_bytes == NULL ||
         !(params->bandwidth_gbps > 0.0) || params->latency_us < 0.0 || spice_device_type_of(params->device_kind) == NULL ||
-        (params->device_kind != SPICE_DEVICE_EMULATED && params->manual_clock)) {
+        (params->device_kind == SPICE_DEVICE_CUDA && params->manual_clock)) {
         return SPICE_ERR_INVALID_ARG;
     }
     *out = NULL;
@@ -213,9 +221,24 @@ int spice_store_create(const spice_store_params * params, int32_t n_layers, cons
     if (status != SPICE_OK) {
         return status;
     }
-    /* no layers bound: slots hold experts back to back, no bytes move */
+    /* no host weights bound: slots hold experts back to back and no bytes
+     * move, except on a disk device, which reads the file as if it held the
+     * layers' experts back to back from offset 0 */
+    if (params->device_kind == SPICE_DEVICE_DISK) {
+        uint64_t offset = 0;
+        for (int32_t il = 0; il < n_layers; ++il) {
+            spice_store_source src;
+            memset(&src, 0, sizeof(src));
+            src.file_offset[0] = offset;
+            src.stride[0] = (size_t) expert_bytes[il];
+            src.size[0] = (size_t) expert_bytes[il];
+            s->sources[il] = src;
+            offset += (uint64_t) n_expert[il] * expert_bytes[il];
+        }
+    }
     const spice_device_params dp = { params->bandwidth_gbps, params->latency_us, params->device_index, s->n_slots,
-                                     (size_t) s->slot_bytes };
+                                     (size_t) s->slot_bytes, params->path, params->io_threads,
+                                     params->io_fault_after };
     spice_device * dev = NULL;
     status = spice_device_type_of(params->device_kind)->create(&dp, &s->clock, &dev, NULL, 0);
     if (status == SPICE_OK) {

@@ -52,12 +52,10 @@ def check_bus(bandwidth_gbps: float | None, latency_us: float | None) -> None:
         raise ValueError(f"--emulate-latency {latency_us}: must be a number of microseconds, 0 or more")
 
 
-def check_budget_value(budget: str | int | float | None) -> None:
+def check_budget_value(budget: str | int | float | None, what: str = "device budget") -> None:
     """A budget given as a number is whole bytes, at least 1 (a share is the string "25%")."""
     if budget is None or isinstance(budget, str):
         return
     if isinstance(budget, bool) or not isinstance(budget, int):
-        raise ValueError(
-            f"device budget {budget!r}: give bytes as an integer, or a string such as '2GiB' or '25%'"
-        )
-    check_at_least("device budget", budget, 1, "bytes; or a string such as '2GiB' or '25%'")
+        raise ValueError(f"{what} {budget!r}: give bytes as an integer, or a string such as '2GiB' or '25%'")
+    check_at_least(what, budget, 1, "bytes; or a string such as '2GiB' or '25%'")

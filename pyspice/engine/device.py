@@ -36,8 +36,16 @@ class DeviceTier:
     latency_us: float
     emulated: bool
     device_name: str = ""
+    disk: bool = False  # edge mode: slots in RAM, experts read from the model file
 
     def describe(self) -> str:
+        if self.disk:
+            return (
+                f"{self.device_name}: RAM budget {self.budget} = {format_bytes(self.budget_bytes)} of "
+                f"{format_bytes(self.expert_bytes)} routed-expert bytes, about {self.holds} of "
+                f"{self.experts} experts; disk estimated at {self.bandwidth_gbps:g} GB/s + "
+                f"{self.latency_us:g} us per read"
+            )
         kind = "emulated device" if self.emulated else (self.device_name or "device")
         return (
             f"{kind}: budget {self.budget} = {format_bytes(self.budget_bytes)} of "

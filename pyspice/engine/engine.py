@@ -24,7 +24,8 @@ import numpy.typing as npt
 from pyspice.engine.blas_threads import limit_blas_threads
 from pyspice.engine.checks import check_budget_value, check_bus
 from pyspice.engine.device import DeviceTier, automatic_budget, store_params
-from pyspice.engine.profile import profile_for_tier, saved_profile
+from pyspice.engine.disk import disk_store_params
+from pyspice.engine.profile import profile_for_tier, saved_disk, saved_profile
 from pyspice.engine.surrogates import (
     SURROGATE_BUDGET_SHARE,
     SurrogateSet,
@@ -144,7 +145,70 @@ class Engine:
             self.set_policy(self.policy_name)
         return self.device
 
+    def set_ram(
+        self,
+        budget: str | int,
+        *,
+        bandwidth_gbps: float | None = None,
+        latency_us: float | None = None,
+        io_threads: int = 0,
+        io_fault_after: int = 0,
+        manual_clock: bool = False,
+    ) -> DeviceTier:
+        """Edge mode's tier (engine/disk.py): a RAM slot pool of `budget` ("2GiB", "50%"
+        of routed-expert bytes, or bytes) filled by reads of the model file. The model
+        must have been loaded with its experts left in the file (Llama(ram_budget=...)).
+        `bandwidth_gbps`/`latency_us` are the disk as policies should estimate it
+        (default: what `pyspice probe` saved, else DEFAULT_DISK_*); io_fault_after is a
+        test-only fault hook: every read after that many fails."""
+        check_budget_value(budget)
+        check_bus(bandwidth_gbps, latency_us)
+        runtime = self.require_runtime()
+        total = self.expert_bytes()
+        spec = parse_budget(budget) if isinstance(budget, str) else Budget(bytes=int(budget))
+        measured = saved_disk(self.model_path)
+        params = disk_store_params(
+            spec,
+            total,
+            self.model_path,
+            bandwidth_gbps=bandwidth_gbps if bandwidth_gbps is not None else measured[0],
+            latency_us=latency_us if latency_us is not None else measured[1],
+            io_threads=io_threads,
+            io_fault_after=io_fault_after,
+            manual_clock=manual_clock,
+        )
+        runtime.set_device(params)
+        self.device_params = params
+        n_experts = sum(info.n_expert for info in self.layers() if info.is_moe)
+        self.device = DeviceTier(
+            budget=str(spec),
+            budget_bytes=params.budget_bytes,
+            holds=min(n_experts, int(params.budget_bytes * n_experts / max(1, total))),
+            experts=n_experts,
+            expert_bytes=total,
+            bandwidth_gbps=params.bandwidth_gbps,
+            latency_us=params.latency_us,
+            emulated=False,
+            device_name=f"RAM slot pool, experts read from {self.model_path.name}",
+            disk=True,
+        )
+        if self.custom_policy is not None:
+            self.set_policy(self.custom_policy)
+        elif self.policy_name != "stock":
+            self.set_policy(self.policy_name)
+        return self.device
+
+    @property
+    def experts_on_disk(self) -> bool:
+        """The tier in use reads experts from the file (no host copy of them exists)."""
+        return self.device is not None and self.device.disk
+
     def clear_device(self) -> None:
+        if self.experts_on_disk:
+            raise ValueError(
+                "the model's routed experts are in its file only (loaded with a RAM budget): it cannot "
+                "run without its RAM tier; give another budget with set_ram, or load it without one"
+            )
         self.require_runtime().set_device(None)
         self.device_params = None
         self.device = None
@@ -204,6 +268,12 @@ class Engine:
             self.max_hook_tokens = max_hook_tokens
         if isinstance(policy, str):
             spec = policy_spec(policy)
+            if spec.kind == "stock" and self.experts_on_disk:
+                raise ValueError(
+                    "policy 'stock' leaves the hook off, and with a RAM budget the routed experts are not "
+                    "in memory for upstream's path: use 'exact' (the bench's 'upstream' row runs plain "
+                    "llama.cpp from its mmap)"
+                )
             if spec.kind == "stock":
                 if self.runtime is not None:
                     self.runtime.disable()
@@ -275,6 +345,12 @@ class Engine:
             surrogate_error=self._surrogate_errors,
             surrogates_loaded=runtime.n_surrogates() > 0,
             reserved_bytes=runtime.surrogate_bytes(),
+            host_weights_in_memory=not self.experts_on_disk,
+            tier_bus=(
+                (self.device_params.bandwidth_gbps, self.device_params.latency_us)
+                if self.experts_on_disk and self.device_params is not None
+                else None
+            ),
         )
 
     def _profile(self) -> CostProfile | None:

@@ -68,6 +68,11 @@ class PolicyContext:
     surrogate_error: ErrorLoader = field(default=_no_errors, compare=False)
     surrogates_loaded: bool = False
     reserved_bytes: int = 0  # device bytes held besides experts (surrogate matrices)
+    # False on edge mode's disk tier: a host action on an absent expert reads it from
+    # the file first (as long as a fetch), so fetching it is never worse
+    host_weights_in_memory: bool = True
+    # the tier's (GB/s, us per copy) where no profile says better (set for the disk tier)
+    tier_bus: tuple[float, float] | None = None
 
     @property
     def moe_layers(self) -> tuple[int, ...]:

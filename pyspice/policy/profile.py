@@ -39,6 +39,9 @@ class CostProfile:
     device_expert_us: float
     device_source: str
     batches: list[BatchCost] = field(default_factory=list)
+    # the model file's disk, for edge mode's tier (None: not measured)
+    disk_gbps: float | None = None
+    disk_latency_us: float | None = None
 
     @property
     def bus_emulated(self) -> bool:

@@ -37,6 +37,8 @@ class CostModel:
     overlap: bool  # device and host work of one layer run at the same time
     expert_bytes: tuple[int, ...]
     measured: bool
+    # a host action reads its expert from disk first (edge mode): it costs a copy too
+    host_reads: bool = False
 
     @staticmethod
     def from_context(ctx: PolicyContext) -> CostModel:
@@ -45,15 +47,17 @@ class CostModel:
         if profile is None or not profile.batches:
             mean_bytes = max(1, max(nbytes, default=1))
             host = mean_bytes / (NOMINAL_HOST_GBPS * 1e3)
+            bus = ctx.tier_bus if ctx.tier_bus is not None else (DEFAULT_BUS_GBPS, DEFAULT_LATENCY_US)
             return CostModel(
-                DEFAULT_BUS_GBPS,
-                DEFAULT_LATENCY_US,
+                bus[0],
+                bus[1],
                 ((1, host),),
                 host,
                 NOMINAL_REST_US,
                 False,
                 nbytes,
                 False,
+                host_reads=not ctx.host_weights_in_memory,
             )
         points = tuple(sorted((int(b.tokens), float(b.expert_us)) for b in profile.batches))
         rest = float(min(profile.batches, key=lambda b: b.tokens).rest_us_per_layer)
@@ -66,6 +70,7 @@ class CostModel:
             overlap=not profile.device_emulated,
             expert_bytes=nbytes,
             measured=True,
+            host_reads=not ctx.host_weights_in_memory,
         )
 
     # -- unit costs ----------------------------------------------------------------
@@ -114,8 +119,8 @@ class CostModel:
         the ones with `host_tokens` run on the host; `device_us` of device work is already
         due (hits). Host and device overlap on a real device; on the emulated one the
         wait for the copies and all compute add up."""
-        host = sum(self.host_us(n) for n in host_tokens)
         copy = self.copy_us(layer)
+        host = sum(self.host_us(n) for n in host_tokens) + (copy * len(host_tokens) if self.host_reads else 0.0)
         if not self.overlap:
             wait = bus_ahead_us + copy * len(fetched_tokens) if fetched_tokens else 0.0
             return wait + host + device_us + sum(self.device_us(n) for n in fetched_tokens)
@@ -138,6 +143,8 @@ class CostModel:
         incrementally), and only if it beats all-host by `margin` (paper section 4.3)."""
         if not miss_tokens:
             return 0
+        if self.host_reads:
+            return len(miss_tokens)  # the host would read the expert first: a fetch costs no more
         order = sorted(miss_tokens, reverse=True)
         host = [self.host_us(n) for n in order]
         dev = [self.device_us(n) for n in order]
