@@ -25,8 +25,8 @@ from typing import Any
 import llama_cpp
 
 from pyspice.engine import DeviceTier, Engine, ResolvedRun, RunConfig, SurrogateSet
-from pyspice.engine.checks import check_budget_value
-from pyspice.engine.disk import LLAMA_LAZY_MODE_EXPERTS, check_ram_budget_alone
+from pyspice.engine.checks import check_budget_value, check_ram_budget_alone
+from pyspice.engine.disk import LLAMA_LAZY_MODE_EXPERTS
 from pyspice.engine.surrogates import SurrogateSource
 from pyspice.formats.model_info import ModelFileError, read_header
 from pyspice.formats.sidecar import Sidecar
@@ -194,6 +194,7 @@ class Llama(llama_cpp.Llama):
             seed=seed if seed is not None else 0xFFFFFFFF,
             # an automatic budget is sized after loading, from what the GPU has left
             device_budget=run.device_budget,
+            ram_budget=run.ram_budget,
             emulate_bandwidth=run.emulate_bandwidth,
             emulate_latency=run.emulate_latency,
             sidecar=run.loaded_sidecar or run.sidecar,

@@ -280,6 +280,15 @@ class Store:
         """Residency as of the last poll and the store's own changes since."""
         return int(self._n.lib.spice_store_state(self._s, il, e))
 
+    def read_slot(self, il: int, e: int, size: int) -> bytes | None:
+        """The first `size` bytes of resident expert (il, e) as its slot holds them, or
+        None when it is not resident (tests check copies moved the right bytes)."""
+        ffi, lib = self._n.ffi, self._n.lib
+        buf = ffi.new("char[]", size)
+        if lib.spice_store_read_slot(self._s, il, e, buf, size) != 0:
+            return None
+        return bytes(ffi.buffer(buf, size))
+
     def poll(self) -> int:
         """One poll of the device: landed copies become resident, queued ones start."""
         return int(self._n.lib.spice_store_poll(self._s))

@@ -645,7 +645,7 @@ int spice_store_read_slot(spice_store * s, int32_t il, int32_t e, void * dst, si
     }
     const int32_t slot = *slot_ref(s, il, e);
     const spice_store_source * src = &s->sources[il];
-    if (slot < 0 || s->slots[slot].copy >= 0 || src->base[0] == NULL || s->device == NULL) {
+    if (slot < 0 || s->slots[slot].copy >= 0 || src->size[0] == 0 || s->device == NULL) {
         return SPICE_ERR_STATE;
     }
     if (size > src->size[0] + src->size[1] + src->size[2]) {

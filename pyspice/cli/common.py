@@ -70,6 +70,13 @@ def add_context_args(p: argparse.ArgumentParser) -> None:
         "bytes (25%%)",
     )
     p.add_argument(
+        "--ram-budget",
+        default=None,
+        help="edge mode: routed experts stay in the model file and a RAM slot pool of this size "
+        "(2GiB, or a share of all routed-expert bytes: 50%%) holds the resident ones, read from the "
+        "file as policies ask; every batch goes through the hook; not with --device-budget",
+    )
+    p.add_argument(
         "--emulate-bandwidth",
         type=numbers.positive_real("GB/s; PCIe 4.0 x16 is about 25"),
         default=None,
@@ -192,6 +199,7 @@ def run_config(
         model=model if model is not None else resolve_model(args),
         policy=policy if policy is not None else args.policy,
         device_budget=args.device_budget,
+        ram_budget=getattr(args, "ram_budget", None),
         emulate_bandwidth=args.emulate_bandwidth,
         emulate_latency=args.emulate_latency,
         sidecar=getattr(args, "sidecar", None),

@@ -59,3 +59,12 @@ def check_budget_value(budget: str | int | float | None, what: str = "device bud
     if isinstance(budget, bool) or not isinstance(budget, int):
         raise ValueError(f"{what} {budget!r}: give bytes as an integer, or a string such as '2GiB' or '25%'")
     check_at_least(what, budget, 1, "bytes; or a string such as '2GiB' or '25%'")
+
+
+def check_ram_budget_alone(ram_budget: object, device_budget: object) -> None:
+    """GPU + RAM + disk is a later step: one tier at a time."""
+    if ram_budget is not None and device_budget is not None:
+        raise ValueError(
+            "--ram-budget and --device-budget cannot be combined yet (a GPU tier over a RAM tier over "
+            "the disk is a later step): give one of them"
+        )

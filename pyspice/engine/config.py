@@ -20,6 +20,7 @@ from pyspice.engine.checks import (
     check_at_least,
     check_budget_value,
     check_bus,
+    check_ram_budget_alone,
     check_threads,
     warn_threads_above_cores,
 )
@@ -81,6 +82,7 @@ class RunConfig:
     model: Path
     policy: str | None = None  # a registry name (pyspice.policy.policy_names())
     device_budget: str | int | None = None  # bytes, "2GiB" or "25%" of routed-expert bytes
+    ram_budget: str | int | None = None  # edge mode: experts stay in the file, a RAM slot pool this size
     emulate_bandwidth: float | None = None  # GB/s of an emulated device's bus
     emulate_latency: float | None = None  # us per copy on it
     sidecar: Path | None = None  # None: the one beside the model, if any
@@ -103,6 +105,18 @@ class RunConfig:
             "--max-hook-tokens", self.max_hook_tokens, 0, "0 sends every micro-batch through the hook"
         )
         check_budget_value(self.device_budget)
+        check_budget_value(self.ram_budget, "--ram-budget")
+        check_ram_budget_alone(self.ram_budget, self.device_budget)
+        if self.ram_budget is not None and self.max_hook_tokens != 0:
+            raise ValueError(
+                "--ram-budget sends every micro-batch through the hook (the experts are not in memory "
+                "for upstream's path): leave --max-hook-tokens at 0"
+            )
+        if self.ram_budget is not None and self.policy == "stock":
+            raise ValueError(
+                "--policy stock leaves the hook off, and with --ram-budget the routed experts are not in "
+                "memory for upstream's path: use --policy exact"
+            )
         check_bus(self.emulate_bandwidth, self.emulate_latency)
 
     @property
@@ -114,6 +128,9 @@ class RunConfig:
         model with a sidecar, else `lru`; otherwise `exact`."""
         if self.policy is not None:
             return self.policy
+        if self.ram_budget is not None:
+            note("RAM budget given, no --policy: using 'exact' (the RAM tier preloaded as far as it goes)")
+            return "exact"
         if self.device_budget is None and self.emulate_bandwidth is None and gpu_present():
             if self._sidecar_beside() is not None:
                 note("GPU found, no --policy: using 'spice' (the model has a calibration sidecar)")
@@ -173,7 +190,12 @@ class RunConfig:
             model=self.model,
             policy=policy,
             device_budget=budget,
-            auto_budget=budget is None and gpu and summary.is_moe and policy_spec(policy).needs_device,
+            ram_budget=self.ram_budget if summary.is_moe else None,
+            auto_budget=budget is None
+            and self.ram_budget is None
+            and gpu
+            and summary.is_moe
+            and policy_spec(policy).needs_device,
             emulate_bandwidth=self.emulate_bandwidth,
             emulate_latency=self.emulate_latency,
             sidecar=sidecar,
@@ -220,6 +242,7 @@ class ResolvedRun:
     model: Path
     policy: str
     device_budget: str | int | None
+    ram_budget: str | int | None
     auto_budget: bool  # size the tier after loading, from what the GPU has left
     emulate_bandwidth: float | None
     emulate_latency: float | None

@@ -61,12 +61,3 @@ def disk_store_params(
         io_threads=io_threads,
         io_fault_after=io_fault_after,
     )
-
-
-def check_ram_budget_alone(ram_budget: object, device_budget: object) -> None:
-    """GPU + RAM + disk is a later step: one tier at a time."""
-    if ram_budget is not None and device_budget is not None:
-        raise ValueError(
-            "--ram-budget and --device-budget cannot be combined yet (a GPU tier over a RAM tier over "
-            "the disk is a later step): give one of them"
-        )

@@ -2,15 +2,23 @@
 
 Random operation sequences against a standalone store (no model); after every
 step the invariants the tiered store promises must hold. Time only moves when
-the test says so, so nothing here depends on how fast the machine is.
+the test says so, so nothing here depends on how fast the machine is. Every test
+runs on each device kind that can run without a GPU: the emulated bus, and the
+disk tier, whose copies are real reads of a file (landing by the same virtual
+timeline on this clock), their bytes checked against the file.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pyspice.runtime import Store, StoreParams
+from pyspice.runtime import DEVICE_DISK, DEVICE_EMULATED, Store, StoreParams
 
 OK, BUDGET, STATE = 0, 6, 7
 ABSENT, QUEUED, COPYING, RESIDENT = 0, 1, 2, 3
@@ -25,12 +33,34 @@ def occupancy(il: int) -> int:
     return int(LATENCY_US * 1e3 + EXPERT_BYTES[il] / BANDWIDTH_GBPS)
 
 
-def make_store(slots: int, queue: int = 4) -> Store:
-    return Store(
-        StoreParams(SLOT * slots, BANDWIDTH_GBPS, LATENCY_US, prefetch_queue_max=queue, manual_clock=True),
-        [N_EXPERT] * N_LAYERS,
-        EXPERT_BYTES,
-    )
+MakeStore = Callable[..., Store]
+
+
+@pytest.fixture(scope="module", params=["emulated", "disk"])
+def make_store(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> MakeStore:
+    """make_store(slots, queue=4): a store of `slots` largest experts on the device kind
+    of this parametrization. The disk kind reads a file holding the layers' experts back
+    to back (the standalone store's layout), random bytes."""
+    path: Path | None = None
+    if request.param == "disk":
+        path = tmp_path_factory.mktemp("disk") / "experts.bin"
+        rng = np.random.default_rng(0)
+        path.write_bytes(rng.integers(0, 256, sum(N_EXPERT * b for b in EXPERT_BYTES), np.uint8).tobytes())
+
+    def make(slots: int, queue: int = 4) -> Store:
+        params = StoreParams(
+            SLOT * slots,
+            BANDWIDTH_GBPS,
+            LATENCY_US,
+            prefetch_queue_max=queue,
+            manual_clock=True,
+            device_kind=DEVICE_DISK if path is not None else DEVICE_EMULATED,
+            path=str(path) if path is not None else None,
+        )
+        return Store(params, [N_EXPERT] * N_LAYERS, EXPERT_BYTES)
+
+    make.path = path  # type: ignore[attr-defined]
+    return make
 
 
 expert = st.tuples(st.integers(0, N_LAYERS - 1), st.integers(0, N_EXPERT - 1))
@@ -47,7 +77,7 @@ op = st.one_of(
 
 @settings(max_examples=150, deadline=None)
 @given(slots=st.integers(1, 6), ops=st.lists(op, max_size=60))
-def test_store_invariants(slots: int, ops: list[tuple[str, object]]) -> None:
+def test_store_invariants(make_store: MakeStore, slots: int, ops: list[tuple[str, object]]) -> None:
     store = make_store(slots)
     pins: dict[tuple[int, int], int] = {}
     cancelled: set[tuple[int, int]] = set()
@@ -96,6 +126,7 @@ def test_store_invariants(slots: int, ops: list[tuple[str, object]]) -> None:
                     # landed: no stall; pending: exactly its remaining time
                     assert stall == (max(0, ready - now) if before in (QUEUED, COPYING) else 0)
                     assert store.state(il, e) == RESIDENT
+                    expect_bytes(make_store, store, il, e)
         # budget: the experts on the device or on their way never exceed it, in bytes
         occupied = [
             (l2, e2) for l2 in range(N_LAYERS) for e2 in range(N_EXPERT) if store.state(l2, e2) != ABSENT
@@ -111,7 +142,18 @@ def test_store_invariants(slots: int, ops: list[tuple[str, object]]) -> None:
         assert c.prefetch_used + c.prefetch_cancelled <= c.prefetch_issued
 
 
-def test_demand_overtakes_queued_prefetches_but_not_a_copy_in_flight() -> None:
+def expect_bytes(make_store: MakeStore, store: Store, il: int, e: int) -> None:
+    """On the disk kind a landed copy holds the file's bytes of that expert."""
+    path = make_store.path  # type: ignore[attr-defined]
+    if path is None:
+        return
+    start = sum(N_EXPERT * b for b in EXPERT_BYTES[:il]) + e * EXPERT_BYTES[il]
+    with open(path, "rb") as fh:
+        fh.seek(start)
+        assert store.read_slot(il, e, EXPERT_BYTES[il]) == fh.read(EXPERT_BYTES[il])
+
+
+def test_demand_overtakes_queued_prefetches_but_not_a_copy_in_flight(make_store: MakeStore) -> None:
     store = make_store(slots=6)
     assert store.request(0, 0, demand=False) == OK  # starts at once: in flight
     assert store.request(0, 1, demand=False) == OK  # queued behind it
@@ -125,7 +167,7 @@ def test_demand_overtakes_queued_prefetches_but_not_a_copy_in_flight() -> None:
     assert store.ready_at(0, 2) == t + occupancy(1) + 2 * occupancy(0)
 
 
-def test_upgrading_a_queued_prefetch_moves_it_ahead() -> None:
+def test_upgrading_a_queued_prefetch_moves_it_ahead(make_store: MakeStore) -> None:
     store = make_store(slots=6)
     for e in range(3):
         store.request(2, e, demand=False)
@@ -133,7 +175,7 @@ def test_upgrading_a_queued_prefetch_moves_it_ahead() -> None:
     assert store.ready_at(2, 2) < store.ready_at(2, 1)
 
 
-def test_prefetch_in_time_costs_nothing_late_one_stalls_its_remainder() -> None:
+def test_prefetch_in_time_costs_nothing_late_one_stalls_its_remainder(make_store: MakeStore) -> None:
     store = make_store(slots=2)
     store.request(1, 0, demand=False)
     store.advance(occupancy(1) + 1)
@@ -145,7 +187,7 @@ def test_prefetch_in_time_costs_nothing_late_one_stalls_its_remainder() -> None:
     assert (c.prefetch_issued, c.prefetch_used, c.stall_ns) == (2, 2, occupancy(1) - 1000)
 
 
-def test_queue_bound_and_budget_are_reported() -> None:
+def test_queue_bound_and_budget_are_reported(make_store: MakeStore) -> None:
     store = make_store(slots=3, queue=1)
     assert store.request(0, 0, demand=False) == OK  # in flight: not queued
     assert store.request(0, 1, demand=False) == OK  # the one queued prefetch
@@ -156,7 +198,7 @@ def test_queue_bound_and_budget_are_reported() -> None:
     assert store.request(1, 1, demand=True) == BUDGET  # 8192 more would exceed it
 
 
-def test_other_device_data_is_charged_to_the_same_budget() -> None:
+def test_other_device_data_is_charged_to_the_same_budget(make_store: MakeStore) -> None:
     store = make_store(slots=2)  # 2 x 8192 bytes
     assert store.reserve(8192) == OK  # e.g. surrogate matrices
     assert store.request(1, 0, demand=True) == OK  # 8192: exactly full

@@ -120,7 +120,8 @@ class CostModel:
         due (hits). Host and device overlap on a real device; on the emulated one the
         wait for the copies and all compute add up."""
         copy = self.copy_us(layer)
-        host = sum(self.host_us(n) for n in host_tokens) + (copy * len(host_tokens) if self.host_reads else 0.0)
+        reads = copy * len(host_tokens) if self.host_reads else 0.0  # edge mode: read, then compute
+        host = sum(self.host_us(n) for n in host_tokens) + reads
         if not self.overlap:
             wait = bus_ahead_us + copy * len(fetched_tokens) if fetched_tokens else 0.0
             return wait + host + device_us + sum(self.device_us(n) for n in fetched_tokens)

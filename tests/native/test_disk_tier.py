@@ -1,0 +1,159 @@
+"""Edge mode: routed experts left in the GGUF file, a RAM slot pool filled by reads
+of it (the disk tier). Lossless policies stay bit-identical to the in-RAM reference
+at 25% and 50% RAM budgets on both architectures; llama.cpp never reads the experts
+at load; a read error ends the decode with a clear error."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from gguf import GGUFReader
+
+from pyspice.api import Llama
+from pyspice.runtime import DecodeFailedError
+
+from .golden import AllDevice, AllHost, greedy_run, load
+
+N_DECODE = 10
+
+
+def load_on_disk(path: Path, budget: str, **kwargs: Any) -> Llama:
+    return Llama(
+        str(path),
+        policy="exact",
+        ram_budget=budget,
+        logits_all=True,
+        verbose=False,
+        n_ctx=256,
+        n_batch=128,
+        n_ubatch=128,
+        n_threads=2,
+        n_threads_batch=2,
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("budget", ["25%", "50%"])
+@pytest.mark.parametrize("arch,quant", [("qwen2moe", "Q4_K"), ("deepseek2", "Q5_K_M")])
+def test_lossless_policies_are_bit_identical_with_experts_on_disk(
+    synth_model, arch: str, quant: str, budget: str
+) -> None:
+    path = synth_model(arch, "tiny", quant)
+    ram = load(path)
+    try:
+        ref = greedy_run(ram, "stock", n_decode=N_DECODE)
+    finally:
+        ram.close()
+    llm = load_on_disk(path, budget)
+    try:
+        assert llm.spice_device is not None and llm.spice_device.disk
+        for policy in ("exact", "lru", "ondemand", AllHost(), AllDevice()):
+            got = greedy_run(llm, policy, n_decode=N_DECODE)
+            assert np.array_equal(got.logits, ref.logits), f"{policy} with experts on disk at {budget}"
+            assert got.stats["disk_read_bytes"] > 0 or got.stats["hit_rate"] == 1.0
+        # a host action on an absent expert reads it for that call only
+        host = greedy_run(llm, AllHost(), n_decode=N_DECODE)
+        assert host.stats["disk_scratch_reads"] > 0
+    finally:
+        llm.close()
+
+
+def test_the_widened_reads_are_counted(synth_model) -> None:
+    """O_DIRECT reads whole 4 KiB blocks: the tier counts what it read, at least the
+    experts' own bytes."""
+    llm = load_on_disk(synth_model("qwen2moe", "tiny", "Q8_0"), "25%")
+    try:
+        run = greedy_run(llm, "ondemand", n_decode=N_DECODE)
+        fetched = run.stats["misses"]["fetched"]
+        assert fetched > 0
+        per_expert = llm.spice_layers()[0].bytes_per_expert or llm.spice_layers()[1].bytes_per_expert
+        assert run.stats["disk_read_bytes"] >= per_expert  # at least one expert's bytes
+    finally:
+        llm.close()
+
+
+def test_ram_budget_refuses_what_it_cannot_do(synth_model) -> None:
+    path = synth_model("qwen2moe", "tiny", "Q8_0")
+    with pytest.raises(ValueError, match="cannot be combined"):
+        Llama(str(path), ram_budget="50%", device_budget="50%", verbose=False)
+    with pytest.raises(ValueError, match="stock"):
+        Llama(str(path), ram_budget="50%", policy="stock", verbose=False)
+    with pytest.raises(ValueError, match="max-hook-tokens"):
+        Llama(str(path), ram_budget="50%", max_hook_tokens=8, verbose=False)
+    llm = load_on_disk(path, "50%")
+    try:
+        with pytest.raises(ValueError, match="stock"):
+            llm.set_policy("stock")
+        with pytest.raises(ValueError, match="file only"):
+            llm.clear_device()
+    finally:
+        llm.close()
+
+
+def test_a_read_error_stops_the_decode_with_a_clear_error(synth_model) -> None:
+    """The test-only fault hook: every read after the first few fails with EIO."""
+    llm = load_on_disk(synth_model("qwen2moe", "tiny", "Q8_0"), "25%")
+    try:
+        llm.spice_engine.set_ram("25%", io_fault_after=3)
+        with pytest.raises(DecodeFailedError, match="Input/output error"):
+            greedy_run(llm, "ondemand", n_decode=N_DECODE)
+        # the instance is still usable with a healthy tier
+        llm.spice_engine.set_ram("25%")
+        greedy_run(llm, "exact", n_decode=2)
+    finally:
+        llm.close()
+
+
+def test_a_file_truncated_after_load_gives_a_clear_error(synth_model, tmp_path: Path) -> None:
+    src = synth_model("deepseek2", "tiny", "Q4_K")
+    path = tmp_path / "model.gguf"
+    shutil.copyfile(src, path)
+    llm = load_on_disk(path, "25%")
+    try:
+        first_expert = min(int(t.data_offset) for t in GGUFReader(path).tensors if "_exps" in t.name)
+        os.truncate(path, first_expert)  # every expert gone
+        with pytest.raises(DecodeFailedError, match=r"ends early|truncated"):
+            greedy_run(llm, "ondemand", n_decode=N_DECODE)
+    finally:
+        llm.close()
+
+
+_RSS_PROBE = """
+import json, sys
+from pyspice.api import Llama
+kwargs = json.loads(sys.argv[2])
+llm = Llama(sys.argv[1], verbose=False, n_ctx=128, n_threads=1, **kwargs)
+status = dict(line.split(":", 1) for line in open("/proc/self/status") if ":" in line)
+print(json.dumps({k: int(status[k].split()[0]) * 1024 for k in ("VmRSS", "RssAnon", "RssFile")}))
+"""
+
+
+def _rss_after_load(path: Path, **kwargs: Any) -> dict[str, int]:
+    out = subprocess.run(
+        [sys.executable, "-c", _RSS_PROBE, str(path), json.dumps(kwargs)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def test_rss_after_load_excludes_the_experts(builtin_model) -> None:
+    """Loaded for edge mode (with a RAM budget of 1%, preloaded by `exact`), the process
+    holds the model's other weights but not its routed experts: its RSS is below an
+    in-RAM load's by nearly all routed-expert bytes (90%; the 1% pool and page
+    rounding take the rest)."""
+    path = builtin_model("smolmoe")
+    expert_bytes = sum(int(t.n_bytes) for t in GGUFReader(path).tensors if "_exps" in t.name)
+    in_ram = _rss_after_load(path, policy="exact", use_mmap=False)
+    on_disk = _rss_after_load(path, policy="exact", ram_budget="1%")
+    assert in_ram["VmRSS"] - on_disk["VmRSS"] >= 0.9 * expert_bytes, (in_ram, on_disk, expert_bytes)
