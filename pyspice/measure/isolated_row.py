@@ -5,7 +5,7 @@ The parent starts `python -m pyspice.measure.isolated_row FD` through /bin/sh,
 which first writes its own pid into the cgroup's cgroup.procs, so the child is
 limited from its first instruction. The row's RowSpec comes as JSON on stdin;
 the child reports on file descriptor FD, one JSON object a line, as it goes:
-`load` once the model is loaded, `run` after each run (the first is the cold
+`start`, `load` once the model is loaded, `run` after each run (the first is the cold
 start: the parent dropped the model's pages from the page cache just before;
 the next ones are warm: same process, nothing dropped), then `done`, or
 `error` with the message of an exception. A row the OOM killer ends just stops
@@ -187,6 +187,7 @@ def child(spec: RowSpec, out: IO[str]) -> int:
         out.flush()
 
     try:
+        emit("start", vm_hwm=peak_rss())
         io0, start = proc_io(), time.perf_counter()
         llm = load(spec)
         emit("load", seconds=time.perf_counter() - start, io=_io_delta(io0, proc_io()), vm_hwm=peak_rss())

@@ -105,14 +105,19 @@ def run_row(spec: RowSpec, cgroup: MemoryCgroup) -> RowOutcome:
         proc.stdin.close()
     except BrokenPipeError:  # the child died before reading: its exit status says why
         pass
+    stage = "before it started"  # where the child was when it last reported
     with os.fdopen(read_fd, "r") as reports:
         for line in reports:
             event = json.loads(line)
             kind = event.pop("event")
-            if kind == "load":
+            if kind == "start":
+                stage = "while loading the model"
+            elif kind == "load":
                 outcome.load = event
+                stage = "in the cold run"
             elif kind == "run":
                 outcome.runs.append(event)
+                stage = f"in warm run {len(outcome.runs)}"
             elif kind == "done":
                 outcome.vm_hwm = int(event["vm_hwm"])
             elif kind == "error":
@@ -125,11 +130,12 @@ def run_row(spec: RowSpec, cgroup: MemoryCgroup) -> RowOutcome:
         outcome.vm_hwm = int((outcome.runs[-1] if outcome.runs else outcome.load).get("vm_hwm", 0))
     if outcome.oom_kills and outcome.returncode != 0:
         outcome.status = "oom-killed"
-        outcome.message = f"killed by the OOM killer under the {cgroup.limit}-byte limit"
+        outcome.message = f"killed by the OOM killer under the {cgroup.limit}-byte limit {stage}"
     elif outcome.returncode != 0 and outcome.status == "ok":
         outcome.status = "crashed"
         rc = outcome.returncode
-        outcome.message = f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exit status {rc}"
+        how = f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exit status {rc}"
+        outcome.message = f"{how} {stage}"
     return outcome
 
 

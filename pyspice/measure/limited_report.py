@@ -40,7 +40,7 @@ def format_limited_table(outcomes: Sequence[RowOutcome], baseline: str, limit: i
         f"{'row':<16} {'status':<10} {'load s':>6} {'MiB read':>8} {'prefill t/s':>11} {'warm':>8} "
         f"{'TPOT ms':>8} {'warm':>8} {'x ' + baseline:>11} {'read MiB/tok':>12} "
         f"{'warm':>7} {'rchar':>7} {'tier':>7} {'cg peak MiB':>11} {'HWM MiB':>8} "
-        f"{'OOM':>4} {'same tokens':>11}"
+        f"{'OOM':>4} {'lim hits':>8} {'same tokens':>11}"
     )
     lines = [header, "-" * len(header)]
     for o in outcomes:
@@ -56,7 +56,7 @@ def format_limited_table(outcomes: Sequence[RowOutcome], baseline: str, limit: i
             f"{_num(warm['rchar_per_token'], '.3f', _MIB):>7} "
             f"{_num(warm['tier_bytes_per_token'], '.3f', _MIB):>7} "
             f"{_num(o.cgroup_peak, '.1f', _MIB):>11} {_num(o.vm_hwm or None, '.1f', _MIB):>8} "
-            f"{o.oom_kills:>4} {same_tokens(o, base):>11}"
+            f"{o.oom_kills:>4} {o.limit_hits:>8} {same_tokens(o, base):>11}"
         )
     lines.append(
         f"(each row in its own process and memory cgroup v{version}, limit {limit / _MIB:.1f} MiB, after "
@@ -65,7 +65,8 @@ def format_limited_table(outcomes: Sequence[RowOutcome], baseline: str, limit: i
         f"'warm': median of the later runs in the same process; x {baseline}: warm "
         "TPOT ratio, below 1 is faster; read = /proc/<pid>/io read_bytes (block-layer reads, mmap faults "
         "included), rchar = bytes returned by read(), tier = the disk tier's own counter, each per decoded "
-        "token; cg peak = the cgroup's peak usage (page cache included); HWM = peak RSS (VmHWM))"
+        "token; cg peak = the cgroup's peak usage (page cache included); HWM = peak RSS (VmHWM); lim hits = "
+        "times a charge met the limit (reclaim ran))"
     )
     for o in outcomes:
         if o.message:

@@ -177,11 +177,12 @@ class MemoryCgroup:
         return 0
 
     def limit_hits(self) -> int:
-        """Times usage reached the limit and reclaim ran (v1 memory.failcnt; v2 the
-        `max` count of memory.events)."""
+        """Times usage reached the limit and reclaim ran (v1 memory.failcnt plus
+        memory.memsw.failcnt; v2 the `max` count of memory.events)."""
         if self.version == 1:
-            lines = _lines(self.path / "memory.failcnt")
-            return int(lines[0]) if lines else 0
+            # memory+swap is charged first: where it is limited too, it is the one that fails
+            counts = [_lines(self.path / f) for f in ("memory.failcnt", "memory.memsw.failcnt")]
+            return sum(int(lines[0]) for lines in counts if lines)
         for line in _lines(self.path / "memory.events"):
             key, _, value = line.partition(" ")
             if key == "max":

@@ -93,6 +93,8 @@ def test_v1_cgroup_files(tmp_path: Path) -> None:
     (cg.path / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 2\n")
     (cg.path / "memory.failcnt").write_text("17\n")
     assert (cg.peak(), cg.oom_kills(), cg.limit_hits()) == (123456, 2, 17)
+    (cg.path / "memory.memsw.failcnt").write_text("3\n")
+    assert cg.limit_hits() == 20
 
 
 def test_v2_cgroup_files_and_swap_off(tmp_path: Path) -> None:
@@ -210,7 +212,7 @@ def test_table_reports_an_oom_killed_row_as_such() -> None:
     assert " 0.40 " in exact and exact.rstrip().endswith("yes")  # warm TPOT 2.0 / 5.0
     assert next(line for line in table if line.startswith("lru ")).rstrip().endswith("NO")
     stock = next(line for line in table if line.startswith("stock "))
-    assert "oom-killed" in stock and stock.split()[-2:] == ["1", "-"]
+    assert "oom-killed" in stock and stock.split()[-3:] == ["1", "0", "-"]
     assert "stock: oom-killed: killed by the OOM killer" in table[-1]
     doc = limited_document(rows, "upstream", {"memory_limit": 1})
     assert doc["rows"]["stock"]["status"] == "oom-killed" and doc["rows"]["exact"]["same_tokens"] == "yes"
