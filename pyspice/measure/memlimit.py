@@ -8,7 +8,7 @@ cgroup.subtree_control, else under the root when it is enabled there (the
 root alone may hold processes and delegate controllers at once). The child
 joins through cgroup.procs (both versions have it; it moves the whole process,
 where v1's `tasks` moves one thread). Swap is limited too where the kernel
-offers it, so the limit means RAM.
+offers it and the machine has swap, so the limit means RAM.
 
 Every path is under `mounts`/`self_cgroup` as read from /proc, so the tests
 give a fake root in a temporary directory.
@@ -110,6 +110,13 @@ def system_layout() -> CgroupLayout:
     return find_layout(Path("/proc/mounts").read_text(), Path("/proc/self/cgroup").read_text())
 
 
+def machine_has_swap() -> bool:
+    for line in _lines(Path("/proc/meminfo")):
+        if line.startswith("SwapTotal:"):
+            return int(line.split()[1]) > 0
+    return False
+
+
 # file names by version: limit, peak, swap limit, where OOM kills are counted
 _FILES = {
     1: (
@@ -126,7 +133,7 @@ class MemoryCgroup:
     """One row's memory cgroup with a limit of `limit` bytes, made on construction,
     removed by remove() (after its processes have exited)."""
 
-    def __init__(self, layout: CgroupLayout, name: str, limit: int) -> None:
+    def __init__(self, layout: CgroupLayout, name: str, limit: int, limit_swap: bool | None = None) -> None:
         self.version = layout.version
         self.path = layout.parent / name
         self._limit_f, self._peak_f, self._swap_f, self._oom_f = _FILES[self.version]
@@ -135,9 +142,11 @@ class MemoryCgroup:
         try:
             self.path.mkdir()
             self._write(self._limit_f, str(limit))
-            # memory+swap may not be below memory (v1); v2's swap.max is swap alone
+            # memory+swap may not be below memory (v1); v2's swap.max is swap alone. Only
+            # where there is swap: on Linux 6.18 with v1, a memsw limit left both
+            # failcnt files at 0 on a row that met its limit all along
             swap = self.path / self._swap_f
-            if swap.exists():
+            if swap.exists() and (limit_swap if limit_swap is not None else machine_has_swap()):
                 self._write(self._swap_f, str(limit) if self.version == 1 else "0")
         except OSError as exc:
             self.remove()

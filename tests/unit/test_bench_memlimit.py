@@ -84,7 +84,7 @@ def test_not_writable_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.Monke
 
 
 def test_v1_cgroup_files(tmp_path: Path) -> None:
-    cg = MemoryCgroup(CgroupLayout(1, tmp_path), "row-0", 150 * 2**20)
+    cg = MemoryCgroup(CgroupLayout(1, tmp_path), "row-0", 150 * 2**20, limit_swap=False)
     assert cg.path == tmp_path / "row-0" and cg.path.is_dir()
     assert (cg.path / "memory.limit_in_bytes").read_text() == f"{150 * 2**20}\n"
     assert cg.limit == 150 * 2**20 and cg.procs_file == cg.path / "cgroup.procs"
@@ -97,13 +97,13 @@ def test_v1_cgroup_files(tmp_path: Path) -> None:
     assert cg.limit_hits() == 20
 
 
-def test_v2_cgroup_files_and_swap_off(tmp_path: Path) -> None:
+def test_v2_cgroup_files_and_a_leftover_cgroup(tmp_path: Path) -> None:
     (tmp_path / "row-1").mkdir()
     (tmp_path / "row-1" / "memory.swap.max").write_text("max\n")
     with pytest.raises(OSError):  # left by a killed run and not empty: rmdir says so
         MemoryCgroup(CgroupLayout(2, tmp_path), "row-1", 4096)
     (tmp_path / "row-1" / "memory.swap.max").unlink()
-    cg = MemoryCgroup(CgroupLayout(2, tmp_path), "row-1", 4096)
+    cg = MemoryCgroup(CgroupLayout(2, tmp_path), "row-1", 4096, limit_swap=True)
     assert (cg.path / "memory.max").read_text() == "4096\n"
     (cg.path / "memory.events").write_text("low 0\nhigh 0\nmax 5\noom 1\noom_kill 1\n")
     (cg.path / "memory.peak").write_text("8192\n")
