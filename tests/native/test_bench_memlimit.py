@@ -28,18 +28,19 @@ def smolmoe(builtin_model: ModelFactory) -> Path:
     return builtin_model("smolmoe")
 
 
-def _bench(model: Path, rows: str, limit: str) -> tuple[int, dict[str, Any], str]:
+def _bench(model: Path, rows: str, limit: str, *extra: str) -> tuple[int, dict[str, Any], str]:
     out = subprocess.run(
-        [*BENCH, "-m", str(model), "--policies", rows, "--memory-limit", limit],
+        [*BENCH, "-m", str(model), "--policies", rows, "--memory-limit", limit, *extra],
         capture_output=True,
         text=True,
     )
     return out.returncode, json.loads(out.stdout) if out.stdout.strip() else {}, out.stderr
 
 
-def test_rows_run_cold_then_warm_in_their_own_cgroup(smolmoe: Path) -> None:
-    rc, doc, err = _bench(smolmoe, "upstream,exact", "1GiB")
+def test_rows_run_cold_then_warm_in_their_own_cgroup(smolmoe: Path, tmp_path: Path) -> None:
+    rc, doc, err = _bench(smolmoe, "upstream,exact", "1GiB", "--plot", str(tmp_path / "b.png"))
     assert rc == 0, err[-2000:]
+    assert (tmp_path / "b.png").stat().st_size > 0
     assert doc["memory_limit"] == 2**30 and doc["cgroup_version"] in (1, 2) and doc["threads"] == 2
     size = smolmoe.stat().st_size
     for name, row in doc["rows"].items():
@@ -66,3 +67,12 @@ def test_a_row_over_the_limit_is_reported_oom_killed_not_a_bench_crash(smolmoe: 
     row = doc["rows"]["exact"]
     assert row["status"] == "oom-killed" and row["oom_kills"] >= 1 and row["cold"] is None
     assert "killed by the OOM killer" in row["message"]
+
+
+def test_a_row_that_fails_fails_the_bench_with_its_reason(smolmoe: Path) -> None:
+    rc, doc, err = _bench(smolmoe, "stock,lru", "1GiB")  # lru needs a device tier
+    assert rc == 1
+    assert doc["rows"]["stock"]["status"] == "ok"
+    row = doc["rows"]["lru"]
+    assert row["status"] == "error" and "--device-budget" in row["message"]
+    assert "bench: row lru failed" in err
