@@ -9,11 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from pyspice.calibrate.capture import finish_decode_trace, start_decode_trace
-from pyspice.cli import numbers
+from pyspice.cli import bench_limited, numbers
 from pyspice.cli.common import add_context_args, add_model_args, add_sidecar_arg, open_model, resolve_model
 from pyspice.measure.bench import (
     DEFAULT_PROMPT,
     BenchConfig,
+    fit_prompt,
     format_table,
     greedy_next,
     plot,
@@ -67,6 +68,15 @@ def register(sub: Any) -> None:
         help="after the timed runs, decode once more (untimed) with the first policy and record every "
         "decode step's MoE inputs and routing into this trace directory (pyspice sim)",
     )
+    p.add_argument(
+        "--memory-limit",
+        type=numbers.byte_size("the RAM every row may use"),
+        default=None,
+        metavar="BYTES",
+        help="run every row in its own process and memory cgroup with this limit (2GiB, 512MiB), the "
+        "model dropped from the page cache before each; rows NAME or NAME@ram=BUDGET; cold and warm "
+        "start, bytes read per token, cgroup peak, peak RSS, OOM kills (needs root and cgroup v1 or v2)",
+    )
     p.set_defaults(func=run)
 
 
@@ -86,6 +96,8 @@ def _record_trace(llm: Any, out: str, policies: list[str], prompt: tuple[int, ..
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.memory_limit is not None:
+        return bench_limited.run(args)
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
     if not policies:
         raise ValueError("--policies needs at least one policy name")
@@ -100,11 +112,7 @@ def run(args: argparse.Namespace) -> int:
     first = next((p for p in policies if p not in ("stock", "upstream")), "stock")
     resolve_model(args, role="benchmark")  # with no -m, the model in the targets' routing regime
     llm = open_model(args, first)
-    prompt_tokens = tuple(llm.tokenize(prompt.encode("utf-8"), add_bos=True))
-    if args.prompt_tokens > 0:
-        body = prompt_tokens[1:] or prompt_tokens
-        reps = args.prompt_tokens // len(body) + 1
-        prompt_tokens = (prompt_tokens[:1] + body * reps)[: args.prompt_tokens]
+    prompt_tokens = fit_prompt(llm.tokenize(prompt.encode("utf-8"), add_bos=True), args.prompt_tokens)
     if len(prompt_tokens) + args.n_predict > args.ctx_size:
         raise ValueError(
             f"prompt ({len(prompt_tokens)} tokens) + -n {args.n_predict} exceed -c {args.ctx_size}"

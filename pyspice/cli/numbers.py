@@ -10,6 +10,8 @@ import argparse
 import math
 from collections.abc import Callable
 
+from pyspice.units import parse_budget
+
 
 def integer(minimum: int, maximum: int | None = None, hint: str = "") -> Callable[[str], int]:
     """An integer in [minimum, maximum]; `hint` says what the flag means at its edge."""
@@ -57,6 +59,27 @@ def positive_real(hint: str = "") -> Callable[[str], float]:
                 f"{text} is not allowed: above 0" + (f" ({hint})" if hint else "")
             )
         return value
+
+    return parse
+
+
+def byte_size(hint: str = "") -> Callable[[str], int]:
+    """A byte count: 123456 or with a unit (2GiB, 512MiB, 1.5GB); no share (%)."""
+
+    def parse(text: str) -> int:
+        if text.strip().endswith("%"):
+            raise argparse.ArgumentTypeError(
+                f"{text} is not allowed: bytes with a unit (2GiB, 512MiB), not a share"
+                + (f" ({hint})" if hint else "")
+            )
+        try:
+            budget = parse_budget(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a size: bytes with a unit (2GiB, 512MiB, 1.5GB) or a plain count"
+            ) from None
+        assert budget.bytes is not None
+        return budget.bytes
 
     return parse
 

@@ -59,6 +59,17 @@ class PolicyResult:
         return rec
 
 
+def fit_prompt(tokens: Sequence[int], n: int) -> tuple[int, ...]:
+    """The prompt repeated or cut to exactly `n` tokens, its first (BOS) kept once
+    (n = 0: as given)."""
+    prompt = tuple(tokens)
+    if n <= 0:
+        return prompt
+    body = prompt[1:] or prompt
+    reps = n // len(body) + 1
+    return (prompt[:1] + body * reps)[:n]
+
+
 def median(values: Sequence[float]) -> float:
     return float(statistics.median(values)) if values else 0.0
 

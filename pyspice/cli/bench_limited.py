@@ -1,0 +1,147 @@
+"""`pyspice bench --memory-limit BYTES`: every row in its own process and memory cgroup
+with that limit, the model's pages dropped from the page cache before each
+(pyspice.measure.limited_bench), threads equal across rows.
+
+Rows are --policies entries: `upstream` (plain llama_cpp.Llama, mmap on, as
+upstream users run it) or a pyspice policy, optionally with a RAM budget of its
+own, `NAME@ram=BUDGET` (e.g. `exact@ram=50%`, `spice:exact@ram=2GiB`), passed
+to the row's RunConfig as `ram_budget`. A --ram-budget given to the whole
+command reaches every pyspice row through the same RunConfig; `upstream`
+never has one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+from pyspice.cli.common import resolve_model, run_config
+from pyspice.engine.config import RunConfig
+from pyspice.formats.sidecar import default_sidecar_path
+from pyspice.measure.bench import DEFAULT_PROMPT, fit_prompt, stderr_progress
+from pyspice.measure.isolated_row import UPSTREAM, RowSpec, config_fields
+from pyspice.measure.limited_bench import run_limited_bench, tokenize
+from pyspice.measure.limited_report import format_limited_table, limited_document, limited_plot
+from pyspice.measure.memlimit import system_layout
+from pyspice.policy import policy_spec
+from pyspice.units import format_bytes
+
+RAM_KEY = "@ram="
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    name: str  # as written in --policies
+    policy: str
+    ram_budget: str | None = None
+
+
+def parse_rows(text: str) -> list[Row]:
+    """--policies entries: NAME or NAME@ram=BUDGET; unknown names and a RAM budget on
+    `upstream` or on a build without the disk tier are errors naming the fix."""
+    rows = []
+    for entry in (e.strip() for e in text.split(",")):
+        if not entry:
+            continue
+        name, sep, ram = entry.partition(RAM_KEY)
+        if "@" in name or (sep and not ram):
+            raise ValueError(f"row {entry!r}: write NAME or NAME{RAM_KEY}BUDGET (e.g. exact{RAM_KEY}50%)")
+        if name == UPSTREAM:
+            if sep:
+                raise ValueError(
+                    f"row {entry!r}: upstream is plain llama.cpp from its mmap, it has no RAM budget; "
+                    "write 'upstream'"
+                )
+        else:
+            policy_spec(name)  # unknown names fail before any work
+        if sep and "ram_budget" not in {f.name for f in dataclasses.fields(RunConfig)}:
+            raise ValueError(
+                f"row {entry!r}: this build has no disk tier yet (RunConfig has no ram_budget); "
+                f"drop '{RAM_KEY}{ram}'"
+            )
+        rows.append(Row(entry, name, ram or None))
+    if not rows:
+        raise ValueError("--policies needs at least one row")
+    if len({r.name for r in rows}) != len(rows):
+        raise ValueError(f"--policies names a row twice: {text}")
+    return rows
+
+
+def row_config(args: argparse.Namespace, row: Row, threads: int) -> RunConfig:
+    policy = "stock" if row.policy == UPSTREAM else row.policy
+    config = dataclasses.replace(run_config(args, policy), threads=threads)
+    if row.ram_budget is not None:
+        config = dataclasses.replace(config, ram_budget=row.ram_budget)  # type: ignore[call-arg]
+    return config
+
+
+def run(args: argparse.Namespace) -> int:
+    rows = parse_rows(args.policies)
+    baseline = args.baseline if args.baseline is not None else rows[0].name
+    if baseline not in {r.name for r in rows}:
+        raise ValueError(f"baseline {baseline!r} is not among the rows of --policies {args.policies}")
+    if args.repeat < 2:
+        raise ValueError("--memory-limit needs --repeat of at least 2 (the first run is the cold start)")
+    if args.n_predict < 2:
+        raise ValueError("--memory-limit needs -n of at least 2 (TPOT and bytes are per decoded token)")
+    if args.trace:
+        raise ValueError("--trace records in one process: leave it out with --memory-limit")
+    layout = system_layout()  # no cgroup here: fail before the model is touched
+    model = resolve_model(args, role="benchmark")
+    text = Path(args.file).read_text(encoding="utf-8") if args.file else (args.prompt or DEFAULT_PROMPT)
+    prompt = fit_prompt(tokenize(model, text), args.prompt_tokens)
+    if len(prompt) + args.n_predict > args.ctx_size:
+        raise ValueError(f"prompt ({len(prompt)} tokens) + -n {args.n_predict} exceed -c {args.ctx_size}")
+    threads = args.threads or max(1, os.cpu_count() or 1)
+    specs = [
+        RowSpec(
+            row.name,
+            row.policy,
+            config_fields(row_config(args, row, threads)),
+            list(prompt),
+            args.n_predict,
+            args.repeat,
+        )
+        for row in rows
+    ]
+    sidecar = args.sidecar or default_sidecar_path(model)
+    files = [model] + ([sidecar] if sidecar.is_file() else [])
+    stderr_progress(
+        f"{model.name}: {len(prompt)} prompt tokens, {args.n_predict} decoded, 1 cold + {args.repeat - 1} "
+        f"warm runs per row, {threads} threads, memory limit {format_bytes(args.memory_limit)} "
+        f"(cgroup v{layout.version} under {layout.parent})"
+    )
+    outcomes = run_limited_bench(specs, layout, args.memory_limit, files, stderr_progress)
+    if args.json:
+        header = {
+            "model": str(model),
+            "memory_limit": args.memory_limit,
+            "cgroup_version": layout.version,
+            "prompt_tokens": len(prompt),
+            "n_predict": args.n_predict,
+            "runs": args.repeat,
+            "threads": threads,
+        }
+        json.dump(limited_document(outcomes, baseline, header), sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        print(format_limited_table(outcomes, baseline, args.memory_limit, layout.version))
+    if args.plot:
+        title = (
+            f"{model.name}: memory limit {format_bytes(args.memory_limit)}, {len(prompt)}-token prompt, "
+            f"{args.n_predict} decoded (warm runs)"
+        )
+        limited_plot(outcomes, baseline, args.plot, title)
+        print(f"bench: plot written to {args.plot}", file=sys.stderr)
+    failed = [o for o in outcomes if o.status in ("error", "crashed")]
+    for o in failed:
+        print(f"bench: row {o.spec.row} failed: {o.message}", file=sys.stderr)
+    invalid = [o for o in outcomes if any(r.get("stats", {}).get("policy_fallbacks") for r in o.runs)]
+    for o in invalid:
+        print(f"bench: {o.spec.row} had policy fallbacks: this run is INVALID", file=sys.stderr)
+    # an OOM-killed row is a measurement (the limit was too small for it), not a failure
+    return 1 if failed or invalid else 0

@@ -1,0 +1,219 @@
+"""`bench --memory-limit` without a model: where row cgroups go (a fake cgroup root in
+tmp_path), their files, the page-cache drop, the argument errors, and the table."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from pyspice.cli import bench_limited
+from pyspice.cli.main import build_parser
+from pyspice.cli.numbers import byte_size
+from pyspice.engine.config import RunConfig
+from pyspice.measure import pagecache
+from pyspice.measure.isolated_row import RowSpec, config_fields, run_config
+from pyspice.measure.limited_bench import RowOutcome
+from pyspice.measure.limited_report import format_limited_table, limited_document
+from pyspice.measure.memlimit import CgroupError, CgroupLayout, MemoryCgroup, find_layout
+
+V1_SELF = "4:memory:/jobs/me\n1:cpu:/\n0::/\n"
+
+
+def _v1_mounts(root: Path) -> str:
+    return (
+        f"cgroup {root / 'cpu'} cgroup rw,relatime,cpu 0 0\n"
+        f"cgroup {root / 'memory'} cgroup rw,relatime,memory 0 0\n"
+        f"cgroup2 {root / 'unified'} cgroup2 rw,relatime 0 0\n"
+    )
+
+
+def _v2_root(root: Path, controllers: str = "cpu memory io") -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "cgroup.controllers").write_text(controllers + "\n")
+    return root
+
+
+def test_v1_rows_go_under_this_process_memory_cgroup(tmp_path: Path) -> None:
+    own = tmp_path / "memory" / "jobs" / "me"
+    own.mkdir(parents=True)
+    _v2_root(tmp_path / "unified", "hugetlb")  # a hybrid machine: v2 mounted without memory
+    layout = find_layout(_v1_mounts(tmp_path), V1_SELF)
+    assert layout == CgroupLayout(1, own)
+
+
+def test_v1_without_this_process_cgroup_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "memory").mkdir()
+    with pytest.raises(CgroupError, match=r"does not exist.*run as root.*leave --memory-limit out"):
+        find_layout(_v1_mounts(tmp_path), V1_SELF)
+
+
+def test_v2_own_cgroup_when_memory_is_delegated_there_else_the_root(tmp_path: Path) -> None:
+    root = _v2_root(tmp_path / "cg2")
+    own = root / "user" / "me"
+    own.mkdir(parents=True)
+    mounts = f"cgroup2 {root} cgroup2 rw 0 0\n"
+    (root / "cgroup.subtree_control").write_text("cpu memory\n")
+    assert find_layout(mounts, "0::/user/me\n") == CgroupLayout(2, root)
+    (own / "cgroup.subtree_control").write_text("memory\n")
+    assert find_layout(mounts, "0::/user/me\n") == CgroupLayout(2, own)
+
+
+def test_v2_without_memory_delegated_names_the_fix(tmp_path: Path) -> None:
+    root = _v2_root(tmp_path / "cg2")
+    (root / "cgroup.subtree_control").write_text("cpu\n")
+    with pytest.raises(CgroupError, match=r"'memory' is not in cgroup.subtree_control.*run as root"):
+        find_layout(f"cgroup2 {root} cgroup2 rw 0 0\n", "0::/\n")
+
+
+def test_no_memory_controller_at_all(tmp_path: Path) -> None:
+    _v2_root(tmp_path / "cg2", "cpu io")
+    with pytest.raises(CgroupError, match=r"no memory controller.*leave --memory-limit out"):
+        find_layout(f"cgroup2 {tmp_path / 'cg2'} cgroup2 rw 0 0\n", "0::/\n")
+    with pytest.raises(CgroupError, match=r"no cgroup memory controller is mounted \(/proc/mounts\)"):
+        find_layout("proc /proc proc rw 0 0\n", "0::/\n")
+
+
+def test_not_writable_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "memory" / "jobs" / "me").mkdir(parents=True)
+    monkeypatch.setattr("pyspice.measure.memlimit.os.access", lambda path, mode: False)
+    with pytest.raises(CgroupError, match=r"is not writable.*run as root"):
+        find_layout(_v1_mounts(tmp_path), V1_SELF)
+
+
+def test_v1_cgroup_files(tmp_path: Path) -> None:
+    cg = MemoryCgroup(CgroupLayout(1, tmp_path), "row-0", 150 * 2**20, limit_swap=False)
+    assert cg.path == tmp_path / "row-0" and cg.path.is_dir()
+    assert (cg.path / "memory.limit_in_bytes").read_text() == f"{150 * 2**20}\n"
+    assert cg.limit == 150 * 2**20 and cg.procs_file == cg.path / "cgroup.procs"
+    assert cg.peak() is None and cg.oom_kills() == 0 and cg.limit_hits() == 0  # files absent: none yet
+    (cg.path / "memory.max_usage_in_bytes").write_text("123456\n")
+    (cg.path / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 2\n")
+    (cg.path / "memory.failcnt").write_text("17\n")
+    assert (cg.peak(), cg.oom_kills(), cg.limit_hits()) == (123456, 2, 17)
+    (cg.path / "memory.memsw.failcnt").write_text("3\n")
+    assert cg.limit_hits() == 20
+
+
+def test_v2_cgroup_files_and_a_leftover_cgroup(tmp_path: Path) -> None:
+    (tmp_path / "row-1").mkdir()
+    (tmp_path / "row-1" / "memory.swap.max").write_text("max\n")
+    with pytest.raises(OSError):  # left by a killed run and not empty: rmdir says so
+        MemoryCgroup(CgroupLayout(2, tmp_path), "row-1", 4096)
+    (tmp_path / "row-1" / "memory.swap.max").unlink()
+    cg = MemoryCgroup(CgroupLayout(2, tmp_path), "row-1", 4096, limit_swap=True)
+    assert (cg.path / "memory.max").read_text() == "4096\n"
+    (cg.path / "memory.events").write_text("low 0\nhigh 0\nmax 5\noom 1\noom_kill 1\n")
+    (cg.path / "memory.peak").write_text("8192\n")
+    assert (cg.peak(), cg.oom_kills(), cg.limit_hits()) == (8192, 1, 5)
+    for f in cg.path.iterdir():
+        f.unlink()
+    cg.remove()
+    assert not cg.path.exists()
+
+
+def test_page_cache_drop(tmp_path: Path) -> None:
+    path = tmp_path / "blob"
+    path.write_bytes(b"\x01" * (4 * 2**20))
+    path.read_bytes()
+    if pagecache.resident_bytes(path) == 0:
+        pytest.skip("this file system keeps no page cache for tmp_path")
+    pagecache.drop(path)
+    left = pagecache.resident_bytes(path)
+    if left == path.stat().st_size:
+        pytest.skip("tmp_path is on tmpfs: its pages are the file, DONTNEED cannot drop them")
+    assert left == 0
+
+
+def test_memory_limit_takes_sizes_not_shares() -> None:
+    parse = byte_size()
+    assert parse("2GiB") == 2 * 2**30 and parse("512MiB") == 512 * 2**20 and parse("1000") == 1000
+    for bad in ("50%", "lots", "-1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse(bad)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--memory-limit", "50%"])
+
+
+def test_rows() -> None:
+    rows = bench_limited.parse_rows("upstream, stock,exact")
+    assert [(r.name, r.policy, r.ram_budget) for r in rows] == [
+        ("upstream", "upstream", None),
+        ("stock", "stock", None),
+        ("exact", "exact", None),
+    ]
+    for bad, match in (
+        ("upstream@ram=50%", "upstream is plain llama.cpp"),
+        ("nosuch", "nosuch"),
+        ("exact,exact", "twice"),
+        ("exact@ram=", "NAME@ram=BUDGET"),
+        ("exact@50%", "NAME@ram=BUDGET"),
+        (",", "at least one row"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            bench_limited.parse_rows(bad)
+
+
+def test_a_row_ram_budget_reaches_the_row_config_or_says_there_is_no_disk_tier() -> None:
+    if "ram_budget" in {f.name for f in dataclasses.fields(RunConfig)}:
+        (row,) = bench_limited.parse_rows("exact@ram=50%")
+        assert row.ram_budget == "50%"
+    else:
+        with pytest.raises(ValueError, match=r"no disk tier yet.*drop '@ram=50%'"):
+            bench_limited.parse_rows("exact@ram=50%")
+
+
+def _bench_args(*extra: str) -> argparse.Namespace:
+    return build_parser().parse_args(["bench", "-m", "x.gguf", "--memory-limit", "1GiB", *extra])
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        (["--repeat", "1"], "--repeat of at least 2"),
+        (["-n", "1"], "-n of at least 2"),
+        (["--trace", "t"], "leave it out with --memory-limit"),
+        (["--policies", "stock,exact", "--baseline", "lru"], "baseline 'lru' is not among"),
+    ],
+)
+def test_argument_errors_come_before_any_work(extra: list[str], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        bench_limited.run(_bench_args(*extra))
+
+
+def test_row_spec_round_trips_a_run_config(tmp_path: Path) -> None:
+    cfg = RunConfig(model=tmp_path / "m.gguf", policy="exact", threads=2, sidecar=tmp_path / "s.gguf")
+    spec = RowSpec("exact", "exact", config_fields(cfg), [1, 2, 3], 4, 2)
+    back = RowSpec.from_json(spec.to_json())
+    assert back == spec and run_config(back) == cfg
+
+
+def _outcome(row: str, status: str, tpot: float | None, tokens: list[int]) -> RowOutcome:
+    spec = RowSpec(row, row, {}, [1], 4, 2)
+    runs = []
+    if tpot is not None:
+        run = {"tpot_ms": tpot, "prefill_tps": 100.0, "read_bytes_per_token": 2**20, "rchar_per_token": 0}
+        runs = [dict(run, tokens=tokens), dict(run, tokens=tokens, tpot_ms=tpot / 2)]
+    return RowOutcome(spec, status=status, runs=runs, cgroup_peak=3 * 2**20, vm_hwm=2 * 2**20)
+
+
+def test_table_reports_an_oom_killed_row_as_such() -> None:
+    rows = [
+        _outcome("upstream", "ok", 10.0, [5, 6, 7, 8]),
+        _outcome("exact", "ok", 4.0, [5, 6, 7, 8]),
+        _outcome("lru", "ok", 4.0, [5, 6, 7, 9]),
+        _outcome("stock", "oom-killed", None, []),
+    ]
+    rows[3].oom_kills, rows[3].message = 1, "killed by the OOM killer under the 4096-byte limit"
+    table = format_limited_table(rows, "upstream", 150 * 2**20, 1).splitlines()
+    exact = next(line for line in table if line.startswith("exact "))
+    assert " 0.40 " in exact and exact.rstrip().endswith("yes")  # warm TPOT 2.0 / 5.0
+    assert next(line for line in table if line.startswith("lru ")).rstrip().endswith("NO")
+    stock = next(line for line in table if line.startswith("stock "))
+    assert "oom-killed" in stock and stock.split()[-3:] == ["1", "0", "-"]
+    assert "stock: oom-killed: killed by the OOM killer" in table[-1]
+    doc = limited_document(rows, "upstream", {"memory_limit": 1})
+    assert doc["rows"]["stock"]["status"] == "oom-killed" and doc["rows"]["exact"]["same_tokens"] == "yes"
+    assert doc["rows"]["exact"]["warm_median"]["tpot_ms"] == 2.0
