@@ -58,11 +58,6 @@ def parse_rows(text: str) -> list[Row]:
                 )
         else:
             policy_spec(name)  # unknown names fail before any work
-        if sep and "ram_budget" not in {f.name for f in dataclasses.fields(RunConfig)}:
-            raise ValueError(
-                f"row {entry!r}: this build has no disk tier yet (RunConfig has no ram_budget); "
-                f"drop '{RAM_KEY}{ram}'"
-            )
         rows.append(Row(entry, name, ram or None))
     if not rows:
         raise ValueError("--policies needs at least one row")
@@ -72,10 +67,12 @@ def parse_rows(text: str) -> list[Row]:
 
 
 def row_config(args: argparse.Namespace, row: Row, threads: int) -> RunConfig:
+    if row.policy == UPSTREAM:  # plain llama.cpp from its mmap: no tier of any kind
+        args = argparse.Namespace(**{**vars(args), "ram_budget": None, "device_budget": None})
     policy = "stock" if row.policy == UPSTREAM else row.policy
     config = dataclasses.replace(run_config(args, policy), threads=threads)
     if row.ram_budget is not None:
-        config = dataclasses.replace(config, ram_budget=row.ram_budget)  # type: ignore[call-arg]
+        config = dataclasses.replace(config, ram_budget=row.ram_budget)
     return config
 
 

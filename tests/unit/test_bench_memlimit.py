@@ -4,7 +4,6 @@ tmp_path), their files, the page-cache drop, the argument errors, and the table.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -156,13 +155,19 @@ def test_rows() -> None:
             bench_limited.parse_rows(bad)
 
 
-def test_a_row_ram_budget_reaches_the_row_config_or_says_there_is_no_disk_tier() -> None:
-    if "ram_budget" in {f.name for f in dataclasses.fields(RunConfig)}:
-        (row,) = bench_limited.parse_rows("exact@ram=50%")
-        assert row.ram_budget == "50%"
-    else:
-        with pytest.raises(ValueError, match=r"no disk tier yet.*drop '@ram=50%'"):
-            bench_limited.parse_rows("exact@ram=50%")
+def test_a_row_ram_budget_reaches_the_row_config_and_upstream_gets_none(tmp_path: Path) -> None:
+    (row,) = bench_limited.parse_rows("exact@ram=50%")
+    assert row.ram_budget == "50%"
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")
+    args = build_parser().parse_args(
+        ["bench", "-m", str(model), "--memory-limit", "1GiB", "--ram-budget", "25%"]
+    )
+    assert bench_limited.row_config(args, row, 2).ram_budget == "50%"
+    (plain,) = bench_limited.parse_rows("lru")
+    assert bench_limited.row_config(args, plain, 2).ram_budget == "25%"  # the global flag
+    (up,) = bench_limited.parse_rows("upstream")
+    assert bench_limited.row_config(args, up, 2).ram_budget is None
 
 
 def _bench_args(*extra: str) -> argparse.Namespace:
