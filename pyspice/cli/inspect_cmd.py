@@ -14,7 +14,13 @@ import sys
 from typing import Any
 
 from pyspice.cli.common import add_model_args, resolve_model
-from pyspice.formats.model_info import DEFAULT_BUDGETS, format_summary, inspect_model, summary_record
+from pyspice.formats.model_info import (
+    DEFAULT_BUDGETS,
+    format_ram_fits,
+    format_summary,
+    inspect_model,
+    summary_record,
+)
 from pyspice.units import parse_budget
 
 
@@ -32,6 +38,12 @@ def register(sub: Any) -> argparse.ArgumentParser:
         + ", ".join(DEFAULT_BUDGETS).replace("%", "%%")
         + ")",
     )
+    p.add_argument(
+        "--ram-budget",
+        action="append",
+        default=None,
+        help="edge-mode RAM budget(s) to size (2GiB or 50%%; repeatable): what stays in RAM and on disk",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.set_defaults(func=run)
     return p
@@ -41,9 +53,14 @@ def run(args: argparse.Namespace) -> int:
     summary = inspect_model(resolve_model(args, sidecar=False))  # header only: no sidecar needed
     budgets = [parse_budget(b) for b in (args.device_budget or DEFAULT_BUDGETS)]
     fits = [summary.fit(b) for b in budgets] if summary.is_moe else []
+    ram_fits = [summary.fit(parse_budget(b)) for b in args.ram_budget or []] if summary.is_moe else []
     if args.json:
-        json.dump(summary_record(summary, fits), sys.stdout)
+        record = summary_record(summary, fits)
+        record["ram_budgets"] = [vars(f) for f in ram_fits]
+        json.dump(record, sys.stdout)
         sys.stdout.write("\n")
     else:
         print(format_summary(summary, fits))
+        if ram_fits:
+            print(format_ram_fits(summary, ram_fits))
     return 0

@@ -61,6 +61,11 @@ def run(args: argparse.Namespace) -> int:
             f"bus ({profile.bus_source}): {profile.bus_gbps:g} GB/s, {profile.bus_latency_us:g} us per copy"
         )
         print(f"device ({profile.device_source}): {profile.device_expert_us:.1f} us per expert activation")
+        if profile.disk_gbps is not None:
+            print(
+                f"disk (the model file, O_DIRECT, 4 readers; edge mode's --ram-budget tier): "
+                f"{profile.disk_gbps:.2f} GB/s, {profile.disk_latency_us:.0f} us per 64 KiB read"
+            )
         for b in profile.batches:
             print(
                 f"batch {b.tokens:>4}: {b.expert_us:8.1f} us per expert activation, "

@@ -314,6 +314,24 @@ def format_summary(s: ModelSummary, fits: list[BudgetFit]) -> str:
     return "\n".join(lines)
 
 
+def format_ram_fits(s: ModelSummary, fits: list[BudgetFit]) -> str:
+    """What edge mode's --ram-budget holds: the non-expert weights are read into RAM,
+    the budget's share of experts lives in its slot pool, the rest stays in the file."""
+    lines = [
+        f"RAM budget (edge mode: non-expert weights {format_bytes(s.non_expert_bytes)} in RAM, "
+        "routed experts read from the file into a slot pool):"
+    ]
+    for f in fits:
+        left = max(0, s.expert_bytes - f.budget_bytes)
+        in_ram = s.non_expert_bytes + min(f.budget_bytes, s.expert_bytes)
+        lines.append(
+            f"  {f.budget:>10} = {format_bytes(f.budget_bytes):>11}: about {f.holds} of {f.experts} experts "
+            f"resident; weights in RAM {format_bytes(in_ram)}"
+            f" (plus runtime buffers), {format_bytes(left)} of experts stay on disk"
+        )
+    return "\n".join(lines)
+
+
 def summary_record(s: ModelSummary, fits: list[BudgetFit]) -> dict[str, Any]:
     return {
         "path": str(s.path),

@@ -25,6 +25,7 @@ import gguf
 import numpy as np
 
 from pyspice.formats.profile import model_fingerprint
+from pyspice.measure.disk_probe import measure_disk
 from pyspice.policy import ACTION_DEVICE, ACTION_DROP, HookCall, Plan
 from pyspice.policy.base import PolicyBase
 from pyspice.policy.profile import PROFILE_VERSION, BatchCost, CostProfile
@@ -162,6 +163,9 @@ def measure_profile(
         device_us = _measure_device_expert_us(llm, vocab, rng, repeats)
         device_source = "measured: batch of 1, every expert resident, minus every expert dropped"
     llm.set_policy("exact")
+    if progress:
+        progress("the model file's disk, read as edge mode's tier reads it (O_DIRECT, 4 readers)")
+    disk = measure_disk(model_path, max(i.bytes_per_expert for i in layers))
     types = {
         f"{_type_name(i.type_gate)}/{_type_name(i.type_up)}/{_type_name(i.type_down)}": i.bytes_per_expert
         for i in layers
@@ -180,6 +184,8 @@ def measure_profile(
         device_expert_us=device_us,
         device_source=device_source,
         batches=batches,
+        disk_gbps=disk.gbps,
+        disk_latency_us=disk.latency_us,
     )
 
 

@@ -222,3 +222,12 @@ def test_table_reports_an_oom_killed_row_as_such() -> None:
     doc = limited_document(rows, "upstream", {"memory_limit": 1})
     assert doc["rows"]["stock"]["status"] == "oom-killed" and doc["rows"]["exact"]["same_tokens"] == "yes"
     assert doc["rows"]["exact"]["warm_median"]["tpot_ms"] == 2.0
+
+
+def test_disk_probe_times_reads_of_the_file(tmp_path: Path) -> None:
+    from pyspice.measure.disk_probe import measure_disk
+
+    path = tmp_path / "model.bin"
+    path.write_bytes(bytes(1 << 20))
+    figures = measure_disk(path, 64 * 1024, latency_reads=8, seconds=0.05)
+    assert figures.gbps > 0 and figures.latency_us > 0
