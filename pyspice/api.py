@@ -112,13 +112,11 @@ class Llama(llama_cpp.Llama):
                     "memory for upstream's path): leave --max-hook-tokens at 0"
                 )
         self._spice_experts_on_disk = ram_budget is not None
-        if self._spice_experts_on_disk:
-            if kwargs.get("use_mmap") or kwargs.get("use_mlock"):
-                raise ValueError(
-                    "with a RAM budget the model's other weights are read into RAM and its experts stay in "
-                    "the file: use_mmap and use_mlock do not apply"
-                )
-            kwargs["use_mmap"] = False
+        if self._spice_experts_on_disk and kwargs.get("use_mlock"):
+            raise ValueError(
+                "with a RAM budget the routed experts stay in the file; use_mlock would lock every "
+                "mapped page: leave it off"
+            )
         # checked before loading: a sidecar made for another model fails in milliseconds
         self.spice_sidecar = (
             sidecar if isinstance(sidecar, Sidecar) or sidecar is None else load_sidecar(sidecar, model_path)
@@ -222,8 +220,8 @@ class Llama(llama_cpp.Llama):
     def model_params(self, value: Any) -> None:
         value.tensor_buft_overrides = ctypes.addressof(self._spice_overrides)
         if self._spice_experts_on_disk:
-            # experts mapped from the file, never read at load (the rest is read into RAM:
-            # use_mmap=False, which llama_cpp turns into the load mode after this point)
+            # experts mapped from the file and never read at load; the other weights stay
+            # mmap'd as upstream runs them (file pages the kernel can reclaim under a limit)
             value.lazy_mode = LLAMA_LAZY_MODE_EXPERTS
         self._spice_model_params = value
 

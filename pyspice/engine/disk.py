@@ -3,9 +3,10 @@ RAM slot pool of `--ram-budget` bytes, and copies are reads of the file.
 
 How the model is loaded so llama.cpp never reads the experts: patch 0004 adds
 LLAMA_LAZY_MODE_EXPERTS, which maps the stacked routed-expert tensors from the
-file without reading them (upstream's lazy tensors, extended to experts); with
-mmap off (load mode "none") every other weight is read into RAM as usual and no page of
-the mapping is touched at load. libspice then reads experts itself (O_DIRECT,
+file without reading them (upstream's lazy tensors, extended to experts, and kept
+out of the mapping's MAP_POPULATE / WILLNEED); every other weight stays mmap'd as
+upstream runs it, so under a memory limit the kernel can reclaim those pages as it
+does for stock llama.cpp. libspice then reads experts itself (O_DIRECT,
 spice-device-disk.c) into its slot pool, and a host action on an absent expert
 reads it into a scratch buffer for that call: the mapping is never read.
 """
