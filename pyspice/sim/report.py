@@ -55,7 +55,10 @@ def simulate_all(
             target_routed = None
         else:
             if cfg.target is None:
-                raise ValueError(f"profile {prof.name!r} needs --target (which model's sizes to simulate)")
+                raise ValueError(
+                    f"profile {prof.name!r} needs a target (which model's sizes to simulate): "
+                    "--target NAME:QUANT, or --target source for the recorded model's own"
+                )
             costs = target_costs(prof, cfg.target, workload)
             target_name = cfg.target.name
             target_routed = cfg.target.routed_bytes
