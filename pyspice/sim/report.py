@@ -89,7 +89,9 @@ def simulate_all(
                 rows.append({**base, **result.record(), **({"note": note} if note else {})})
             scale = costs.layer_scale
             n_tok = max(1, workload.decoded_tokens)
-            bounds = belady(workload, costs.expert_bytes, nbytes)
+            # the bound over the bytes experts may use: those the tier keeps for surrogates are not
+            reserved = int((context_extra or {}).get("reserved_bytes", 0))
+            bounds = belady(workload, costs.expert_bytes, max(0, nbytes - reserved))
             first = bounds[0]
             if progress:
                 progress(f"{prof.name} {budget} belady")
