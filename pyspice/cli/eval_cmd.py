@@ -92,7 +92,9 @@ def _add_sidecar_eval_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="the model's sidecar (default: <model>.spice.gguf next to the model)",
     )
-    add_text_arg(p, "held-out text (default: the held-out split of pydoc_data.topics)")
+    add_text_arg(
+        p, "held-out text (default: the held-out split of the model's corpus, smolmoe's if not built in)"
+    )
     p.add_argument("--tokens", type=int, default=4096, help="cap on evaluated tokens (default 4096)")
     p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)")
     p.add_argument("--json", action="store_true", help="print the results as one JSON document")
