@@ -5,7 +5,8 @@
 most +5% (token by token, as decoding runs). Their two thresholds — the gate
 weight under which a miss may be substituted and the surrogate's held-out
 fit error under which it is trusted — are chosen here on the calibration
-split of the default model's corpus (the text the sidecar was fitted on),
+split of the model's corpus (the text the sidecar was fitted on; -m smolmoe-b
+tunes on smolmoe-b's mix),
 never on the held-out text the levels are then judged on
 (`pyspice eval ppl --token-by-token --policies spice:exact,spice:balanced,spice:fast`).
 
@@ -35,7 +36,7 @@ def floats(text: str) -> list[float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("-m", "--model", default=None, help="GGUF (default: smolmoe)")
+    parser.add_argument("-m", "--model", default=None, help="GGUF or built-in name (default: smolmoe)")
     parser.add_argument("--sidecar", type=Path, default=None, help="default: the one beside the model")
     parser.add_argument("--budgets", default="25%,50%")
     parser.add_argument("--weights", default="0.04,0.05,0.06,0.07", help="gate-weight thresholds to try")
@@ -49,18 +50,25 @@ def main() -> int:
     from pyspice.engine import RunConfig
     from pyspice.formats.sidecar import default_sidecar_path
     from pyspice.measure.perplexity import perplexity
+    from pyspice.models.builtin import builtin_of
     from pyspice.models.default import default_model
     from pyspice.models.smolmoe_build import MODEL_NAMES
-    from pyspice.models.smolmoe_recipe import corpus_part
+    from pyspice.models.smolmoe_recipe import RECIPE_NAME, corpus_part
     from pyspice.policy.spice import SpicePolicy, spice_config
 
     def say(message: str) -> None:
         print(f"pyspice: {message}", file=sys.stderr)
 
-    default = args.model is None or args.model in MODEL_NAMES
-    model = default_model(note=say) if default else Path(args.model)
+    # a built-in model by name (smolmoe, smolmoe-b) is tuned on ITS calibration split; a
+    # GGUF path on that of the built-in model it is a build of, else smolmoe's
+    if args.model is None or args.model in MODEL_NAMES:
+        model = default_model(args.model or RECIPE_NAME, note=say)
+    else:
+        model = Path(args.model)
     sidecar = args.sidecar or default_sidecar_path(model)
-    text = corpus_part("calibration").text
+    corpus = builtin_of(model) or RECIPE_NAME
+    say(f"tuning on the calibration split of {corpus}'s corpus")
+    text = corpus_part("calibration", corpus).text
     grid = list(itertools.product(floats(args.weights), floats(args.errors)))
     # (budget, weight, error) -> (ppl change vs exact, surrogate rate)
     results: dict[tuple[str, float, float], tuple[float, float]] = {}

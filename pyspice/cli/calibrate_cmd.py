@@ -1,9 +1,10 @@
 """`pyspice calibrate`: fit the draft predictor and LoRE surrogates of a MoE model; write its sidecar.
 
-Runs the model on a text (default: the calibration split of CPython's
-pydoc_data.topics), records every MoE layer's inputs, routing and shared-expert
-output through the hook, fits per layer a transition to the next MoE layer's
-input and per expert a low-rank surrogate, and writes `<model>.spice.gguf`.
+Runs the model on a text (default: the calibration split of the built-in
+model's corpus; for any other model smolmoe's, CPython's pydoc_data.topics),
+records every MoE layer's inputs, routing and shared-expert output through
+the hook, fits per layer a transition to the next MoE layer's input and per
+expert a low-rank surrogate, and writes `<model>.spice.gguf`.
 Safe to interrupt: run the same command again to continue.
 """
 
@@ -28,7 +29,7 @@ def register(sub: Any) -> None:
     p.add_argument(
         "-o", "--output", type=Path, default=None, help="sidecar path (default: <model>.spice.gguf)"
     )
-    add_text_arg(p, "calibration text (default: the calibration split of pydoc_data.topics)")
+    add_text_arg(p, "calibration text (default: the calibration split of the model's corpus, else smolmoe's)")
     p.add_argument("--rank", type=int, default=8, help="LoRE surrogate rank per expert (default 8)")
     p.add_argument("--draft-rank", type=int, default=128, help="rank of each draft transition (default 128)")
     p.add_argument("--tokens", type=int, default=8192, help="cap on calibration tokens (default 8192)")

@@ -30,7 +30,7 @@ from pyspice.cli.common import (
 )
 from pyspice.engine.config import RunConfig
 from pyspice.formats.sidecar import Sidecar, TruncatedSurrogates, default_sidecar_path
-from pyspice.measure.perplexity import perplexity
+from pyspice.measure.perplexity import perplexity, top1_agreement
 from pyspice.models.synth import tensor_types
 from pyspice.paths import cache_dir
 from pyspice.policy.substitute import SubstitutePolicy
@@ -75,7 +75,8 @@ def register(sub: Any) -> None:
         "--policies",
         default=None,
         help="comma-separated policies scored one after another on the same model; the first is "
-        "the baseline of the relative change (e.g. spice:exact,spice:balanced,spice:fast)",
+        "the baseline of the relative change and of top-1 agreement, the share of scored positions "
+        "whose greedy next token is the same (e.g. spice:exact,spice:balanced,spice:fast)",
     )
     add_sidecar_arg(ppl)
     ppl.add_argument("--json", action="store_true", help='print {"ppl", "tokens", ...} as one JSON document')
@@ -91,7 +92,9 @@ def _add_sidecar_eval_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="the model's sidecar (default: <model>.spice.gguf next to the model)",
     )
-    add_text_arg(p, "held-out text (default: the held-out split of pydoc_data.topics)")
+    add_text_arg(
+        p, "held-out text (default: the held-out split of the model's corpus, smolmoe's if not built in)"
+    )
     p.add_argument("--tokens", type=int, default=4096, help="cap on evaluated tokens (default 4096)")
     p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)")
     p.add_argument("--json", action="store_true", help="print the results as one JSON document")
@@ -319,6 +322,7 @@ def run_ppl(args: argparse.Namespace) -> int:
     llm = _open(args, model, policies[0])
     reference = _open(args, model_path(args.reference), None) if args.reference else None
     rows: list[dict[str, Any]] = []
+    first_argmax: Any = None
 
     def progress(done: int, total: int, ppl: float) -> None:
         print(f"[{llm.spice_policy} {done}/{total}] ppl {ppl:.4f}", file=sys.stderr, flush=True)
@@ -329,8 +333,16 @@ def run_ppl(args: argparse.Namespace) -> int:
                 llm.set_policy(name)
             llm.spice_reset_stats()
             result = perplexity(
-                llm, text, args.ctx_size, reference=reference, on_chunk=progress, max_chunks=args.chunks
+                llm,
+                text,
+                args.ctx_size,
+                reference=reference,
+                on_chunk=progress,
+                max_chunks=args.chunks,
+                keep_argmax=len(policies) > 1,
             )
+            if result.argmax is not None:
+                first_argmax = result.argmax if first_argmax is None else first_argmax
             stats = llm.spice_stats()
             activations = max(1, int(stats["activations"]))
             rows.append(
@@ -344,6 +356,12 @@ def run_ppl(args: argparse.Namespace) -> int:
                     "policy_fallbacks": stats.get("policy_fallbacks", 0),
                     "top1_agreement": result.top1_agreement,
                     "reference_ppl": result.reference_ppl,
+                    # greedy next token the same as under the first policy, position by position
+                    "agreement_vs_first": (
+                        top1_agreement(result.argmax, first_argmax)
+                        if result.argmax is not None and first_argmax is not None
+                        else None
+                    ),
                 }
             )
     finally:
@@ -367,11 +385,16 @@ def run_ppl(args: argparse.Namespace) -> int:
             f"{rows[0]['tokens']} tokens ({rows[0]['chunks']} chunks of {args.ctx_size})"
             + (", token by token" if args.token_by_token else "")
         )
-        print(f"{'policy':<16} {'ppl':>10} {'vs first':>9} {'surrogate':>10} {'hit':>6} {'fallbacks':>9}")
+        print(
+            f"{'policy':<16} {'ppl':>10} {'vs first':>9} {'top-1 same':>10} {'surrogate':>10} {'hit':>6} "
+            f"{'fallbacks':>9}"
+        )
         for r in rows:
             hit = f"{r['hit_rate']:.3f}" if r["hit_rate"] is not None else "-"
             print(
                 f"{r['policy']:<16} {r['ppl']:>10.4f} {r['change_vs_first']:>+8.2%} "
-                f"{r['surrogate_rate']:>10.4f} {hit:>6} {r['policy_fallbacks']:>9}"
+                f"{r['agreement_vs_first']:>10.4f} {r['surrogate_rate']:>10.4f} {hit:>6} "
+                f"{r['policy_fallbacks']:>9}"
             )
+        print("(top-1 same: share of scored positions whose greedy next token is the first policy's)")
     return 0

@@ -24,7 +24,7 @@ from pyspice.formats.routers import RouterReader
 from pyspice.formats.sidecar import Sidecar
 from pyspice.sim.hardware import EMULATED, load_profile
 from pyspice.sim.report import SimConfig, format_tables, plot, simulate_all, stderr_progress
-from pyspice.sim.targets import load_target
+from pyspice.sim.targets import load_target, source_target
 from pyspice.sim.validate import compare, format_comparison, measured_policy_us, parse_compare
 from pyspice.sim.workload import from_trace
 
@@ -40,7 +40,7 @@ def register(sub: Any) -> None:
         "--target",
         default="qwen2-57b-a14b:Q5_K_M",
         help="model sizes to simulate, NAME:QUANT (qwen2-57b-a14b, deepseek-v2-lite); "
-        "'source' = the source model itself (default qwen2-57b-a14b:Q5_K_M)",
+        "'source' = the source model's own sizes, on any profile (default qwen2-57b-a14b:Q5_K_M)",
     )
     p.add_argument(
         "--profile", default="rtx4060,a800", help="comma-separated hardware profiles (default rtx4060,a800)"
@@ -117,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
         if not probe_file.is_file():
             raise ValueError(f"no cost profile for {model.name}: run `pyspice probe -m {model}` first")
     profiles = tuple(load_profile(n, probe_file) for n in names)
-    target = None if args.target == "source" else load_target(args.target)
+    # "source": the recorded model's own sizes, for hardware profiles as well as `emulated`
+    target = source_target(model) if args.target == "source" else load_target(args.target)
     policy_us: dict[str, float] = {}
     if args.policy_us_from is not None:
         measured = json.loads(args.policy_us_from.read_text()).get("policies", {})

@@ -27,6 +27,9 @@ class PplResult:
     chunks: int
     top1_agreement: float | None = None  # with the reference model's greedy next token, if one was given
     reference_ppl: float | None = None
+    # the greedy next token at every scored position (keep_argmax=True): what two runs of one
+    # model under different policies are compared on, token by token
+    argmax: npt.NDArray[np.int32] | None = None
 
 
 def chunk_tokens(tokens: list[int], n_ctx: int) -> list[list[int]]:
@@ -69,12 +72,14 @@ def perplexity(
     reference: Any = None,
     on_chunk: Callable[[int, int, float], None] | None = None,
     max_chunks: int | None = None,
+    keep_argmax: bool = False,
 ) -> PplResult:
     """Perplexity of `llm` (a llama_cpp.Llama made with logits_all=True, n_ctx >= `n_ctx`) on `text`.
 
     With `reference` (another such Llama on the same vocabulary), also the share
     of scored positions where both models' greedy next tokens agree. With
-    `max_chunks`, only the first that many chunks are scored.
+    `max_chunks`, only the first that many chunks are scored. With `keep_argmax`, the
+    result carries the greedy next token of every scored position (top1_agreement).
     """
     if max_chunks is not None and max_chunks < 1:  # max(1, ...) once made --chunks 0 score one chunk
         raise ValueError(f"--chunks {max_chunks}: must be at least 1 (leave it out to score them all)")
@@ -85,10 +90,13 @@ def perplexity(
     first = n_ctx // 2
     nll = ref_nll = 0.0
     count = agree = 0
+    greedy: list[npt.NDArray[np.int32]] = []
     for i, chunk in enumerate(chunks):
         logits = _chunk_logits(llm, chunk, first)
         targets = np.asarray(chunk[first + 1 :], dtype=np.int64)
         nll += float(token_nll(logits, targets).sum())
+        if keep_argmax:
+            greedy.append(logits.argmax(axis=1).astype(np.int32))
         if reference is not None:
             ref_logits = _chunk_logits(reference, chunk, first)
             ref_nll += float(token_nll(ref_logits, targets).sum())
@@ -99,12 +107,21 @@ def perplexity(
     ppl = math.exp(nll / count)
     if not math.isfinite(ppl):
         raise RuntimeError(f"perplexity is not finite ({ppl}): the model produced invalid logits")
+    argmax = np.concatenate(greedy) if keep_argmax else None
     if reference is None:
-        return PplResult(ppl=ppl, tokens=count, chunks=len(chunks))
+        return PplResult(ppl=ppl, tokens=count, chunks=len(chunks), argmax=argmax)
     return PplResult(
         ppl=ppl,
         tokens=count,
         chunks=len(chunks),
         top1_agreement=agree / count,
         reference_ppl=math.exp(ref_nll / count),
+        argmax=argmax,
     )
+
+
+def top1_agreement(a: npt.NDArray[np.int32], b: npt.NDArray[np.int32]) -> float:
+    """Share of scored positions where two runs' greedy next tokens are the same."""
+    if a.shape != b.shape:
+        raise ValueError(f"runs scored different positions ({a.shape[0]} vs {b.shape[0]}): same text and -c")
+    return float((a == b).mean()) if a.size else 1.0

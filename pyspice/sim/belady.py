@@ -165,7 +165,10 @@ class BeladyOracle(PolicyBase):
     def attach(self, ctx: PolicyContext) -> None:
         self.i = 0
         self.expert_bytes = ctx.expert_bytes
-        self.budget = ctx.budget_bytes or 0
+        # the tier charges loaded surrogates to its budget: counting them out keeps the
+        # oracle from planning into bytes the tier then refuses (a refused demand fetch
+        # runs on the host, which made the oracle's row a host run when a sidecar was given)
+        self.budget = max(0, (ctx.budget_bytes or 0) - ctx.reserved_bytes)
 
     def _next_use(self, key: Key) -> int:
         uses = self.uses.get(key, [])

@@ -55,7 +55,10 @@ def simulate_all(
             target_routed = None
         else:
             if cfg.target is None:
-                raise ValueError(f"profile {prof.name!r} needs --target (which model's sizes to simulate)")
+                raise ValueError(
+                    f"profile {prof.name!r} needs a target (which model's sizes to simulate): "
+                    "--target NAME:QUANT, or --target source for the recorded model's own"
+                )
             costs = target_costs(prof, cfg.target, workload)
             target_name = cfg.target.name
             target_routed = cfg.target.routed_bytes
@@ -86,7 +89,9 @@ def simulate_all(
                 rows.append({**base, **result.record(), **({"note": note} if note else {})})
             scale = costs.layer_scale
             n_tok = max(1, workload.decoded_tokens)
-            bounds = belady(workload, costs.expert_bytes, nbytes)
+            # the bound over the bytes experts may use: those the tier keeps for surrogates are not
+            reserved = int((context_extra or {}).get("reserved_bytes", 0))
+            bounds = belady(workload, costs.expert_bytes, max(0, nbytes - reserved))
             first = bounds[0]
             if progress:
                 progress(f"{prof.name} {budget} belady")

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import gguf
 
+from pyspice.formats.model_info import read_header
 from pyspice.models.synth import SHAPES, tensor_plan
 
 _QK_K = 256
@@ -136,6 +138,60 @@ def load_target(spec: str) -> TargetModel:
         expert_bytes=tuple(expert),
         layer_bytes=tuple(layer),
         head_bytes=head,
+        expert_params=expert_params,
+        layer_params=tuple(layer_params),
+    )
+
+
+def source_target(path: Path) -> TargetModel:
+    """The source model's own sizes as a target (`--target source`), read from its GGUF
+    header: the same fields load_target computes from published shapes, here from the
+    tensors the file holds, so `sim --target source --profile rtx4060` asks how the
+    recorded model itself would run on that hardware."""
+    header = read_header(path)
+    arch = header.metadata.get("general.architecture")
+    n_layers = header.metadata.get(f"{arch}.block_count")
+    n_expert = header.metadata.get(f"{arch}.expert_count")
+    n_used = header.metadata.get(f"{arch}.expert_used_count")
+    if not isinstance(n_layers, int) or not isinstance(n_expert, int) or not isinstance(n_used, int):
+        raise ValueError(
+            f"{path}: no {arch}.block_count/expert_count/expert_used_count in its header, so it is "
+            "no MoE model to simulate as --target source; pass a target NAME:QUANT instead"
+        )
+    expert = [0] * n_layers
+    layer = [0] * n_layers
+    layer_params = [0] * n_layers
+    expert_params = 0
+    head = embd = 0
+    for t in header.tensors:
+        parts = t.name.split(".")
+        if parts[0] != "blk":
+            if t.name == "output.weight":
+                head = t.nbytes
+            elif t.name == "token_embd.weight":
+                embd = t.nbytes
+            continue
+        il = int(parts[1])
+        if "_exps." in t.name:
+            expert[il] += t.nbytes // t.shape[-1]
+        else:
+            layer[il] += t.nbytes
+            layer_params[il] += math.prod(t.shape)
+    moe = tuple(il for il in range(n_layers) if expert[il] > 0)
+    if not moe:
+        raise ValueError(f"{path}: no routed expert tensors (blk.N.ffn_*_exps), nothing to simulate")
+    for t in header.tensors:
+        if t.name.startswith(f"blk.{moe[0]}.") and "_exps." in t.name:
+            expert_params += math.prod(t.shape[:-1])
+    return TargetModel(
+        name=f"source:{path.name}",
+        n_layers=n_layers,
+        moe_layers=moe,
+        n_expert=n_expert,
+        n_expert_used=n_used,
+        expert_bytes=tuple(expert),
+        layer_bytes=tuple(layer),
+        head_bytes=head or embd,  # a tied output projection reads the embedding matrix
         expert_params=expert_params,
         layer_params=tuple(layer_params),
     )

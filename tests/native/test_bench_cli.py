@@ -47,6 +47,8 @@ def test_bench_json_has_the_stats_record_and_tokens(synth_model, tmp_path: Path)
     for rec in doc["policies"].values():
         assert len(rec["tokens"]) == 4 and "hit_rate" in rec and "misses" in rec and "tpot_ms" in rec
     assert doc["policies"]["lru"]["tokens"] == doc["policies"]["stock"]["tokens"]
+    lru = doc["policies"]["lru"]
+    assert 0.0 <= lru["decode_hit_rate"] <= 1.0 and lru["activations"] > 0
     assert (tmp_path / "b.png").stat().st_size > 0
     assert "emulated device" in out.stderr
 

@@ -77,3 +77,4 @@ def test_eval_ppl_compares_policies_token_by_token(
     assert rows[0]["ppl"] == rows[1]["ppl"] == rows[2]["ppl"]  # lossless: the same logits, bit for bit
     assert rows[0]["ppl"] == pytest.approx(batched, rel=1e-3)  # batch size changes rounding, not much more
     assert rows[1]["change_vs_first"] == 0.0 and rows[2]["hit_rate"] == 0.0
+    assert [r["agreement_vs_first"] for r in rows] == [1.0, 1.0, 1.0]  # the same greedy tokens

@@ -67,3 +67,24 @@ def test_sim_replays_a_recorded_trace_on_profiles(
             bound = by[(p, b, "belady")]
             assert by[(p, b, "lru")]["fallback_rate"] >= bound["fallback_rate"]
     assert plot.stat().st_size > 0
+
+
+def test_sim_target_source_runs_on_a_hardware_profile(
+    synth_model: ModelFactory, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--target source with a hardware profile: the recorded model's own sizes there."""
+    from pyspice.cli.main import main
+    from pyspice.sim.targets import source_target
+
+    model = synth_model("qwen2moe")
+    trace = tmp_path / "trace"
+    _record(model, trace, 4)
+    argv = ["sim", "-m", str(model), "--trace", str(trace), "--target", "source"]
+    rc = main([*argv, "--profile", "rtx4060", "--device-budget", "50%", "--policies", "lru", "--json"])
+    assert rc == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [r["policy"] for r in rows] == ["lru", "belady"]
+    assert rows[0]["target"] == f"source:{model.name}" and rows[0]["tpot_ms"] > 0
+    # the simulated bytes are the model file's own: per token, at most every routed expert once
+    target = source_target(model)
+    assert 0 < rows[0]["bytes_per_token"] <= sum(target.expert_bytes) * target.n_expert

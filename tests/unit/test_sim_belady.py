@@ -91,3 +91,25 @@ def test_the_oracle_policy_meets_the_min_bound_in_the_simulator() -> None:
     assert result.misses == bound.misses
     lru = Simulator(wl, costs, 900).run("lru", make_policy("lru"), policy_us=0.0)
     assert lru.misses > result.misses
+
+
+def test_the_oracle_leaves_the_tiers_reserved_bytes_alone() -> None:
+    """With surrogates loaded the tier charges their bytes to its budget; the oracle once
+    planned into them, the tier refused its demand fetches and they ran on the host."""
+    from pyspice.sim.belady import BeladyOracle
+
+    rng = np.random.default_rng(5)
+    ids = rng.integers(0, 8, size=(150, 3, 1)).astype(np.int32)
+    wl = Workload.from_arrays(3, [0, 1, 2], 8, ids)
+    costs = Costs(
+        expert_bytes=(100, 100, 100),
+        bus_gbps=1.0,
+        bus_latency_us=1.0,
+        rest_us=((1, 10.0),),
+        device_expert_us=((1, 1.0),),
+        host_expert_us=((1, 2.0),),
+    )
+    sim = Simulator(wl, costs, 900, context_extra={"reserved_bytes": 250})
+    result = sim.run("belady", BeladyOracle(wl), policy_us=0.0)
+    assert result.misses_host == 0  # every miss fetched, as MIN with demand loading does
+    assert result.misses == belady(wl, costs.expert_bytes, 900 - 250)[0].misses

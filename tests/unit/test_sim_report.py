@@ -116,3 +116,57 @@ def test_cli_shows_profiles_and_asks_for_a_trace(capsys: pytest.CaptureFixture[s
     assert "a800:" in out and "rtx4060:" in out and "derived: 31.5 peak x 0.8" in out
     assert main(["sim", "--profile", "a800"]) != 0
     assert "--trace" in capsys.readouterr().err
+
+
+def _tiny_moe(path: Path, *, tied: bool) -> Path:
+    """Two MoE layers of 4 experts (3 neurons, 8 wide), F32: every size is known by hand."""
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(path, "qwen2moe")
+    w.add_uint32("qwen2moe.block_count", 2)
+    w.add_uint32("qwen2moe.expert_count", 4)
+    w.add_uint32("qwen2moe.expert_used_count", 2)
+    w.add_tensor("token_embd.weight", np.zeros((10, 8), np.float32))
+    if not tied:
+        w.add_tensor("output.weight", np.zeros((12, 8), np.float32))
+    for il in range(2):
+        w.add_tensor(f"blk.{il}.attn_q.weight", np.zeros((8, 8), np.float32))
+        w.add_tensor(f"blk.{il}.ffn_gate_inp.weight", np.zeros((4, 8), np.float32))
+        for part in ("gate", "up"):
+            w.add_tensor(f"blk.{il}.ffn_{part}_exps.weight", np.zeros((4, 3, 8), np.float32))
+        w.add_tensor(f"blk.{il}.ffn_down_exps.weight", np.zeros((4, 8, 3), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_source_target_reads_the_recorded_models_own_sizes(tmp_path: Path) -> None:
+    from pyspice.sim.targets import source_target
+
+    t = source_target(_tiny_moe(tmp_path / "m.gguf", tied=False))
+    assert t.moe_layers == (0, 1) and t.n_expert == 4 and t.n_expert_used == 2
+    assert t.expert_bytes == (3 * 3 * 8 * 4,) * 2  # gate, up, down of 3x8 F32 each
+    assert t.expert_params == 3 * 3 * 8
+    assert t.layer_bytes == ((64 + 32) * 4,) * 2 and t.layer_params == (96, 96)  # attn_q + router
+    assert t.head_bytes == 12 * 8 * 4
+    assert source_target(_tiny_moe(tmp_path / "tied.gguf", tied=True)).head_bytes == 10 * 8 * 4
+
+
+def test_a_hardware_profile_simulates_the_source_models_own_sizes(tmp_path: Path) -> None:
+    """`sim --target source --profile rtx4060` once failed with "needs --target": 'source'
+    meant no target at all, which only the emulated profile can do without."""
+    from pyspice.sim.targets import source_target
+
+    target = source_target(_tiny_moe(tmp_path / "m.gguf", tied=False))
+    wl = Workload.from_arrays(
+        2, [0, 1], 4, np.tile(np.array([[0, 1], [2, 3]], np.int32), (12, 1, 1)), prompt_tokens=4
+    )
+    cfg = SimConfig((load_profile("rtx4060"),), ("50%",), ("lru",), target, target.expert_bytes)
+    rows = simulate_all(wl, cfg)
+    assert [r["policy"] for r in rows] == ["lru", "belady"]
+    assert rows[0]["target"] == "source:m.gguf" and rows[0]["tpot_ms"] > 0
+    assert target_costs(load_profile("rtx4060"), target, wl).expert_bytes == target.expert_bytes
+    with pytest.raises(ValueError, match="--target source"):
+        simulate_all(wl, SimConfig(cfg.profiles, ("50%",), ("lru",), None, target.expert_bytes))

@@ -45,3 +45,12 @@ def test_counters_add() -> None:
     a = Counters(hits=1, activations=2)
     a.add(Counters(hits=3, activations=4, dropped=1))
     assert (a.hits, a.activations, a.misses) == (4, 6, 1)
+
+
+def test_bench_decode_hit_rate_leaves_the_prompt_out() -> None:
+    from pyspice.measure.bench import decode_hit_rate
+
+    prompt = {"activations": 400, "hit_rate": 10 / 400}  # a cold prompt batch: 10 hits
+    total = {"activations": 520, "hit_rate": (10 + 90) / 520}  # then 120 decode activations, 90 hits
+    assert decode_hit_rate(total, prompt) == 0.75
+    assert decode_hit_rate(prompt, prompt) == 0.0  # nothing decoded
