@@ -312,7 +312,9 @@ class Engine:
         runtime = self.require_runtime()
         self._reset_device()
         self._sync_surrogates(is_lossless(policy))
-        attach_policy(policy, self.policy_context())
+        # a rule never consults the draft predictor: not building it saves its memory
+        # (160 MiB for smolmoe's), which counts on edge mode's RAM-limited boxes
+        attach_policy(policy, self.policy_context(with_predictor=False))
         rule = declared_rule(policy)
         if self.device is not None and rule is not None:
             runtime.set_rule(rule)
@@ -328,7 +330,7 @@ class Engine:
             self._blas_limit = limit_blas_threads()
         runtime.enable_policy(policy, self.max_hook_tokens)
 
-    def policy_context(self) -> PolicyContext:
+    def policy_context(self, *, with_predictor: bool = True) -> PolicyContext:
         runtime = self.require_runtime()
         layers = runtime.layers()
         if self._routers is None:
@@ -341,7 +343,7 @@ class Engine:
             budget_bytes=self.device_params.budget_bytes if self.device_params else None,
             router=self._routers,
             profile=self._profile(),
-            predictor=self._sidecar_predictor(),
+            predictor=self._sidecar_predictor() if with_predictor else None,
             surrogate_error=self._surrogate_errors,
             surrogates_loaded=runtime.n_surrogates() > 0,
             reserved_bytes=runtime.surrogate_bytes(),

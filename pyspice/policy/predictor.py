@@ -118,7 +118,9 @@ class DraftPredictor:
             U, V, c = (x.astype(np.float64) for x in (t.U, t.V, t.bias))
             maps: list[tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]] = []
             prev = [(self.routers[m].astype(np.float64), np.zeros(self.routers[m].shape[0]))]
-            prev += composite.get(m, [])[: self.max_depth - 1]
+            # the next layer's maps are needed only here: dropping them keeps one layer's
+            # float64 maps alive at a time, not the whole model's (peak memory)
+            prev += composite.pop(m, [])[: self.max_depth - 1]
             for G_next, g_next in prev:  # W_{..} T_{m..} composed once more with T_l
                 maps.append((t.scale * G_next + (G_next @ U) @ V, G_next @ c + g_next))
             composite[il] = maps
