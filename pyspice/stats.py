@@ -45,6 +45,14 @@ class Counters:
     device_collects: int = 0  # collections of device results
     launch_ns: int = 0
     collect_ns: int = 0
+    # asynchronous planning (policy on the planner thread, plans applied at later calls)
+    async_posted: int = 0  # snapshots handed to the planner
+    async_skipped: int = 0  # snapshots replaced by a newer one before the planner took them
+    async_applied: int = 0  # plans applied
+    async_stale: int = 0  # plans dropped: older than the lag bound when they arrived
+    async_lag_calls: int = 0  # sum over applied plans of hook calls from snapshot to use
+    async_wait_ns: int = 0  # the hook waiting for the planner (deterministic mode)
+    planner_ns: int = 0  # the planner thread's time in the policy
 
     def add(self, other: Counters) -> None:
         for f in fields(self):
@@ -99,6 +107,22 @@ def _counter_record(c: Counters, decoded_tokens: int) -> dict[str, Any]:
         "policy_fallbacks": c.policy_fallbacks,
         "store_us_per_call": _ratio(c.store_ns / 1e3, c.hook_calls),
         "per_call": _per_call_record(c),
+        "planning": _planning_record(c),
+    }
+
+
+def _planning_record(c: Counters) -> dict[str, Any]:
+    """Asynchronous planning: how many plans came, how late (in hook calls, i.e.
+    MoE layers), how many were too late and dropped. All zero when synchronous."""
+    return {
+        "asynchronous": c.async_posted > 0,
+        "posted": c.async_posted,
+        "skipped": c.async_skipped,
+        "applied": c.async_applied,
+        "stale": c.async_stale,
+        "lag_layers": _ratio(c.async_lag_calls, c.async_applied),
+        "wait_us_per_call": _ratio(c.async_wait_ns / 1e3, c.hook_calls),
+        "planner_us_per_plan": _ratio(c.planner_ns / 1e3, c.async_applied + c.async_stale),
     }
 
 
@@ -152,5 +176,6 @@ STATS_KEYS = (
     "policy_quiet_share",
     "policy_fallbacks",
     "per_call",
+    "planning",
     "layers",
 )

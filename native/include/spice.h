@@ -85,6 +85,11 @@ typedef struct spice_policy_call {
     const int32_t * ids;     size_t ids_nb1;     /* [n_tokens][n_expert_used] */
     const float   * weights; size_t weights_nb1; /* [n_tokens][n_expert_used] */
     const float   * shexp;   size_t shexp_nb1;   /* [n_tokens][n_embd] or NULL */
+    /* the device tier's residency as the call began (spice_residency values,
+     * n_layers rows of max_expert), or NULL without a tier: the store's live
+     * table for a synchronous call, the snapshot's own copy for an
+     * asynchronous one (see spice_runtime_enable_async) */
+    const int8_t  * residency; int32_t res_layers; int32_t res_width;
 
     /* plan, written by the policy; n_* say how many entries it wrote */
     int32_t * actions;  int32_t n_actions;  int32_t cap_actions;  /* n_tokens*n_expert_used, row-major */
@@ -150,6 +155,16 @@ typedef struct spice_counters {
     uint64_t device_collects; /* collections of device results */
     uint64_t launch_ns;       /* time spent launching device work */
     uint64_t collect_ns;      /* time spent waiting for device results */
+    /* asynchronous planning (spice_runtime_enable_async): snapshots by the
+     * layer of the call that posted them, plans by the layer of the call
+     * that applied (or dropped) them */
+    uint64_t async_posted;    /* snapshots handed to the planner thread */
+    uint64_t async_skipped;   /* snapshots replaced by a newer one before the planner took them */
+    uint64_t async_applied;   /* plans applied */
+    uint64_t async_stale;     /* plans dropped: older than max_lag hook calls when they could be applied */
+    uint64_t async_lag_calls; /* sum over applied plans of the hook calls from snapshot to application */
+    uint64_t async_wait_ns;   /* time the hook waited for the planner (deterministic mode) */
+    uint64_t planner_ns;      /* the planner thread's time in the policy for the plans collected */
 } spice_counters;
 
 /* Add each activation's outcome (DESIGN section 11) to c: n actions with,
@@ -438,6 +453,51 @@ SPICE_API int spice_runtime_layer_info(const spice_runtime * rt, int32_t il, spi
  * callback. max_tokens: micro-batches above it keep upstream's path (0 = none). */
 SPICE_API int spice_runtime_enable(spice_runtime * rt, spice_policy_fn fn, void * user_data,
                                    int32_t max_tokens);
+
+/* ---- asynchronous planning ---------------------------------------------------
+ *
+ * The policy callback runs on a planner thread owned by the runtime instead
+ * of the hook's thread: each hook call that would call the policy copies its
+ * snapshot (layer, hidden rows, ids, gate weights, the probabilities when
+ * with_probs, the shared expert's rows, residency as the call began) into
+ * arrays the snapshot owns, hands it to the planner and runs by the installed
+ * rule (spice_rule) at once. A plan the planner finished is validated
+ * (spice_plan_check) and applied by the hook's thread at a later hook call:
+ * its prefetch, evict and evict_from lists join that call's plan, and its
+ * resume_il holds unless a call of that layer came in between; its actions
+ * and demand fetches were for the snapshot's call, which has run, and are
+ * not used. The store is only ever touched by the hook's thread.
+ *
+ * Ages count hook calls. Free-running (deterministic = 0): a plan older than
+ * max_lag when it could be applied is dropped (async_stale), a snapshot the
+ * planner had not started when the next one came is replaced by it
+ * (async_skipped), and the lag is measured (async_lag_calls). Deterministic:
+ * the plan of the snapshot posted at call c is applied exactly at call
+ * c + lag, the hook waiting for the planner (async_wait_ns), so a run
+ * repeats exactly. A policy returning SPICE_POLICY_FAILED has its plan
+ * dropped (policy_fallbacks; the call ran by the rule), as is an invalid
+ * plan (also plan_rejections and last_error). */
+typedef struct spice_async_params {
+    int32_t max_lag;       /* free-running: drop plans older than this many hook calls (>= 1) */
+    int32_t deterministic; /* 1: apply the plan of call c exactly at call c + lag */
+    int32_t lag;           /* deterministic mode's lag in hook calls (>= 1) */
+    int32_t with_probs;    /* 1: snapshots carry the router probabilities (else probs is NULL) */
+} spice_async_params;
+
+/* Register the hook with a policy callback called on the runtime's planner
+ * thread (started here; a running one is stopped first). The callback then
+ * runs on a thread that is not the hook's: a Python callback takes the GIL
+ * there (cffi does), and the hook's thread never waits for Python except in
+ * deterministic mode. SPICE_ERR_INVALID_ARG for a NULL fn or out-of-range
+ * params, SPICE_ERR_STATE without a device tier, SPICE_ERR_NO_MEMORY when the
+ * thread cannot start. Stopped (the thread joined, plans not yet applied
+ * dropped) by spice_runtime_disable, spice_runtime_enable and
+ * spice_runtime_free. */
+SPICE_API int spice_runtime_enable_async(spice_runtime * rt, spice_policy_fn fn, void * user_data,
+                                         int32_t max_tokens, const spice_async_params * params);
+
+/* 1 while the runtime plans asynchronously, else 0. */
+SPICE_API int spice_runtime_is_async(const spice_runtime * rt);
 
 /* Unregister the hook: the context computes exactly upstream's graph again. */
 SPICE_API int spice_runtime_disable(spice_runtime * rt);

@@ -146,6 +146,7 @@ static void snapshot_call(spice_runtime * rt, const struct llama_moe_hook_call *
 
     const int32_t n_pairs = hc->n_tokens * hc->n_expert_used;
     if (rt->store != NULL) {
+        call->residency = spice_store_states(rt->store, &call->res_layers, &call->res_width);
         const uint64_t t0 = spice_monotonic_ns();
         spice_store_begin_call(rt->store, hc->il, hc->n_tokens, hc->n_expert_used, hc->ids, hc->ids_nb1,
                                rt->plan.hit);
@@ -168,9 +169,18 @@ static void rule_call(spice_runtime * rt, spice_policy_call * call, spice_counte
 
 /* decide: the policy's plan if it gives a valid one, else the default plan;
  * with no policy, and for a decode call the policy decided in advance, the
- * rule's plan. */
+ * rule's plan. Asynchronous: the rule's plan, with the lists of the policy's
+ * plans due at this call (spice-runtime-async.c). */
 static void decide_call(spice_runtime * rt, const struct llama_moe_hook_call * hc, spice_policy_call * call) {
     spice_counters * c = &rt->counters[hc->il];
+    if (rt->planner.running) {
+        spice_async_before(rt, call);
+        rule_call(rt, call, c);
+        const uint64_t t0 = spice_monotonic_ns();
+        spice_async_merge(rt, call);
+        c->policy_ns += spice_monotonic_ns() - t0;
+        return;
+    }
     const int quiet = rt->policy_fn != NULL && rt->resume_il >= 0 && hc->n_tokens == 1 && hc->il != rt->resume_il;
     if (quiet) {
         c->policy_quiet++;
@@ -479,7 +489,8 @@ int spice_runtime_create(struct llama_context * lctx, spice_runtime ** out, char
     rt->resume_il = -1;
     rt->layers = (spice_expert_layer *) calloc((size_t) (n_layers > 0 ? n_layers : 1), sizeof(spice_expert_layer));
     rt->counters = (spice_counters *) calloc((size_t) (n_layers > 0 ? n_layers : 1), sizeof(spice_counters));
-    if (rt->layers == NULL || rt->counters == NULL) {
+    rt->layer_seq = (uint64_t *) calloc((size_t) (n_layers > 0 ? n_layers : 1), sizeof(uint64_t));
+    if (rt->layers == NULL || rt->counters == NULL || rt->layer_seq == NULL) {
         spice_runtime_free(rt);
         write_err(err, err_len, "out of memory");
         return SPICE_ERR_NO_MEMORY;
@@ -544,6 +555,7 @@ void spice_runtime_free(spice_runtime * rt) {
     if (rt->enabled) {
         spice_runtime_disable(rt);
     }
+    spice_async_stop(rt);
     spice_cuda_verify_report(rt->verify);
     spice_cuda_verify_free(rt->verify);
     spice_host_exec_free(&rt->host);
@@ -551,6 +563,8 @@ void spice_runtime_free(spice_runtime * rt) {
     spice_surrogate_exec_free(&rt->surrogate_exec);
     spice_store_free(rt->store);
     plan_free(&rt->plan);
+    plan_free(&rt->async_lists);
+    free(rt->layer_seq);
     free(rt->layers);
     free(rt->counters);
     free(rt->n_expert_of);
@@ -591,6 +605,7 @@ int spice_runtime_enable(spice_runtime * rt, spice_policy_fn fn, void * user_dat
     if (rt == NULL || max_tokens < 0) {
         return SPICE_ERR_INVALID_ARG;
     }
+    spice_async_stop(rt); /* a synchronous policy from here on */
     rt->policy_fn = fn;
     rt->policy_user_data = user_data;
     rt->resume_il = -1;
@@ -606,6 +621,7 @@ int spice_runtime_disable(spice_runtime * rt) {
     }
     llama_set_moe_hook(rt->lctx, NULL, NULL, 0);
     llama_set_abort_callback(rt->lctx, NULL, NULL);
+    spice_async_stop(rt); /* joins the planner: after the policy call in progress, if any */
     rt->enabled = 0;
     rt->resume_il = -1;
     rt->policy_fn = NULL;

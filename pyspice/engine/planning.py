@@ -1,0 +1,72 @@
+"""Where SPICE policies plan: on the hook's thread (synchronous) or on libspice's
+planner thread while the graph runs on (asynchronous; spice_runtime_enable_async).
+
+Only the shipped planning policies (`spice:*`, `abl-*`) plan asynchronously: they
+declare the rule the engine runs each call by meanwhile. Users' policies, the
+trace recorder and the baselines (rules already) keep their paths.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+from pyspice.runtime import AsyncParams
+
+# Measured on the 2-core development machine (docs/results; issue 19 item 4): see
+# default_asynchronous. Synchronous there: the planner thread's Python shares two cores
+# with ggml's spinning graph threads.
+ASYNC_BY_DEFAULT = False
+
+
+@dataclass(frozen=True)
+class Planning:
+    """asynchronous: None -- the default for this machine (default_asynchronous);
+    deterministic_lag > 0: the plan of call c applied exactly at call c + lag (runs
+    repeat exactly); max_lag: free-running plans older than this many MoE layers are
+    dropped (None: the policy's own horizon, H_min)."""
+
+    asynchronous: bool | None = None
+    deterministic_lag: int = 0
+    max_lag: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_lag is not None and self.max_lag < 1:
+            raise ValueError(f"--max-plan-lag must be at least 1 layer, got {self.max_lag}")
+        if not 0 <= self.deterministic_lag <= 64:
+            raise ValueError(
+                f"--plan-lag must be 0 (free-running) or 1..64 layers, got {self.deterministic_lag}"
+            )
+
+    def resolved(self) -> bool:
+        """Whether to plan asynchronously (deterministic mode implies it)."""
+        if self.deterministic_lag > 0:
+            return True
+        if self.asynchronous is not None:
+            return self.asynchronous
+        return default_asynchronous()
+
+    def params(self, horizon: int, with_probs: bool = False) -> AsyncParams:
+        return AsyncParams(
+            max_lag=self.max_lag if self.max_lag is not None else max(1, horizon),
+            deterministic_lag=self.deterministic_lag,
+            with_probs=with_probs,
+        )
+
+
+_said: list[bool] = []
+
+
+def default_asynchronous() -> bool:
+    """The machine's default, said once per process."""
+    if not _said:
+        _said.append(True)
+        how = (
+            "on a planner thread (asynchronous)" if ASYNC_BY_DEFAULT else "on the hook's thread (synchronous)"
+        )
+        print(
+            f"pyspice: SPICE policies plan {how} by default here, as measured "
+            "(--planning sync|async to choose)",
+            file=sys.stderr,
+        )
+    return ASYNC_BY_DEFAULT

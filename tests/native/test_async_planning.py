@@ -1,0 +1,213 @@
+"""Asynchronous planning (spice_runtime_enable_async): the policy on libspice's
+planner thread, its plans applied at later hook calls by the hook's thread.
+
+Deterministic mode applies the plan of call c exactly at call c + K and repeats
+run to run; free-running mode drops plans older than the bound and counts them;
+a policy raising on the planner thread leaves the calls to the rule, warned once;
+disabling or closing joins the thread whatever it is doing."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from pyspice.engine.planning import Planning
+from pyspice.policy import HookCall, Plan
+from pyspice.policy.base import RESIDENCY_ABSENT
+from pyspice.runtime import AsyncParams
+
+from .golden import PROMPT, greedy_run, load
+
+N_DECODE = 8
+
+
+@pytest.fixture(scope="module")
+def model(synth_model: Any) -> Any:
+    return synth_model("qwen2moe", "tiny", "Q8_0")
+
+
+@pytest.fixture(scope="module")
+def reference(model: Any) -> Any:
+    llm = load(model)
+    try:
+        return greedy_run(llm, "stock", n_decode=N_DECODE)
+    finally:
+        llm.close()
+
+
+class Targets:
+    """Prefetches one new (layer, expert) per call for its first calls, and keeps the
+    residency every snapshot showed: when a target stops being absent says at which
+    call its plan was applied."""
+
+    name = "targets"
+
+    def __init__(self, n_targets: int, sleep_s: float = 0.0) -> None:
+        self.n_targets = n_targets
+        self.sleep_s = sleep_s
+        self.seen: list[np.ndarray] = []
+        self.targets: list[tuple[int, int]] = []
+        self.free: list[tuple[int, int]] = []
+
+    def decide(self, call: HookCall) -> Plan:
+        residency = call.residency
+        assert residency is not None
+        if not self.free:  # candidates: absent everywhere at the first call
+            layers, experts = np.nonzero(residency == RESIDENCY_ABSENT)
+            self.free = [(int(il), int(e)) for il, e in zip(layers, experts, strict=True)]
+            self.free.reverse()
+        self.seen.append(residency.copy())
+        if self.sleep_s:
+            time.sleep(self.sleep_s)
+        if len(self.targets) < self.n_targets:
+            self.targets.append(self.free.pop())
+            return Plan(prefetch=[self.targets[-1]])
+        return Plan()
+
+
+class Raises:
+    name = "raises"
+
+    def decide(self, call: HookCall) -> Plan:
+        raise ValueError("planner bug")
+
+
+def _fresh_tier(llm: Any, budget: str = "100%") -> Any:
+    """An empty tier with a manual clock (copies land only when waited for) and the
+    default rule; the engine's exact policy registered, to be replaced."""
+    llm.set_device(budget, 8.0, 5.0, manual_clock=True)
+    runtime = llm.spice_engine.runtime
+    runtime.set_device(llm.spice_engine.device_params)  # empty: `exact` preloaded it
+    runtime.set_rule(None)
+    return runtime
+
+
+def _decode(llm: Any, n: int, pause_s: float = 0.0) -> list[int]:
+    llm.reset()
+    llm.spice_reset_stats()
+    llm.eval(llm.tokenize(PROMPT.encode(), add_bos=True))
+    tokens = []
+    for _ in range(n):
+        time.sleep(pause_s)
+        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        tokens.append(token)
+        llm.eval([token])
+    return tokens
+
+
+@pytest.mark.parametrize("lag", [1, 3])
+def test_deterministic_mode_applies_the_plan_of_call_c_at_call_c_plus_k(model: Any, lag: int) -> None:
+    llm = load(model)
+    try:
+        runtime = _fresh_tier(llm)
+        policy = Targets(n_targets=6)
+        runtime.enable_policy(policy, asynchronous=AsyncParams(deterministic_lag=lag))  # type: ignore[arg-type]
+        assert runtime.is_async()
+        _decode(llm, 3)
+        runtime.disable()
+        assert not runtime.is_async()
+        for c, (il, e) in enumerate(policy.targets):
+            # snapshot of call c+K is taken as that call begins, before its plan is applied
+            states = [int(seen[il, e]) for seen in policy.seen]
+            assert all(s == RESIDENCY_ABSENT for s in states[: c + lag + 1]), (c, states)
+            assert states[c + lag + 1] != RESIDENCY_ABSENT, (c, states)
+        stats = llm.spice_stats()["planning"]
+        assert stats["applied"] > 0 and stats["stale"] == 0 and stats["skipped"] == 0
+        assert stats["lag_layers"] == lag
+    finally:
+        llm.close()
+
+
+def test_deterministic_spice_is_lossless_and_repeats_run_to_run(model: Any, reference: Any) -> None:
+    llm = load(model)
+    try:
+        llm.set_device("25%", 8.0, 5.0, manual_clock=True)
+        llm.spice_engine.set_planning(Planning(deterministic_lag=2))
+        runs = [greedy_run(llm, name, n_decode=N_DECODE) for name in ("spice:exact", "abl-b", "spice:exact")]
+        for got in runs:
+            assert got.tokens == reference.tokens
+            assert np.array_equal(got.logits, reference.logits)
+            assert got.stats["policy_fallbacks"] == 0
+        first, again = runs[0].stats, runs[2].stats
+        assert first["planning"]["applied"] > 0 and first["planning"]["lag_layers"] == 2
+        assert first["prefetch_issued"] > 0
+        for key in ("hit_rate", "prefetch_issued", "prefetch_used", "bytes_per_token", "misses"):
+            assert first[key] == again[key], key
+        assert first["planning"]["applied"] == again["planning"]["applied"]
+    finally:
+        llm.close()
+
+
+def test_free_running_spice_is_lossless(model: Any, reference: Any) -> None:
+    llm = load(model)
+    try:
+        llm.set_device("50%", 8.0, 5.0)
+        llm.spice_engine.set_planning(Planning(asynchronous=True))
+        got = greedy_run(llm, "spice:exact", n_decode=N_DECODE)
+        assert got.tokens == reference.tokens
+        assert np.array_equal(got.logits, reference.logits)
+        planning = got.stats["planning"]
+        assert planning["asynchronous"] and planning["posted"] > 0
+        assert planning["applied"] + planning["stale"] > 0
+        assert llm.spice_engine.require_runtime().is_async()
+        # users' policy objects stay synchronous
+        llm.set_policy(Targets(n_targets=0))  # type: ignore[arg-type]
+        assert not llm.spice_engine.require_runtime().is_async()
+    finally:
+        llm.close()
+
+
+def test_stale_plans_are_dropped_and_counted(model: Any, reference: Any) -> None:
+    llm = load(model)
+    try:
+        runtime = _fresh_tier(llm)
+        # far slower than a hook call: a plan is done only after its token's later calls,
+        # by the next token's first call it is more than one call old
+        policy = Targets(n_targets=4, sleep_s=0.02)
+        runtime.enable_policy(policy, asynchronous=AsyncParams(max_lag=1))  # type: ignore[arg-type]
+        tokens = _decode(llm, 3, pause_s=0.05)
+        runtime.disable()
+        assert tokens == reference.tokens[:3]
+        planning = llm.spice_stats()["planning"]
+        assert planning["stale"] > 0
+        assert planning["skipped"] > 0  # the planner lags: newer snapshots replace queued ones
+        assert planning["posted"] >= planning["applied"] + planning["stale"]
+    finally:
+        llm.close()
+
+
+def test_a_policy_raising_on_the_planner_thread_falls_back_to_the_rule_warned_once(
+    model: Any, reference: Any, capfd: Any
+) -> None:
+    llm = load(model)
+    try:
+        runtime = _fresh_tier(llm)
+        runtime.enable_policy(Raises(), asynchronous=AsyncParams(deterministic_lag=1))  # type: ignore[arg-type]
+        tokens = _decode(llm, N_DECODE)
+        runtime.report_rejections()
+        assert tokens == reference.tokens
+        stats = llm.spice_stats()
+        assert stats["policy_fallbacks"] > 1 and stats["planning"]["applied"] == 0
+        err = capfd.readouterr().err
+        assert err.count("planner bug") == 1, err
+        assert "the calls run by the policy's rule" in err
+        assert "a plan was rejected" not in err  # one warning, not two
+    finally:
+        llm.close()
+
+
+def test_disable_and_close_join_the_planner_mid_plan(model: Any) -> None:
+    llm = load(model)
+    runtime = _fresh_tier(llm)
+    policy = Targets(n_targets=0, sleep_s=0.2)
+    runtime.enable_policy(policy, asynchronous=AsyncParams(max_lag=4))  # type: ignore[arg-type]
+    llm.eval(llm.tokenize(b"Hello", add_bos=True))  # posts; the planner sleeps in decide
+    start = time.monotonic()
+    runtime.enable_policy(policy, asynchronous=AsyncParams(max_lag=4))  # restart: joins the first
+    llm.eval([100])
+    llm.close()  # joins the planner in the middle of its sleep
+    assert time.monotonic() - start < 5.0
+    assert len(policy.seen) >= 1
