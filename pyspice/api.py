@@ -156,6 +156,8 @@ class Llama(llama_cpp.Llama):
             sidecar=run.loaded_sidecar or run.sidecar,
             verbose=False,
         )
+        if run.planning != llm.spice_engine.planning:
+            llm.spice_engine.set_planning(run.planning)
         if run.auto_budget:
             budget = llm.automatic_device_budget()
             say(
