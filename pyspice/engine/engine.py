@@ -264,12 +264,16 @@ class Engine:
         runtime = self.require_runtime()
         self._reset_device()  # empty first: surrogates loaded next must find room
         self._sync_surrogates(lossless)
+        asynchronous = asynchronous and self.planning.resolved()
+        if hasattr(policy, "plan_lag"):
+            # its plans land this many layers late: it looks that much further ahead
+            policy.plan_lag = self.planning.expected_lag() if asynchronous else 0  # type: ignore[attr-defined]
         attach_policy(policy, self.policy_context())
         if self._blas_limit is None:
             # Python policies run inside ggml's threads (or beside them, on the planner
             # thread): numpy's BLAS must not start its own
             self._blas_limit = limit_blas_threads()
-        if asynchronous and self.planning.resolved():
+        if asynchronous:
             # the policy's rule runs each call at once; its plans land calls later
             runtime.set_rule(policy.asynchronous_rule())  # type: ignore[attr-defined]
             horizon = int(policy.plan_horizon()) if callable(getattr(policy, "plan_horizon", None)) else 1  # type: ignore[attr-defined]

@@ -46,6 +46,11 @@ class Planning:
             return self.asynchronous
         return default_asynchronous()
 
+    def expected_lag(self) -> int:
+        """MoE layers from a call to its plan's use: the deterministic lag, else the one
+        measured free-running (1.0-1.1 on smolmoe, docs in the issue 19 note)."""
+        return self.deterministic_lag if self.deterministic_lag > 0 else 1
+
     def params(self, horizon: int, with_probs: bool = False) -> AsyncParams:
         return AsyncParams(
             max_lag=self.max_lag if self.max_lag is not None else max(1, horizon),

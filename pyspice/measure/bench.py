@@ -121,6 +121,7 @@ def run_one(
         tokens.append(greedy_next(llm))
     stats = llm.spice_stats()
     stats["policy_us_per_decode_call"] = _decode_share(stats, prompt)
+    stats["decode_hit_rate"] = _decode_hit_rate(stats, prompt)
     return float(stats["prefill_tps"]), float(stats["tpot_ms"]), tokens, stats
 
 
@@ -134,6 +135,14 @@ def _decode_share(total: dict[str, Any], prompt: dict[str, Any]) -> float:
         - prompt["policy_us_per_call"] * prompt["hook_calls"]
     )
     return spent / calls if calls > 0 else 0.0
+
+
+def _decode_hit_rate(total: dict[str, Any], prompt: dict[str, Any]) -> float:
+    """The hit rate of the decode steps alone (the prompt batch's activations, most of a
+    short run's, are planned differently)."""
+    acts = total["activations"] - prompt["activations"]
+    hits = total["hit_rate"] * total["activations"] - prompt["hit_rate"] * prompt["activations"]
+    return hits / acts if acts > 0 else 0.0
 
 
 def _run_plain(llm: Any, cfg: BenchConfig) -> tuple[float, float, list[int], dict[str, Any]]:

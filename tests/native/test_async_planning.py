@@ -17,7 +17,11 @@ import pytest
 from pyspice.engine.planning import Planning
 from pyspice.policy import HookCall, Plan
 from pyspice.policy.base import RESIDENCY_ABSENT
+from pyspice.policy.rule import DEFAULT_RULE, Rule
 from pyspice.runtime import AsyncParams
+from pyspice.sim.planner import AsyncModel
+from pyspice.sim.simulator import Costs, Simulator
+from pyspice.sim.workload import SimCall, SimStep, Workload
 
 from .golden import PROMPT, greedy_run, load
 
@@ -51,10 +55,17 @@ class Targets:
         self.seen: list[np.ndarray] = []
         self.targets: list[tuple[int, int]] = []
         self.free: list[tuple[int, int]] = []
+        self.calls: list[SimCall] = []  # what it was asked, for the simulator to replay
+
+    def asynchronous_rule(self) -> Rule:
+        return DEFAULT_RULE
 
     def decide(self, call: HookCall) -> Plan:
         residency = call.residency
         assert residency is not None
+        self.calls.append(
+            SimCall(call.layer, call.ids.copy(), call.weights.copy(), hidden=call.hidden.copy())
+        )
         if not self.free:  # candidates: absent everywhere at the first call
             layers, experts = np.nonzero(residency == RESIDENCY_ABSENT)
             self.free = [(int(il), int(e)) for il, e in zip(layers, experts, strict=True)]
@@ -202,12 +213,64 @@ def test_a_policy_raising_on_the_planner_thread_falls_back_to_the_rule_warned_on
 def test_disable_and_close_join_the_planner_mid_plan(model: Any) -> None:
     llm = load(model)
     runtime = _fresh_tier(llm)
-    policy = Targets(n_targets=0, sleep_s=0.2)
-    runtime.enable_policy(policy, asynchronous=AsyncParams(max_lag=4))  # type: ignore[arg-type]
+
+    def mid_plan(policy: Targets) -> None:
+        deadline = time.monotonic() + 5.0
+        while not policy.seen and time.monotonic() < deadline:
+            time.sleep(0.001)  # releases the GIL: the planner enters decide and sleeps there
+        assert policy.seen, "the planner never called the policy"
+
+    first = Targets(n_targets=0, sleep_s=0.3)
+    runtime.enable_policy(first, asynchronous=AsyncParams(max_lag=4))  # type: ignore[arg-type]
     llm.eval(llm.tokenize(b"Hello", add_bos=True))  # posts; the planner sleeps in decide
+    mid_plan(first)
     start = time.monotonic()
-    runtime.enable_policy(policy, asynchronous=AsyncParams(max_lag=4))  # restart: joins the first
+    second = Targets(n_targets=0, sleep_s=0.3)
+    runtime.enable_policy(second, asynchronous=AsyncParams(max_lag=4))  # restart: joins the first
+    assert time.monotonic() - start >= 0.1  # waited for the plan in progress
     llm.eval([100])
+    mid_plan(second)
     llm.close()  # joins the planner in the middle of its sleep
     assert time.monotonic() - start < 5.0
-    assert len(policy.seen) >= 1
+
+
+def test_the_simulator_applies_plans_at_the_calls_libspice_does(model: Any) -> None:
+    """Differential: the same calls through libspice's planner (deterministic mode) and
+    the simulator's model of it, the same policy -- every snapshot shows the same
+    experts on their way or resident."""
+    lag = 2
+    llm = load(model)
+    try:
+        runtime = _fresh_tier(llm)
+        native = Targets(n_targets=8)
+        runtime.enable_policy(native, asynchronous=AsyncParams(deterministic_lag=lag))  # type: ignore[arg-type]
+        _decode(llm, 3)
+        runtime.disable()
+        layers = llm.spice_layers()
+    finally:
+        llm.close()
+    n_expert = tuple(info.n_expert if info.is_moe else 0 for info in layers)
+    workload = Workload(len(layers), n_expert, native.calls[0].ids.shape[1], native.calls[0].hidden.shape[1])
+    for c in native.calls:  # a pass from the first MoE layer on is one step
+        if not workload.steps or c.layer <= workload.steps[-1].calls[-1].layer:
+            workload.steps.append(SimStep([], decode=c.n_tokens == 1))
+        workload.steps[-1].calls.append(c)
+    costs = Costs(
+        expert_bytes=tuple(info.bytes_per_expert for info in layers),
+        bus_gbps=8.0,
+        bus_latency_us=5.0,
+        rest_us=((1, 50.0),),
+        device_expert_us=((1, 1.0),),
+        host_expert_us=((1, 5.0),),
+    )
+    twin = Targets(n_targets=8)
+    result = Simulator(workload, costs, budget_bytes=10**12).run(
+        "twin", twin, asynchronous=AsyncModel(deterministic_lag=lag)
+    )
+    assert twin.targets == native.targets
+    # libspice's planner also plans the last `lag` snapshots, whose plans no call is left to
+    # use; the model plans a snapshot only when a call needs its plan
+    assert 0 <= len(native.seen) - len(twin.seen) <= lag and len(twin.seen) > 8 + lag
+    for i, (a, b) in enumerate(zip(native.seen, twin.seen, strict=False)):
+        assert np.array_equal(a != RESIDENCY_ABSENT, b != RESIDENCY_ABSENT), i
+    assert result.plan_lag_layers == lag

@@ -55,6 +55,9 @@ class SpicePolicy(PolicyBase):
         self.config = spice_config(config) if isinstance(config, str) else config
         self.name = self.config.name
         self.ctx: PolicyContext | None = None
+        # MoE layers between a call and the call its plan is applied at (0: the same call,
+        # synchronous planning): set before attach, the look-ahead reaches that much further
+        self.plan_lag = 0
 
     @property
     def lossless(self) -> bool:
@@ -76,12 +79,13 @@ class SpicePolicy(PolicyBase):
             every -= 1
         self.plan_every = every
         # a prompt batch plans at every layer: H_min of eq. 4 itself
-        self.batch_depth = {il: self.cost.h_min(il, k, k) if cfg.deep else 1 for il in moe}
-        self.h_min = {il: self.cost.h_min(il, k, k) + every - 1 for il in moe}
-        self.h_max = {il: max(self.h_min[il], cfg.h_max) for il in moe}
+        lag = max(0, self.plan_lag)
+        self.batch_depth = {il: (self.cost.h_min(il, k, k) if cfg.deep else 1) + lag for il in moe}
+        self.h_min = {il: self.cost.h_min(il, k, k) + every - 1 + lag for il in moe}
+        self.h_max = {il: max(self.h_min[il], cfg.h_max + lag) for il in moe}
         if not cfg.deep:
-            self.h_min = dict.fromkeys(moe, 1)
-            self.h_max = dict.fromkeys(moe, 1)
+            self.h_min = dict.fromkeys(moe, 1 + lag)
+            self.h_max = dict.fromkeys(moe, 1 + lag)
         self.plans = [False] * ctx.n_layers  # whether a decode step plans at this layer
         for i, il in enumerate(moe):
             self.plans[il] = cfg.prefetch and i % every == 0

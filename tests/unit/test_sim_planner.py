@@ -1,0 +1,101 @@
+"""The simulator's model of asynchronous planning (sim/planner.py): plans applied
+exactly K calls late in deterministic mode, dropped when too late free-running,
+and lossless policies' outcomes unchanged in kind (the rule runs every call)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from pyspice.policy import HookCall, Plan
+from pyspice.policy.base import RESIDENCY_ABSENT
+from pyspice.policy.rule import DEFAULT_RULE, Rule
+from pyspice.sim.planner import AsyncModel
+from pyspice.sim.simulator import Costs, Simulator
+from pyspice.sim.workload import Workload
+
+N_LAYERS, N_EXPERT, K = 4, 8, 2
+
+
+def workload(tokens: int = 10, prompt: int = 4) -> Workload:
+    rng = np.random.default_rng(3)
+    ids = np.stack(
+        [[rng.choice(N_EXPERT, K, replace=False) for _ in range(N_LAYERS)] for _ in range(tokens)]
+    ).astype(np.int32)
+    return Workload.from_arrays(N_LAYERS, list(range(N_LAYERS)), N_EXPERT, ids, prompt_tokens=prompt)
+
+
+def costs() -> Costs:
+    return Costs(
+        expert_bytes=(10_000,) * N_LAYERS,
+        bus_gbps=10.0,
+        bus_latency_us=1.0,
+        rest_us=((1, 100.0), (4, 100.0)),
+        device_expert_us=((1, 1.0),),
+        host_expert_us=((1, 20.0),),
+    )
+
+
+class Targets:
+    """One new prefetch per call for its first calls; keeps every snapshot's residency."""
+
+    name = "targets"
+
+    def __init__(self, n_targets: int, sleep_s: float = 0.0) -> None:
+        self.n_targets, self.sleep_s = n_targets, sleep_s
+        self.seen: list[np.ndarray] = []
+        self.targets: list[tuple[int, int]] = []
+        self.free: list[tuple[int, int]] = []
+
+    def asynchronous_rule(self) -> Rule:
+        return DEFAULT_RULE
+
+    def decide(self, call: HookCall) -> Plan:
+        residency = call.residency
+        assert residency is not None
+        if not self.free:
+            layers, experts = np.nonzero(residency == RESIDENCY_ABSENT)
+            self.free = [(int(il), int(e)) for il, e in zip(layers, experts, strict=True)][::-1]
+        self.seen.append(residency.copy())
+        if self.sleep_s:
+            time.sleep(self.sleep_s)
+        if len(self.targets) < self.n_targets:
+            self.targets.append(self.free.pop())
+            return Plan(prefetch=[self.targets[-1]])
+        return Plan()
+
+
+def first_seen(policy: Targets) -> list[int]:
+    """Per target, the first snapshot (call index) in which it is no longer absent."""
+    return [
+        next(i for i, seen in enumerate(policy.seen) if seen[il, e] != RESIDENCY_ABSENT)
+        for il, e in policy.targets
+    ]
+
+
+def test_deterministic_mode_applies_each_plan_exactly_k_calls_later() -> None:
+    for lag in (1, 3):
+        policy = Targets(n_targets=6)
+        sim = Simulator(workload(), costs(), budget_bytes=10**9)
+        result = sim.run("t", policy, asynchronous=AsyncModel(deterministic_lag=lag))
+        # planned at call c, applied at call c + lag after its snapshot: seen from c + lag + 1
+        assert first_seen(policy) == [c + lag + 1 for c in range(6)]
+        assert result.plan_lag_layers == lag and result.plans_stale == 0
+
+
+def test_free_running_drops_plans_older_than_the_bound() -> None:
+    policy = Targets(n_targets=4, sleep_s=0.002)  # 2 ms a plan: many hook calls (100 us layers)
+    sim = Simulator(workload(), costs(), budget_bytes=10**9)
+    result = sim.run("t", policy, asynchronous=AsyncModel(max_lag=1))
+    assert result.plans_stale > 0
+    assert result.plans_skipped > 0
+    assert result.plans_applied == 0  # none was ever ready within one call
+
+
+def test_a_synchronous_run_is_unchanged_by_the_model() -> None:
+    policy = Targets(n_targets=6)
+    sim = Simulator(workload(), costs(), budget_bytes=10**9)
+    result = sim.run("t", policy)
+    assert first_seen(policy) == [c + 1 for c in range(6)]  # applied at its own call
+    assert result.plans_applied == 0
