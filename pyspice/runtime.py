@@ -466,6 +466,7 @@ class Runtime:
         self._warned_rejection = False
         self._rejections_seen = 0
         self._async = False
+        self._rules: dict[int, tuple[Rule, Any, tuple[Any, ...]]] = {}  # see _plan_rule
 
     # ---- lifecycle -----------------------------------------------------------
 
@@ -815,6 +816,26 @@ class Runtime:
             call.n_evict_from = _copy_ints(self._n.ffi, call.evict_from, call.cap_evict_from, plan.evict_from)
         if plan.resume_layer != -1:
             call.resume_il = plan.resume_layer
+        if plan.rule is not None:
+            if not isinstance(plan.rule, Rule):
+                raise TypeError(f"plan.rule must be a pyspice.policy.Rule, got {type(plan.rule).__name__}")
+            call.rule = self._plan_rule(plan.rule)
+
+    def _plan_rule(self, rule: Rule) -> Any:
+        """The spice_rule of a plan's Rule, converted once per Rule object and kept alive
+        (with the arrays it points into) while cached: an asynchronous plan is applied
+        calls after it was written, and the same object gives the same address, which
+        libspice does not install again."""
+        key = id(rule)
+        hit = self._rules.get(key)
+        if hit is not None and hit[0] is rule:
+            return hit[1]
+        if len(self._rules) >= _MAX_CACHED_RULES:  # more than any ring of plans holds
+            self._rules.pop(next(iter(self._rules)))
+        n_expert = [info.n_expert if info.is_moe else 0 for info in self.layers()]
+        c_rule, keep = _rule_to_c(self._n.ffi, rule, n_expert)
+        self._rules[key] = (rule, c_rule, keep)
+        return c_rule
 
     # ---- after a decode -----------------------------------------------------------
 
@@ -858,6 +879,7 @@ _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 # spice_policy_fn return values (SPICE_POLICY_* in spice.h; test_cffi_declarations checks them):
 # module constants because the callback runs on the hook's thread 0 per call
 _POLICY_OK, _POLICY_FAILED, _POLICY_ABORT = 0, 1, 2
+_MAX_CACHED_RULES = 80  # above the deepest plan ring (deterministic lag 64 + 2)
 _MAX_CACHED_CALLS = 512  # HookCalls kept by _hook_call (a model has at most a few hundred layers)
 
 

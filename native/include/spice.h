@@ -114,6 +114,13 @@ typedef struct spice_policy_call {
      * always calls it. Lets a policy that plans every few layers skip the
      * calls in between, which would only return the default plan. */
     int32_t resume_il;
+    /* NULL (set before each call): keep the installed rule. Else a new rule
+     * (spice_rule, declared below; copied when the plan is applied) for the
+     * calls the engine plans from then on -- the next ones when synchronous;
+     * when asynchronous, from the call that applies this plan. A rule whose
+     * address is the installed one's is not installed again (its state, e.g.
+     * LAYER_LRU's re-split, carries on). */
+    const struct spice_rule * rule;
 } spice_policy_call;
 
 /* Return values of a policy callback. */
@@ -225,7 +232,8 @@ typedef enum spice_keep_rule {
     SPICE_KEEP_NONE      = 3  /* keep nothing between calls: each evicts what earlier calls brought in */
 } spice_keep_rule;
 
-typedef struct spice_rule {
+typedef struct spice_rule spice_rule;
+struct spice_rule {
     int32_t resident_action;       /* SPICE_ACTION_DEVICE (default) or SPICE_ACTION_HOST */
     int32_t miss;                  /* spice_miss_rule */
     int32_t keep;                  /* spice_keep_rule */
@@ -241,7 +249,7 @@ typedef struct spice_rule {
     int32_t prefetch_next;         /* 1: prefetch the next MoE layer's router top-k (n_expert_used) */
     const float * const * routers; /* [n_layers] router weights [n_expert][n_embd] f32, NULL entries allowed */
     int32_t n_embd;                /* the routers' row width */
-} spice_rule;
+};
 
 /* ---- expert store -----------------------------------------------------------
  *

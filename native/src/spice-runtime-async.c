@@ -53,6 +53,7 @@ int spice_runtime_enable_async(spice_runtime * rt, spice_policy_fn fn, void * us
         return SPICE_ERR_NO_MEMORY;
     }
     rt->call_seq = 0;
+    rt->plan_rule = NULL;
     memset(rt->layer_seq, 0, (size_t) rt->n_layers * sizeof(uint64_t));
     /* registered first (enable stops any planner), started before the next decode can call */
     int status = spice_runtime_enable(rt, fn, user_data, max_tokens);
@@ -110,6 +111,7 @@ static void take_plan(spice_runtime * rt, spice_async_entry * e, uint64_t seq, s
                 append(l->evict_from, &rt->n_async_evict_from, l->cap_evict_from, plan->evict_from,
                        plan->n_evict_from);
             }
+            spice_runtime_take_plan_rule(rt, plan); /* this call's rule plan already uses it */
             /* decided in advance up to resume_il: only while no call of that layer came since */
             if (plan->resume_il >= 0 && rt->layer_seq[plan->resume_il] <= e->seq) {
                 rt->resume_il = plan->resume_il;

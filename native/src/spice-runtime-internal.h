@@ -73,7 +73,11 @@ struct spice_runtime {
     uint64_t * layer_seq; /* [n_layers]: call_seq of each layer's latest call */
     spice_plan_buffers async_lists; /* prefetch, evict, evict_from of the plans collected at this call */
     int32_t n_async_prefetch, n_async_evict, n_async_evict_from;
+    const void * plan_rule;   /* the last rule a plan installed (its address), or NULL */
 };
+
+/* A plan's rule (call->rule), installed unless it is the one installed last. */
+void spice_runtime_take_plan_rule(spice_runtime * rt, const spice_policy_call * call);
 
 /* Asynchronous planning, at a hook call of the policy's (after the snapshot,
  * before the rule plans it): collect the plans due (validated; their lists

@@ -214,6 +214,7 @@ static void decide_call(spice_runtime * rt, const struct llama_moe_hook_call * h
     }
     if (use_plan) {
         rt->resume_il = call->resume_il;
+        spice_runtime_take_plan_rule(rt, call); /* for the calls the engine plans from now on */
     } else {
         default_actions(rt, call, hc->n_tokens * hc->n_expert_used);
         /* nothing of a rejected plan may act: its lists are unchecked */
@@ -606,6 +607,7 @@ int spice_runtime_enable(spice_runtime * rt, spice_policy_fn fn, void * user_dat
         return SPICE_ERR_INVALID_ARG;
     }
     spice_async_stop(rt); /* a synchronous policy from here on */
+    rt->plan_rule = NULL;
     rt->policy_fn = fn;
     rt->policy_user_data = user_data;
     rt->resume_il = -1;
@@ -666,6 +668,20 @@ uint64_t spice_runtime_plan_rejections(const spice_runtime * rt) {
     return rt ? rt->plan_rejections : 0;
 }
 
+void spice_runtime_take_plan_rule(spice_runtime * rt, const spice_policy_call * call) {
+    if (call->rule == NULL || (const void *) call->rule == rt->plan_rule || rt->store == NULL) {
+        return;
+    }
+    if (spice_store_set_rule(rt->store, call->rule) == SPICE_OK) {
+        rt->plan_rule = call->rule;
+    } else {
+        set_error(rt, "layer %d: the plan's rule is invalid (an action, miss or keep value out of range, "
+                      "LAYER_LRU without capacities, or prefetch_next without routers); the rule stays",
+                  call->il);
+        rt->plan_rejections++;
+    }
+}
+
 int spice_runtime_set_rule(spice_runtime * rt, const spice_rule * rule) {
     if (rt == NULL) {
         return SPICE_ERR_INVALID_ARG;
@@ -675,6 +691,7 @@ int spice_runtime_set_rule(spice_runtime * rt, const spice_rule * rule) {
         return SPICE_ERR_STATE;
     }
     const int status = spice_store_set_rule(rt->store, rule);
+    rt->plan_rule = NULL;
     if (status == SPICE_ERR_INVALID_ARG) {
         set_error(rt, "invalid rule: an action, miss or keep value out of range, LAYER_LRU without "
                       "capacities, or prefetch_next without routers");

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pyspice.policy.base import HookCall, Plan
+from pyspice.policy.rule import Rule
 
 RING = 4  # free-running entries (spice-planner.c)
 
@@ -52,6 +53,7 @@ class Collected:
     evict: list[tuple[int, int]] = field(default_factory=list)
     evict_from: list[int] = field(default_factory=list)
     wait_ns: int = 0
+    rule: Rule | None = None  # a plan's new rule (Plan.rule), for this call on
     quiet: bool = False  # the policy decided this call in advance: not posted
 
 
@@ -108,6 +110,8 @@ class PlannerModel:
         got.evict.extend((int(a), int(b)) for a, b in plan.evict)
         if plan.evict_from:
             got.evict_from = [int(x) for x in plan.evict_from]
+        if isinstance(plan.rule, Rule):  # validate_plan refused any other value
+            got.rule = plan.rule
         r = plan.resume_layer
         if r >= 0 and self.layer_seq.get(r, 0) <= e.seq:
             self.resume_layer = r

@@ -45,7 +45,7 @@ from pyspice.policy.base import (
     attach_policy,
 )
 from pyspice.policy.context import PolicyContext, RouterLoader
-from pyspice.policy.rule import declared_rule
+from pyspice.policy.rule import Rule, declared_rule
 from pyspice.sim.plan import (
     InvalidPlan,
     Outcomes,
@@ -221,6 +221,7 @@ class Simulator:
         self.context_extra = dict(context_extra or {})
         # the loaded surrogates, which a plan's surrogate actions must name (spice_plan_validate)
         self.surrogates: SurrogateTable | None = surrogate_table(self.context())
+        self._plan_rule: RuleState | None = None  # the rule plans installed (run() resets it)
 
     def context(self) -> PolicyContext:
         kwargs: dict[str, Any] = {}
@@ -271,9 +272,11 @@ class Simulator:
             attach_policy(policy, self.context())
         rule = declared_rule(policy) if policy is not None else None
         rule_state = RuleState(rule, wl.n_layers) if rule is not None else None  # kept from prompt to decode
+        self._plan_rule = None  # a plan's Plan.rule, for quiet calls
         planner: PlannerModel | None = None
         if asynchronous is not None and rule is None and callable(getattr(policy, "asynchronous_rule", None)):
-            rule_state = RuleState(policy.asynchronous_rule(), wl.n_layers)
+            # the rule every call runs by meanwhile (plans may replace it: Plan.rule)
+            self._plan_rule = RuleState(policy.asynchronous_rule(), wl.n_layers)
             planner = PlannerModel(asynchronous, lambda hook: self._plan_of(policy, hook))
         t = 0
         if tier is not None and preload:
@@ -453,13 +456,15 @@ class Simulator:
             if planner is not None:
                 # asynchronous: the snapshot goes to the planner, the rule plans this call, and
                 # the lists of the plans due join it (the hook waits only in deterministic mode)
-                assert rule_state is not None
+                assert self._plan_rule is not None
                 got = planner.call(self._hook_call(call, residency), t)
+                if got.rule is not None and got.rule is not self._plan_rule.rule:  # take_plan_rule
+                    self._plan_rule = RuleState(got.rule, self.workload.n_layers)
                 t += got.wait_ns
                 tally.part("planner wait", got.wait_ns)
                 actions, plan, spent_us = None, Plan(), policy_us or 0.0
                 if tier is not None:
-                    actions, ruled = rule_plan(tier, rule_state, il, ids, call.weights, call.hidden)
+                    actions, ruled = rule_plan(tier, self._plan_rule, il, ids, call.weights, call.hidden)
                     plan = Plan(
                         fetch=ruled.fetch,
                         prefetch=[*ruled.prefetch, *got.prefetch],
@@ -474,11 +479,17 @@ class Simulator:
                     actions, plan = rule_plan(tier, rule_state, il, ids, call.weights, call.hidden)
             elif policy is not None and n_tokens == 1 and 0 <= tally.resume_layer != il:
                 # decided in advance (spice_policy_call.resume_il; a batch always asks): the
-                # default plan, no call (a measured policy_us is per call served)
+                # rule's plan (the default one unless a plan installed a rule), no call (a
+                # measured policy_us is per call served)
                 actions, plan, spent_us = None, Plan(), policy_us or 0.0
+                if self._plan_rule is not None and tier is not None:
+                    actions, plan = rule_plan(tier, self._plan_rule, il, ids, call.weights, call.hidden)
             else:
                 actions, plan, spent_us = self._decide(policy, call, residency, policy_us, tally)
                 tally.resume_layer = plan.resume_layer
+                installed = self._plan_rule.rule if self._plan_rule is not None else None
+                if isinstance(plan.rule, Rule) and plan.rule is not installed:
+                    self._plan_rule = RuleState(plan.rule, self.workload.n_layers)
             if actions is None:
                 actions = default_actions(hit)
             tally.policy_us += spent_us

@@ -17,7 +17,7 @@ import pytest
 from pyspice.engine.planning import Planning
 from pyspice.policy import HookCall, Plan
 from pyspice.policy.base import RESIDENCY_ABSENT
-from pyspice.policy.rule import DEFAULT_RULE, Rule
+from pyspice.policy.rule import DEFAULT_RULE, MISS_FETCH, Rule
 from pyspice.runtime import AsyncParams
 from pyspice.sim.planner import AsyncModel
 from pyspice.sim.simulator import Costs, Simulator
@@ -274,3 +274,41 @@ def test_the_simulator_applies_plans_at_the_calls_libspice_does(model: Any) -> N
     for i, (a, b) in enumerate(zip(native.seen, twin.seen, strict=False)):
         assert np.array_equal(a != RESIDENCY_ABSENT, b != RESIDENCY_ABSENT), i
     assert result.plan_lag_layers == lag
+
+
+class FetchRule:
+    """Installs a rule that fetches every miss (Plan.rule, the same object each time);
+    decides each decode step at its first MoE layer only (resume_layer), so the engine
+    plans the other calls by the rule."""
+
+    name = "fetch-rule"
+
+    def __init__(self, first_moe: int, install: bool = True) -> None:
+        self.rule = Rule(miss=MISS_FETCH) if install else None
+        self.first_moe = first_moe
+
+    def decide(self, call: HookCall) -> Plan:
+        return Plan(rule=self.rule, resume_layer=self.first_moe if call.n_tokens == 1 else -1)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_plan_installs_a_rule_for_the_calls_the_engine_plans(
+    model: Any, reference: Any, asynchronous: bool
+) -> None:
+    llm = load(model)
+    try:
+        first = next(info.il for info in llm.spice_layers() if info.is_moe)
+        fetched = {}
+        for install in (False, True):
+            runtime = _fresh_tier(llm, "50%")
+            params = AsyncParams(deterministic_lag=1) if asynchronous else None
+            runtime.enable_policy(FetchRule(first, install), asynchronous=params)  # type: ignore[arg-type]
+            tokens = _decode(llm, N_DECODE)
+            runtime.disable()
+            assert tokens == reference.tokens
+            stats = llm.spice_stats()
+            assert stats["policy_fallbacks"] == 0
+            fetched[install] = stats["misses"]["fetched"]
+        assert fetched[False] == 0 and fetched[True] > 0
+    finally:
+        llm.close()

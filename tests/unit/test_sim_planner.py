@@ -10,7 +10,7 @@ import numpy as np
 
 from pyspice.policy import HookCall, Plan
 from pyspice.policy.base import RESIDENCY_ABSENT
-from pyspice.policy.rule import DEFAULT_RULE, Rule
+from pyspice.policy.rule import DEFAULT_RULE, MISS_FETCH, Rule
 from pyspice.sim.planner import AsyncModel
 from pyspice.sim.simulator import Costs, Simulator
 from pyspice.sim.workload import Workload
@@ -99,3 +99,29 @@ def test_a_synchronous_run_is_unchanged_by_the_model() -> None:
     result = sim.run("t", policy)
     assert first_seen(policy) == [c + 1 for c in range(6)]  # applied at its own call
     assert result.plans_applied == 0
+
+
+class FetchRule:
+    """A plan that installs a fetch-every-miss rule (Plan.rule), deciding each decode
+    step at layer 0 only."""
+
+    name = "fetch-rule"
+
+    def __init__(self, install: bool) -> None:
+        self.rule = Rule(miss=MISS_FETCH) if install else None
+
+    def asynchronous_rule(self) -> Rule:
+        return DEFAULT_RULE
+
+    def decide(self, call: HookCall) -> Plan:
+        return Plan(rule=self.rule, resume_layer=0 if call.n_tokens == 1 else -1)
+
+
+def test_a_plan_installs_a_rule_synchronously_and_asynchronously() -> None:
+    for asynchronous in (None, AsyncModel(deterministic_lag=1)):
+        fetched = {}
+        for install in (False, True):
+            sim = Simulator(workload(), costs(), budget_bytes=10**9)
+            result = sim.run("r", FetchRule(install), asynchronous=asynchronous)
+            fetched[install] = result.misses_fetched
+        assert fetched[False] == 0 and fetched[True] > 0, asynchronous
