@@ -13,9 +13,15 @@ from dataclasses import dataclass
 
 from pyspice.runtime import AsyncParams
 
-# Measured on the 2-core development machine (docs/results; issue 19 item 4): see
-# default_asynchronous. Synchronous there: the planner thread's Python shares two cores
-# with ggml's spinning graph threads.
+# Issue 19 item 4, measured on the 2-core development machine (smolmoe, 50% emulated
+# tier, 128-token prompt, 32 decoded, median of 3; `pyspice bench --policies
+# spice:exact@sync,spice:exact@async,... -t 2` and `-t 1`): planning on its own core
+# (asynchronous at -t 1) against inline (synchronous at -t 2), TPOT ms:
+#     spice:exact 18.7 vs 13.9, spice:balanced 23.3 vs 14.5, spice:fast 19.8 vs 13.8
+# -- the second graph thread is worth more than the planner's core. Asynchronous at
+# -t 2 (the planner sharing the graph's cores) is no faster either (14.4 vs 13.9 for
+# spice:exact). So synchronous by default here; a machine with cores to spare may
+# measure otherwise (--planning async).
 ASYNC_BY_DEFAULT = False
 
 

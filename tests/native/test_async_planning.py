@@ -8,6 +8,9 @@ disabling or closing joins the thread whatever it is doing."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -312,3 +315,36 @@ def test_a_plan_installs_a_rule_for_the_calls_the_engine_plans(
         assert fetched[False] == 0 and fetched[True] > 0
     finally:
         llm.close()
+
+
+def test_ctrl_c_stops_generation_planning_asynchronously(model: Any) -> None:
+    """The hook never enters Python when asynchronous, so Ctrl-C is seen as the decode
+    step returns: generation stops within a step, the planner joined on the way out."""
+    argv = [
+        sys.executable, "-m", "pyspice", "generate", "-m", str(model), "-p", "Once upon a time",
+        "-n", "4000", "-c", "4096", "-t", "1", "--policy", "spice:exact", "--planning", "async",
+        "--device-budget", "25%",
+    ]  # fmt: skip
+    # a child of a non-interactive shell may start with SIGINT ignored: restore the default
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        time.sleep(4.0)  # loaded (about a second) and decoding (4000 tokens take ~10 s)
+        assert proc.poll() is None, "finished before the SIGINT"
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=10.0)
+        assert time.monotonic() - sent < 5.0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.stderr is not None
+    err = proc.stderr.read()
+    assert proc.returncode == 130, err
+    assert "pyspice: interrupted" in err
