@@ -618,6 +618,7 @@ class Runtime:
 
     def enable_exact(self, max_tokens: int = 0) -> None:
         """Register the hook with libspice's built-in exact policy (no Python per layer)."""
+        self._check(self._n.lib.spice_runtime_disable(self._rt), "disable")  # a planner joined first
         self._policy = None
         self._callback = None
         self._check(
@@ -632,6 +633,9 @@ class Runtime:
         hook's thread, or with `asynchronous` on libspice's planner thread while the
         installed rule (set_rule) runs each call at once."""
         ffi = self._n.ffi
+        # joins a planner thread first: it may be inside the old callback, which reads
+        # self._policy and must outlive it
+        self._check(self._n.lib.spice_runtime_disable(self._rt), "disable")
         self._policy = policy
         # each policy gets its own one-time warnings
         self._policy_error = None
