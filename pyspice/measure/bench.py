@@ -21,6 +21,7 @@ import numpy as np
 
 from pyspice.engine.planning import Planning
 from pyspice.policy import policy_spec
+from pyspice.policy.registry import split_planning
 
 # The prompt every policy runs when none is given (and the simulator's recorded workload).
 DEFAULT_PROMPT = (
@@ -89,14 +90,10 @@ def split_row(row: str) -> tuple[str, Planning | None]:
     """A bench row: a policy name, optionally with where it plans -- `NAME@sync`,
     `NAME@async` (free-running) or `NAME@detK` (deterministic, lag K) -- so one run
     compares synchronous and asynchronous planning of the same policy."""
-    name, _, how = row.partition("@")
-    if not how:
+    name, how, lag = split_planning(row)
+    if how is None:
         return name, None
-    if how in ("sync", "async"):
-        return name, Planning(asynchronous=how == "async")
-    if how.startswith("det") and how[3:].isdigit():
-        return name, Planning(deterministic_lag=int(how[3:]))
-    raise ValueError(f"bench row {row!r}: after '@' comes sync, async or detK (K layers of lag)")
+    return name, Planning(asynchronous=how == "async", deterministic_lag=lag)
 
 
 def run_one(

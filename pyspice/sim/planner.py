@@ -25,14 +25,19 @@ RING = 4  # free-running entries (spice-planner.c)
 
 @dataclass(frozen=True)
 class AsyncModel:
-    """deterministic_lag > 0: deterministic mode; else free-running with max_lag."""
+    """deterministic_lag > 0: deterministic mode; else free-running with max_lag
+    (0: the policy's horizon, plan_horizon(), as the engine sets it)."""
 
     max_lag: int = 4
     deterministic_lag: int = 0
 
     def __post_init__(self) -> None:
-        if self.max_lag < 1 or not 0 <= self.deterministic_lag <= 64:
-            raise ValueError("max_lag must be >= 1 and deterministic_lag in 0..64")
+        if self.max_lag < 0 or not 0 <= self.deterministic_lag <= 64:
+            raise ValueError("max_lag must be >= 0 and deterministic_lag in 0..64")
+
+    def expected_lag(self) -> int:
+        """Layers from a call to its plan's use (engine/planning.py's, measured 1.0-1.1)."""
+        return self.deterministic_lag if self.deterministic_lag > 0 else 1
 
 
 @dataclass

@@ -30,7 +30,7 @@ import bisect
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -268,6 +268,10 @@ class Simulator:
         is then the hook thread's deciding time (posting, applying, the rule)."""
         wl, costs = self.workload, self.costs
         tier = self.make_tier()
+        plans_async = asynchronous is not None and callable(getattr(policy, "asynchronous_rule", None))
+        if asynchronous is not None and hasattr(policy, "plan_lag"):
+            # as the engine does: a policy whose plans land late looks that much further
+            policy.plan_lag = asynchronous.expected_lag() if plans_async else 0
         if policy is not None:
             attach_policy(policy, self.context())
         rule = declared_rule(policy) if policy is not None else None
@@ -277,6 +281,9 @@ class Simulator:
         if asynchronous is not None and rule is None and callable(getattr(policy, "asynchronous_rule", None)):
             # the rule every call runs by meanwhile (plans may replace it: Plan.rule)
             self._plan_rule = RuleState(policy.asynchronous_rule(), wl.n_layers)
+            if asynchronous.max_lag == 0:  # the policy's own horizon
+                horizon = policy.plan_horizon() if callable(getattr(policy, "plan_horizon", None)) else 1
+                asynchronous = replace(asynchronous, max_lag=max(1, int(horizon)))
             planner = PlannerModel(asynchronous, lambda hook: self._plan_of(policy, hook))
         t = 0
         if tier is not None and preload:

@@ -5,6 +5,7 @@ and lossless policies' outcomes unchanged in kind (the rule runs every call)."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -125,3 +126,32 @@ def test_a_plan_installs_a_rule_synchronously_and_asynchronously() -> None:
             result = sim.run("r", FetchRule(install), asynchronous=asynchronous)
             fetched[install] = result.misses_fetched
         assert fetched[False] == 0 and fetched[True] > 0, asynchronous
+
+
+def test_the_shipped_planners_run_asynchronously_in_the_simulator() -> None:
+    """spice:* and abl-* as `sim` rows NAME@async / NAME@detK: their rule runs every call,
+    their plans arrive later, nothing falls back."""
+    from pyspice.policy import make_policy
+    from pyspice.policy.registry import split_planning
+
+    rng = np.random.default_rng(2)
+    n_tok = 10
+    ids = np.stack(
+        [[rng.choice(N_EXPERT, K, replace=False) for _ in range(N_LAYERS)] for _ in range(n_tok)]
+    ).astype(np.int32)
+    hidden = rng.standard_normal((n_tok, N_LAYERS, 16)).astype(np.float32)
+    wl = Workload.from_arrays(N_LAYERS, list(range(N_LAYERS)), N_EXPERT, ids, hidden=hidden, prompt_tokens=4)
+    routers = {il: rng.standard_normal((N_EXPERT, 16)).astype(np.float32) for il in range(N_LAYERS)}
+    # layers of 5 ms: the planner (the policy's decide as timed here) keeps up with them
+    slow = replace(costs(), rest_us=((1, 5000.0), (4, 5000.0)))
+    sim = Simulator(wl, slow, budget_bytes=N_LAYERS * N_EXPERT * 10_000 // 2, router=routers.get)
+    for row in ("spice:exact@async", "abl-b@det2", "abl-d@async"):
+        name, how, lag = split_planning(row)
+        assert how == "async"
+        result = sim.run(row, make_policy(name), asynchronous=AsyncModel(max_lag=0, deterministic_lag=lag))
+        assert result.policy_fallbacks == 0, row
+        assert result.plans_applied > 0, row
+        assert result.activations == wl.decoded_tokens * N_LAYERS * K
+        if lag:
+            assert result.plan_lag_layers == lag
+    assert split_planning("lru") == ("lru", None, 0)
