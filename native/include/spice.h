@@ -518,8 +518,10 @@ SPICE_API int spice_runtime_set_store(spice_runtime * rt, const spice_store_para
 SPICE_API spice_store * spice_runtime_get_store(spice_runtime * rt);
 
 /* Install the per-activation rule (see spice_rule) on the runtime's device tier,
- * for the calls no policy decides; also valid from inside a policy callback
- * (it plans the next call on). SPICE_ERR_STATE without a device tier. */
+ * for the calls no policy decides; also valid from inside a synchronous policy
+ * callback (it plans the next call on) -- never from the planner thread of
+ * asynchronous planning, which must not touch the store: a plan's `rule` does
+ * that there. SPICE_ERR_STATE without a device tier. */
 SPICE_API int spice_runtime_set_rule(spice_runtime * rt, const spice_rule * rule);
 
 /* Copy experts onto the device tier in layer order until it is full and wait
