@@ -33,8 +33,8 @@ class SimConfig:
 
 
 def _check_policies(names: Sequence[str]) -> None:
-    for name in names:
-        spec = policy_spec(name)
+    for row in names:
+        spec = policy_spec(split_planning(row)[0])
         if spec.kind == "stock":
             raise ValueError("'stock' has no hook to simulate; 'exact' is the same work through the hook")
 

@@ -116,3 +116,21 @@ def test_cli_shows_profiles_and_asks_for_a_trace(capsys: pytest.CaptureFixture[s
     assert "a800:" in out and "rtx4060:" in out and "derived: 31.5 peak x 0.8" in out
     assert main(["sim", "--profile", "a800"]) != 0
     assert "--trace" in capsys.readouterr().err
+
+
+def test_rows_may_say_where_a_spice_policy_plans() -> None:
+    cfg = SimConfig(
+        profiles=(load_profile("rtx4060"),),
+        budgets=("50%",),
+        policies=("spice:exact@sync", "spice:exact@async", "spice:exact@det2"),
+        target=load_target("qwen2-57b-a14b:Q5_K_M"),
+        source_expert_bytes=(1000,) * 4,
+    )
+    rows = {r["policy"]: r for r in simulate_all(small_workload(), cfg)}
+    assert rows["spice:exact@sync"]["planning"]["applied"] == 0
+    assert rows["spice:exact@async"]["planning"]["applied"] > 0
+    assert rows["spice:exact@det2"]["planning"]["lag_layers"] == 2
+    with pytest.raises(ValueError, match="after '@'"):
+        simulate_all(
+            small_workload(), SimConfig(cfg.profiles, ("50%",), ("lru@later",), cfg.target, (1000,) * 4)
+        )
