@@ -322,7 +322,7 @@ def test_ctrl_c_stops_generation_planning_asynchronously(model: Any) -> None:
     step returns: generation stops within a step, the planner joined on the way out."""
     argv = [
         sys.executable, "-m", "pyspice", "generate", "-m", str(model), "-p", "Once upon a time",
-        "-n", "4000", "-c", "4096", "-t", "1", "--policy", "spice:exact", "--planning", "async",
+        "-n", "60000", "-c", "65536", "-t", "1", "--policy", "spice:exact", "--planning", "async",
         "--device-budget", "25%",
     ]  # fmt: skip
     # a child of a non-interactive shell may start with SIGINT ignored: restore the default
@@ -334,7 +334,7 @@ def test_ctrl_c_stops_generation_planning_asynchronously(model: Any) -> None:
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
-        time.sleep(4.0)  # loaded (about a second) and decoding (4000 tokens take ~10 s)
+        time.sleep(4.0)  # loaded (about a second) and decoding (60000 tokens take minutes)
         assert proc.poll() is None, "finished before the SIGINT"
         sent = time.monotonic()
         proc.send_signal(signal.SIGINT)
