@@ -27,6 +27,7 @@ import llama_cpp
 from pyspice.engine import DeviceTier, Engine, ResolvedRun, RunConfig, SurrogateSet
 from pyspice.engine.checks import check_budget_value, check_ram_budget_alone
 from pyspice.engine.disk import LLAMA_LAZY_MODE_EXPERTS
+from pyspice.engine.planning import Planning
 from pyspice.engine.surrogates import SurrogateSource
 from pyspice.formats.model_info import ModelFileError, read_header
 from pyspice.formats.sidecar import Sidecar
@@ -178,9 +179,11 @@ class Llama(llama_cpp.Llama):
         (RunConfig.resolve); each choice made is said through `note` (default: stderr)."""
         say = note or _note
         run = config.resolve(say) if isinstance(config, RunConfig) else config
+        # the policy starts once its tier exists, and once the engine knows where it plans
+        later = run.auto_budget or run.planning != Planning()
         llm = cls(
             str(run.model),
-            policy="stock" if run.auto_budget else run.policy,  # the policy starts once its tier exists
+            policy="stock" if later else run.policy,
             max_hook_tokens=run.max_hook_tokens,
             n_ctx=run.n_ctx,
             n_batch=run.n_batch,
@@ -198,6 +201,7 @@ class Llama(llama_cpp.Llama):
             sidecar=run.loaded_sidecar or run.sidecar,
             verbose=False,
         )
+        llm.spice_engine.planning = run.planning
         if run.auto_budget:
             budget = llm.automatic_device_budget()
             say(
@@ -205,6 +209,7 @@ class Llama(llama_cpp.Llama):
                 "model's other weights and the KV cache, less a margin (or all routed experts if less)"
             )
             llm.set_device(budget)
+        if later:
             llm.set_policy(run.policy)
         if llm.spice_device is not None:
             say(llm.spice_device.describe())

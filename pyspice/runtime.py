@@ -62,6 +62,13 @@ _COUNTER_FIELDS = (
     "disk_reads",
     "scratch_reads",
     "scratch_ns",
+    "async_posted",
+    "async_skipped",
+    "async_applied",
+    "async_stale",
+    "async_lag_calls",
+    "async_wait_ns",
+    "planner_ns",
 )
 
 
@@ -180,6 +187,40 @@ class ExpertBufferType:
         handle, self._handle = getattr(self, "_handle", None), None
         if handle is not None:
             self._n.lib.spice_expert_buft_free(handle)
+
+
+@dataclass(frozen=True)
+class AsyncParams:
+    """Asynchronous planning (spice_async_params): the policy on libspice's planner
+    thread, its plans applied at later hook calls.
+
+    max_lag            free-running: plans older than this many hook calls (MoE
+                       layers) when they could be applied are dropped and counted
+    deterministic_lag  > 0: deterministic mode -- the plan of call c is applied
+                       exactly at call c + deterministic_lag, the hook waiting for it
+    with_probs         snapshots carry the router probabilities (HookCall.probs)
+    """
+
+    max_lag: int = 4
+    deterministic_lag: int = 0
+    with_probs: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_lag < 1:
+            raise ValueError(f"max_lag must be at least 1 hook call, got {self.max_lag}")
+        if not 0 <= self.deterministic_lag <= 64:
+            raise ValueError(
+                "deterministic_lag must be 0 (free-running) or 1..64 hook calls, "
+                f"got {self.deterministic_lag}"
+            )
+
+    def to_c(self, ffi: Any) -> Any:
+        p = ffi.new("spice_async_params *")
+        p.max_lag = self.max_lag
+        p.deterministic = int(self.deterministic_lag > 0)
+        p.lag = max(1, self.deterministic_lag)
+        p.with_probs = int(self.with_probs)
+        return p
 
 
 @dataclass(frozen=True)
@@ -454,6 +495,8 @@ class Runtime:
         self._interrupted = False
         self._warned_rejection = False
         self._rejections_seen = 0
+        self._async = False
+        self._rules: dict[int, tuple[Rule, Any, tuple[Any, ...]]] = {}  # see _plan_rule
 
     # ---- lifecycle -----------------------------------------------------------
 
@@ -605,6 +648,7 @@ class Runtime:
 
     def enable_exact(self, max_tokens: int = 0) -> None:
         """Register the hook with libspice's built-in exact policy (no Python per layer)."""
+        self._check(self._n.lib.spice_runtime_disable(self._rt), "disable")  # a planner joined first
         self._policy = None
         self._callback = None
         self._check(
@@ -612,19 +656,37 @@ class Runtime:
             "enable",
         )
 
-    def enable_policy(self, policy: Policy, max_tokens: int = 0) -> None:
-        """Register the hook with a Python policy called once per MoE layer."""
+    def enable_policy(
+        self, policy: Policy, max_tokens: int = 0, asynchronous: AsyncParams | None = None
+    ) -> None:
+        """Register the hook with a Python policy called once per MoE layer: on the
+        hook's thread, or with `asynchronous` on libspice's planner thread while the
+        installed rule (set_rule) runs each call at once."""
         ffi = self._n.ffi
+        # joins a planner thread first: it may be inside the old callback, which reads
+        # self._policy and must outlive it
+        self._check(self._n.lib.spice_runtime_disable(self._rt), "disable")
         self._policy = policy
         # each policy gets its own one-time warnings
         self._policy_error = None
         self._warned_rejection = False
+        self._async = asynchronous is not None
+        self._calls.clear()  # a snapshot's arrays are not the graph's
         self._callback = ffi.callback(
             "int(spice_policy_call *, void *)", self._on_call, onerror=self._on_callback_error
         )
-        self._check(
-            self._n.lib.spice_runtime_enable(self._rt, self._callback, ffi.NULL, max_tokens), "enable"
-        )
+        lib = self._n.lib
+        if asynchronous is None:
+            self._check(lib.spice_runtime_enable(self._rt, self._callback, ffi.NULL, max_tokens), "enable")
+        else:
+            status = lib.spice_runtime_enable_async(
+                self._rt, self._callback, ffi.NULL, max_tokens, asynchronous.to_c(ffi)
+            )
+            self._check(status, "enable_async")
+
+    def is_async(self) -> bool:
+        """Whether the policy plans on libspice's planner thread."""
+        return bool(self._n.lib.spice_runtime_is_async(self._rt))
 
     def disable(self) -> None:
         """Unregister the hook: the context runs upstream's graph again."""
@@ -648,6 +710,7 @@ class Runtime:
                 (call.ids, call.n_expert_used, call.ids_nb1),
                 (call.weights, call.n_expert_used, call.weights_nb1),
                 (call.shexp, call.n_embd, call.shexp_nb1),
+                (call.residency, int(call.res_width), int(call.res_layers)),
             )
             rows = int(call.n_tokens)
             owned: list[tuple[np.ndarray, np.ndarray] | None] = [None] * 6
@@ -680,15 +743,16 @@ class Runtime:
         pays one memmove of a few KiB per field read, and no new objects."""
         kept = owned[i]
         if i == 5:
-            live = self.residency()
-            if live is None:
+            # the store's live table (synchronous) or the snapshot's copy (asynchronous)
+            ptr, width, n_layers = fields[5]
+            if ptr == self._n.ffi.NULL:
                 return None
-            if kept is None or kept[1].shape != live.shape:
-                table: np.ndarray = np.empty(live.shape, dtype=np.int8)
+            if kept is None:
+                table: np.ndarray = np.empty((n_layers, width), dtype=np.int8)
                 frozen = table.view()
                 frozen.flags.writeable = False
                 kept = owned[i] = (table, frozen)
-            np.copyto(kept[0], live)
+            self._n.ffi.memmove(kept[0], ptr, n_layers * width)
             return kept[1]
         ptr, cols, row_bytes = fields[i]
         if ptr == self._n.ffi.NULL:
@@ -724,9 +788,14 @@ class Runtime:
         except Exception as exc:  # a policy bug must never crash the host process
             if self._policy_error is None:
                 self._policy_error = f"{type(exc).__name__}: {exc}"
+                instead = (
+                    "dropping its plan on the planner thread; the calls run by the policy's rule"
+                    if self._async
+                    else "running that call exactly"
+                )
                 print(
                     f"pyspice: policy {getattr(self._policy, 'name', '?')!r} raised {self._policy_error}; "
-                    "running that call exactly (warned once)",
+                    f"{instead} (warned once)",
                     file=sys.stderr,
                 )
             return _POLICY_FAILED
@@ -781,6 +850,26 @@ class Runtime:
             call.n_evict_from = _copy_ints(self._n.ffi, call.evict_from, call.cap_evict_from, plan.evict_from)
         if plan.resume_layer != -1:
             call.resume_il = plan.resume_layer
+        if plan.rule is not None:
+            if not isinstance(plan.rule, Rule):
+                raise TypeError(f"plan.rule must be a pyspice.policy.Rule, got {type(plan.rule).__name__}")
+            call.rule = self._plan_rule(plan.rule)
+
+    def _plan_rule(self, rule: Rule) -> Any:
+        """The spice_rule of a plan's Rule, converted once per Rule object and kept alive
+        (with the arrays it points into) while cached: an asynchronous plan is applied
+        calls after it was written, and the same object gives the same address, which
+        libspice does not install again."""
+        key = id(rule)
+        hit = self._rules.get(key)
+        if hit is not None and hit[0] is rule:
+            return hit[1]
+        if len(self._rules) >= _MAX_CACHED_RULES:  # more than any ring of plans holds
+            self._rules.pop(next(iter(self._rules)))
+        n_expert = [info.n_expert if info.is_moe else 0 for info in self.layers()]
+        c_rule, keep = _rule_to_c(self._n.ffi, rule, n_expert)
+        self._rules[key] = (rule, c_rule, keep)
+        return c_rule
 
     # ---- after a decode -----------------------------------------------------------
 
@@ -835,6 +924,7 @@ _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 # spice_policy_fn return values (SPICE_POLICY_* in spice.h; test_cffi_declarations checks them):
 # module constants because the callback runs on the hook's thread 0 per call
 _POLICY_OK, _POLICY_FAILED, _POLICY_ABORT = 0, 1, 2
+_MAX_CACHED_RULES = 80  # above the deepest plan ring (deterministic lag 64 + 2)
 _MAX_CACHED_CALLS = 512  # HookCalls kept by _hook_call (a model has at most a few hundred layers)
 
 

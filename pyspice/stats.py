@@ -50,6 +50,14 @@ class Counters:
     disk_reads: int = 0
     scratch_reads: int = 0  # experts read for one call only (host actions on absent experts)
     scratch_ns: int = 0  # time waiting for them
+    # asynchronous planning (policy on the planner thread, plans applied at later calls)
+    async_posted: int = 0  # snapshots handed to the planner
+    async_skipped: int = 0  # snapshots replaced by a newer one before the planner took them
+    async_applied: int = 0  # plans applied
+    async_stale: int = 0  # plans dropped: older than the lag bound when they arrived
+    async_lag_calls: int = 0  # sum over applied plans of hook calls from snapshot to use
+    async_wait_ns: int = 0  # the hook waiting for the planner (deterministic mode)
+    planner_ns: int = 0  # the planner thread's time in the policy
 
     def add(self, other: Counters) -> None:
         for f in fields(self):
@@ -108,6 +116,22 @@ def _counter_record(c: Counters, decoded_tokens: int) -> dict[str, Any]:
         "disk_scratch_reads": c.scratch_reads,
         "disk_scratch_ms_per_token": _ratio(c.scratch_ns / 1e6, decoded_tokens),
         "per_call": _per_call_record(c),
+        "planning": _planning_record(c),
+    }
+
+
+def _planning_record(c: Counters) -> dict[str, Any]:
+    """Asynchronous planning: how many plans came, how late (in hook calls, i.e.
+    MoE layers), how many were too late and dropped. All zero when synchronous."""
+    return {
+        "asynchronous": c.async_posted > 0,
+        "posted": c.async_posted,
+        "skipped": c.async_skipped,
+        "applied": c.async_applied,
+        "stale": c.async_stale,
+        "lag_layers": _ratio(c.async_lag_calls, c.async_applied),
+        "wait_us_per_call": _ratio(c.async_wait_ns / 1e3, c.hook_calls),
+        "planner_us_per_plan": _ratio(c.planner_ns / 1e3, c.async_applied + c.async_stale),
     }
 
 
@@ -161,5 +185,6 @@ STATS_KEYS = (
     "policy_quiet_share",
     "policy_fallbacks",
     "per_call",
+    "planning",
     "layers",
 )

@@ -85,6 +85,11 @@ typedef struct spice_policy_call {
     const int32_t * ids;     size_t ids_nb1;     /* [n_tokens][n_expert_used] */
     const float   * weights; size_t weights_nb1; /* [n_tokens][n_expert_used] */
     const float   * shexp;   size_t shexp_nb1;   /* [n_tokens][n_embd] or NULL */
+    /* the device tier's residency as the call began (spice_residency values,
+     * n_layers rows of max_expert), or NULL without a tier: the store's live
+     * table for a synchronous call, the snapshot's own copy for an
+     * asynchronous one (see spice_runtime_enable_async) */
+    const int8_t  * residency; int32_t res_layers; int32_t res_width;
 
     /* plan, written by the policy; n_* say how many entries it wrote */
     int32_t * actions;  int32_t n_actions;  int32_t cap_actions;  /* n_tokens*n_expert_used, row-major */
@@ -109,6 +114,13 @@ typedef struct spice_policy_call {
      * always calls it. Lets a policy that plans every few layers skip the
      * calls in between, which would only return the default plan. */
     int32_t resume_il;
+    /* NULL (set before each call): keep the installed rule. Else a new rule
+     * (spice_rule, declared below; copied when the plan is applied) for the
+     * calls the engine plans from then on -- the next ones when synchronous;
+     * when asynchronous, from the call that applies this plan. A rule whose
+     * address is the installed one's is not installed again (its state, e.g.
+     * LAYER_LRU's re-split, carries on). */
+    const struct spice_rule * rule;
 } spice_policy_call;
 
 /* Return values of a policy callback. */
@@ -156,6 +168,16 @@ typedef struct spice_counters {
     uint64_t disk_reads;      /* read requests (one per matrix of an expert) */
     uint64_t scratch_reads;   /* experts read for one call only (host actions on absent experts) */
     uint64_t scratch_ns;      /* time waiting for them */
+    /* asynchronous planning (spice_runtime_enable_async): snapshots by the
+     * layer of the call that posted them, plans by the layer of the call
+     * that applied (or dropped) them */
+    uint64_t async_posted;    /* snapshots handed to the planner thread */
+    uint64_t async_skipped;   /* snapshots replaced by a newer one before the planner took them */
+    uint64_t async_applied;   /* plans applied */
+    uint64_t async_stale;     /* plans dropped: older than max_lag hook calls when they could be applied */
+    uint64_t async_lag_calls; /* sum over applied plans of the hook calls from snapshot to application */
+    uint64_t async_wait_ns;   /* time the hook waited for the planner (deterministic mode) */
+    uint64_t planner_ns;      /* the planner thread's time in the policy for the plans collected */
 } spice_counters;
 
 /* Add each activation's outcome (DESIGN section 11) to c: n actions with,
@@ -216,7 +238,8 @@ typedef enum spice_keep_rule {
     SPICE_KEEP_NONE      = 3  /* keep nothing between calls: each evicts what earlier calls brought in */
 } spice_keep_rule;
 
-typedef struct spice_rule {
+typedef struct spice_rule spice_rule;
+struct spice_rule {
     int32_t resident_action;       /* SPICE_ACTION_DEVICE (default) or SPICE_ACTION_HOST */
     int32_t miss;                  /* spice_miss_rule */
     int32_t keep;                  /* spice_keep_rule */
@@ -232,7 +255,7 @@ typedef struct spice_rule {
     int32_t prefetch_next;         /* 1: prefetch the next MoE layer's router top-k (n_expert_used) */
     const float * const * routers; /* [n_layers] router weights [n_expert][n_embd] f32, NULL entries allowed */
     int32_t n_embd;                /* the routers' row width */
-} spice_rule;
+};
 
 /* ---- expert store -----------------------------------------------------------
  *
@@ -451,6 +474,51 @@ SPICE_API int spice_runtime_layer_info(const spice_runtime * rt, int32_t il, spi
 SPICE_API int spice_runtime_enable(spice_runtime * rt, spice_policy_fn fn, void * user_data,
                                    int32_t max_tokens);
 
+/* ---- asynchronous planning ---------------------------------------------------
+ *
+ * The policy callback runs on a planner thread owned by the runtime instead
+ * of the hook's thread: each hook call that would call the policy copies its
+ * snapshot (layer, hidden rows, ids, gate weights, the probabilities when
+ * with_probs, the shared expert's rows, residency as the call began) into
+ * arrays the snapshot owns, hands it to the planner and runs by the installed
+ * rule (spice_rule) at once. A plan the planner finished is validated
+ * (spice_plan_check) and applied by the hook's thread at a later hook call:
+ * its prefetch, evict and evict_from lists join that call's plan, and its
+ * resume_il holds unless a call of that layer came in between; its actions
+ * and demand fetches were for the snapshot's call, which has run, and are
+ * not used. The store is only ever touched by the hook's thread.
+ *
+ * Ages count hook calls. Free-running (deterministic = 0): a plan older than
+ * max_lag when it could be applied is dropped (async_stale), a snapshot the
+ * planner had not started when the next one came is replaced by it
+ * (async_skipped), and the lag is measured (async_lag_calls). Deterministic:
+ * the plan of the snapshot posted at call c is applied exactly at call
+ * c + lag, the hook waiting for the planner (async_wait_ns), so a run
+ * repeats exactly. A policy returning SPICE_POLICY_FAILED has its plan
+ * dropped (policy_fallbacks; the call ran by the rule), as is an invalid
+ * plan (also plan_rejections and last_error). */
+typedef struct spice_async_params {
+    int32_t max_lag;       /* free-running: drop plans older than this many hook calls (>= 1) */
+    int32_t deterministic; /* 1: apply the plan of call c exactly at call c + lag */
+    int32_t lag;           /* deterministic mode's lag in hook calls (>= 1) */
+    int32_t with_probs;    /* 1: snapshots carry the router probabilities (else probs is NULL) */
+} spice_async_params;
+
+/* Register the hook with a policy callback called on the runtime's planner
+ * thread (started here; a running one is stopped first). The callback then
+ * runs on a thread that is not the hook's: a Python callback takes the GIL
+ * there (cffi does), and the hook's thread never waits for Python except in
+ * deterministic mode. SPICE_ERR_INVALID_ARG for a NULL fn or out-of-range
+ * params, SPICE_ERR_STATE without a device tier, SPICE_ERR_NO_MEMORY when the
+ * thread cannot start. Stopped (the thread joined, plans not yet applied
+ * dropped) by spice_runtime_disable, spice_runtime_enable and
+ * spice_runtime_free. */
+SPICE_API int spice_runtime_enable_async(spice_runtime * rt, spice_policy_fn fn, void * user_data,
+                                         int32_t max_tokens, const spice_async_params * params);
+
+/* 1 while the runtime plans asynchronously, else 0. */
+SPICE_API int spice_runtime_is_async(const spice_runtime * rt);
+
 /* Unregister the hook: the context computes exactly upstream's graph again. */
 SPICE_API int spice_runtime_disable(spice_runtime * rt);
 
@@ -462,8 +530,10 @@ SPICE_API int spice_runtime_set_store(spice_runtime * rt, const spice_store_para
 SPICE_API spice_store * spice_runtime_get_store(spice_runtime * rt);
 
 /* Install the per-activation rule (see spice_rule) on the runtime's device tier,
- * for the calls no policy decides; also valid from inside a policy callback
- * (it plans the next call on). SPICE_ERR_STATE without a device tier. */
+ * for the calls no policy decides; also valid from inside a synchronous policy
+ * callback (it plans the next call on) -- never from the planner thread of
+ * asynchronous planning, which must not touch the store: a plan's `rule` does
+ * that there. SPICE_ERR_STATE without a device tier. */
 SPICE_API int spice_runtime_set_rule(spice_runtime * rt, const spice_rule * rule);
 
 /* Copy experts onto the device tier in layer order until it is full and wait

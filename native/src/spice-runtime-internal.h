@@ -1,6 +1,7 @@
 /* The runtime handle's layout, shared by the runtime's source files
  * (spice-runtime.c: the hook; spice-runtime-store.c: its device tier;
- * spice-runtime-surrogates.c: its surrogates; spice-plan.c: validation). */
+ * spice-runtime-surrogates.c: its surrogates; spice-plan.c: validation;
+ * spice-runtime-async.c: asynchronous planning). */
 #ifndef SPICE_RUNTIME_INTERNAL_H
 #define SPICE_RUNTIME_INTERNAL_H
 
@@ -9,6 +10,7 @@
 #include "spice-cuda-verify.h"
 #include "spice-experts.h"
 #include "spice-host-exec.h"
+#include "spice-planner.h"
 #include "spice-store.h"
 #include "spice-surrogate.h"
 
@@ -74,7 +76,31 @@ struct spice_runtime {
         size_t cap;
         uint64_t bytes_seen, reads_seen; /* the tier's read totals already booked */
     } host_read;
+
+    /* asynchronous planning (spice_runtime_enable_async); the hook's thread only */
+    spice_planner planner;
+    uint64_t call_seq;   /* served hook calls since the policy was enabled (the first is 1) */
+    uint64_t * layer_seq; /* [n_layers]: call_seq of each layer's latest call */
+    spice_plan_buffers async_lists; /* prefetch, evict, evict_from of the plans collected at this call */
+    int32_t n_async_prefetch, n_async_evict, n_async_evict_from;
+    const void * plan_rule;   /* the last rule a plan installed (its address), or NULL */
 };
+
+/* A plan's rule (call->rule), installed unless it is the one installed last. */
+void spice_runtime_take_plan_rule(spice_runtime * rt, const spice_policy_call * call);
+
+/* Asynchronous planning, at a hook call of the policy's (after the snapshot,
+ * before the rule plans it): collect the plans due (validated; their lists
+ * kept for spice_async_merge, their resume_il taken when still ahead), then
+ * post this call's snapshot unless the policy answered it in advance.
+ * Returns 1 when the call is quiet (resume_il), else 0. */
+int spice_async_before(spice_runtime * rt, spice_policy_call * call);
+
+/* Append the collected plans' lists to the call's plan (after the rule's). */
+void spice_async_merge(spice_runtime * rt, spice_policy_call * call);
+
+/* Stop the planner thread, dropping what it has not applied. */
+void spice_async_stop(spice_runtime * rt);
 
 /* Validates the plan the policy wrote into call against the runtime's
  * layers and loaded surrogates; on failure writes a message into err and

@@ -69,6 +69,7 @@ int spice_runtime_set_store(spice_runtime * rt, const spice_store_params * param
     spice_store_free(rt->store);
     rt->store = NULL;
     rt->resume_il = -1; /* a new tier: the policy decides the next call afresh */
+    rt->plan_rule = NULL; /* and it starts with the default rule */
     if (params == NULL) {
         return SPICE_OK;
     }

@@ -146,6 +146,7 @@ static void snapshot_call(spice_runtime * rt, const struct llama_moe_hook_call *
 
     const int32_t n_pairs = hc->n_tokens * hc->n_expert_used;
     if (rt->store != NULL) {
+        call->residency = spice_store_states(rt->store, &call->res_layers, &call->res_width);
         const uint64_t t0 = spice_monotonic_ns();
         spice_store_begin_call(rt->store, hc->il, hc->n_tokens, hc->n_expert_used, hc->ids, hc->ids_nb1,
                                rt->plan.hit);
@@ -168,9 +169,18 @@ static void rule_call(spice_runtime * rt, spice_policy_call * call, spice_counte
 
 /* decide: the policy's plan if it gives a valid one, else the default plan;
  * with no policy, and for a decode call the policy decided in advance, the
- * rule's plan. */
+ * rule's plan. Asynchronous: the rule's plan, with the lists of the policy's
+ * plans due at this call (spice-runtime-async.c). */
 static void decide_call(spice_runtime * rt, const struct llama_moe_hook_call * hc, spice_policy_call * call) {
     spice_counters * c = &rt->counters[hc->il];
+    if (rt->planner.running) {
+        spice_async_before(rt, call);
+        rule_call(rt, call, c);
+        const uint64_t t0 = spice_monotonic_ns();
+        spice_async_merge(rt, call);
+        c->policy_ns += spice_monotonic_ns() - t0;
+        return;
+    }
     const int quiet = rt->policy_fn != NULL && rt->resume_il >= 0 && hc->n_tokens == 1 && hc->il != rt->resume_il;
     if (quiet) {
         c->policy_quiet++;
@@ -204,6 +214,7 @@ static void decide_call(spice_runtime * rt, const struct llama_moe_hook_call * h
     }
     if (use_plan) {
         rt->resume_il = call->resume_il;
+        spice_runtime_take_plan_rule(rt, call); /* for the calls the engine plans from now on */
     } else {
         default_actions(rt, call, hc->n_tokens * hc->n_expert_used);
         /* nothing of a rejected plan may act: its lists are unchecked */
@@ -487,7 +498,8 @@ int spice_runtime_create(struct llama_context * lctx, spice_runtime ** out, char
     rt->resume_il = -1;
     rt->layers = (spice_expert_layer *) calloc((size_t) (n_layers > 0 ? n_layers : 1), sizeof(spice_expert_layer));
     rt->counters = (spice_counters *) calloc((size_t) (n_layers > 0 ? n_layers : 1), sizeof(spice_counters));
-    if (rt->layers == NULL || rt->counters == NULL) {
+    rt->layer_seq = (uint64_t *) calloc((size_t) (n_layers > 0 ? n_layers : 1), sizeof(uint64_t));
+    if (rt->layers == NULL || rt->counters == NULL || rt->layer_seq == NULL) {
         spice_runtime_free(rt);
         write_err(err, err_len, "out of memory");
         return SPICE_ERR_NO_MEMORY;
@@ -554,6 +566,7 @@ void spice_runtime_free(spice_runtime * rt) {
     if (rt->enabled) {
         spice_runtime_disable(rt);
     }
+    spice_async_stop(rt);
     spice_cuda_verify_report(rt->verify);
     spice_cuda_verify_free(rt->verify);
     spice_host_exec_free(&rt->host);
@@ -562,6 +575,8 @@ void spice_runtime_free(spice_runtime * rt) {
     spice_store_free(rt->store);
     spice_runtime_host_read_free(rt);
     plan_free(&rt->plan);
+    plan_free(&rt->async_lists);
+    free(rt->layer_seq);
     free(rt->layers);
     free(rt->counters);
     free(rt->n_expert_of);
@@ -602,6 +617,8 @@ int spice_runtime_enable(spice_runtime * rt, spice_policy_fn fn, void * user_dat
     if (rt == NULL || max_tokens < 0) {
         return SPICE_ERR_INVALID_ARG;
     }
+    spice_async_stop(rt); /* a synchronous policy from here on */
+    rt->plan_rule = NULL;
     rt->policy_fn = fn;
     rt->policy_user_data = user_data;
     rt->resume_il = -1;
@@ -617,6 +634,7 @@ int spice_runtime_disable(spice_runtime * rt) {
     }
     llama_set_moe_hook(rt->lctx, NULL, NULL, 0);
     llama_set_abort_callback(rt->lctx, NULL, NULL);
+    spice_async_stop(rt); /* joins the planner: after the policy call in progress, if any */
     rt->enabled = 0;
     rt->resume_il = -1;
     rt->policy_fn = NULL;
@@ -666,6 +684,20 @@ uint64_t spice_runtime_plan_rejections(const spice_runtime * rt) {
     return rt ? rt->plan_rejections : 0;
 }
 
+void spice_runtime_take_plan_rule(spice_runtime * rt, const spice_policy_call * call) {
+    if (call->rule == NULL || (const void *) call->rule == rt->plan_rule || rt->store == NULL) {
+        return;
+    }
+    if (spice_store_set_rule(rt->store, call->rule) == SPICE_OK) {
+        rt->plan_rule = call->rule;
+    } else {
+        set_error(rt, "layer %d: the plan's rule is invalid (an action, miss or keep value out of range, "
+                      "LAYER_LRU without capacities, or prefetch_next without routers); the rule stays",
+                  call->il);
+        rt->plan_rejections++;
+    }
+}
+
 int spice_runtime_set_rule(spice_runtime * rt, const spice_rule * rule) {
     if (rt == NULL) {
         return SPICE_ERR_INVALID_ARG;
@@ -675,6 +707,7 @@ int spice_runtime_set_rule(spice_runtime * rt, const spice_rule * rule) {
         return SPICE_ERR_STATE;
     }
     const int status = spice_store_set_rule(rt->store, rule);
+    rt->plan_rule = NULL;
     if (status == SPICE_ERR_INVALID_ARG) {
         set_error(rt, "invalid rule: an action, miss or keep value out of range, LAYER_LRU without "
                       "capacities, or prefetch_next without routers");

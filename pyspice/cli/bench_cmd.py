@@ -19,6 +19,7 @@ from pyspice.measure.bench import (
     greedy_next,
     plot,
     run_bench,
+    split_row,
     stderr_progress,
 )
 
@@ -34,7 +35,8 @@ def register(sub: Any) -> None:
         "--policies",
         default="stock,exact,exact-py",
         help="comma-separated policy names; 'upstream' adds the model loaded by plain llama_cpp.Llama "
-        "with upstream's defaults (weight repacking on)",
+        "with upstream's defaults (weight repacking on); NAME@sync, NAME@async, NAME@detK run a "
+        "SPICE policy planning synchronously, asynchronously, or deterministically K layers late",
     )
     p.add_argument(
         "--baseline", default=None, help="policy the ratios divide by (default: the first of --policies)"
@@ -109,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     prompt = Path(args.file).read_text(encoding="utf-8") if args.file else (args.prompt or DEFAULT_PROMPT)
     # open as the first policy that is not the reference, so that what it needs
     # (a device tier, the model's sidecar) is found before any run starts
-    first = next((p for p in policies if p not in ("stock", "upstream")), "stock")
+    first = next((split_row(p)[0] for p in policies if p not in ("stock", "upstream")), "stock")
     resolve_model(args, role="benchmark")  # with no -m, the model in the targets' routing regime
     llm = open_model(args, first)
     prompt_tokens = fit_prompt(llm.tokenize(prompt.encode("utf-8"), add_bos=True), args.prompt_tokens)

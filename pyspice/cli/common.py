@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from pyspice.cli import numbers
 from pyspice.engine.config import ModelDefaults, RunConfig
+from pyspice.engine.planning import Planning
 from pyspice.models.builtin import MODEL_NAMES, builtin_of
 from pyspice.models.default import default_model
 from pyspice.models.smolmoe_recipe import RECIPE_NAME, text_or_corpus
@@ -95,6 +96,30 @@ def add_context_args(p: argparse.ArgumentParser) -> None:
         type=numbers.integer(0, hint="0: every micro-batch through the hook"),
         default=0,
         help="micro-batches with more tokens run upstream's path (0 = all through the hook)",
+    )
+    p.add_argument(
+        "--planning",
+        choices=("auto", "sync", "async"),
+        default="auto",
+        help="where spice:* and abl-* policies plan: on the hook's thread (sync), or on a planner "
+        "thread while each call runs by the policy's rule (async); auto: this machine's measured "
+        "default, said once",
+    )
+    p.add_argument(
+        "--plan-lag",
+        type=numbers.integer(0, 64, hint="0: free-running"),
+        default=0,
+        metavar="LAYERS",
+        help="deterministic asynchronous planning: the plan of each MoE layer's call is applied "
+        "exactly this many calls later, waiting for it (runs repeat exactly; 0: free-running)",
+    )
+    p.add_argument(
+        "--max-plan-lag",
+        type=numbers.integer(1, hint="MoE layers"),
+        default=None,
+        metavar="LAYERS",
+        help="free-running asynchronous planning: drop plans older than this many MoE layers "
+        "(default: the policy's horizon H_min)",
     )
 
 
@@ -210,6 +235,17 @@ def run_config(
         n_batch=args.batch_size,
         n_ubatch=args.ubatch_size,
         max_hook_tokens=args.max_hook_tokens,
+        planning=planning_of(args),
+    )
+
+
+def planning_of(args: argparse.Namespace) -> Planning:
+    """The Planning of --planning, --plan-lag, --max-plan-lag."""
+    mode = getattr(args, "planning", "auto")
+    return Planning(
+        asynchronous=None if mode == "auto" else mode == "async",
+        deterministic_lag=getattr(args, "plan_lag", 0),
+        max_lag=getattr(args, "max_plan_lag", None),
     )
 
 

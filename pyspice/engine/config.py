@@ -24,6 +24,7 @@ from pyspice.engine.checks import (
     check_threads,
     warn_threads_above_cores,
 )
+from pyspice.engine.planning import Planning
 from pyspice.formats.model_info import inspect_model
 from pyspice.formats.sidecar import Sidecar, default_sidecar_path
 from pyspice.policy import policy_spec
@@ -93,6 +94,7 @@ class RunConfig:
     n_batch: int = 512
     n_ubatch: int = 512
     max_hook_tokens: int = 0
+    planning: Planning = field(default_factory=Planning)  # where SPICE policies plan
 
     def __post_init__(self) -> None:
         # every numeric setting checked here, before anything loads (engine/checks.py)
@@ -205,6 +207,7 @@ class RunConfig:
             n_batch=self.n_batch,
             n_ubatch=self.n_ubatch,
             max_hook_tokens=self.max_hook_tokens,
+            planning=self.planning,
             loaded_sidecar=loaded,
         )
 
@@ -253,5 +256,6 @@ class ResolvedRun:
     n_batch: int
     n_ubatch: int
     max_hook_tokens: int
+    planning: Planning = field(default_factory=Planning)
     # the sidecar as resolve() loaded and checked it, so loading the model reads it once
     loaded_sidecar: Sidecar | None = field(default=None, compare=False, repr=False)

@@ -25,6 +25,7 @@ from pyspice.engine.blas_threads import limit_blas_threads
 from pyspice.engine.checks import check_budget_value, check_bus
 from pyspice.engine.device import DeviceTier, automatic_budget, store_params
 from pyspice.engine.disk import disk_store_params
+from pyspice.engine.planning import Planning
 from pyspice.engine.profile import profile_for_tier, saved_disk, saved_profile
 from pyspice.engine.surrogates import (
     SURROGATE_BUDGET_SHARE,
@@ -82,6 +83,7 @@ class Engine:
         self._errors: dict[int, npt.NDArray[np.float32] | None] = {}
         self._blas_limit: Any = None  # threadpoolctl's handle, held while it lasts
         self._said_rank: int | None = None  # the surrogate rank cut, once said
+        self.planning = Planning()  # where the shipped SPICE policies plan (engine/planning.py)
 
     def require_runtime(self) -> Runtime:
         if self.runtime is None:
@@ -295,7 +297,11 @@ class Engine:
                 if rule is not None or spec.kind == "rule":
                     self._enable_rule(shipped)
                 else:
-                    self._enable(shipped, spec.lossless)  # type: ignore[arg-type]
+                    # the shipped planners may plan on libspice's planner thread
+                    plans_async = self.device is not None and callable(
+                        getattr(shipped, "asynchronous_rule", None)
+                    )
+                    self._enable(shipped, spec.lossless, asynchronous=plans_async)  # type: ignore[arg-type]
             self.policy_name, self.custom_policy = policy, None
         else:
             if declared_rule(policy) is not None:
@@ -320,15 +326,33 @@ class Engine:
             runtime.set_rule(rule)
         runtime.enable_exact(self.max_hook_tokens)
 
-    def _enable(self, policy: Policy, lossless: bool) -> None:
+    def set_planning(self, planning: Planning) -> None:
+        """Where the shipped SPICE policies plan from now on (the policy in use restarts)."""
+        self.planning = planning
+        if self.custom_policy is None and self.policy_name != "stock" and self.runtime is not None:
+            self.set_policy(self.policy_name)
+
+    def _enable(self, policy: Policy, lossless: bool, asynchronous: bool = False) -> None:
         runtime = self.require_runtime()
         self._reset_device()  # empty first: surrogates loaded next must find room
         self._sync_surrogates(lossless)
+        asynchronous = asynchronous and self.planning.resolved()
+        if hasattr(policy, "plan_lag"):
+            # its plans land this many layers late: it looks that much further ahead
+            policy.plan_lag = self.planning.expected_lag() if asynchronous else 0  # type: ignore[attr-defined]
         attach_policy(policy, self.policy_context())
         if self._blas_limit is None:
-            # Python policies run inside ggml's threads: numpy's BLAS must not start its own
+            # Python policies run inside ggml's threads (or beside them, on the planner
+            # thread): numpy's BLAS must not start its own
             self._blas_limit = limit_blas_threads()
-        runtime.enable_policy(policy, self.max_hook_tokens)
+        if asynchronous:
+            # the policy's rule runs each call at once; its plans land calls later
+            runtime.set_rule(policy.asynchronous_rule())  # type: ignore[attr-defined]
+            horizon = int(policy.plan_horizon()) if callable(getattr(policy, "plan_horizon", None)) else 1  # type: ignore[attr-defined]
+            params = self.planning.params(horizon, with_probs=bool(getattr(policy, "reads_probs", False)))
+            runtime.enable_policy(policy, self.max_hook_tokens, asynchronous=params)
+        else:
+            runtime.enable_policy(policy, self.max_hook_tokens)
 
     def policy_context(self, *, with_predictor: bool = True) -> PolicyContext:
         runtime = self.require_runtime()

@@ -19,7 +19,9 @@ from typing import Any
 
 import numpy as np
 
+from pyspice.engine.planning import Planning
 from pyspice.policy import policy_spec
+from pyspice.policy.registry import split_planning
 
 # The prompt every policy runs when none is given (and the simulator's recorded workload).
 DEFAULT_PROMPT = (
@@ -95,10 +97,27 @@ def greedy_next(llm: Any) -> int:
 UPSTREAM_ROW = "upstream"
 
 
-def run_one(llm: Any, name: str, cfg: BenchConfig) -> tuple[float, float, list[int], dict[str, Any]]:
-    """One repeat of one policy: (prefill tok/s, TPOT ms, generated ids, stats record)."""
-    if name == UPSTREAM_ROW:
+def split_row(row: str) -> tuple[str, Planning | None]:
+    """A bench row: a policy name, optionally with where it plans -- `NAME@sync`,
+    `NAME@async` (free-running) or `NAME@detK` (deterministic, lag K) -- so one run
+    compares synchronous and asynchronous planning of the same policy."""
+    name, how, lag = split_planning(row)
+    if how is None:
+        return name, None
+    return name, Planning(asynchronous=how == "async", deterministic_lag=lag)
+
+
+def run_one(
+    llm: Any, row: str, cfg: BenchConfig, default_planning: Planning | None = None
+) -> tuple[float, float, list[int], dict[str, Any]]:
+    """One repeat of one policy: (prefill tok/s, TPOT ms, generated ids, stats record).
+    A row without '@' plans as `default_planning` says (None: as the engine does now)."""
+    if row == UPSTREAM_ROW:
         return _run_plain(llm, cfg)
+    name, planning = split_row(row)
+    chosen = planning if planning is not None else default_planning
+    if chosen is not None:
+        llm.spice_engine.planning = chosen  # set_policy below enables the policy with it
     llm.set_policy(name)
     llm.reset()
     llm.spice_reset_stats()
@@ -160,15 +179,17 @@ def run_bench(
 ) -> dict[str, PolicyResult]:
     for name in cfg.policies:
         if name != UPSTREAM_ROW:
-            policy_spec(name)  # unknown names fail before any work
+            policy_spec(split_row(name)[0])  # unknown names fail before any work
     results = {name: PolicyResult(name) for name in cfg.policies}
     n = len(cfg.policies)
+    default_planning = llm.spice_engine.planning  # the run's, for rows without '@'
+
     for r in range(cfg.repeat):
         order = cfg.policies[r % n :] + cfg.policies[: r % n]
         for name in order:
             if progress:
                 progress(f"repeat {r + 1}/{cfg.repeat}: {name}")
-            pps, tpot, tokens, stats = run_one(llm, name, cfg)
+            pps, tpot, tokens, stats = run_one(llm, name, cfg, default_planning)
             res = results[name]
             res.prefill_tps.append(pps)
             res.tpot_ms.append(tpot)
@@ -191,9 +212,9 @@ def format_table(results: dict[str, PolicyResult], baseline: str) -> str:
     b_pps = (median(base.prefill_tps), max(base.prefill_tps)) if base else (0.0, 0.0)
     b_tpot = (median(base.tpot_ms), min(base.tpot_ms)) if base else (0.0, 0.0)
     header = (
-        f"{'policy':<10} {'prefill tok/s':>13} {'x ' + baseline:>11} {'TPOT ms':>9} {'best':>8} "
+        f"{'policy':<18} {'prefill tok/s':>13} {'x ' + baseline:>11} {'TPOT ms':>9} {'best':>8} "
         f"{'x ' + baseline:>11} {'spread':>7} {'hit':>6} {'dec hit':>7} {'fetch/host/surr':>17} "
-        f"{'MiB/tok':>8} {'stall ms/tok':>12} {'pol us/call':>11} {'same tokens':>11}"
+        f"{'MiB/tok':>8} {'stall ms/tok':>12} {'pol us/call':>11} {'lag':>5} {'stale':>6} {'same tokens':>11}"
     )
     lines = [header, "-" * len(header)]
     for name, res in results.items():
@@ -205,18 +226,23 @@ def format_table(results: dict[str, PolicyResult], baseline: str) -> str:
         pps_ratio = _ratio(pps, b_pps[0]) + "/" + _ratio(pps_best, b_pps[1])
         tpot_ratio = _ratio(tpot, b_tpot[0]) + "/" + _ratio(tpot_best, b_tpot[1])
         outcome = f"{misses.get('fetched', 0)}/{misses.get('host', 0)}/{misses.get('surrogate', 0)}"
+        planning = st.get("planning", {})
+        lag = f"{planning['lag_layers']:.1f}" if planning.get("asynchronous") else "-"
+        stale = str(planning.get("stale", 0)) if planning.get("asynchronous") else "-"
         lines.append(
-            f"{name:<10} {pps:>13.1f} {pps_ratio:>11} {tpot:>9.3f} {tpot_best:>8.3f} {tpot_ratio:>11} "
+            f"{name:<18} {pps:>13.1f} {pps_ratio:>11} {tpot:>9.3f} {tpot_best:>8.3f} {tpot_ratio:>11} "
             f"{spread(res.tpot_ms):>6.1%} {st.get('hit_rate', 0.0):>6.3f} "
             f"{st.get('decode_hit_rate', 0.0):>7.3f} {outcome:>17} "
             f"{st.get('bytes_per_token', 0.0) / 2**20:>8.2f} {st.get('stall_ms_per_token', 0.0):>12.3f} "
-            f"{median(res.policy_us) if res.policy_us else 0.0:>11.1f} {same:>11}"
+            f"{median(res.policy_us) if res.policy_us else 0.0:>11.1f} {lag:>5} {stale:>6} {same:>11}"
         )
     lines.append(
         f"(prefill: median, x {baseline} = median ratio/best ratio, above 1 is faster; TPOT: median and "
         "best, below 1 is faster; spread = (max-min)/median of TPOT; hit: prompt and decode, dec hit: "
         "decode steps only; misses as fetched/host/surrogate; "
-        "pol us/call: policy time per decode hook call, median of the repeats)"
+        "pol us/call: the hook thread's deciding time per decode hook call (the policy when "
+        "synchronous; posting snapshots, applying plans and the rule when asynchronous), median of "
+        "the repeats; lag: layers from a snapshot to its plan's use, stale: plans dropped as too late)"
     )
     return "\n".join(lines)
 

@@ -170,6 +170,12 @@ class Plan:
     the call of `resume_layer` (a call of more tokens always asks). A permission,
     not a promise: an engine may still call, so `decide` must give the same
     answer there.
+
+    `rule` (None: keep it) replaces the per-activation rule the engine plans the
+    calls no policy decides by -- from the next call on when the policy runs on the
+    hook's thread, from the call that applies the plan when it plans asynchronously.
+    Return the same Rule object to keep it: the engine installs a rule only when it
+    is a different object.
     """
 
     actions: npt.ArrayLike | None = None
@@ -178,6 +184,7 @@ class Plan:
     evict: Sequence[tuple[int, int]] = field(default_factory=tuple)
     evict_from: Sequence[int] = ()
     resume_layer: int = -1
+    rule: object | None = None  # a pyspice.policy.Rule (rule.py builds on this module)
 
 
 class Policy(Protocol):

@@ -37,7 +37,7 @@ from pyspice.policy.base import (
     Plan,
 )
 from pyspice.policy.context import PolicyContext
-from pyspice.policy.rule import declared_rule
+from pyspice.policy.rule import Rule, declared_rule
 from pyspice.sim.rule import RuleState, rule_plan
 from pyspice.sim.tier import OK, PRIORITY_DEMAND, PRIORITY_PREFETCH, REFUSED_BUDGET, SimTier
 
@@ -91,6 +91,8 @@ def validate_plan(
     evict = _marshal_ints(_flatten(plan.evict))
     evict_from = _marshal_ints(plan.evict_from)
     resume = _marshal_resume(plan.resume_layer)
+    if plan.rule is not None and not isinstance(plan.rule, Rule):
+        raise InvalidPlan(f"plan.rule must be a pyspice.policy.Rule, got {type(plan.rule).__name__}")
     # spice_plan_validate, check for check and in its order
     n_layers, max_expert = len(n_expert), max(n_expert, default=0)
     if actions is not None:

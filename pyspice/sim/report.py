@@ -9,8 +9,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from pyspice.policy import make_policy, policy_spec
+from pyspice.policy.registry import split_planning
 from pyspice.sim.belady import BeladyOracle, belady
 from pyspice.sim.hardware import HardwareProfile, budget_bytes, emulated_costs, policy_profile, target_costs
+from pyspice.sim.planner import AsyncModel
 from pyspice.sim.simulator import Simulator
 from pyspice.sim.targets import TargetModel
 from pyspice.sim.workload import Workload
@@ -31,8 +33,8 @@ class SimConfig:
 
 
 def _check_policies(names: Sequence[str]) -> None:
-    for name in names:
-        spec = policy_spec(name)
+    for row in names:
+        spec = policy_spec(split_planning(row)[0])
         if spec.kind == "stock":
             raise ValueError("'stock' has no hook to simulate; 'exact' is the same work through the hook")
 
@@ -75,17 +77,19 @@ def simulate_all(
                 profile=policy_profile(prof, costs),
                 context_extra=context_extra,
             )
-            for name in cfg.policies:
+            for row in cfg.policies:
                 if progress:
-                    progress(f"{prof.name} {budget} {name}")
+                    progress(f"{prof.name} {budget} {row}")
+                name, how, lag = split_planning(row)  # NAME@async: the planner thread modelled
                 spec = policy_spec(name)
                 policy = make_policy(name)
-                us = (cfg.policy_us_by_budget or {}).get(budget, {}).get(name)
+                us = (cfg.policy_us_by_budget or {}).get(budget, {}).get(row)
                 if us is None:
-                    us = (cfg.policy_us or {}).get(name)
+                    us = (cfg.policy_us or {}).get(row)
                 if spec.kind != "python":
                     us = 0.0  # decided natively: no Python per call
-                result = sim.run(name, policy, policy_us=us, preload=name == "exact")
+                model = AsyncModel(max_lag=0, deterministic_lag=lag) if how == "async" else None
+                result = sim.run(row, policy, policy_us=us, preload=name == "exact", asynchronous=model)
                 rows.append({**base, **result.record(), **({"note": note} if note else {})})
             scale = costs.layer_scale
             n_tok = max(1, workload.decoded_tokens)

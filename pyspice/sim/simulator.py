@@ -30,7 +30,7 @@ import bisect
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -45,7 +45,7 @@ from pyspice.policy.base import (
     attach_policy,
 )
 from pyspice.policy.context import PolicyContext, RouterLoader
-from pyspice.policy.rule import declared_rule
+from pyspice.policy.rule import Rule, declared_rule
 from pyspice.sim.plan import (
     InvalidPlan,
     Outcomes,
@@ -57,6 +57,7 @@ from pyspice.sim.plan import (
     surrogate_table,
     validate_plan,
 )
+from pyspice.sim.planner import AsyncModel, PlannerModel
 from pyspice.sim.rule import RuleState, rule_plan
 from pyspice.sim.tier import OK, PRIORITY_DEMAND, SimTier
 from pyspice.sim.workload import SimCall, Workload
@@ -123,6 +124,12 @@ class SimResult:
     policy_us_per_call: float
     policy_fallbacks: int
     breakdown_ms_per_token: dict[str, float] = field(default_factory=dict)
+    # asynchronous planning (run(asynchronous=...)): plans applied, their mean lag in
+    # hook calls (MoE layers), plans dropped as too late, snapshots replaced unplanned
+    plans_applied: int = 0
+    plan_lag_layers: float = 0.0
+    plans_stale: int = 0
+    plans_skipped: int = 0
 
     @property
     def misses(self) -> int:
@@ -160,6 +167,12 @@ class SimResult:
             "policy_us_per_call": self.policy_us_per_call,
             "policy_fallbacks": self.policy_fallbacks,
             "breakdown_ms_per_token": dict(self.breakdown_ms_per_token),
+            "planning": {
+                "applied": self.plans_applied,
+                "lag_layers": self.plan_lag_layers,
+                "stale": self.plans_stale,
+                "skipped": self.plans_skipped,
+            },
         }
 
 
@@ -208,6 +221,7 @@ class Simulator:
         self.context_extra = dict(context_extra or {})
         # the loaded surrogates, which a plan's surrogate actions must name (spice_plan_validate)
         self.surrogates: SurrogateTable | None = surrogate_table(self.context())
+        self._plan_rule: RuleState | None = None  # the rule plans installed (run() resets it)
 
     def context(self) -> PolicyContext:
         kwargs: dict[str, Any] = {}
@@ -245,15 +259,32 @@ class Simulator:
         policy_us: float | None = None,
         preload: bool = False,
         on_step: Callable[[int, int], None] | None = None,
+        asynchronous: AsyncModel | None = None,
     ) -> SimResult:
         """`policy_us`: fixed microseconds per call (a measured figure); None times
-        the policy's own decide() here and adds the cost of reaching Python."""
+        the policy's own decide() here and adds the cost of reaching Python.
+        `asynchronous`: a policy with an asynchronous_rule plans on the modelled
+        planner thread (sim/planner.py) while its rule runs each call; `policy_us`
+        is then the hook thread's deciding time (posting, applying, the rule)."""
         wl, costs = self.workload, self.costs
         tier = self.make_tier()
+        plans_async = asynchronous is not None and callable(getattr(policy, "asynchronous_rule", None))
+        if asynchronous is not None and hasattr(policy, "plan_lag"):
+            # as the engine does: a policy whose plans land late looks that much further
+            policy.plan_lag = asynchronous.expected_lag() if plans_async else 0
         if policy is not None:
             attach_policy(policy, self.context())
         rule = declared_rule(policy) if policy is not None else None
         rule_state = RuleState(rule, wl.n_layers) if rule is not None else None  # kept from prompt to decode
+        self._plan_rule = None  # a plan's Plan.rule, for quiet calls
+        planner: PlannerModel | None = None
+        if asynchronous is not None and rule is None and callable(getattr(policy, "asynchronous_rule", None)):
+            # the rule every call runs by meanwhile (plans may replace it: Plan.rule)
+            self._plan_rule = RuleState(policy.asynchronous_rule(), wl.n_layers)
+            if asynchronous.max_lag == 0:  # the policy's own horizon
+                horizon = policy.plan_horizon() if callable(getattr(policy, "plan_horizon", None)) else 1
+                asynchronous = replace(asynchronous, max_lag=max(1, int(horizon)))
+            planner = PlannerModel(asynchronous, lambda hook: self._plan_of(policy, hook))
         t = 0
         if tier is not None and preload:
             t = self._preload(tier)
@@ -271,7 +302,7 @@ class Simulator:
                     pre0 = self._prefetch_totals(tier)
                 tally = _Tally()
             start = t
-            t = self._step(step.calls, step.n_tokens, t, tier, policy, policy_us, tally, rule_state)
+            t = self._step(step.calls, step.n_tokens, t, tier, policy, policy_us, tally, rule_state, planner)
             t += _us(costs.step_us)
             tally.part("outside layers", _us(costs.step_us))
             if step.decode:
@@ -306,8 +337,12 @@ class Simulator:
             prefetch_used=p1[1] - pre0[1],
             prefetch_cancelled=p1[2] - pre0[2],
             policy_us_per_call=tally.policy_us / max(1, tally.policy_calls),
-            policy_fallbacks=tally.fallbacks,
+            policy_fallbacks=tally.fallbacks + (planner.fallbacks if planner is not None else 0),
             breakdown_ms_per_token={k: v / 1e6 / n_tok * scale for k, v in tally.parts.items()},
+            plans_applied=planner.applied if planner is not None else 0,
+            plan_lag_layers=planner.mean_lag() if planner is not None else 0.0,
+            plans_stale=planner.stale if planner is not None else 0,
+            plans_skipped=planner.skipped if planner is not None else 0,
         )
 
     # -- pieces -------------------------------------------------------------------
@@ -346,14 +381,9 @@ class Simulator:
         tier.reset_counters()
         return tier.now_ns
 
-    def _decide(
-        self, policy: Any, call: SimCall, residency: Any, policy_us: float | None, tally: _Tally
-    ) -> tuple[npt.NDArray[np.int32] | None, Plan, float]:
-        """The plan (or the default one) and the microseconds the decision took."""
-        if policy is None:
-            return None, Plan(), 0.0
+    def _hook_call(self, call: SimCall, residency: Any) -> HookCall:
         n_expert = self.workload.n_expert[call.layer]
-        hook = HookCall(
+        return HookCall(
             call.layer,
             call.hidden if call.hidden is not None else np.zeros((call.n_tokens, 0), np.float32),
             call.probs if call.probs is not None else np.zeros((call.n_tokens, n_expert), np.float32),
@@ -362,6 +392,29 @@ class Simulator:
             call.shared,
             residency,
         )
+
+    def _plan_of(self, policy: Any, hook: HookCall) -> tuple[Plan | None, float]:
+        """The planner thread's decision on a snapshot: the validated plan (None when the
+        policy raised or the plan is invalid) and the microseconds it took."""
+        start = time.perf_counter()
+        try:
+            plan = policy.decide(hook)
+            if not isinstance(plan, Plan):
+                raise InvalidPlan(f"the policy returned {type(plan).__name__}, not a Plan")
+            validate_plan(plan, hook.layer, hook.ids, self.workload.n_expert, self.surrogates)
+        except KeyboardInterrupt:
+            raise
+        except Exception:
+            return None, (time.perf_counter() - start) * 1e6 + self.costs.python_call_us
+        return plan, (time.perf_counter() - start) * 1e6 + self.costs.python_call_us
+
+    def _decide(
+        self, policy: Any, call: SimCall, residency: Any, policy_us: float | None, tally: _Tally
+    ) -> tuple[npt.NDArray[np.int32] | None, Plan, float]:
+        """The plan (or the default one) and the microseconds the decision took."""
+        if policy is None:
+            return None, Plan(), 0.0
+        hook = self._hook_call(call, residency)
         start = time.perf_counter()
         try:
             plan = policy.decide(hook)
@@ -387,6 +440,7 @@ class Simulator:
         policy_us: float | None,
         tally: _Tally,
         rule_state: RuleState | None = None,
+        planner: PlannerModel | None = None,
     ) -> int:
         costs = self.costs
         by_layer = {c.layer: c for c in calls}
@@ -406,7 +460,25 @@ class Simulator:
             else:
                 residency = None
                 hit = np.ones(ids.shape, dtype=bool)
-            if rule_state is not None:
+            if planner is not None:
+                # asynchronous: the snapshot goes to the planner, the rule plans this call, and
+                # the lists of the plans due join it (the hook waits only in deterministic mode)
+                assert self._plan_rule is not None
+                got = planner.call(self._hook_call(call, residency), t)
+                if got.rule is not None and got.rule is not self._plan_rule.rule:  # take_plan_rule
+                    self._plan_rule = RuleState(got.rule, self.workload.n_layers)
+                t += got.wait_ns
+                tally.part("planner wait", got.wait_ns)
+                actions, plan, spent_us = None, Plan(), policy_us or 0.0
+                if tier is not None:
+                    actions, ruled = rule_plan(tier, self._plan_rule, il, ids, call.weights, call.hidden)
+                    plan = Plan(
+                        fetch=ruled.fetch,
+                        prefetch=[*ruled.prefetch, *got.prefetch],
+                        evict=[*ruled.evict, *got.evict],
+                        evict_from=ruled.evict_from or got.evict_from,
+                    )
+            elif rule_state is not None:
                 # a policy that is its rule: planned by the rule's twin, no call (a measured
                 # policy_us stands for the rule's own time)
                 actions, plan, spent_us = None, Plan(), policy_us or 0.0
@@ -414,11 +486,17 @@ class Simulator:
                     actions, plan = rule_plan(tier, rule_state, il, ids, call.weights, call.hidden)
             elif policy is not None and n_tokens == 1 and 0 <= tally.resume_layer != il:
                 # decided in advance (spice_policy_call.resume_il; a batch always asks): the
-                # default plan, no call (a measured policy_us is per call served)
+                # rule's plan (the default one unless a plan installed a rule), no call (a
+                # measured policy_us is per call served)
                 actions, plan, spent_us = None, Plan(), policy_us or 0.0
+                if self._plan_rule is not None and tier is not None:
+                    actions, plan = rule_plan(tier, self._plan_rule, il, ids, call.weights, call.hidden)
             else:
                 actions, plan, spent_us = self._decide(policy, call, residency, policy_us, tally)
                 tally.resume_layer = plan.resume_layer
+                installed = self._plan_rule.rule if self._plan_rule is not None else None
+                if isinstance(plan.rule, Rule) and plan.rule is not installed:
+                    self._plan_rule = RuleState(plan.rule, self.workload.n_layers)
             if actions is None:
                 actions = default_actions(hit)
             tally.policy_us += spent_us

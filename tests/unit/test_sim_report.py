@@ -170,3 +170,21 @@ def test_a_hardware_profile_simulates_the_source_models_own_sizes(tmp_path: Path
     assert target_costs(load_profile("rtx4060"), target, wl).expert_bytes == target.expert_bytes
     with pytest.raises(ValueError, match="--target source"):
         simulate_all(wl, SimConfig(cfg.profiles, ("50%",), ("lru",), None, target.expert_bytes))
+
+
+def test_rows_may_say_where_a_spice_policy_plans() -> None:
+    cfg = SimConfig(
+        profiles=(load_profile("rtx4060"),),
+        budgets=("50%",),
+        policies=("spice:exact@sync", "spice:exact@async", "spice:exact@det2"),
+        target=load_target("qwen2-57b-a14b:Q5_K_M"),
+        source_expert_bytes=(1000,) * 4,
+    )
+    rows = {r["policy"]: r for r in simulate_all(small_workload(), cfg)}
+    assert rows["spice:exact@sync"]["planning"]["applied"] == 0
+    assert rows["spice:exact@async"]["planning"]["applied"] > 0
+    assert rows["spice:exact@det2"]["planning"]["lag_layers"] == 2
+    with pytest.raises(ValueError, match="after '@'"):
+        simulate_all(
+            small_workload(), SimConfig(cfg.profiles, ("50%",), ("lru@later",), cfg.target, (1000,) * 4)
+        )

@@ -33,6 +33,7 @@ import numpy.typing as npt
 
 from pyspice.policy.base import RESIDENCY_RESIDENT, HookCall, Plan, PolicyBase
 from pyspice.policy.context import PolicyContext, RoutePredictor
+from pyspice.policy.rule import MISS_COST, MISS_FETCH, MISS_HOST, Rule
 from pyspice.policy.spice.config import SpiceConfig, spice_config
 from pyspice.policy.spice.cost import CostModel
 from pyspice.policy.spice.lookahead import (
@@ -54,6 +55,9 @@ class SpicePolicy(PolicyBase):
         self.config = spice_config(config) if isinstance(config, str) else config
         self.name = self.config.name
         self.ctx: PolicyContext | None = None
+        # MoE layers between a call and the call its plan is applied at (0: the same call,
+        # synchronous planning): set before attach, the look-ahead reaches that much further
+        self.plan_lag = 0
 
     @property
     def lossless(self) -> bool:
@@ -75,12 +79,13 @@ class SpicePolicy(PolicyBase):
             every -= 1
         self.plan_every = every
         # a prompt batch plans at every layer: H_min of eq. 4 itself
-        self.batch_depth = {il: self.cost.h_min(il, k, k) if cfg.deep else 1 for il in moe}
-        self.h_min = {il: self.cost.h_min(il, k, k) + every - 1 for il in moe}
-        self.h_max = {il: max(self.h_min[il], cfg.h_max) for il in moe}
+        lag = max(0, self.plan_lag)
+        self.batch_depth = {il: (self.cost.h_min(il, k, k) if cfg.deep else 1) + lag for il in moe}
+        self.h_min = {il: self.cost.h_min(il, k, k) + every - 1 + lag for il in moe}
+        self.h_max = {il: max(self.h_min[il], cfg.h_max + lag) for il in moe}
         if not cfg.deep:
-            self.h_min = dict.fromkeys(moe, 1)
-            self.h_max = dict.fromkeys(moe, 1)
+            self.h_min = dict.fromkeys(moe, 1 + lag)
+            self.h_max = dict.fromkeys(moe, 1 + lag)
         self.plans = [False] * ctx.n_layers  # whether a decode step plans at this layer
         for i, il in enumerate(moe):
             self.plans[il] = cfg.prefetch and i % every == 0
@@ -100,6 +105,40 @@ class SpicePolicy(PolicyBase):
         self.resume = self._resume_layers(moe)
         self.n_prefetch = max(1, math.ceil(cfg.prefetch_share * k))
         self.k = ctx.n_expert_used
+
+    def asynchronous_rule(self) -> Rule:
+        """What the engine runs each call by while this policy plans on libspice's
+        planner thread (its plans -- prefetches, evictions -- land calls later): the
+        miss handling of misses.py as a per-activation rule. Resident -> device; a
+        prefetch in flight is waited for when that beats the host by the cost model;
+        absent -> host (`host`), a demand fetch (`fetch`), or a fetch when copy and
+        device beat the host by `fetch_margin` (`cost`); lossy levels substitute
+        low-weight misses of experts whose surrogate is within the error budget."""
+        assert self.ctx is not None, "attach the policy first"
+        cfg, ctx = self.config, self.ctx
+        miss = {"host": MISS_HOST, "fetch": MISS_FETCH, "cost": MISS_COST}[cfg.miss_mode]
+        surrogate_set = None
+        if not cfg.lossless and ctx.surrogates_loaded:
+            table = np.zeros((ctx.n_layers, max(1, ctx.max_expert)), dtype=np.bool_)
+            for il in ctx.moe_layers:
+                errors = ctx.surrogate_error(il)
+                if errors is not None:
+                    good = np.asarray(errors)[: table.shape[1]] <= cfg.surrogate_max_error
+                    table[il, : good.size] = good
+            surrogate_set = table
+        return Rule(
+            miss=miss,
+            host_us=self.misses.host1,
+            device_us=self.misses.dev1,
+            margin=cfg.fetch_margin,
+            surrogate_weight=cfg.surrogate_max_weight if surrogate_set is not None else 0.0,
+            surrogate_set=surrogate_set,
+        )
+
+    def plan_horizon(self) -> int:
+        """How many MoE layers ahead a plan of this policy reaches at least (its H_min,
+        the closest over layers): a plan applied later than that is stale."""
+        return max(1, min(self.h_min.values(), default=1))
 
     def decide(self, call: HookCall) -> Plan:
         if call.n_tokens != 1:

@@ -1,0 +1,260 @@
+/* The planner thread and its ring of snapshots (spice-planner.h). */
+#include "spice-planner.h"
+#include "spice-clock.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+static void * planner_main(void * arg) {
+    spice_planner * p = (spice_planner *) arg;
+    pthread_mutex_lock(&p->mu);
+    while (!p->stop) {
+        spice_async_entry * next = NULL;
+        for (int32_t i = 0; i < p->n_ring; ++i) {
+            spice_async_entry * e = &p->ring[i];
+            if (e->state == SPICE_ENTRY_QUEUED && (next == NULL || e->seq < next->seq)) {
+                next = e;
+            }
+        }
+        if (next == NULL) {
+            pthread_cond_wait(&p->work, &p->mu);
+            continue;
+        }
+        next->state = SPICE_ENTRY_PLANNING;
+        pthread_mutex_unlock(&p->mu);
+        /* the policy: a Python callback takes the GIL here (cffi), never on the hook's thread */
+        const uint64_t t0 = spice_monotonic_ns();
+        const int rc = p->fn(&next->call, p->user_data);
+        const uint64_t spent = spice_monotonic_ns() - t0;
+        pthread_mutex_lock(&p->mu);
+        next->rc = rc;
+        next->plan_ns = spent;
+        next->state = SPICE_ENTRY_DONE;
+        pthread_cond_broadcast(&p->done);
+    }
+    pthread_mutex_unlock(&p->mu);
+    return NULL;
+}
+
+static void entry_free(spice_async_entry * e) {
+    free(e->inp);
+    free(e->probs);
+    free(e->ids);
+    free(e->weights);
+    free(e->shexp);
+    free(e->residency);
+    free(e->actions);
+    free(e->fetch);
+    free(e->prefetch);
+    free(e->evict);
+    free(e->evict_from);
+    memset(e, 0, sizeof(*e));
+}
+
+int spice_planner_start(spice_planner * p, spice_policy_fn fn, void * user_data, const spice_async_params * params,
+                        int32_t cap_fetch, int32_t cap_pairs, int32_t cap_layers) {
+    memset(p, 0, sizeof(*p));
+    p->params = *params;
+    p->fn = fn;
+    p->user_data = user_data;
+    p->cap_fetch = cap_fetch;
+    p->cap_pairs = cap_pairs;
+    p->cap_layers = cap_layers;
+    /* deterministic: the lag's calls in flight, one being posted, one held; free-running:
+     * one planned, one planning, one queued, one being posted */
+    p->n_ring = params->deterministic ? params->lag + 2 : 4;
+    p->ring = (spice_async_entry *) calloc((size_t) p->n_ring, sizeof(spice_async_entry));
+    if (p->ring == NULL) {
+        return SPICE_ERR_NO_MEMORY;
+    }
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_cond_init(&p->work, NULL);
+    pthread_cond_init(&p->done, NULL);
+    if (pthread_create(&p->thread, NULL, planner_main, p) != 0) {
+        pthread_cond_destroy(&p->done);
+        pthread_cond_destroy(&p->work);
+        pthread_mutex_destroy(&p->mu);
+        free(p->ring);
+        memset(p, 0, sizeof(*p));
+        return SPICE_ERR_NO_MEMORY;
+    }
+    p->running = 1;
+    return SPICE_OK;
+}
+
+void spice_planner_stop(spice_planner * p) {
+    if (!p->running) {
+        return;
+    }
+    pthread_mutex_lock(&p->mu);
+    p->stop = 1;
+    pthread_cond_broadcast(&p->work);
+    pthread_mutex_unlock(&p->mu);
+    pthread_join(p->thread, NULL);
+    for (int32_t i = 0; i < p->n_ring; ++i) {
+        entry_free(&p->ring[i]);
+    }
+    free(p->ring);
+    pthread_cond_destroy(&p->done);
+    pthread_cond_destroy(&p->work);
+    pthread_mutex_destroy(&p->mu);
+    memset(p, 0, sizeof(*p));
+}
+
+spice_async_entry * spice_planner_acquire(spice_planner * p, int * replaced) {
+    *replaced = 0;
+    spice_async_entry * got = NULL;
+    pthread_mutex_lock(&p->mu);
+    for (int32_t i = 0; i < p->n_ring && got == NULL; ++i) {
+        if (p->ring[i].state == SPICE_ENTRY_FREE) {
+            got = &p->ring[i];
+        }
+    }
+    if (got == NULL && !p->params.deterministic) {
+        for (int32_t i = 0; i < p->n_ring; ++i) {
+            spice_async_entry * e = &p->ring[i];
+            if (e->state == SPICE_ENTRY_QUEUED && (got == NULL || e->seq > got->seq)) {
+                got = e;
+            }
+        }
+        *replaced = got != NULL;
+    }
+    if (got != NULL) {
+        got->state = SPICE_ENTRY_WRITING;
+    }
+    pthread_mutex_unlock(&p->mu);
+    return got;
+}
+
+static int grow(void ** buf, size_t * cap, size_t need_bytes) {
+    if (need_bytes <= *cap) {
+        return SPICE_OK;
+    }
+    void * nbuf = realloc(*buf, need_bytes);
+    if (nbuf == NULL) {
+        return SPICE_ERR_NO_MEMORY;
+    }
+    *buf = nbuf;
+    *cap = need_bytes;
+    return SPICE_OK;
+}
+
+/* rows of `width` 4-byte values from a strided source into a compact array */
+static int copy_rows(void ** dst, size_t * cap, const void * src, size_t nb1, int32_t rows, int32_t width) {
+    const size_t row = (size_t) (width > 0 ? width : 0) * 4;
+    if (grow(dst, cap, row * (size_t) (rows > 0 ? rows : 0) + 4) != SPICE_OK) {
+        return SPICE_ERR_NO_MEMORY;
+    }
+    for (int32_t t = 0; t < rows; ++t) {
+        memcpy((char *) *dst + (size_t) t * row, (const char *) src + (size_t) t * nb1, row);
+    }
+    return SPICE_OK;
+}
+
+int spice_planner_post(spice_planner * p, spice_async_entry * e, uint64_t seq, const spice_policy_call * call,
+                       const int32_t * default_actions) {
+    const int32_t n = call->n_tokens, n_pairs = call->n_tokens * call->n_expert_used;
+    const size_t res_bytes = (size_t) call->res_layers * (size_t) call->res_width;
+    int status = copy_rows((void **) &e->inp, &e->cap_inp, call->inp, call->inp_nb1, n, call->n_embd);
+    status |= copy_rows((void **) &e->ids, &e->cap_ids, call->ids, call->ids_nb1, n, call->n_expert_used);
+    status |= copy_rows((void **) &e->weights, &e->cap_weights, call->weights, call->weights_nb1, n,
+                        call->n_expert_used);
+    if (call->probs != NULL && p->params.with_probs) {
+        status |= copy_rows((void **) &e->probs, &e->cap_probs, call->probs, call->probs_nb1, n, call->n_expert);
+    }
+    if (call->shexp != NULL) {
+        status |= copy_rows((void **) &e->shexp, &e->cap_shexp, call->shexp, call->shexp_nb1, n, call->n_embd);
+    }
+    status |= grow((void **) &e->residency, &e->cap_residency, res_bytes + 1);
+    status |= grow((void **) &e->actions, &e->cap_actions, (size_t) n_pairs * 4 + 4);
+    status |= grow((void **) &e->fetch, &e->cap_fetch, (size_t) p->cap_fetch * 4 + 4);
+    status |= grow((void **) &e->prefetch, &e->cap_prefetch, (size_t) p->cap_pairs * 4 + 4);
+    status |= grow((void **) &e->evict, &e->cap_evict, (size_t) p->cap_pairs * 4 + 4);
+    status |= grow((void **) &e->evict_from, &e->cap_evict_from, (size_t) p->cap_layers * 4 + 4);
+    if (status != SPICE_OK) {
+        spice_planner_release(p, e);
+        return SPICE_ERR_NO_MEMORY;
+    }
+    if (call->residency != NULL) {
+        memcpy(e->residency, call->residency, res_bytes);
+    }
+    memcpy(e->actions, default_actions, (size_t) n_pairs * 4);
+
+    spice_policy_call * c = &e->call;
+    memset(c, 0, sizeof(*c));
+    c->il = call->il;
+    c->n_tokens = n;
+    c->n_embd = call->n_embd;
+    c->n_expert = call->n_expert;
+    c->n_expert_used = call->n_expert_used;
+    c->inp = e->inp;         c->inp_nb1 = (size_t) call->n_embd * 4;
+    c->ids = e->ids;         c->ids_nb1 = (size_t) call->n_expert_used * 4;
+    c->weights = e->weights; c->weights_nb1 = (size_t) call->n_expert_used * 4;
+    if (call->probs != NULL && p->params.with_probs) {
+        c->probs = e->probs; c->probs_nb1 = (size_t) call->n_expert * 4;
+    }
+    if (call->shexp != NULL) {
+        c->shexp = e->shexp; c->shexp_nb1 = (size_t) call->n_embd * 4;
+    }
+    if (call->residency != NULL) {
+        c->residency = e->residency;
+        c->res_layers = call->res_layers;
+        c->res_width = call->res_width;
+    }
+    c->actions = e->actions;       c->n_actions = n_pairs;  c->cap_actions = n_pairs;
+    c->fetch = e->fetch;           c->cap_fetch = p->cap_fetch;
+    c->prefetch = e->prefetch;     c->cap_prefetch = p->cap_pairs;
+    c->evict = e->evict;           c->cap_evict = p->cap_pairs;
+    c->evict_from = e->evict_from; c->cap_evict_from = p->cap_layers;
+    c->resume_il = -1;
+    e->seq = seq;
+    e->rc = SPICE_POLICY_FAILED;
+    e->plan_ns = 0;
+
+    pthread_mutex_lock(&p->mu);
+    e->state = SPICE_ENTRY_QUEUED;
+    pthread_cond_signal(&p->work);
+    pthread_mutex_unlock(&p->mu);
+    return SPICE_OK;
+}
+
+spice_async_entry * spice_planner_take_done(spice_planner * p) {
+    spice_async_entry * got = NULL;
+    pthread_mutex_lock(&p->mu);
+    for (int32_t i = 0; i < p->n_ring; ++i) {
+        spice_async_entry * e = &p->ring[i];
+        if (e->state == SPICE_ENTRY_DONE && (got == NULL || e->seq < got->seq)) {
+            got = e;
+        }
+    }
+    if (got != NULL) {
+        got->state = SPICE_ENTRY_HELD;
+    }
+    pthread_mutex_unlock(&p->mu);
+    return got;
+}
+
+spice_async_entry * spice_planner_wait(spice_planner * p, uint64_t seq) {
+    spice_async_entry * got = NULL;
+    pthread_mutex_lock(&p->mu);
+    for (int32_t i = 0; i < p->n_ring; ++i) {
+        const int s = p->ring[i].state;
+        if (p->ring[i].seq == seq && (s == SPICE_ENTRY_QUEUED || s == SPICE_ENTRY_PLANNING || s == SPICE_ENTRY_DONE)) {
+            got = &p->ring[i];
+        }
+    }
+    while (got != NULL && got->state != SPICE_ENTRY_DONE) {
+        pthread_cond_wait(&p->done, &p->mu);
+    }
+    if (got != NULL) {
+        got->state = SPICE_ENTRY_HELD;
+    }
+    pthread_mutex_unlock(&p->mu);
+    return got;
+}
+
+void spice_planner_release(spice_planner * p, spice_async_entry * e) {
+    pthread_mutex_lock(&p->mu);
+    e->state = SPICE_ENTRY_FREE;
+    pthread_mutex_unlock(&p->mu);
+}

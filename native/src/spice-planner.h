@@ -1,0 +1,88 @@
+/* The planner thread of asynchronous planning (spice_runtime_enable_async)
+ * and the ring of snapshots it plans.
+ *
+ * An entry goes FREE -> WRITING (the hook's thread copies a call into it) ->
+ * QUEUED -> PLANNING (the planner thread calls the policy on it) -> DONE ->
+ * HELD (the hook's thread applies or drops its plan) -> FREE. The planner
+ * takes queued entries oldest first, so plans finish in the order their
+ * calls came. The mutex guards the states only: neither thread holds it
+ * while copying, planning or applying, so the hook's thread never waits for
+ * the policy except when it asks to (spice_planner_wait). */
+#ifndef SPICE_PLANNER_H
+#define SPICE_PLANNER_H
+
+#include "spice.h"
+
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+
+enum { SPICE_ENTRY_FREE, SPICE_ENTRY_WRITING, SPICE_ENTRY_QUEUED, SPICE_ENTRY_PLANNING, SPICE_ENTRY_DONE,
+       SPICE_ENTRY_HELD };
+
+typedef struct spice_async_entry {
+    int state;
+    uint64_t seq;           /* the hook call it was posted at */
+    spice_policy_call call; /* pointers into the arrays below */
+    /* the snapshot's own arrays (grown as calls need, kept between uses) */
+    float * inp;        size_t cap_inp;
+    float * probs;      size_t cap_probs;
+    int32_t * ids;      size_t cap_ids;
+    float * weights;    size_t cap_weights;
+    float * shexp;      size_t cap_shexp;
+    int8_t * residency; size_t cap_residency;
+    /* the plan the policy writes */
+    int32_t * actions;  size_t cap_actions;
+    int32_t * fetch;    size_t cap_fetch;
+    int32_t * prefetch; size_t cap_prefetch;
+    int32_t * evict;    size_t cap_evict;
+    int32_t * evict_from; size_t cap_evict_from;
+    int rc;           /* the policy's SPICE_POLICY_* */
+    uint64_t plan_ns; /* the planner's time in the policy */
+} spice_async_entry;
+
+typedef struct spice_planner {
+    int running;
+    spice_async_params params;
+    spice_policy_fn fn;
+    void * user_data;
+    pthread_t thread;
+    pthread_mutex_t mu;
+    pthread_cond_t work; /* an entry was queued, or stop */
+    pthread_cond_t done; /* an entry was planned */
+    int stop;
+    spice_async_entry * ring;
+    int32_t n_ring;
+    /* list capacities of every plan: the runtime's */
+    int32_t cap_fetch, cap_pairs, cap_layers;
+} spice_planner;
+
+/* Start the thread with an empty ring sized for the params. */
+int spice_planner_start(spice_planner * p, spice_policy_fn fn, void * user_data, const spice_async_params * params,
+                        int32_t cap_fetch, int32_t cap_pairs, int32_t cap_layers);
+
+/* Join the thread (after the policy call in progress, if any) and free the ring. No-op when not running. */
+void spice_planner_stop(spice_planner * p);
+
+/* An entry to post call `seq` into: a free one, else (free-running) the newest
+ * queued one not started yet, whose snapshot it replaces (*replaced = 1). NULL
+ * when every entry is busy. The entry is the caller's until spice_planner_queue. */
+spice_async_entry * spice_planner_acquire(spice_planner * p, int * replaced);
+
+/* Copy the call (its input arrays, residency table of res_layers x res_width)
+ * into the entry, with the default actions, and hand it to the planner.
+ * SPICE_ERR_NO_MEMORY (the entry is freed again) when its arrays cannot grow. */
+int spice_planner_post(spice_planner * p, spice_async_entry * e, uint64_t seq, const spice_policy_call * call,
+                       const int32_t * default_actions);
+
+/* The oldest planned entry, now the caller's (HELD), or NULL. */
+spice_async_entry * spice_planner_take_done(spice_planner * p);
+
+/* The entry posted at call seq once it is planned (HELD), waiting for it; NULL
+ * when no entry holds that call. */
+spice_async_entry * spice_planner_wait(spice_planner * p, uint64_t seq);
+
+/* Give a held entry back. */
+void spice_planner_release(spice_planner * p, spice_async_entry * e);
+
+#endif /* SPICE_PLANNER_H */

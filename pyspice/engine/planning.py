@@ -1,0 +1,83 @@
+"""Where SPICE policies plan: on the hook's thread (synchronous) or on libspice's
+planner thread while the graph runs on (asynchronous; spice_runtime_enable_async).
+
+Only the shipped planning policies (`spice:*`, `abl-*`) plan asynchronously: they
+declare the rule the engine runs each call by meanwhile. Users' policies, the
+trace recorder and the baselines (rules already) keep their paths.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+from pyspice.runtime import AsyncParams
+
+# Issue 19 item 4, measured on the 2-core development machine (smolmoe, 50% emulated
+# tier, 128-token prompt, 32 decoded, median of 3; `pyspice bench --policies
+# spice:exact@sync,spice:exact@async,... -t 2` and `-t 1`): planning on its own core
+# (asynchronous at -t 1) against inline (synchronous at -t 2), TPOT ms:
+#     spice:exact 18.7 vs 13.9, spice:balanced 23.3 vs 14.5, spice:fast 19.8 vs 13.8
+# -- the second graph thread is worth more than the planner's core. Asynchronous at
+# -t 2 (the planner sharing the graph's cores) is no faster either (14.4 vs 13.9 for
+# spice:exact). So synchronous by default here; a machine with cores to spare may
+# measure otherwise (--planning async).
+ASYNC_BY_DEFAULT = False
+
+
+@dataclass(frozen=True)
+class Planning:
+    """asynchronous: None -- the default for this machine (default_asynchronous);
+    deterministic_lag > 0: the plan of call c applied exactly at call c + lag (runs
+    repeat exactly); max_lag: free-running plans older than this many MoE layers are
+    dropped (None: the policy's own horizon, H_min)."""
+
+    asynchronous: bool | None = None
+    deterministic_lag: int = 0
+    max_lag: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_lag is not None and self.max_lag < 1:
+            raise ValueError(f"--max-plan-lag must be at least 1 layer, got {self.max_lag}")
+        if not 0 <= self.deterministic_lag <= 64:
+            raise ValueError(
+                f"--plan-lag must be 0 (free-running) or 1..64 layers, got {self.deterministic_lag}"
+            )
+
+    def resolved(self) -> bool:
+        """Whether to plan asynchronously (deterministic mode implies it)."""
+        if self.deterministic_lag > 0:
+            return True
+        if self.asynchronous is not None:
+            return self.asynchronous
+        return default_asynchronous()
+
+    def expected_lag(self) -> int:
+        """MoE layers from a call to its plan's use: the deterministic lag, else the one
+        measured free-running (1.0-1.1 on smolmoe, docs in the issue 19 note)."""
+        return self.deterministic_lag if self.deterministic_lag > 0 else 1
+
+    def params(self, horizon: int, with_probs: bool = False) -> AsyncParams:
+        return AsyncParams(
+            max_lag=self.max_lag if self.max_lag is not None else max(1, horizon),
+            deterministic_lag=self.deterministic_lag,
+            with_probs=with_probs,
+        )
+
+
+_said: list[bool] = []
+
+
+def default_asynchronous() -> bool:
+    """The machine's default, said once per process."""
+    if not _said:
+        _said.append(True)
+        how = (
+            "on a planner thread (asynchronous)" if ASYNC_BY_DEFAULT else "on the hook's thread (synchronous)"
+        )
+        print(
+            f"pyspice: SPICE policies plan {how} by default here, as measured "
+            "(--planning sync|async to choose)",
+            file=sys.stderr,
+        )
+    return ASYNC_BY_DEFAULT
