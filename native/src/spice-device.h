@@ -22,6 +22,7 @@
 #include "spice-cuda.h"
 #include "spice-experts.h"
 
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -97,6 +98,10 @@ typedef struct spice_device_params {
     int32_t device_index;   /* which GPU */
     int32_t n_slots;
     size_t  slot_stride;    /* bytes of one slot (the largest layer layout) */
+    /* Nonzero while the caller gives up on waiting (the runtime's abort
+     * request): a copy wait that would block for long returns early. NULL:
+     * waits always run to the end. */
+    atomic_int * cancel;
 } spice_device_params;
 
 /* A kind of device: how it lays an expert out in a slot, and how to make one. */

@@ -215,7 +215,7 @@ int spice_store_create(const spice_store_params * params, int32_t n_layers, cons
     }
     /* no layers bound: slots hold experts back to back, no bytes move */
     const spice_device_params dp = { params->bandwidth_gbps, params->latency_us, params->device_index, s->n_slots,
-                                     (size_t) s->slot_bytes };
+                                     (size_t) s->slot_bytes, NULL /* a bare store's waits run to the end */ };
     spice_device * dev = NULL;
     status = spice_device_type_of(params->device_kind)->create(&dp, &s->clock, &dev, NULL, 0);
     if (status == SPICE_OK) {
