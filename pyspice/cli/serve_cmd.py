@@ -144,7 +144,12 @@ def build_app(
         def free(self) -> None:
             pass  # the command closes the model after the server stops
 
-    server_app.set_server_settings(ServerSettings(host=host, port=port, api_key=api_key))
+    # interrupt_requests=False: upstream cuts a streaming answer short (its [DONE], no
+    # finish_reason) whenever another request waits; here requests wait their turn in the
+    # bounded queue (serve_guard), and a stream runs to its end
+    server_app.set_server_settings(
+        ServerSettings(host=host, port=port, api_key=api_key, interrupt_requests=False)
+    )
     app = FastAPI(
         title="pyspice",
         version=__version__,
