@@ -91,38 +91,45 @@ def one_request(
             conn.request("POST", "/v1/completions", data, headers(key, len(data)))
         resp = conn.getresponse()
         status = resp.status
+        retry = float(resp.headers.get("retry-after") or 0) if status == 503 else 0.0
         if cls in ("stream", "disconnect") and status == 200:
             events, finished = 0, False
             while True:
                 line = resp.fp.readline()
                 if not line:
                     res.add(cls, "cut before [DONE]")
-                    return
+                    return 0.0
                 if line.startswith(b"data:"):
                     events += 1
                     if cls == "disconnect":
                         conn.sock.shutdown(socket.SHUT_RDWR) if conn.sock else None
                         res.add(cls, "dropped after 1 event", time.monotonic() - start)
-                        return
+                        return 0.0
                     if line.strip() == b"data: [DONE]":
                         # an answer that ended as answers end has a finish_reason before [DONE]
                         outcome = "200 [DONE]" if finished else "200 [DONE], no finish_reason (cut)"
                         res.add(cls, outcome, time.monotonic() - start)
-                        return
+                        return 0.0
                     finished |= b'"finish_reason": "' in line
         resp.read()
         res.add(cls, str(status), time.monotonic() - start if status == 200 else None)
+        return retry
     except (OSError, http.client.HTTPException) as exc:
         res.add(cls, f"error {type(exc).__name__}")
+        return 0.0
     finally:
         conn.close()
 
 
-def client(seed: int, deadline: float, port: int, key: str | None, max_tokens: int, res: Results) -> None:
+def client(
+    seed: int, deadline: float, port: int, key: str | None, max_tokens: int, backoff: bool, res: Results
+) -> None:
     rng = random.Random(seed)
     names, weights = zip(*CLASSES.items(), strict=True)
     while time.monotonic() < deadline:
-        one_request(rng.choices(names, weights)[0], port, key, max_tokens, rng, res)
+        retry = one_request(rng.choices(names, weights)[0], port, key, max_tokens, rng, res)
+        if backoff and retry > 0:  # as a polite client does: Retry-After, with jitter
+            time.sleep(min(retry * rng.uniform(0.5, 1.0), max(0.0, deadline - time.monotonic())))
 
 
 def rss_mib(pid: int) -> float:
@@ -165,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=32, help="concurrent clients (default 32)")
     p.add_argument("--seconds", type=float, default=600.0, help="duration (default 600)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per completion (default 32)")
+    p.add_argument(
+        "--no-backoff", action="store_true", help="retry a 503 at once instead of after its Retry-After"
+    )
     args = p.parse_args(argv)
 
     proc = None
@@ -180,7 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     rss_start = rss_mib(pid) if pid else float("nan")
     deadline = time.monotonic() + args.seconds
     threads = [
-        threading.Thread(target=client, args=(i, deadline, port, args.api_key, args.max_tokens, res))
+        threading.Thread(
+            target=client, args=(i, deadline, port, args.api_key, args.max_tokens, not args.no_backoff, res)
+        )
         for i in range(args.clients)
     ]
     started = time.monotonic()
@@ -195,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         code = proc.wait(timeout=60)
         print(f"server: SIGTERM -> exit {code}")
 
-    print(f"{args.clients} clients, {wall:.0f} s, max_tokens {args.max_tokens}")
+    policy = "retry at once" if args.no_backoff else "Retry-After honoured"
+    print(f"{args.clients} clients, {wall:.0f} s, max_tokens {args.max_tokens}, 503: {policy}")
     print(f"{'class':<11} {'requests':>8} {'p50 s':>7} {'p99 s':>7}  outcomes")
     total = Counter[str]()
     for cls in CLASSES:
