@@ -31,6 +31,7 @@ from pyspice.engine.planning import Planning
 from pyspice.engine.surrogates import SurrogateSource
 from pyspice.formats.model_info import ModelFileError, read_header
 from pyspice.formats.sidecar import Sidecar
+from pyspice.interrupts import SigintGuard
 from pyspice.policy import Policy, PolicyContext
 from pyspice.runtime import (
     DecodeFailedError,
@@ -305,17 +306,35 @@ class Llama(llama_cpp.Llama):
     # ---- evaluation ---------------------------------------------------------------
 
     def eval(self, tokens: Any) -> None:
-        """llama_cpp.Llama.eval, timed for the stats record; Ctrl-C inside a
-        Python policy aborts the decode and surfaces as KeyboardInterrupt."""
+        """llama_cpp.Llama.eval, timed for the stats record. Ctrl-C aborts the decode
+        promptly under every policy and bus speed, prompts included (SigintGuard:
+        a watcher thread asks libspice to abort while native code runs, and no
+        callback of the decode sees the KeyboardInterrupt), and surfaces as
+        KeyboardInterrupt once the decode is back; the context stays usable
+        (llama.cpp drops the aborted batch's positions, and the next eval starts
+        after the last complete one)."""
+        rt = self._spice_runtime
+        if rt is not None:
+            rt.take_interrupt()  # a request left from before this eval is stale: no decode ran
         start = time.perf_counter()
+        guard = SigintGuard(rt.request_abort if rt is not None else None)
         try:
-            super().eval(tokens)
+            with guard:
+                super().eval(tokens)
         except RuntimeError:
             self._raise_decode_failure()
-            if self._spice_runtime is not None and self._spice_runtime.take_interrupt():
+            if rt is not None and (rt.take_interrupt() or guard.interrupted):
                 raise KeyboardInterrupt from None
             raise
+        except KeyboardInterrupt:
+            if rt is not None:
+                rt.take_interrupt()  # the request that cut the decode short must not stop the next
+            raise
         self._raise_decode_failure()
+        if guard.interrupted:  # the decode ended before it saw the request
+            if rt is not None:
+                rt.take_interrupt()
+            raise KeyboardInterrupt
         self.spice_engine.record_eval(len(tokens), time.perf_counter() - start)
         if self._spice_runtime is not None:
             if self._spice_runtime.take_interrupt():

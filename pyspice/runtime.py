@@ -26,6 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pyspice.build_info import BuildInfo, load_build_info
+from pyspice.interrupts import SigintGuard
 from pyspice.policy.base import HookCall, Plan, Policy
 from pyspice.policy.rule import Rule
 from pyspice.stats import Counters
@@ -569,9 +570,16 @@ class Runtime:
         return bytes(ffi.buffer(buf, size))
 
     def preload(self) -> int:
-        """Fill the device tier in layer order; returns how many experts it holds."""
+        """Fill the device tier in layer order; returns how many experts it holds. Ctrl-C
+        cuts its waits short (on a slow bus they can take minutes) and raises
+        KeyboardInterrupt once it is back; the tier then holds what was asked for."""
         n = self._n.ffi.new("int32_t *")
-        self._check(self._n.lib.spice_runtime_preload(self._rt, n), "preload")
+        self.take_interrupt()  # stale: nothing was running
+        with SigintGuard(self.request_abort) as guard:
+            status = self._n.lib.spice_runtime_preload(self._rt, n)
+        if self.take_interrupt() or guard.interrupted:
+            raise KeyboardInterrupt
+        self._check(status, "preload")
         return int(n[0])
 
     def residency(self) -> np.ndarray | None:
@@ -872,6 +880,11 @@ class Runtime:
         return c_rule
 
     # ---- after a decode -----------------------------------------------------------
+
+    def request_abort(self) -> None:
+        """Stop the running decode soon (any thread; spice_runtime_request_abort). Stays
+        requested until take_interrupt."""
+        self._n.lib.spice_runtime_request_abort(self._rt)
 
     def take_interrupt(self) -> bool:
         """True once if a policy saw Ctrl-C (or the runtime asked to abort) since the last check."""

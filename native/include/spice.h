@@ -544,14 +544,26 @@ SPICE_API int spice_runtime_preload(spice_runtime * rt, int32_t * n_loaded);
 SPICE_API int spice_runtime_get_counters(const spice_runtime * rt, int32_t il, spice_counters * out);
 SPICE_API void spice_runtime_reset_counters(spice_runtime * rt);
 
-/* Set by a policy returning SPICE_POLICY_ABORT; the runtime's abort callback
- * stops the current llama_decode. Reading clears nothing; clear it explicitly. */
+/* Set by a policy returning SPICE_POLICY_ABORT, or by
+ * spice_runtime_request_abort; the runtime's abort callback stops the current
+ * llama_decode. Reading clears nothing; clear it explicitly. */
 SPICE_API int spice_runtime_abort_requested(const spice_runtime * rt);
 SPICE_API void spice_runtime_clear_abort(spice_runtime * rt);
 /* 1 when the runtime itself stopped the decode because it could not go on
  * exactly (a read error from a disk tier, no memory for the executors):
  * spice_runtime_last_error says why. Cleared by spice_runtime_clear_abort. */
 SPICE_API int spice_runtime_failed(const spice_runtime * rt);
+
+/* Ask the running llama_decode to stop (Ctrl-C under a policy with no
+ * callback: nothing else runs on the decoding thread to notice it). Safe
+ * from any thread at any time, and from a signal handler (one atomic store);
+ * a no-op for NULL. The decode stops at its next graph node, or within
+ * about 10 ms while it waits for an emulated copy (the wait is cut short;
+ * the copy's bytes are in its slot, so it counts as landed then), and
+ * llama_decode returns 2, its batch's positions removed from the KV cache.
+ * The request stays set -- every later decode stops at once -- until
+ * spice_runtime_clear_abort. */
+SPICE_API void spice_runtime_request_abort(spice_runtime * rt);
 
 /* Number of plan rejections and policy failures so far; last_error holds the
  * latest message, so a caller that sees the count grow can warn once. */

@@ -4,6 +4,7 @@
 #ifndef SPICE_CLOCK_H
 #define SPICE_CLOCK_H
 
+#include <stdatomic.h>
 #include <stdint.h>
 #include <time.h>
 
@@ -42,6 +43,24 @@ static inline void spice_clock_sleep_until(spice_clock * c, uint64_t t) {
         struct timespec ts = { (time_t) (left / 1000000000ull), (long) (left % 1000000000ull) };
         nanosleep(&ts, NULL);
     }
+}
+
+/* spice_clock_sleep_until, watching *cancel between slices of at most
+ * slice_ns: returns 1 (the clock short of t) once it reads nonzero, else 0.
+ * NULL cancel: the whole sleep. A manual clock never sleeps, so never stops. */
+static inline int spice_clock_sleep_until_cancel(spice_clock * c, uint64_t t, atomic_int * cancel,
+                                                 uint64_t slice_ns) {
+    if (c->manual || cancel == NULL) {
+        spice_clock_sleep_until(c, t);
+        return 0;
+    }
+    for (uint64_t now = spice_clock_now(c); now < t; now = spice_clock_now(c)) {
+        if (atomic_load(cancel) != 0) {
+            return 1;
+        }
+        spice_clock_sleep_until(c, t - now > slice_ns ? now + slice_ns : t);
+    }
+    return 0;
 }
 
 #endif /* SPICE_CLOCK_H */

@@ -22,8 +22,12 @@ typedef struct emulated_slot {
     int filled;              /* copy's bytes are in memory */
 } emulated_slot;
 
+/* How often a copy wait looks at the cancel flag: Ctrl-C latency on a slow bus. */
+#define EMULATED_WAIT_SLICE_NS 10000000ull
+
 typedef struct emulated {
     spice_clock * clock;
+    atomic_int * cancel;     /* see spice_device_params */
     double bandwidth_gbps;
     double latency_us;
     uint64_t bus_free_ns;    /* when the last copy started lands */
@@ -125,7 +129,16 @@ static int emulated_wait(spice_device * dev, int32_t slot, uint64_t * stall_ns) 
     emulated_slot * s = &em->slots[slot];
     const uint64_t now = spice_clock_now(em->clock);
     fill(s); /* the transfer's real bytes move while we wait */
-    spice_clock_sleep_until(em->clock, s->end_ns);
+    if (spice_clock_sleep_until_cancel(em->clock, s->end_ns, em->cancel, EMULATED_WAIT_SLICE_NS)) {
+        /* given up on (Ctrl-C): the bytes are in the slot already, so the copy
+         * lands now; the bus is free from now if it was the last one on it */
+        const uint64_t cut = spice_clock_now(em->clock);
+        if (em->bus_free_ns == s->end_ns) {
+            em->bus_free_ns = cut;
+        }
+        s->start_ns = s->start_ns < cut ? s->start_ns : cut;
+        s->end_ns = cut;
+    }
     *stall_ns = s->end_ns > now ? s->end_ns - now : 0;
     return SPICE_OK;
 }
@@ -169,6 +182,7 @@ static int emulated_create(const spice_device_params * p, spice_clock * clock, s
         return SPICE_ERR_NO_MEMORY;
     }
     em->clock = clock;
+    em->cancel = p->cancel;
     em->bandwidth_gbps = p->bandwidth_gbps;
     em->latency_us = p->latency_us;
     em->n_slots = p->n_slots;

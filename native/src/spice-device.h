@@ -25,6 +25,7 @@
 #include "spice-cuda.h"
 #include "spice-experts.h"
 
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -119,6 +120,10 @@ typedef struct spice_device_params {
     const char * path;      /* disk: the file copies read from */
     int32_t io_threads;     /* disk: reader threads */
     int32_t io_fault_after; /* disk, tests: reads after this many fail */
+    /* Nonzero while the caller gives up on waiting (the runtime's abort
+     * request): a copy wait that would block for long returns early. NULL:
+     * waits always run to the end. */
+    atomic_int * cancel;
 } spice_device_params;
 
 /* A kind of device: how it lays an expert out in a slot, and how to make one. */

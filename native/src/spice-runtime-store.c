@@ -120,7 +120,7 @@ int spice_runtime_set_store(spice_runtime * rt, const spice_store_params * param
     }
     const spice_device_params dp = { params->bandwidth_gbps, params->latency_us, params->device_index,
                                      spice_store_n_slots(store), slot_stride, params->path, params->io_threads,
-                                     params->io_fault_after };
+                                     params->io_fault_after, &rt->abort_requested };
     spice_device * dev = NULL;
     status = type->create(&dp, spice_store_clock(store), &dev, rt->last_error, sizeof(rt->last_error));
     if (status == SPICE_OK && (status = spice_store_attach_device(store, dev)) != SPICE_OK) {

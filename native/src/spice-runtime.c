@@ -680,6 +680,12 @@ void spice_runtime_clear_abort(spice_runtime * rt) {
     }
 }
 
+void spice_runtime_request_abort(spice_runtime * rt) {
+    if (rt != NULL) {
+        atomic_store(&rt->abort_requested, 1);
+    }
+}
+
 uint64_t spice_runtime_plan_rejections(const spice_runtime * rt) {
     return rt ? rt->plan_rejections : 0;
 }

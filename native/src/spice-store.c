@@ -238,7 +238,7 @@ int spice_store_create(const spice_store_params * params, int32_t n_layers, cons
     }
     const spice_device_params dp = { params->bandwidth_gbps, params->latency_us, params->device_index, s->n_slots,
                                      (size_t) s->slot_bytes, params->path, params->io_threads,
-                                     params->io_fault_after };
+                                     params->io_fault_after, NULL /* a bare store's waits run to the end */ };
     spice_device * dev = NULL;
     status = spice_device_type_of(params->device_kind)->create(&dp, &s->clock, &dev, NULL, 0);
     if (status == SPICE_OK) {

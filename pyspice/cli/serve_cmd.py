@@ -28,6 +28,7 @@ from pyspice.cli.common import (
     open_model,
     resolve_model,
 )
+from pyspice.cli.serve_drain import Drain, draining_server, keep_streams_through_shutdown
 from pyspice.cli.serve_guard import DefaultMaxTokens, Guard, GuardConfig, check_messages, pydantic_validator
 
 SERVER_MODULES = ("fastapi", "uvicorn", "sse_starlette", "starlette_context", "pydantic_settings")
@@ -109,6 +110,7 @@ def build_app(
     *,
     max_queue: int = 4,
     cors_origins: tuple[str, ...] = (),
+    drain: Drain | None = None,
 ) -> Any:
     """llama-cpp-python's FastAPI routes serving `llm` (already loaded), plus /spice/stats,
     behind pyspice's Guard (serve_guard: key, body, queue and error rules)."""
@@ -133,7 +135,8 @@ def build_app(
         def __init__(self, settings: ModelSettings) -> None:
             self._model_settings_dict = {alias: settings}
             # duck-typed: the routes only call methods, which it forwards to llm
-            self._current_model = DefaultMaxTokens(llm)  # type: ignore[assignment]
+            stop = drain.criterion if drain is not None else None
+            self._current_model = DefaultMaxTokens(llm, stop=stop)  # type: ignore[assignment]
             self._current_model_alias = alias
             self._default_model_settings = settings
             self._default_model_alias = alias
@@ -141,7 +144,12 @@ def build_app(
         def free(self) -> None:
             pass  # the command closes the model after the server stops
 
-    server_app.set_server_settings(ServerSettings(host=host, port=port, api_key=api_key))
+    # interrupt_requests=False: upstream cuts a streaming answer short (its [DONE], no
+    # finish_reason) whenever another request waits; here requests wait their turn in the
+    # bounded queue (serve_guard), and a stream runs to its end
+    server_app.set_server_settings(
+        ServerSettings(host=host, port=port, api_key=api_key, interrupt_requests=False)
+    )
     app = FastAPI(
         title="pyspice",
         version=__version__,
@@ -190,6 +198,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     sock = listen(args.host, args.port)
+    drain = Drain(args.grace)
     try:
         llm = open_model(args)
         port = sock.getsockname()[1]
@@ -202,6 +211,7 @@ def run(args: argparse.Namespace) -> int:
             args.api_key,
             max_queue=args.max_queue,
             cors_origins=tuple(args.cors_origin),
+            drain=drain,
         )
         config = uvicorn.Config(
             app,
@@ -212,7 +222,9 @@ def run(args: argparse.Namespace) -> int:
             timeout_keep_alive=5,  # an idle connection is closed after 5 s
             limit_concurrency=64,  # connections beyond this get 503 from uvicorn itself
         )
-        server = uvicorn.Server(config)
+        # streams in flight at SIGTERM end with a final chunk and [DONE] within the grace
+        keep_streams_through_shutdown()
+        server = draining_server(config, drain)
         host = f"[{args.host}]" if ":" in args.host else args.host
         note(
             f"serving {alias} (policy {llm.spice_policy}) at http://{host}:{port}/v1 "

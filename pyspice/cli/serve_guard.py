@@ -19,7 +19,8 @@ request passes, in this order:
 4. any 500 left is answered with a generic JSON error (the detail goes to
    the server's log, not to the client).
 
-`DefaultMaxTokens` gives a request without max_tokens min(context left, 512).
+`DefaultMaxTokens` gives a request without max_tokens min(context left, 512),
+and stops generations when the server drains (serve_drain.py).
 """
 
 from __future__ import annotations
@@ -248,11 +249,16 @@ def _hide_server_errors(send: Send) -> Send:
 
 class DefaultMaxTokens:
     """The served model, but a completion without max_tokens gets min(context left, cap)
-    (upstream: chat ran to the context limit). Everything else is the model's own."""
+    (upstream: chat ran to the context limit), and `stop` (a llama-cpp-python stopping
+    criterion: the server's drain after SIGTERM) joins every completion's criteria.
+    Everything else is the model's own."""
 
-    def __init__(self, llm: Any, cap: int = DEFAULT_MAX_TOKENS) -> None:
+    def __init__(
+        self, llm: Any, cap: int = DEFAULT_MAX_TOKENS, stop: Callable[[Any, Any], bool] | None = None
+    ) -> None:
         self._llm = llm
         self._cap = cap
+        self._stop = stop
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._llm, name)
@@ -265,6 +271,11 @@ class DefaultMaxTokens:
                 n_prompt = len(prompt)
             # at least 1: a prompt that fills the context gets upstream's clear 400
             kwargs["max_tokens"] = max(1, min(self._llm.n_ctx() - n_prompt, self._cap))
+        if self._stop is not None and not args:
+            import llama_cpp
+
+            given = kwargs.get("stopping_criteria") or []
+            kwargs["stopping_criteria"] = llama_cpp.StoppingCriteriaList([*given, self._stop])
         return self._llm.create_completion(prompt, *args, **kwargs)
 
     def __call__(self, prompt: Any = "", *args: Any, **kwargs: Any) -> Any:

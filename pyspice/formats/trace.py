@@ -29,8 +29,11 @@ layer buffer is flushed first), whatever the number of layers.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
+import zipfile
+import zlib
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -88,16 +91,20 @@ class TraceMeta:
         return json.dumps(asdict(self), indent=1) + "\n"
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> TraceMeta:
+    def from_dict(cls, raw: Any) -> TraceMeta:
+        if not isinstance(raw, dict):
+            raise TraceError(f"not a pyspice trace (meta.json holds a {type(raw).__name__}, not an object)")
         if raw.get("format") != FORMAT:
             raise TraceError(f"not a pyspice trace (format {raw.get('format')!r})")
-        if int(raw.get("version", 0)) > FORMAT_VERSION:
+        if isinstance(raw.get("version"), int) and raw["version"] > FORMAT_VERSION:
             raise TraceError(
                 f"trace format version {raw.get('version')} is newer than this pyspice reads "
-                f"({FORMAT_VERSION})"
+                f"({FORMAT_VERSION}): upgrade pyspice"
             )
         known = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in raw.items() if k in known})
+        values = {k: v for k, v in raw.items() if k in known}
+        check_meta_values(values)
+        return cls(**values)
 
     def compatible_with(self, other: TraceMeta) -> bool:
         """Same model, geometry and fields (what resuming requires)."""
@@ -105,6 +112,61 @@ class TraceMeta:
         return all(getattr(self, k) == getattr(other, k) for k in keys) and set(self.fields) == set(
             other.fields
         )
+
+
+_META_TYPES: dict[str, tuple[type, ...]] = {
+    "model": (str,), "fingerprint": (str,), "n_layers": (int,), "moe_layers": (list,),
+    "n_expert": (int,), "n_expert_used": (int,), "n_embd": (int,), "fields": (list,),
+    "source": (str,), "n_tokens": (int,), "complete": (bool,), "extra": (dict,),
+    "version": (int,),
+}  # fmt: skip
+_META_LIMIT = 1 << 24  # no model has more layers, experts or embedding width; bounds what a reader allocates
+
+
+def check_meta_values(values: dict[str, Any]) -> None:
+    """A meta.json's values as the reader relies on them: types, ranges, and layers, experts
+    and fields that agree (one TraceError naming the first problem)."""
+    problem = _meta_problem(values)
+    if problem is not None:
+        raise TraceError(f"{problem} (a damaged meta.json: record the trace again)")
+
+
+def _meta_problem(values: dict[str, Any]) -> str | None:
+    for key, types in _META_TYPES.items():
+        if key in values and (
+            not isinstance(values[key], types) or (types == (int,) and isinstance(values[key], bool))
+        ):
+            want = "true/false" if types == (bool,) else types[0].__name__
+            return f"{key} must be a {want}, not {values[key]!r:.40}"
+    for key in ("n_layers", "n_expert", "n_expert_used", "n_embd", "model", "fingerprint", "moe_layers"):
+        if key not in values:
+            return f"{key} is missing"
+    for key in ("n_layers", "n_expert", "n_expert_used", "n_embd"):
+        if not 1 <= values[key] <= _META_LIMIT:
+            return f"{key} = {values[key]} is outside 1..{_META_LIMIT}"
+    if values["n_expert_used"] > values["n_expert"]:
+        return f"n_expert_used = {values['n_expert_used']} exceeds n_expert = {values['n_expert']}"
+    if values.get("n_tokens", 0) < 0:
+        return f"n_tokens = {values['n_tokens']} is negative"
+    layers = values["moe_layers"]
+    if (
+        not layers
+        or any(isinstance(il, bool) or not isinstance(il, int) for il in layers)
+        or any(not 0 <= il < values["n_layers"] for il in layers)
+        or len(set(layers)) != len(layers)
+    ):
+        return f"moe_layers must be distinct layer numbers in 0..{values['n_layers'] - 1}, not {layers!r:.60}"
+    if "fields" in values and any(not isinstance(f, str) for f in values["fields"]):
+        return f"fields must be names, not {values['fields']!r:.60}"
+    return None
+
+
+def _field_shape(meta: TraceMeta, name: str, count: int) -> tuple[int, ...]:
+    width = {"hidden": meta.n_embd, "probs": meta.n_expert, "ids": meta.n_expert_used,
+             "weights": meta.n_expert_used, "shared": meta.n_embd}  # fmt: skip
+    if name == "expert_out":
+        return (count, meta.n_expert_used, meta.n_embd)
+    return (count, width[name])
 
 
 @dataclass(frozen=True)
@@ -193,7 +255,7 @@ class TraceWriter:
         self.resume_from = 0
         meta_path = self.path / "meta.json"
         if meta_path.exists():
-            old = TraceMeta.from_dict(json.loads(meta_path.read_text()))
+            old = read_meta(self.path)
             if not resume:
                 raise TraceError(f"{self.path} already holds a trace; remove it or resume it")
             if old.complete:
@@ -311,26 +373,78 @@ class TraceWriter:
         self._closed = True
 
 
+def read_meta(path: Path) -> TraceMeta:
+    """A trace directory's meta.json, checked (check_meta_values); a TraceError names the file."""
+    meta_path = path / "meta.json"
+    if not meta_path.is_file():
+        raise TraceError(f"{path} is not a pyspice trace (no meta.json)")
+    try:
+        raw = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise TraceError(
+            f"{meta_path} is not valid JSON ({exc}); the trace is damaged: record it again"
+        ) from None
+    try:
+        return TraceMeta.from_dict(raw)
+    except TraceError as exc:
+        raise TraceError(f"{meta_path}: {exc}") from None
+
+
 class TraceReader:
     """Reads a trace directory. Refuses an incomplete trace unless allow_incomplete."""
 
     def __init__(self, path: str | os.PathLike[str], *, allow_incomplete: bool = False) -> None:
         self.path = Path(path)
-        meta_path = self.path / "meta.json"
-        if not meta_path.is_file():
-            raise TraceError(f"{self.path} is not a pyspice trace (no meta.json)")
-        self.meta = TraceMeta.from_dict(json.loads(meta_path.read_text()))
+        self.meta = read_meta(self.path)
         if not self.meta.complete and not allow_incomplete:
             raise TraceError(
                 f"{self.path} is an incomplete trace (interrupted); resume the capture or remove it"
             )
         self.chunks = scan_chunks(self.path)
         n = min((_contiguous_tokens(self.chunks.get(il, [])) for il in self.meta.moe_layers), default=0)
+        if self.meta.complete and n < self.meta.n_tokens:
+            raise TraceError(
+                f"{self.path}: the trace is complete with {self.meta.n_tokens} tokens, but its chunk "
+                f"files hold {n} for every layer (files missing or renamed); record it again"
+            )
         self.n_tokens = n if not self.meta.complete else min(n, self.meta.n_tokens)
 
     def _load(self, chunk: Chunk, fields: tuple[str, ...]) -> dict[str, np.ndarray]:
-        with np.load(chunk.path) as z:
-            return {k: z[k] for k in fields}
+        """The chunk's fields, checked against the meta (dtype, shape, expert ids) before use;
+        a damaged file is a TraceError naming it."""
+        damaged = f"{chunk.path}: a damaged trace chunk"
+        try:
+            z = np.load(chunk.path)
+            if not isinstance(z, np.lib.npyio.NpzFile) or z.zip is None:
+                raise TraceError(f"{damaged} (not an .npz archive); record the trace again")
+            with z:
+                out = {}
+                for k in fields:
+                    shape = _field_shape(self.meta, k, chunk.count)
+                    dtype = np.dtype(_store_dtype(k, self.meta.n_expert))
+                    member = f"{k}.npy"
+                    if member not in z.zip.namelist():
+                        raise TraceError(f"{damaged} (no field {k!r}); record the trace again")
+                    # the member's size before inflating it: a small file cannot claim gigabytes
+                    if z.zip.getinfo(member).file_size > math.prod(shape) * dtype.itemsize + 4096:
+                        raise TraceError(f"{damaged} ({k!r} is larger than {shape}); record the trace again")
+                    arr = z[k]
+                    if arr.shape != shape or arr.dtype != dtype:
+                        raise TraceError(
+                            f"{damaged} ({k!r} is {arr.dtype}{list(arr.shape)}, the trace's meta "
+                            f"says {dtype}{list(shape)}); record the trace again"
+                        )
+                    if k == "ids" and arr.size and (arr.min() < 0 or arr.max() >= self.meta.n_expert):
+                        raise TraceError(
+                            f"{damaged} (expert ids outside 0..{self.meta.n_expert - 1}); "
+                            "record the trace again"
+                        )
+                    out[k] = arr
+                return out
+        except TraceError:
+            raise
+        except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zlib.error, RuntimeError) as exc:
+            raise TraceError(f"{damaged} ({type(exc).__name__}: {exc}); record the trace again") from None
 
     def layer(self, il: int, fields: tuple[str, ...] | None = None) -> dict[str, np.ndarray]:
         """Every token of one layer, concatenated over its chunks (stored dtypes)."""

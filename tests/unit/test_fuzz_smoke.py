@@ -1,7 +1,7 @@
 """The fuzz harnesses (fuzz/) for a short while each, as CI runs them: a crash is any
 exception but the reader's documented error, a run over 1 s, or RSS over 512 MiB.
 Longer runs, outside CI: `python fuzz/fuzz_gguf_header.py DIR fuzz/corpus/gguf_header
--runs=1000000 -timeout=1 -rss_limit_mb=512` (likewise fuzz_sidecar.py)."""
+-runs=1000000 -timeout=1 -rss_limit_mb=512` (likewise fuzz_sidecar.py, fuzz_trace.py)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ pytestmark = pytest.mark.skipif(SECONDS <= 0, reason="set PYSPICE_FUZZ_SECONDS t
 
 
 @pytest.mark.parametrize(
-    ("harness", "corpus"), [("fuzz_gguf_header", "gguf_header"), ("fuzz_sidecar", "sidecar")]
+    ("harness", "corpus"),
+    [("fuzz_gguf_header", "gguf_header"), ("fuzz_sidecar", "sidecar"), ("fuzz_trace", "trace")],
 )
 def test_harness_finds_no_crash(tmp_path: Path, harness: str, corpus: str) -> None:
     argv = [

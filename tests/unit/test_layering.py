@@ -25,6 +25,7 @@ TABLE = {
     "pyspice.units": "base",
     "pyspice.paths": "base",
     "pyspice.outputs": "base",
+    "pyspice.interrupts": "base",
     # decisions: pure Python/numpy, imports nothing native
     "pyspice.policy": "policy",
     # what the policy runs on: the binding to libspice, the simulator, the file

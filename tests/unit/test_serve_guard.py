@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import pytest
 from llama_cpp.server.types import CreateChatCompletionRequest, CreateCompletionRequest
 
+from pyspice.cli.serve_drain import Drain
 from pyspice.cli.serve_guard import (
     DefaultMaxTokens,
     Guard,
@@ -185,3 +187,22 @@ def test_default_max_tokens_is_the_context_left_up_to_512() -> None:
     assert served.create_completion([1] * 600) == 1  # full: upstream then says the context is exceeded
     assert served(prompt="a b", max_tokens=5) == 5  # given: kept
     assert served.n_ctx() == 600  # everything else is the model's
+
+
+class KeepsCriteria(FakeLlm):
+    def create_completion(self, prompt: Any, **kwargs: Any) -> Any:
+        return kwargs.get("stopping_criteria")
+
+
+def test_the_drain_stops_generations_near_the_end_of_the_grace_not_before_the_signal() -> None:
+    drain = Drain(grace_s=10.0)
+    assert drain.stop_after_s == 8.0 and Drain(grace_s=2.0).stop_after_s == 1.5
+    assert Drain(grace_s=0.0).stop_after_s == 0.0
+    served = DefaultMaxTokens(KeepsCriteria(n_ctx=600), stop=drain.criterion)
+    criteria = served.create_completion("a b", max_tokens=5, stopping_criteria=[lambda ids, lg: False])
+    assert len(criteria) == 2  # the request's own, and the drain's
+    assert not criteria(None, None)  # no signal yet
+    drain.start()
+    assert not criteria(None, None)  # signalled: the grace runs first
+    drain.started = time.monotonic() - 8.0
+    assert criteria(None, None)  # past grace less margin: stopped at the next token

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -175,3 +176,53 @@ def test_recorder_asks_its_inner_policy_at_every_call(tmp_path: Path) -> None:
     r = recs[LAYERS[0]]
     plan = rec.decide(HookCall(LAYERS[0], r["hidden"], r["probs"], r["ids"], r["weights"], r["shared"]))
     assert plan.resume_layer == -1
+
+
+def _small_trace(path: Path) -> Path:
+    with TraceWriter(path, meta(), chunk_tokens=4) as w:
+        write_calls(w, records(8), [4, 4])
+    return path
+
+
+def _edit_meta(path: Path, **changes: object) -> None:
+    raw = json.loads((path / "meta.json").read_text())
+    raw.update(changes)
+    (path / "meta.json").write_text(json.dumps(raw))
+
+
+def _rewrite_chunk(path: Path, **fields: np.ndarray) -> None:
+    chunk = scan_chunks(path)[LAYERS[0]][0].path
+    with np.load(chunk) as z:
+        data = {k: z[k] for k in z.files}
+    data.update(fields)
+    np.savez(chunk, **data)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda p: (p / "meta.json").write_text('{"model": '), r"meta\.json is not valid JSON"),
+        (lambda p: (p / "meta.json").write_text("[1, 2]"), "holds a list, not an object"),
+        (lambda p: _edit_meta(p, n_expert_used=N_EXPERT + 1), "n_expert_used = 7 exceeds n_expert = 6"),
+        (lambda p: _edit_meta(p, n_embd="wide"), "n_embd must be a int"),
+        (lambda p: _edit_meta(p, moe_layers=[1, 9]), r"moe_layers must be distinct layer numbers in 0\.\.4"),
+        (lambda p: _edit_meta(p, version="1"), "version must be a int"),
+        (lambda p: _edit_meta(p, n_tokens=99), "complete with 99 tokens, but its chunk files hold 8"),
+        (lambda p: scan_chunks(p)[LAYERS[0]][0].path.write_bytes(b"junk"), "a damaged trace chunk"),
+        (lambda p: _rewrite_chunk(p, hidden=np.zeros((4, 9), np.float16)), r"'hidden' is float16\[4, 9\]"),
+        (lambda p: _rewrite_chunk(p, ids=np.full((4, K), N_EXPERT, np.int16)), r"expert ids outside 0\.\.5"),
+        (lambda p: _rewrite_chunk(p, ids=np.zeros((4, K), np.float32)), r"'ids' is float32"),
+    ],
+    ids=["json", "not-object", "k>n", "type", "layers", "version", "missing-chunk", "junk-chunk",
+         "shape", "ids-range", "dtype"],
+)  # fmt: skip
+def test_a_damaged_trace_is_a_trace_error_naming_the_file(tmp_path: Path, damage: Any, message: str) -> None:
+    """Before, these raised JSONDecodeError, TypeError, BadZipFile or IndexError from deep
+    inside the reader (fuzz/fuzz_trace.py found them), or read on with wrong shapes."""
+    path = _small_trace(tmp_path / "t")
+    damage(path)
+    with pytest.raises(TraceError, match=message) as err:
+        r = TraceReader(path)
+        r.routing()
+        list(r.calls())
+    assert str(path) in str(err.value)
