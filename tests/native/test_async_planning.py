@@ -322,8 +322,8 @@ def test_ctrl_c_stops_generation_planning_asynchronously(model: Any) -> None:
     step returns: generation stops within a step, the planner joined on the way out."""
     argv = [
         sys.executable, "-m", "pyspice", "generate", "-m", str(model), "-p", "Once upon a time",
-        "-n", "60000", "-c", "65536", "-t", "1", "--policy", "spice:exact", "--planning", "async",
-        "--device-budget", "25%",
+        "-n", "60000", "-c", "65536", "--temp", "0", "-t", "1", "--policy", "spice:exact",
+        "--planning", "async", "--device-budget", "25%",
     ]  # fmt: skip
     # a child of a non-interactive shell may start with SIGINT ignored: restore the default
     proc = subprocess.Popen(

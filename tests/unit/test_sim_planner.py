@@ -86,12 +86,16 @@ def test_deterministic_mode_applies_each_plan_exactly_k_calls_later() -> None:
 
 
 def test_free_running_drops_plans_older_than_the_bound() -> None:
-    policy = Targets(n_targets=4, sleep_s=0.002)  # 2 ms a plan: many hook calls (100 us layers)
-    sim = Simulator(workload(), costs(), budget_bytes=10**9)
+    # 2 ms a plan (more on a loaded machine) against 1 ms layers: plans land several calls
+    # late, well inside the run's ~120 simulated ms
+    policy = Targets(n_targets=4, sleep_s=0.002)
+    slow = replace(costs(), rest_us=((1, 1000.0), (4, 1000.0)))
+    sim = Simulator(workload(tokens=30), slow, budget_bytes=10**9)
     result = sim.run("t", policy, asynchronous=AsyncModel(max_lag=1))
     assert result.plans_stale > 0
     assert result.plans_skipped > 0
-    assert result.plans_applied == 0  # none was ever ready within one call
+    # a replaced snapshot is planned from its newer post: a few of those land in time
+    assert result.plans_applied < result.plans_stale
 
 
 def test_a_synchronous_run_is_unchanged_by_the_model() -> None:
