@@ -24,7 +24,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -57,20 +57,27 @@ class RowSpec:
 
 def config_fields(config: Any) -> dict[str, Any]:
     """A RunConfig as JSON-able fields (paths as strings)."""
-    out = {}
+    out: dict[str, Any] = {}
     for f in fields(config):
         value = getattr(config, f.name)
-        out[f.name] = str(value) if isinstance(value, Path) else value
+        if isinstance(value, Path):
+            value = str(value)
+        elif is_dataclass(value) and not isinstance(value, type):
+            value = asdict(value)  # e.g. RunConfig.planning
+        out[f.name] = value
     return out
 
 
 def run_config(spec: RowSpec) -> Any:
     from pyspice.engine.config import RunConfig
+    from pyspice.engine.planning import Planning
 
     values = dict(spec.config)
     for name in _PATH_FIELDS:
         if values.get(name) is not None:
             values[name] = Path(values[name])
+    if isinstance(values.get("planning"), dict):
+        values["planning"] = Planning(**values["planning"])
     return RunConfig(**values)
 
 
