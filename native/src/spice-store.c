@@ -531,11 +531,11 @@ int spice_store_wait(spice_store * s, int32_t il, int32_t e, uint64_t * stall_ns
     if (!spice_store_valid(s, il, e)) {
         return SPICE_ERR_INVALID_ARG;
     }
-    start_copies(s, spice_clock_now(&s->clock));
     const int32_t slot = *slot_ref(s, il, e);
     if (slot < 0) {
-        return SPICE_ERR_STATE;
+        return SPICE_ERR_STATE; /* refused without side effects: the queue does not move */
     }
+    start_copies(s, spice_clock_now(&s->clock));
     spice_device * dev = s->device;
     uint64_t stall = 0;
     if (s->slots[slot].copy >= 0) {

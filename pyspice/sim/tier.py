@@ -315,10 +315,10 @@ class SimTier:
         """spice_store_wait on the manual clock: the clock moves to when the expert's
         copy lands (waiting out the copies the bus carries first); books the stall and
         a prefetch's first use. Returns the stall, or raises for an absent expert."""
-        self._start_copies(self.now_ns)
         key = (layer, expert)
-        if not self.holds(layer, expert):
+        if not self.holds(layer, expert):  # refused before the queue moves, as in libspice
             raise ValueError(f"wait on ({layer}, {expert}), which the tier does not hold")
+        self._start_copies(self.now_ns)
         stall = 0
         target = self.copies.get(key)
         if target is not None:
