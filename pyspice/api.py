@@ -25,7 +25,7 @@ from typing import Any
 import llama_cpp
 
 from pyspice.engine import DeviceTier, Engine, ResolvedRun, RunConfig, SurrogateSet
-from pyspice.engine.checks import check_budget_value, check_ram_budget_alone
+from pyspice.engine.checks import check_ram_budget_settings
 from pyspice.engine.disk import LLAMA_LAZY_MODE_EXPERTS
 from pyspice.engine.planning import Planning
 from pyspice.engine.surrogates import SurrogateSource
@@ -100,19 +100,9 @@ class Llama(llama_cpp.Llama):
         # the header first, with pyspice's checks: llama.cpp aborts the process on some
         # inconsistent headers (expert counts) and hides its reason for refusing others
         read_header(model_path)
-        check_ram_budget_alone(ram_budget, device_budget)
-        if ram_budget is not None:
-            check_budget_value(ram_budget, "--ram-budget")
-            if policy == "stock":
-                raise ValueError(
-                    "policy 'stock' leaves the hook off, and with a RAM budget the routed experts are "
-                    "not in memory for upstream's path: use 'exact'"
-                )
-            if max_hook_tokens != 0:
-                raise ValueError(
-                    "with a RAM budget every micro-batch goes through the hook (the experts are not in "
-                    "memory for upstream's path): leave --max-hook-tokens at 0"
-                )
+        check_ram_budget_settings(
+            ram_budget, device_budget=device_budget, policy=policy, max_hook_tokens=max_hook_tokens
+        )
         self._spice_experts_on_disk = ram_budget is not None
         if self._spice_experts_on_disk and kwargs.get("use_mlock"):
             raise ValueError(

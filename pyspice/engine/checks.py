@@ -61,10 +61,33 @@ def check_budget_value(budget: str | int | float | None, what: str = "device bud
     check_at_least(what, budget, 1, "bytes; or a string such as '2GiB' or '25%'")
 
 
-def check_ram_budget_alone(ram_budget: object, device_budget: object) -> None:
-    """GPU + RAM + disk is a later step: one tier at a time."""
-    if ram_budget is not None and device_budget is not None:
+def check_ram_budget_settings(
+    ram_budget: str | int | None,
+    *,
+    device_budget: object = None,
+    policy: object = None,
+    max_hook_tokens: int = 0,
+) -> None:
+    """Edge mode's rules, one function for every door (RunConfig, Llama, a policy
+    switch): one tier at a time (GPU + RAM + disk is a later step), and every
+    micro-batch through the hook, since upstream's path has no copy of the experts
+    in memory to read. Nothing to check without a RAM budget."""
+    if ram_budget is None:
+        return
+    check_budget_value(ram_budget, "--ram-budget")
+    if device_budget is not None:
         raise ValueError(
             "--ram-budget and --device-budget cannot be combined yet (a GPU tier over a RAM tier over "
             "the disk is a later step): give one of them"
+        )
+    if policy == "stock":
+        raise ValueError(
+            "policy 'stock' leaves the hook off, and with --ram-budget the routed experts are not in "
+            "memory for upstream's path: use --policy exact (the bench's 'upstream' row runs plain "
+            "llama.cpp from its mmap)"
+        )
+    if max_hook_tokens != 0:
+        raise ValueError(
+            "--ram-budget sends every micro-batch through the hook (the experts are not in memory "
+            "for upstream's path): leave --max-hook-tokens at 0"
         )

@@ -20,7 +20,7 @@ from pyspice.engine.checks import (
     check_at_least,
     check_budget_value,
     check_bus,
-    check_ram_budget_alone,
+    check_ram_budget_settings,
     check_threads,
     warn_threads_above_cores,
 )
@@ -107,18 +107,12 @@ class RunConfig:
             "--max-hook-tokens", self.max_hook_tokens, 0, "0 sends every micro-batch through the hook"
         )
         check_budget_value(self.device_budget)
-        check_budget_value(self.ram_budget, "--ram-budget")
-        check_ram_budget_alone(self.ram_budget, self.device_budget)
-        if self.ram_budget is not None and self.max_hook_tokens != 0:
-            raise ValueError(
-                "--ram-budget sends every micro-batch through the hook (the experts are not in memory "
-                "for upstream's path): leave --max-hook-tokens at 0"
-            )
-        if self.ram_budget is not None and self.policy == "stock":
-            raise ValueError(
-                "--policy stock leaves the hook off, and with --ram-budget the routed experts are not in "
-                "memory for upstream's path: use --policy exact"
-            )
+        check_ram_budget_settings(
+            self.ram_budget,
+            device_budget=self.device_budget,
+            policy=self.policy,
+            max_hook_tokens=self.max_hook_tokens,
+        )
         check_bus(self.emulate_bandwidth, self.emulate_latency)
 
     @property

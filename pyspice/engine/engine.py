@@ -22,7 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pyspice.engine.blas_threads import limit_blas_threads
-from pyspice.engine.checks import check_budget_value, check_bus
+from pyspice.engine.checks import check_budget_value, check_bus, check_ram_budget_settings
 from pyspice.engine.device import DeviceTier, automatic_budget, store_params
 from pyspice.engine.disk import disk_store_params
 from pyspice.engine.planning import Planning
@@ -115,7 +115,7 @@ class Engine:
         emulate (or a manual clock) is given. The policy in use restarts on it."""
         check_budget_value(budget)  # the API's entry point: RunConfig checked the CLI's already
         check_bus(bandwidth_gbps, latency_us)
-        runtime = self.require_runtime()
+        self.require_runtime()  # a model the hook cannot serve fails before any sizing
         total = self.expert_bytes()
         spec = parse_budget(budget) if isinstance(budget, str) else Budget(bytes=int(budget))
         real = bandwidth_gbps is None and latency_us is None and not manual_clock and device_count() > 0
@@ -127,25 +127,9 @@ class Engine:
             latency_us=latency_us,
             manual_clock=manual_clock,
         )
-        runtime.set_device(params)
-        self.device_params = params
-        n_experts = sum(info.n_expert for info in self.layers() if info.is_moe)
-        self.device = DeviceTier(
-            budget=str(spec),
-            budget_bytes=params.budget_bytes,
-            holds=min(n_experts, int(params.budget_bytes * n_experts / max(1, total))),
-            experts=n_experts,
-            expert_bytes=total,
-            bandwidth_gbps=params.bandwidth_gbps,
-            latency_us=params.latency_us,
-            emulated=not real,
-            device_name="CUDA device 0" if real else "",
+        return self._install_tier(
+            spec, total, params, emulated=not real, device_name="CUDA device 0" if real else ""
         )
-        if self.custom_policy is not None:  # a policy object: re-attached to the new tier
-            self.set_policy(self.custom_policy)
-        elif self.policy_name != "stock":
-            self.set_policy(self.policy_name)
-        return self.device
 
     def set_ram(
         self,
@@ -163,9 +147,9 @@ class Engine:
         `bandwidth_gbps`/`latency_us` are the disk as policies should estimate it
         (default: what `pyspice probe` saved, else DEFAULT_DISK_*); io_fault_after is a
         test-only fault hook: every read after that many fails."""
-        check_budget_value(budget)
+        check_budget_value(budget, "RAM budget")
         check_bus(bandwidth_gbps, latency_us)
-        runtime = self.require_runtime()
+        self.require_runtime()  # a model the hook cannot serve fails before any sizing
         total = self.expert_bytes()
         spec = parse_budget(budget) if isinstance(budget, str) else Budget(bytes=int(budget))
         measured = saved_disk(self.model_path)
@@ -179,7 +163,28 @@ class Engine:
             io_fault_after=io_fault_after,
             manual_clock=manual_clock,
         )
-        runtime.set_device(params)
+        return self._install_tier(
+            spec,
+            total,
+            params,
+            emulated=False,
+            device_name=f"RAM slot pool, experts read from {self.model_path.name}",
+            disk=True,
+        )
+
+    def _install_tier(
+        self,
+        spec: Budget,
+        total: int,
+        params: StoreParams,
+        *,
+        emulated: bool,
+        device_name: str,
+        disk: bool = False,
+    ) -> DeviceTier:
+        """Give the runtime the tier `params` describes and say what it holds; the
+        policy in use restarts on it (set_device and set_ram)."""
+        self.require_runtime().set_device(params)
         self.device_params = params
         n_experts = sum(info.n_expert for info in self.layers() if info.is_moe)
         self.device = DeviceTier(
@@ -190,11 +195,11 @@ class Engine:
             expert_bytes=total,
             bandwidth_gbps=params.bandwidth_gbps,
             latency_us=params.latency_us,
-            emulated=False,
-            device_name=f"RAM slot pool, experts read from {self.model_path.name}",
-            disk=True,
+            emulated=emulated,
+            device_name=device_name,
+            disk=disk,
         )
-        if self.custom_policy is not None:
+        if self.custom_policy is not None:  # a policy object: re-attached to the new tier
             self.set_policy(self.custom_policy)
         elif self.policy_name != "stock":
             self.set_policy(self.policy_name)
@@ -270,12 +275,8 @@ class Engine:
             self.max_hook_tokens = max_hook_tokens
         if isinstance(policy, str):
             spec = policy_spec(policy)
-            if spec.kind == "stock" and self.experts_on_disk:
-                raise ValueError(
-                    "policy 'stock' leaves the hook off, and with a RAM budget the routed experts are not "
-                    "in memory for upstream's path: use 'exact' (the bench's 'upstream' row runs plain "
-                    "llama.cpp from its mmap)"
-                )
+            if self.experts_on_disk and self.device is not None:
+                check_ram_budget_settings(self.device.budget, policy=spec.kind)
             if spec.kind == "stock":
                 if self.runtime is not None:
                     self.runtime.disable()
