@@ -28,6 +28,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -75,7 +76,8 @@ typedef struct disk {
     int stop;
 
     uint64_t bytes_read, reads; /* under mu */
-    int64_t fault_after, n_read_calls;
+    int64_t fault_after;      /* set once at create */
+    atomic_llong n_read_calls; /* counted only with a fault hook */
     int failed;
     char error[1024];
 } disk;
@@ -118,11 +120,8 @@ static int reserve(reader_buf * b, size_t n) {
 static int64_t read_all(disk * d, char * dst, size_t n, uint64_t off) {
     size_t got = 0;
     while (got < n) {
-        pthread_mutex_lock(&d->mu);
-        const int fault = d->fault_after > 0 && ++d->n_read_calls > d->fault_after;
-        pthread_mutex_unlock(&d->mu);
-        if (fault) {
-            return -EIO;
+        if (d->fault_after > 0 && atomic_fetch_add(&d->n_read_calls, 1) + 1 > d->fault_after) {
+            return -EIO; /* the test-only fault hook */
         }
         const ssize_t r = pread(d->fd, dst + got, n - got, (off_t) (off + got));
         if (r < 0) {
@@ -149,6 +148,15 @@ static void fail(disk * d, const char * fmt, uint64_t off, size_t len, int err) 
     pthread_mutex_unlock(&d->mu);
 }
 
+/* A read of [off, off + len) that returned `got` (-errno, or short of the end). */
+static void read_failed(disk * d, int64_t got, uint64_t off, size_t len) {
+    if (got < 0) {
+        fail(d, "reading %s at %llu (+%llu bytes): %s", off, len, (int) -got);
+    } else {
+        fail(d, "reading %s at %llu (+%llu bytes): the file ends early (truncated after load?)%s", off, len, 0);
+    }
+}
+
 /* The copy's matrices into r->dst at their packed offsets. 0 on failure. */
 static int read_copy(disk * d, disk_req * r, reader_buf * buf, uint64_t * bytes, uint64_t * reads) {
     for (int k = 0; k < 3; ++k) {
@@ -162,9 +170,7 @@ static int read_copy(disk * d, disk_req * r, reader_buf * buf, uint64_t * bytes,
             const int64_t got = read_all(d, dst, len, off);
             *reads += 1;
             if (got < 0 || (size_t) got < len) {
-                fail(d, got < 0 ? "reading %s at %llu (+%llu bytes): %s" :
-                                  "reading %s at %llu (+%llu bytes): the file ends early (truncated after load?)%s",
-                     off, len, got < 0 ? (int) -got : 0);
+                read_failed(d, got, off, len);
                 return 0;
             }
             *bytes += len;
@@ -178,9 +184,7 @@ static int read_copy(disk * d, disk_req * r, reader_buf * buf, uint64_t * bytes,
         const int64_t got = read_all(d, buf->data, a1 - a0, a0);
         *reads += 1;
         if (got < 0 || (uint64_t) a0 + (uint64_t) got < off + len) {
-            fail(d, got < 0 ? "reading %s at %llu (+%llu bytes): %s" :
-                              "reading %s at %llu (+%llu bytes): the file ends early (truncated after load?)%s",
-                 off, len, got < 0 ? (int) -got : 0);
+            read_failed(d, got, off, len);
             return 0;
         }
         *bytes += (uint64_t) got;
@@ -453,6 +457,7 @@ static int disk_create(const spice_device_params * p, spice_clock * clock, spice
     d->bandwidth_gbps = p->bandwidth_gbps;
     d->latency_us = p->latency_us;
     d->fault_after = p->io_fault_after;
+    atomic_init(&d->n_read_calls, 0);
     snprintf(d->path, sizeof(d->path), "%s", p->path);
     d->n_slots = p->n_slots;
     d->slot_stride = p->slot_stride;
