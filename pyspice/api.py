@@ -230,13 +230,19 @@ class Llama(llama_cpp.Llama):
         latency_us: float | None = None,
         *,
         manual_clock: bool = False,
+        executor: str = "auto",
     ) -> DeviceTier:
         """Give the model a device tier of `budget` (bytes, "2GiB", or "25%" of all
         routed-expert bytes). On a CUDA build with a GPU the tier is real (CUDA
         device 0) unless a bandwidth or latency to emulate is given; otherwise it
         is emulated: slots in their own host buffer, copies on a virtual bus of
-        the given bandwidth/latency."""
-        return self.spice_engine.set_device(budget, bandwidth_gbps, latency_us, manual_clock=manual_clock)
+        the given bandwidth/latency. `executor` ("auto", "pool", "legacy") picks
+        how a computing device runs its experts: "pool" is the slot-pool graph
+        (on an emulated tier it runs on ggml's CPU backend), "legacy" one graph
+        per expert (CUDA, for A/B runs)."""
+        return self.spice_engine.set_device(
+            budget, bandwidth_gbps, latency_us, manual_clock=manual_clock, executor=executor
+        )
 
     def clear_device(self) -> None:
         self.spice_engine.clear_device()

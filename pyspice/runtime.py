@@ -140,6 +140,10 @@ def native() -> Any:
     return _Native.get().lib
 
 
+EXECUTOR_AUTO = 0  # spice_executor: the device's default
+EXECUTOR_POOL = 1  # the slot-pool graph, one mul_mat_id per matrix kind per call
+EXECUTOR_LEGACY = 2  # CUDA: one small graph per device expert (A/B runs)
+EXECUTORS = {"auto": EXECUTOR_AUTO, "pool": EXECUTOR_POOL, "legacy": EXECUTOR_LEGACY}
 DEVICE_EMULATED = 0  # spice_device_kind
 DEVICE_CUDA = 1
 DEVICE_DISK = 2  # slots in RAM, copies read from the model file (edge mode)
@@ -238,6 +242,7 @@ class StoreParams:
     path: str | None = None  # DEVICE_DISK: the file experts are read from
     io_threads: int = 0  # DEVICE_DISK: reader threads (0: libspice's default, 4)
     io_fault_after: int = 0  # DEVICE_DISK, tests only: reads after this many fail with EIO
+    executor: int = EXECUTOR_AUTO  # spice_executor; EXECUTOR_POOL: the slot-pool graph (emulated: CPU)
 
     def to_c(self, ffi: Any) -> tuple[Any, Any]:
         """The C struct, and what must outlive the call it is passed to (the path:
@@ -254,6 +259,7 @@ class StoreParams:
         p.device_index = self.device_index
         p.io_threads = self.io_threads
         p.io_fault_after = self.io_fault_after
+        p.executor = self.executor
         return p, path
 
 

@@ -302,6 +302,15 @@ SPICE_API int spice_device_count(void);
  * SPICE_ERR_UNSUPPORTED on a CPU-only build, INVALID_ARG for a bad index. */
 SPICE_API int spice_device_memory(int32_t device, uint64_t * free_bytes, uint64_t * total_bytes);
 
+/* Which executor a device that computes runs its pairs with. */
+typedef enum spice_executor {
+    SPICE_EXECUTOR_AUTO   = 0, /* CUDA: the slot-pool graph where the layer's types allow, else per expert;
+                                  emulated: none (the host executor reads the slots) */
+    SPICE_EXECUTOR_POOL   = 1, /* the slot-pool graph: one mul_mat_id per matrix kind per call; on the
+                                  emulated device it runs on ggml's CPU backend (bit-identical rows) */
+    SPICE_EXECUTOR_LEGACY = 2  /* CUDA: one small graph per device expert (for A/B runs); emulated: none */
+} spice_executor;
+
 typedef struct spice_store_params {
     uint64_t budget_bytes;       /* pooled device budget */
     double   bandwidth_gbps;     /* bus bandwidth, 1e9 bytes per second */
@@ -314,6 +323,7 @@ typedef struct spice_store_params {
     const char * path;           /* the file experts are read from (a runtime's: the model's GGUF) */
     int32_t  io_threads;         /* reader threads; <= 0: 4 */
     int32_t  io_fault_after;     /* tests: every read after this many fails with EIO; 0: never */
+    int32_t  executor;           /* spice_executor; 0 = auto */
 } spice_store_params;
 
 typedef enum spice_residency {

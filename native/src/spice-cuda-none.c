@@ -16,17 +16,11 @@ int spice_cuda_device_memory(int device, uint64_t * free_bytes, uint64_t * total
     return SPICE_ERR_UNSUPPORTED;
 }
 
-size_t spice_cuda_matrix_pad(enum ggml_type type, int64_t n_cols) {
-    (void) type;
-    (void) n_cols;
-    return 0;
-}
-
-int spice_cuda_create(int device, int32_t n_slots, size_t slot_stride, spice_cuda ** out, char * err,
+int spice_cuda_create(int device, const spice_pool_layout * layout, int32_t executor, spice_cuda ** out, char * err,
                       size_t err_len) {
     (void) device;
-    (void) n_slots;
-    (void) slot_stride;
+    (void) layout;
+    (void) executor;
     if (out) {
         *out = NULL;
     }
@@ -93,7 +87,13 @@ uint64_t spice_cuda_copy_ns(spice_cuda * cu, int32_t slot) {
     return 0;
 }
 
-int spice_cuda_exec_begin(spice_cuda * cu, const spice_cuda_job * job, char * err, size_t err_len) {
+int spice_cuda_exec_supports(spice_cuda * cu, const spice_expert_layer * L) {
+    (void) cu;
+    (void) L;
+    return 0;
+}
+
+int spice_cuda_exec_begin(spice_cuda * cu, const spice_device_job * job, char * err, size_t err_len) {
     (void) cu;
     (void) job;
     (void) err;

@@ -7,6 +7,7 @@
  * compute streams; each slot has a start/end event pair, which gives both
  * completion (query/synchronize) and the copy's bus time. */
 #include "spice-cuda.h"
+#include "spice-pool-exec.h"
 #include "spice.h"
 
 #include "ggml-alloc.h"
@@ -20,20 +21,23 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define SPICE_CUDA_ROW_PADDING 512 /* MATRIX_ROW_PADDING in ggml-cuda/common.cuh */
-
 struct spice_cuda {
     int device;
     ggml_backend_t backend;          /* compute: ggml's CUDA stream */
     ggml_backend_buffer_t pool;      /* slot memory */
     char * base;
     int32_t n_slots;
-    size_t slot_stride;
+    spice_pool_layout layout;        /* where each slot's matrices live */
+    size_t pool_bytes;
     cudaStream_t copy_stream;
     cudaEvent_t * ev_start;          /* [n_slots] */
     cudaEvent_t * ev_end;            /* [n_slots] */
 
-    /* device executor, one layer call at a time */
+    /* device executors, one layer call at a time: the slot-pool graph, and
+     * per-expert graphs (legacy) for layers it cannot run or when asked */
+    int32_t executor;                /* spice_executor */
+    spice_pool_exec * pool_exec;     /* NULL when the layout has no kind regions */
+    int pending_pool;                /* the queued call went to pool_exec */
     ggml_gallocr_t galloc;
     struct ggml_context * ctx;
     float * x_host;  size_t x_cap;   /* pinned staging: gathered input rows */
@@ -82,18 +86,12 @@ int spice_cuda_device_memory(int device, uint64_t * free_bytes, uint64_t * total
     return SPICE_OK;
 }
 
-size_t spice_cuda_matrix_pad(enum ggml_type type, int64_t n_cols) {
-    if (!ggml_is_quantized(type) || n_cols % SPICE_CUDA_ROW_PADDING == 0) {
-        return 0;
-    }
-    return ggml_row_size(type, SPICE_CUDA_ROW_PADDING - n_cols % SPICE_CUDA_ROW_PADDING);
-}
-
-int spice_cuda_create(int device, int32_t n_slots, size_t slot_stride, spice_cuda ** out, char * err,
+int spice_cuda_create(int device, const spice_pool_layout * layout, int32_t executor, spice_cuda ** out, char * err,
                       size_t err_len) {
-    if (out == NULL || n_slots <= 0 || slot_stride == 0) {
+    if (out == NULL || layout == NULL || layout->n_slots <= 0 || layout->bytes == 0) {
         return SPICE_ERR_INVALID_ARG;
     }
+    const int32_t n_slots = layout->n_slots;
     *out = NULL;
     if (device < 0 || device >= spice_cuda_device_count()) {
         snprintf(err, err_len, "no CUDA device %d (this build sees %d)", device, spice_cuda_device_count());
@@ -105,7 +103,8 @@ int spice_cuda_create(int device, int32_t n_slots, size_t slot_stride, spice_cud
     }
     cu->device = device;
     cu->n_slots = n_slots;
-    cu->slot_stride = slot_stride;
+    cu->layout = *layout;
+    cu->executor = executor;
     cudaError_t rc = cleared(cudaSetDevice(device));
     if (rc != cudaSuccess) {
         free(cu);
@@ -113,7 +112,9 @@ int spice_cuda_create(int device, int32_t n_slots, size_t slot_stride, spice_cud
     }
     size_t free_b = 0, total_b = 0;
     ggml_backend_cuda_get_device_memory(device, &free_b, &total_b);
-    const size_t pool_bytes = (size_t) n_slots * slot_stride;
+    /* the zero slot's padding may be read past the last region */
+    const size_t pool_bytes = layout->bytes + layout->pad[0] + layout->pad[1] + layout->pad[2];
+    cu->pool_bytes = pool_bytes;
     if (pool_bytes > free_b) {
         snprintf(err, err_len, "the device budget needs %zu bytes of slots; CUDA device %d has %zu free",
                  pool_bytes, device, free_b);
@@ -157,6 +158,13 @@ int spice_cuda_create(int device, int32_t n_slots, size_t slot_stride, spice_cud
         spice_cuda_free(cu);
         return SPICE_ERR_NO_MEMORY;
     }
+    if (layout->graph_ok && executor != SPICE_EXECUTOR_LEGACY) {
+        const int status = spice_pool_exec_create(cu->backend, cu->pool, &cu->layout, &cu->pool_exec, err, err_len);
+        if (status != SPICE_OK) {
+            spice_cuda_free(cu);
+            return status;
+        }
+    }
     *out = cu;
     return SPICE_OK;
 }
@@ -185,6 +193,7 @@ void spice_cuda_free(spice_cuda * cu) {
     if (cu->copy_stream) {
         cudaStreamDestroy(cu->copy_stream);
     }
+    spice_pool_exec_free(cu->pool_exec);
     if (cu->ctx) {
         ggml_free(cu->ctx);
     }
@@ -212,7 +221,13 @@ void spice_cuda_free(spice_cuda * cu) {
 }
 
 char * spice_cuda_slot(spice_cuda * cu, int32_t slot) {
-    return cu->base + (size_t) slot * cu->slot_stride;
+    return cu->base + spice_pool_offset(&cu->layout, slot, 0);
+}
+
+/* Matrix k of the expert in slot (dst_offset: where the layout puts kind k
+ * for slot 0, region[k] plus any offset inside the slot). */
+static char * slot_matrix_addr(spice_cuda * cu, int32_t slot, int k, size_t dst_offset) {
+    return cu->base + dst_offset + (size_t) slot * cu->layout.stride[k];
 }
 
 int spice_cuda_register_host(spice_cuda * cu, const void * data, size_t size) {
@@ -258,17 +273,16 @@ int spice_cuda_copy_issue(spice_cuda * cu, int32_t slot, const spice_cuda_segmen
         return SPICE_ERR_INVALID_ARG;
     }
     cleared(cudaSetDevice(cu->device));
-    char * dst = spice_cuda_slot(cu, slot);
     cudaError_t rc = cleared(cudaEventRecord(cu->ev_start[slot], cu->copy_stream));
     for (int k = 0; k < 3 && rc == cudaSuccess; ++k) {
         if (seg[k].size == 0) {
             continue;
         }
-        rc = cleared(cudaMemcpyAsync(dst + seg[k].dst_offset, seg[k].src, seg[k].size, cudaMemcpyHostToDevice,
-                             cu->copy_stream));
+        char * dst = slot_matrix_addr(cu, slot, k, seg[k].dst_offset);
+        rc = cleared(cudaMemcpyAsync(dst, seg[k].src, seg[k].size, cudaMemcpyHostToDevice, cu->copy_stream));
         if (rc == cudaSuccess && seg[k].pad > 0) {
             /* a slot reused by another layer may hold weight bytes there */
-            rc = cleared(cudaMemsetAsync(dst + seg[k].dst_offset + seg[k].size, 0, seg[k].pad, cu->copy_stream));
+            rc = cleared(cudaMemsetAsync(dst + seg[k].size, 0, seg[k].pad, cu->copy_stream));
         }
     }
     if (rc == cudaSuccess) {
@@ -293,11 +307,12 @@ int spice_cuda_copy_wait(spice_cuda * cu, int32_t slot) {
 }
 
 int spice_cuda_read(spice_cuda * cu, int32_t slot, size_t offset, void * dst, size_t n) {
-    if (slot < 0 || slot >= cu->n_slots || offset + n > cu->slot_stride) {
+    const int k = spice_pool_kind_of(&cu->layout, offset);
+    if (slot < 0 || slot >= cu->n_slots || k < 0 || offset + n > cu->layout.region[k] + cu->layout.stride[k]) {
         return SPICE_ERR_INVALID_ARG;
     }
     cleared(cudaSetDevice(cu->device));
-    return cleared(cudaMemcpy(dst, spice_cuda_slot(cu, slot) + offset, n, cudaMemcpyDeviceToHost)) == cudaSuccess
+    return cleared(cudaMemcpy(dst, slot_matrix_addr(cu, slot, k, offset), n, cudaMemcpyDeviceToHost)) == cudaSuccess
                ? SPICE_OK
                : SPICE_ERR_INTERNAL;
 }
@@ -338,7 +353,9 @@ static struct ggml_tensor * slot_matrix(spice_cuda * cu, const spice_expert_matr
     return t;
 }
 
-int spice_cuda_exec_begin(spice_cuda * cu, const spice_cuda_job * job, char * err, size_t err_len) {
+/* One small graph per device expert, built every call: kept for A/B runs
+ * and for layers the pool graph cannot run. */
+static int legacy_exec_begin(spice_cuda * cu, const spice_device_job * job, char * err, size_t err_len) {
     const spice_expert_layer * L = job->layer;
     const int32_t n_pairs = job->n_tokens * job->n_used;
     if (cu->pending) { /* the last call's work was never collected (its layer failed): finish it first */
@@ -410,12 +427,16 @@ int spice_cuda_exec_begin(spice_cuda * cu, const spice_cuda_job * job, char * er
         if (n == 0) {
             continue;
         }
-        const char * slot = job->slot_of[e];
+        const int32_t slot = job->slot_of[e];
+        const char * at[3];
+        for (int k = 0; k < 3; ++k) {
+            at[k] = cu->base + spice_pool_offset(&cu->layout, slot, k);
+        }
         struct ggml_tensor * xe = ggml_view_2d(cu->ctx, x, L->n_embd, n, x->nb[1], (size_t) r0 * x->nb[1]);
-        struct ggml_tensor * g = ggml_mul_mat(cu->ctx, slot_matrix(cu, &L->gate, slot + job->matrix_offset[0]), xe);
-        struct ggml_tensor * u = ggml_mul_mat(cu->ctx, slot_matrix(cu, &L->up, slot + job->matrix_offset[1]), xe);
+        struct ggml_tensor * g = ggml_mul_mat(cu->ctx, slot_matrix(cu, &L->gate, at[0]), xe);
+        struct ggml_tensor * u = ggml_mul_mat(cu->ctx, slot_matrix(cu, &L->up, at[1]), xe);
         struct ggml_tensor * a = ggml_swiglu_split(cu->ctx, g, u);
-        struct ggml_tensor * y = ggml_mul_mat(cu->ctx, slot_matrix(cu, &L->down, slot + job->matrix_offset[2]), a);
+        struct ggml_tensor * y = ggml_mul_mat(cu->ctx, slot_matrix(cu, &L->down, at[2]), a);
         ggml_set_output(y);
         ggml_build_forward_expand(gf, y);
         outs[n_out] = y;
@@ -438,9 +459,23 @@ int spice_cuda_exec_begin(spice_cuda * cu, const spice_cuda_job * job, char * er
     return SPICE_OK;
 }
 
-int spice_cuda_exec_end(spice_cuda * cu, float * y, char * err, size_t err_len) {
-    (void) err;
-    (void) err_len;
+int spice_cuda_exec_supports(spice_cuda * cu, const spice_expert_layer * L) {
+    (void) cu;
+    (void) L;
+    return 1; /* the per-expert graphs run every type ggml-cuda's mul_mat does */
+}
+
+int spice_cuda_exec_begin(spice_cuda * cu, const spice_device_job * job, char * err, size_t err_len) {
+    cu->pending_pool = 0; /* an uncollected call (its layer failed) is finished by the executor's begin */
+    if (cu->pool_exec != NULL && spice_pool_exec_supports(cu->pool_exec, job->layer)) {
+        const int rc = spice_pool_exec_begin(cu->pool_exec, job, err, err_len);
+        cu->pending_pool = rc == SPICE_OK;
+        return rc;
+    }
+    return legacy_exec_begin(cu, job, err, err_len);
+}
+
+static int legacy_exec_end(spice_cuda * cu, float * y) {
     if (!cu->pending) {
         return SPICE_OK;
     }
@@ -452,4 +487,12 @@ int spice_cuda_exec_end(spice_cuda * cu, float * y, char * err, size_t err_len) 
                row_bytes);
     }
     return SPICE_OK;
+}
+
+int spice_cuda_exec_end(spice_cuda * cu, float * y, char * err, size_t err_len) {
+    if (cu->pending_pool) {
+        cu->pending_pool = 0;
+        return spice_pool_exec_end(cu->pool_exec, y, err, err_len);
+    }
+    return legacy_exec_end(cu, y);
 }

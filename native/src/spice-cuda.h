@@ -14,6 +14,7 @@
 
 #include "spice-exec.h"
 #include "spice-experts.h"
+#include "spice-pool-layout.h"
 
 #include <stddef.h>
 #include <stdint.h>
@@ -26,14 +27,15 @@ int spice_cuda_device_count(void);
 /* Free and total memory of a device, bytes. */
 int spice_cuda_device_memory(int device, uint64_t * free_bytes, uint64_t * total_bytes);
 
-/* A slot pool of n_slots * slot_stride bytes on `device` (zeroed: the
- * padding ggml's CUDA kernels may read past a matrix must hold zeros), a
- * copy stream and one pair of timing events per slot. */
-int spice_cuda_create(int device, int32_t n_slots, size_t slot_stride, spice_cuda ** out, char * err,
+/* A slot pool laid out as `layout` on `device` (zeroed: the padding ggml's
+ * CUDA kernels may read past a matrix must hold zeros, and the zero slot is
+ * never written), a copy stream, one pair of timing events per slot, and the
+ * executors `executor` (spice_executor) asks for. */
+int spice_cuda_create(int device, const spice_pool_layout * layout, int32_t executor, spice_cuda ** out, char * err,
                       size_t err_len);
 void spice_cuda_free(spice_cuda * cu);
 
-/* Device address of a slot. */
+/* Device address of a slot (its gate matrix). */
 char * spice_cuda_slot(spice_cuda * cu, int32_t slot);
 
 /* Page-lock host memory the copies read from (so they are real DMA,
@@ -67,27 +69,12 @@ int spice_cuda_read(spice_cuda * cu, int32_t slot, size_t offset, void * dst, si
 /* Bus time of the slot's landed copy, ns (0 if unknown). */
 uint64_t spice_cuda_copy_ns(spice_cuda * cu, int32_t slot);
 
-/* Device executor for one layer call: pairs with run[pair] == SPICE_EXEC_DEVICE are computed
- * on the GPU from their expert's slot (slot_of[e], a device address) with
- * ggml's CUDA kernels: y = down(swiglu(gate x, up x)), unweighted. begin()
- * queues the work and returns at once; end() waits and writes each pair's
- * row into y[pair * n_embd]. The host executor weights and sums them with
- * its own rows, in selection order. */
-typedef struct spice_cuda_job {
-    const spice_expert_layer * layer;
-    int32_t n_tokens, n_used;
-    const float   * inp; size_t inp_nb1;
-    const int32_t * ids; size_t ids_nb1;
-    const uint8_t * run;             /* [n_tokens * n_used] spice_host_job.exec values */
-    const char * const * slot_of;    /* [n_expert] device addresses */
-    size_t matrix_offset[3];         /* gate, up, down inside a slot */
-} spice_cuda_job;
-
-int spice_cuda_exec_begin(spice_cuda * cu, const spice_cuda_job * job, char * err, size_t err_len);
+/* Device executor for one layer call (spice_device_job in spice-exec.h):
+ * the slot-pool graph (spice-pool-exec.h) when the layout allows it and
+ * SPICE_DEVICE_EXEC is not "legacy", else one small graph per expert. */
+int spice_cuda_exec_supports(spice_cuda * cu, const spice_expert_layer * L);
+int spice_cuda_exec_begin(spice_cuda * cu, const spice_device_job * job, char * err, size_t err_len);
 int spice_cuda_exec_end(spice_cuda * cu, float * y, char * err, size_t err_len);
 
-/* Bytes ggml's CUDA kernels may read past the end of a matrix whose rows are
- * n_cols wide (they round rows up to 512 columns). */
-size_t spice_cuda_matrix_pad(enum ggml_type type, int64_t n_cols);
 
 #endif /* SPICE_CUDA_H */

@@ -88,12 +88,16 @@ static uint64_t cuda_copy_ns(spice_device * dev, int32_t slot) {
     return spice_cuda_copy_ns(ctx_of(dev)->cu, slot);
 }
 
-static int cuda_exec_begin(spice_device * dev, const spice_cuda_job * job, char * err, size_t err_len) {
+static int cuda_exec_begin(spice_device * dev, const spice_device_job * job, char * err, size_t err_len) {
     return spice_cuda_exec_begin(ctx_of(dev)->cu, job, err, err_len);
 }
 
 static int cuda_exec_end(spice_device * dev, float * y, char * err, size_t err_len) {
     return spice_cuda_exec_end(ctx_of(dev)->cu, y, err, err_len);
+}
+
+static int cuda_exec_supports(spice_device * dev, const spice_expert_layer * L) {
+    return spice_cuda_exec_supports(ctx_of(dev)->cu, L);
 }
 
 typedef struct host_range {
@@ -160,6 +164,7 @@ static const spice_device_i cuda_iface = {
     /* .copy_ns        = */ cuda_copy_ns,
     /* .exec_begin     = */ cuda_exec_begin,
     /* .exec_end       = */ cuda_exec_end,
+    /* .exec_supports  = */ cuda_exec_supports,
     /* .host_prepare   = */ cuda_host_prepare,
     /* .host_read      = */ NULL,
     /* .io_totals      = */ NULL,
@@ -176,7 +181,12 @@ static int cuda_create(const spice_device_params * p, spice_clock * clock, spice
         free(cd);
         return SPICE_ERR_NO_MEMORY;
     }
-    const int rc = spice_cuda_create(p->device_index, p->n_slots, p->slot_stride, &cd->cu, err, err_len);
+    spice_pool_layout interleaved; /* a store without layer shapes: slots of slot_stride bytes */
+    if (p->pool == NULL) {
+        spice_pool_layout_interleaved(p->n_slots, (p->slot_stride + 255) & ~(size_t) 255, &interleaved);
+    }
+    const int rc = spice_cuda_create(p->device_index, p->pool != NULL ? p->pool : &interleaved, p->executor, &cd->cu,
+                                     err, err_len);
     if (rc != SPICE_OK) {
         free(dev);
         free(cd);
@@ -191,22 +201,15 @@ static int cuda_create(const spice_device_params * p, spice_clock * clock, spice
     return SPICE_OK;
 }
 
-/* Each matrix 256-byte aligned (what ggml's CUDA buffers give every
- * tensor), followed by the zero padding ggml's kernels may read. */
-static size_t cuda_slot_layout(const spice_expert_layer * L, spice_store_source * src) {
-    const spice_expert_matrix * mats[3] = { &L->gate, &L->up, &L->down };
-    size_t offset = 0;
-    for (int k = 0; k < 3; ++k) {
-        offset = (offset + 255) & ~(size_t) 255;
-        src->dst_offset[k] = offset;
-        src->pad[k] = spice_cuda_matrix_pad(mats[k]->type, mats[k]->n_cols);
-        offset += src->size[k] + src->pad[k];
-    }
-    return (offset + 255) & ~(size_t) 255;
+/* Both executors run on the pool layout. */
+static int cuda_uses_pool(int32_t executor) {
+    (void) executor;
+    return 1;
 }
 
 const spice_device_type spice_device_type_cuda = {
     /* .name        = */ "cuda",
-    /* .slot_layout = */ cuda_slot_layout,
+    /* .slot_layout = */ spice_device_packed_layout, /* unused: a runtime's CUDA tier is always a pool */
+    /* .uses_pool   = */ cuda_uses_pool,
     /* .create      = */ cuda_create,
 };

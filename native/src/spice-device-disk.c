@@ -424,6 +424,7 @@ static const spice_device_i disk_iface = {
     /* .copy_ns        = */ disk_copy_ns,
     /* .exec_begin     = */ NULL,
     /* .exec_end       = */ NULL,
+    /* .exec_supports  = */ NULL,
     /* .host_prepare   = */ NULL,
     /* .host_read      = */ disk_host_read,
     /* .io_totals      = */ disk_io_totals,
@@ -520,5 +521,6 @@ static int disk_create(const spice_device_params * p, spice_clock * clock, spice
 const spice_device_type spice_device_type_disk = {
     /* .name        = */ "disk",
     /* .slot_layout = */ spice_device_packed_layout,
+    /* .uses_pool   = */ NULL,
     /* .create      = */ disk_create,
 };

@@ -8,14 +8,18 @@
  * the expert is first needed, so the emulation's cost falls where the data
  * is used. */
 #include "spice-device.h"
+#include "spice-pool-exec.h"
 #include "spice.h"
+
+#include "ggml-cpu.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 typedef struct emulated_slot {
-    char * memory;           /* kept across reuse */
+    char * memory;           /* kept across reuse (own memory; NULL in pool mode) */
     size_t memory_size;
     spice_device_copy copy;  /* the last copy started into this slot */
     uint64_t start_ns, end_ns;
@@ -33,6 +37,16 @@ typedef struct emulated {
     uint64_t bus_free_ns;    /* when the last copy started lands */
     int32_t n_slots;
     emulated_slot * slots;
+
+    /* pool mode (an executor that computes was asked for): slots live in one
+     * pool laid out as a CUDA device's, and device pairs run through the
+     * slot-pool graph on ggml's CPU backend, on the hook's thread 0 */
+    spice_pool_layout layout;
+    char * pool;             /* NULL: own memory per slot, no executor */
+    size_t pool_size;
+    ggml_backend_t cpu;
+    ggml_backend_buffer_t pool_buf;
+    spice_pool_exec * exec;
 } emulated;
 
 static emulated * ctx_of(spice_device * dev) {
@@ -44,18 +58,38 @@ static void emulated_free(spice_device * dev) {
     for (int32_t i = 0; i < em->n_slots; ++i) {
         free(em->slots[i].memory);
     }
+    spice_pool_exec_free(em->exec);
+    if (em->pool_buf) {
+        ggml_backend_buffer_free(em->pool_buf);
+    }
+    if (em->cpu) {
+        ggml_backend_free(em->cpu);
+    }
+    if (em->pool) {
+        munmap(em->pool, em->pool_size);
+    }
     free(em->slots);
     free(em);
     free(dev);
 }
 
+/* Where matrix k of the copy in slot `slot` goes (see spice_pool_offset). */
+static char * matrix_addr(emulated * em, int32_t slot, int k) {
+    const emulated_slot * s = &em->slots[slot];
+    if (em->pool != NULL) {
+        return em->pool + s->copy.dst_offset[k] + (size_t) slot * em->layout.stride[k];
+    }
+    return s->memory + s->copy.dst_offset[k];
+}
+
 /* Move the slot's bytes in (once per copy). 0 when memory ran out. */
-static int fill(emulated_slot * s) {
+static int fill(emulated * em, int32_t slot) {
+    emulated_slot * s = &em->slots[slot];
     if (s->filled) {
         return 1;
     }
     size_t need = 0;
-    for (int k = 0; k < 3; ++k) {
+    for (int k = 0; em->pool == NULL && k < 3; ++k) {
         if (s->copy.dst_offset[k] + s->copy.size[k] > need) {
             need = s->copy.dst_offset[k] + s->copy.size[k];
         }
@@ -70,7 +104,11 @@ static int fill(emulated_slot * s) {
     }
     for (int k = 0; k < 3; ++k) {
         if (s->copy.src[k] != NULL) {
-            memcpy(s->memory + s->copy.dst_offset[k], s->copy.src[k], s->copy.size[k]);
+            char * dst = matrix_addr(em, slot, k);
+            memcpy(dst, s->copy.src[k], s->copy.size[k]);
+            if (em->pool != NULL) { /* a larger previous occupant's bytes must not show through */
+                memset(dst + s->copy.size[k], 0, s->copy.pad[k]);
+            }
         }
     }
     s->filled = 1;
@@ -78,17 +116,27 @@ static int fill(emulated_slot * s) {
 }
 
 static const char * emulated_slot_data(spice_device * dev, int32_t slot) {
-    emulated_slot * s = &ctx_of(dev)->slots[slot];
-    if (s->copy.src[0] == NULL || !fill(s)) {
+    emulated * em = ctx_of(dev);
+    emulated_slot * s = &em->slots[slot];
+    if (s->copy.src[0] == NULL || !fill(em, slot)) {
         return NULL; /* nothing bound (no bytes move), or no memory: the expert runs on the host */
     }
-    return s->memory;
+    return em->pool != NULL ? matrix_addr(em, slot, 0) : s->memory;
 }
 
 static int emulated_slot_read(spice_device * dev, int32_t slot, size_t offset, void * dst, size_t n) {
-    emulated_slot * s = &ctx_of(dev)->slots[slot];
-    if (!fill(s)) {
+    emulated * em = ctx_of(dev);
+    emulated_slot * s = &em->slots[slot];
+    if (!fill(em, slot)) {
         return SPICE_ERR_NO_MEMORY;
+    }
+    if (em->pool != NULL) {
+        const int k = spice_pool_kind_of(&em->layout, offset);
+        if (k < 0 || offset + n > em->layout.region[k] + em->layout.stride[k]) {
+            return SPICE_ERR_INVALID_ARG;
+        }
+        memcpy(dst, em->pool + offset + (size_t) slot * em->layout.stride[k], n);
+        return SPICE_OK;
     }
     if (offset + n > s->memory_size) {
         return SPICE_ERR_INVALID_ARG;
@@ -128,7 +176,7 @@ static int emulated_wait(spice_device * dev, int32_t slot, uint64_t * stall_ns) 
     emulated * em = ctx_of(dev);
     emulated_slot * s = &em->slots[slot];
     const uint64_t now = spice_clock_now(em->clock);
-    fill(s); /* the transfer's real bytes move while we wait */
+    fill(em, slot); /* the transfer's real bytes move while we wait */
     if (spice_clock_sleep_until_cancel(em->clock, s->end_ns, em->cancel, EMULATED_WAIT_SLICE_NS)) {
         /* given up on (Ctrl-C): the bytes are in the slot already, so the copy
          * lands now; the bus is free from now if it was the last one on it */
@@ -148,6 +196,27 @@ static uint64_t emulated_copy_ns(spice_device * dev, int32_t slot) {
     return s->end_ns - s->start_ns;
 }
 
+/* Pool mode: the job's slots hold their bytes, then the pool graph runs
+ * (synchronously: the CPU backend computes inside begin, on thread 0). */
+static int emulated_exec_begin(spice_device * dev, const spice_device_job * job, char * err, size_t err_len) {
+    emulated * em = ctx_of(dev);
+    for (int32_t e = 0; e < job->layer->n_expert; ++e) {
+        if (job->slot_of[e] >= 0 && !fill(em, job->slot_of[e])) {
+            snprintf(err, err_len, "emulated device: out of memory filling slot %d", job->slot_of[e]);
+            return SPICE_ERR_NO_MEMORY;
+        }
+    }
+    return spice_pool_exec_begin(em->exec, job, err, err_len);
+}
+
+static int emulated_exec_end(spice_device * dev, float * y, char * err, size_t err_len) {
+    return spice_pool_exec_end(ctx_of(dev)->exec, y, err, err_len);
+}
+
+static int emulated_exec_supports(spice_device * dev, const spice_expert_layer * L) {
+    return spice_pool_exec_supports(ctx_of(dev)->exec, L);
+}
+
 static const spice_device_i emulated_iface = {
     /* .name           = */ "emulated",
     /* .free           = */ emulated_free,
@@ -160,11 +229,51 @@ static const spice_device_i emulated_iface = {
     /* .copy_ns        = */ emulated_copy_ns,
     /* .exec_begin     = */ NULL,
     /* .exec_end       = */ NULL,
+    /* .exec_supports  = */ NULL,
     /* .host_prepare   = */ NULL,
     /* .host_read      = */ NULL,
     /* .io_totals      = */ NULL,
     /* .last_error     = */ NULL,
 };
+
+static const spice_device_i emulated_pool_iface = {
+    /* .name           = */ "emulated",
+    /* .free           = */ emulated_free,
+    /* .slot_data      = */ emulated_slot_data,
+    /* .slot_read      = */ emulated_slot_read,
+    /* .copy_can_start = */ emulated_can_start,
+    /* .copy_issue     = */ emulated_issue,
+    /* .copy_poll      = */ emulated_poll,
+    /* .copy_wait      = */ emulated_wait,
+    /* .copy_ns        = */ emulated_copy_ns,
+    /* .exec_begin     = */ emulated_exec_begin,
+    /* .exec_end       = */ emulated_exec_end,
+    /* .exec_supports  = */ emulated_exec_supports,
+    /* .host_prepare   = */ NULL,
+    /* .host_read      = */ NULL,
+    /* .io_totals      = */ NULL,
+    /* .last_error     = */ NULL,
+};
+
+/* The pool, ggml's CPU backend on one thread (the caller's) and the executor. */
+static int emulated_pool_init(emulated * em, const spice_pool_layout * layout, char * err, size_t err_len) {
+    em->layout = *layout;
+    em->pool_size = layout->bytes + layout->pad[0] + layout->pad[1] + layout->pad[2];
+    void * mem = mmap(NULL, em->pool_size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (mem == MAP_FAILED) {
+        snprintf(err, err_len, "emulated device: could not map a %zu-byte slot pool", em->pool_size);
+        return SPICE_ERR_NO_MEMORY;
+    }
+    em->pool = (char *) mem; /* zero, and committed only where copies land */
+    em->cpu = ggml_backend_cpu_init();
+    em->pool_buf = ggml_backend_cpu_buffer_from_ptr(em->pool, em->pool_size);
+    if (em->cpu == NULL || em->pool_buf == NULL) {
+        snprintf(err, err_len, "emulated device: could not start ggml's CPU backend for the pool executor");
+        return SPICE_ERR_NO_MEMORY;
+    }
+    ggml_backend_cpu_set_n_threads(em->cpu, 1);
+    return spice_pool_exec_create(em->cpu, em->pool_buf, &em->layout, &em->exec, err, err_len);
+}
 
 static int emulated_create(const spice_device_params * p, spice_clock * clock, spice_device ** out, char * err,
                            size_t err_len) {
@@ -189,6 +298,14 @@ static int emulated_create(const spice_device_params * p, spice_clock * clock, s
     em->slots = slots;
     dev->iface = &emulated_iface;
     dev->context = em;
+    if (p->pool != NULL) {
+        dev->iface = &emulated_pool_iface;
+        const int rc = emulated_pool_init(em, p->pool, err, err_len);
+        if (rc != SPICE_OK) {
+            emulated_free(dev);
+            return rc;
+        }
+    }
     *out = dev;
     return SPICE_OK;
 }
@@ -204,9 +321,16 @@ size_t spice_device_packed_layout(const spice_expert_layer * L, spice_store_sour
     return offset;
 }
 
+/* Only an executor that computes asks for a pool: by default the host
+ * executor reads the experts' own slots (packed, no waste). */
+static int emulated_uses_pool(int32_t executor) {
+    return executor == SPICE_EXECUTOR_POOL;
+}
+
 const spice_device_type spice_device_type_emulated = {
     /* .name        = */ "emulated",
     /* .slot_layout = */ spice_device_packed_layout,
+    /* .uses_pool   = */ emulated_uses_pool,
     /* .create      = */ emulated_create,
 };
 

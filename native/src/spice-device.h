@@ -23,7 +23,9 @@
 
 #include "spice-clock.h"
 #include "spice-cuda.h"
+#include "spice-exec.h"
 #include "spice-experts.h"
+#include "spice-pool-layout.h"
 
 #include <stdatomic.h>
 #include <stddef.h>
@@ -86,8 +88,11 @@ typedef struct spice_device_i {
 
     /* ---- execution (NULL: the device does not compute; the host executor
      * runs device pairs from slot_data) ---- */
-    int (*exec_begin)(spice_device * dev, const spice_cuda_job * job, char * err, size_t err_len);
+    int (*exec_begin)(spice_device * dev, const spice_device_job * job, char * err, size_t err_len);
     int (*exec_end)(spice_device * dev, float * y, char * err, size_t err_len);
+    /* 1 when the device can execute layer L's pairs (NULL: every layer);
+     * the host executor runs the others on the host weights. */
+    int (*exec_supports)(spice_device * dev, const spice_expert_layer * L);
 
     /* Make host ranges that copies read from fast to copy (a CUDA device
      * page-locks them); returns the bytes it could not. NULL: nothing to do. */
@@ -124,6 +129,11 @@ typedef struct spice_device_params {
      * request): a copy wait that would block for long returns early. NULL:
      * waits always run to the end. */
     atomic_int * cancel;
+    /* A device type that uses_pool: the layout its slots follow (the
+     * sources' dst_offset[k] are region[k] plus offsets inside the slot).
+     * NULL: n_slots of slot_stride bytes, matrices at dst_offset inside. */
+    const spice_pool_layout * pool;
+    int32_t executor;       /* spice_executor */
 } spice_device_params;
 
 /* A kind of device: how it lays an expert out in a slot, and how to make one. */
@@ -132,6 +142,9 @@ typedef struct spice_device_type {
     /* Fill src's dst_offset and pad for layer L's experts (base, stride and
      * size are set); returns the slot bytes the layer needs. */
     size_t (*slot_layout)(const spice_expert_layer * L, spice_store_source * src);
+    /* 1 when the device, with this spice_executor, lays its slots out as a
+     * pool (spice-pool-layout.h) rather than by slot_layout; NULL: never. */
+    int (*uses_pool)(int32_t executor);
     int (*create)(const spice_device_params * params, spice_clock * clock, spice_device ** out, char * err,
                   size_t err_len);
 } spice_device_type;
@@ -150,6 +163,12 @@ size_t spice_device_packed_layout(const spice_expert_layer * L, spice_store_sour
 static inline int spice_device_can_execute(const spice_device * dev) {
     return dev != NULL && dev->iface->exec_begin != NULL;
 }
+
+/* Whether the device executes layer L's device pairs itself. */
+static inline int spice_device_executes(spice_device * dev, const spice_expert_layer * L) {
+    return spice_device_can_execute(dev) && (dev->iface->exec_supports == NULL || dev->iface->exec_supports(dev, L));
+}
+
 
 static inline void spice_device_free(spice_device * dev) {
     if (dev != NULL) {

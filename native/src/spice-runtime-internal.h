@@ -29,6 +29,7 @@ typedef struct spice_plan_buffers {
     uint8_t * exec;       /* [cap_actions] executor's view of the actions */
     uint8_t * hit;        /* [cap_actions] expert resident when the call began */
     const char ** device; /* [max_n_expert] slot memory per expert the device tier runs */
+    int32_t * slot;       /* [max_n_expert] its slot (-1: none), for a device that computes */
 } spice_plan_buffers;
 
 struct spice_runtime {
@@ -46,7 +47,6 @@ struct spice_runtime {
     int32_t resume_il; /* -1, or the layer whose decode call next calls the policy (spice_policy_call) */
 
     spice_store * store;       /* device tier; NULL: none (every expert counts as resident) */
-    size_t (*matrix_offset)[3]; /* [n_layers] where gate, up, down sit in a slot of this tier */
 
     spice_barrier barrier;
     spice_host_exec host;

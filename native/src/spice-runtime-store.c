@@ -97,6 +97,14 @@ int spice_runtime_set_store(spice_runtime * rt, const spice_store_params * param
         spice_store_free(store);
         return status;
     }
+    /* a pooled device: kind regions shared by every layer (spice-pool-layout.h) */
+    const int pooled = type->uses_pool != NULL && type->uses_pool(params->executor);
+    spice_pool_layout pool;
+    if (pooled && (status = spice_pool_layout_make(rt->layers, rt->n_layers, spice_store_n_slots(store), &pool)) !=
+                      SPICE_OK) {
+        spice_store_free(store);
+        return status;
+    }
     size_t slot_stride = 0;
     for (int32_t il = 0; il < rt->n_layers; ++il) {
         const spice_expert_layer * L = &rt->layers[il];
@@ -110,17 +118,27 @@ int spice_runtime_set_store(spice_runtime * rt, const spice_store_params * param
             src.stride[k] = mats[k]->tensor->nb[2];
             src.size[k] = mats[k]->tensor->nb[2];
         }
-        const size_t need = type->slot_layout(L, &src);
-        slot_stride = need > slot_stride ? need : slot_stride;
-        memcpy(rt->matrix_offset[il], src.dst_offset, sizeof(src.dst_offset));
+        if (pooled) {
+            for (int k = 0; k < 3; ++k) {
+                src.dst_offset[k] = pool.region[k];
+                src.pad[k] = spice_pool_matrix_pad(mats[k]->type, mats[k]->n_cols);
+            }
+        } else {
+            const size_t need = type->slot_layout(L, &src);
+            slot_stride = need > slot_stride ? need : slot_stride;
+        }
         if ((status = spice_store_bind(store, il, &src)) != SPICE_OK) {
             spice_store_free(store);
             return status;
         }
     }
+    if (pooled) {
+        slot_stride = pool.stride[0] + pool.stride[1] + pool.stride[2];
+    }
     const spice_device_params dp = { params->bandwidth_gbps, params->latency_us, params->device_index,
                                      spice_store_n_slots(store), slot_stride, params->path, params->io_threads,
-                                     params->io_fault_after, &rt->abort_requested };
+                                     params->io_fault_after, &rt->abort_requested, pooled ? &pool : NULL,
+                                     params->executor };
     spice_device * dev = NULL;
     status = type->create(&dp, spice_store_clock(store), &dev, rt->last_error, sizeof(rt->last_error));
     if (status == SPICE_OK && (status = spice_store_attach_device(store, dev)) != SPICE_OK) {

@@ -65,8 +65,10 @@ static int plan_reserve(spice_runtime * rt, int32_t n_pairs) {
         p->hit = nhit;
     }
     if (p->device == NULL) {
-        p->device = (const char **) calloc((size_t) (rt->max_n_expert > 0 ? rt->max_n_expert : 1), sizeof(char *));
-        if (p->device == NULL) {
+        const size_t n = (size_t) (rt->max_n_expert > 0 ? rt->max_n_expert : 1);
+        p->device = (const char **) calloc(n, sizeof(char *));
+        p->slot = (int32_t *) calloc(n, sizeof(int32_t));
+        if (p->device == NULL || p->slot == NULL) {
             return SPICE_ERR_NO_MEMORY;
         }
     }
@@ -90,6 +92,7 @@ static void plan_free(spice_plan_buffers * p) {
     free(p->exec);
     free(p->hit);
     free((void *) p->device);
+    free(p->slot);
     memset(p, 0, sizeof(*p));
 }
 
@@ -268,16 +271,19 @@ static void device_pairs_to_host(uint8_t * exec, int32_t n_pairs) {
  * stay resident: nothing evicts before the next hook call); the host
  * executor runs meanwhile. */
 static int start_device_work(spice_runtime * rt, const struct llama_moe_hook_call * hc, const uint8_t * run) {
-    spice_cuda_job job;
+    const spice_expert_layer * L = &rt->layers[hc->il];
+    for (int32_t e = 0; e < L->n_expert; ++e) {
+        rt->plan.slot[e] = rt->plan.device[e] != NULL ? spice_store_slot_index(rt->store, hc->il, e) : -1;
+    }
+    spice_device_job job;
     memset(&job, 0, sizeof(job));
-    job.layer = &rt->layers[hc->il];
+    job.layer = L;
     job.n_tokens = hc->n_tokens;
     job.n_used = hc->n_expert_used;
     job.inp = hc->inp; job.inp_nb1 = hc->inp_nb1;
     job.ids = hc->ids; job.ids_nb1 = hc->ids_nb1;
     job.run = run;
-    job.slot_of = rt->plan.device;
-    memcpy(job.matrix_offset, rt->matrix_offset[hc->il], sizeof(job.matrix_offset));
+    job.slot_of = rt->plan.slot;
     spice_device * dev = spice_store_device(rt->store);
     spice_counters * c = &rt->counters[hc->il];
     char err[256];
@@ -316,7 +322,7 @@ static void collect_device_work(void * user_data, float * y) {
  * device work launched, host and surrogate jobs prepared. */
 static void execute_call(spice_runtime * rt, const struct llama_moe_hook_call * hc, const spice_policy_call * call) {
     const int32_t n_pairs = hc->n_tokens * hc->n_expert_used;
-    const int computes = rt->store != NULL && spice_device_can_execute(spice_store_device(rt->store));
+    const int computes = rt->store != NULL && spice_device_executes(spice_store_device(rt->store), &rt->layers[hc->il]);
     int any_surrogate = 0, any_device = 0;
     for (int32_t i = 0; i < n_pairs; ++i) {
         const int32_t a = call->actions[i];
@@ -545,8 +551,7 @@ int spice_runtime_create(struct llama_context * lctx, spice_runtime ** out, char
     }
     rt->n_expert_of = (int32_t *) calloc((size_t) n_layers, sizeof(int32_t));
     rt->surrogate_mask = (uint8_t *) calloc((size_t) n_layers * (size_t) rt->max_n_expert, 1);
-    rt->matrix_offset = (size_t (*)[3]) calloc((size_t) n_layers, sizeof(*rt->matrix_offset));
-    if (rt->n_expert_of == NULL || rt->surrogate_mask == NULL || rt->matrix_offset == NULL ||
+    if (rt->n_expert_of == NULL || rt->surrogate_mask == NULL ||
         spice_runtime_host_read_init(rt) != SPICE_OK) {
         write_err(err, err_len, "out of memory");
         spice_runtime_free(rt);
@@ -581,7 +586,6 @@ void spice_runtime_free(spice_runtime * rt) {
     free(rt->counters);
     free(rt->n_expert_of);
     free(rt->surrogate_mask);
-    free(rt->matrix_offset);
     free(rt);
 }
 

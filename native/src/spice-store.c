@@ -238,7 +238,8 @@ int spice_store_create(const spice_store_params * params, int32_t n_layers, cons
     }
     const spice_device_params dp = { params->bandwidth_gbps, params->latency_us, params->device_index, s->n_slots,
                                      (size_t) s->slot_bytes, params->path, params->io_threads,
-                                     params->io_fault_after, NULL /* a bare store's waits run to the end */ };
+                                     params->io_fault_after, NULL /* a bare store's waits run to the end */,
+                                     NULL /* no layer shapes: no pool */, params->executor };
     spice_device * dev = NULL;
     status = spice_device_type_of(params->device_kind)->create(&dp, &s->clock, &dev, NULL, 0);
     if (status == SPICE_OK) {
@@ -591,6 +592,14 @@ const char * spice_store_slot_data(spice_store * s, int32_t il, int32_t e) {
         return NULL;
     }
     return s->device->iface->slot_data(s->device, slot);
+}
+
+int32_t spice_store_slot_index(const spice_store * s, int32_t il, int32_t e) {
+    if (!spice_store_valid(s, il, e)) {
+        return -1;
+    }
+    const int32_t slot = s->slot_of[spice_store_cell(s, il, e)];
+    return slot >= 0 && s->slots[slot].copy < 0 ? slot : -1;
 }
 
 uint64_t spice_store_now(spice_store * s) {

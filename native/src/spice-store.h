@@ -27,6 +27,8 @@ spice_clock * spice_store_clock(spice_store * store);
 /* Slot memory of a resident expert, or NULL (not resident, nothing bound, or
  * no memory: then the host executor reads the host weights instead). */
 const char * spice_store_slot_data(spice_store * store, int32_t il, int32_t e);
+/* The slot of a resident (il, e) whose copy has landed, or -1. */
+int32_t spice_store_slot_index(const spice_store * store, int32_t il, int32_t e);
 /* The copy that would bring expert (il, e) in: its sources, sizes and
  * packed slot layout, demand priority (for reads outside the queue). */
 void spice_store_expert_copy(const spice_store * store, int32_t il, int32_t e, spice_device_copy * copy);

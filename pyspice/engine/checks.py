@@ -13,6 +13,8 @@ import math
 import os
 from collections.abc import Callable
 
+from pyspice.runtime import EXECUTORS
+
 Note = Callable[[str], None]
 
 
@@ -50,6 +52,15 @@ def check_bus(bandwidth_gbps: float | None, latency_us: float | None) -> None:
         )
     if latency_us is not None and not (math.isfinite(latency_us) and latency_us >= 0):
         raise ValueError(f"--emulate-latency {latency_us}: must be a number of microseconds, 0 or more")
+
+
+def check_executor(executor: str) -> None:
+    """A device executor by name: auto, pool or legacy."""
+    if executor not in EXECUTORS:
+        raise ValueError(
+            f"--device-executor {executor!r}: must be one of {', '.join(EXECUTORS)} "
+            "(pool: the slot-pool graph; legacy: one graph per expert, CUDA only)"
+        )
 
 
 def check_budget_value(budget: str | int | float | None, what: str = "device budget") -> None:

@@ -67,6 +67,7 @@ def store_params(
     bandwidth_gbps: float | None,
     latency_us: float | None,
     manual_clock: bool,
+    executor: int = 0,
 ) -> StoreParams:
     """The store's parameters for a budget over `expert_bytes` routed-expert bytes,
     after checking that the device (real) or this machine (emulated) can hold it."""
@@ -78,6 +79,7 @@ def store_params(
             bandwidth_gbps=REAL_BUS_GUESS_GBPS,
             latency_us=REAL_BUS_GUESS_LATENCY_US,
             device_kind=DEVICE_CUDA,
+            executor=executor,
         )
     check_emulated_budget(spec, budget_bytes, expert_bytes)
     return StoreParams(
@@ -85,6 +87,7 @@ def store_params(
         bandwidth_gbps=bandwidth_gbps if bandwidth_gbps is not None else DEFAULT_EMULATED_GBPS,
         latency_us=latency_us if latency_us is not None else DEFAULT_EMULATED_LATENCY_US,
         manual_clock=manual_clock,
+        executor=executor,
     )
 
 

@@ -22,7 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pyspice.engine.blas_threads import limit_blas_threads
-from pyspice.engine.checks import check_budget_value, check_bus, check_ram_budget_settings
+from pyspice.engine.checks import check_budget_value, check_bus, check_executor, check_ram_budget_settings
 from pyspice.engine.device import DeviceTier, automatic_budget, store_params
 from pyspice.engine.disk import disk_store_params
 from pyspice.engine.planning import Planning
@@ -42,7 +42,15 @@ from pyspice.policy import Policy, PolicyContext, declared_rule, make_policy, po
 from pyspice.policy.base import attach_policy, is_lossless
 from pyspice.policy.predictor import DraftPredictor
 from pyspice.policy.profile import CostProfile
-from pyspice.runtime import IncompatibleModelError, LayerInfo, Runtime, StoreParams, device_count, native
+from pyspice.runtime import (
+    EXECUTORS,
+    IncompatibleModelError,
+    LayerInfo,
+    Runtime,
+    StoreParams,
+    device_count,
+    native,
+)
 from pyspice.stats import StatsSnapshot, Timing, stats_record
 from pyspice.units import Budget, parse_budget
 
@@ -110,11 +118,13 @@ class Engine:
         latency_us: float | None = None,
         *,
         manual_clock: bool = False,
+        executor: str = "auto",
     ) -> DeviceTier:
         """A device tier of `budget`; real on a CUDA build with a GPU unless a bus to
         emulate (or a manual clock) is given. The policy in use restarts on it."""
         check_budget_value(budget)  # the API's entry point: RunConfig checked the CLI's already
         check_bus(bandwidth_gbps, latency_us)
+        check_executor(executor)
         self.require_runtime()  # a model the hook cannot serve fails before any sizing
         total = self.expert_bytes()
         spec = parse_budget(budget) if isinstance(budget, str) else Budget(bytes=int(budget))
@@ -126,6 +136,7 @@ class Engine:
             bandwidth_gbps=bandwidth_gbps,
             latency_us=latency_us,
             manual_clock=manual_clock,
+            executor=EXECUTORS[executor],
         )
         return self._install_tier(
             spec, total, params, emulated=not real, device_name="CUDA device 0" if real else ""

@@ -1,0 +1,70 @@
+"""The slot-pool executor on every build: an emulated tier asked for the pool
+executor lays its slots out as a CUDA tier's (kind regions, block-multiple
+strides, a zero slot) and runs device pairs through the same persistent
+mul_mat_id graphs, on ggml's CPU backend. Its rows must be bit-identical to
+the host executor's, so whole decodes stay bit-identical to the reference,
+and a steady-state decode call launches at most once and collects once."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from .golden import AllDevice, greedy_run, load
+
+N_DECODE = 8
+
+
+# Q5_K_M mixes types across layers and kinds (two graph classes, stride lcm);
+# Q4_0/Q8_0 have 18- and 34-byte blocks (strides a multiple of them and of 256).
+@pytest.mark.parametrize(
+    "arch,quant", [("qwen2moe", "Q4_K"), ("deepseek2", "Q5_K_M"), ("qwen2moe", "Q8_0"), ("deepseek2", "Q4_0")]
+)
+def test_pool_rows_are_bit_identical_to_the_reference(synth_model, arch: str, quant: str) -> None:
+    llm = load(synth_model(arch, "tiny", quant))
+    try:
+        ref = greedy_run(llm, "stock", n_decode=N_DECODE)
+        llm.set_device("100%", 8.0, 5.0, manual_clock=True, executor="pool")
+        everything = greedy_run(llm, "exact", n_decode=N_DECODE)  # preloaded: every pair on the pool graph
+        assert np.array_equal(everything.logits, ref.logits)
+        per_call = everything.stats["per_call"]
+        assert everything.stats["hit_rate"] == 1.0
+        assert per_call["launches"] > 0, "the pool executor never ran"
+        # one launch per decode call; a prompt batch may chunk into several 32-token launches
+        assert per_call["launches"] <= 1.0 + 1e-9 or everything.stats["prompt_tokens"] > 32
+
+        llm.set_policy("stock")
+        llm.set_device("50%", 8.0, 5.0, manual_clock=True, executor="pool")
+        mixed = greedy_run(llm, AllDevice(), n_decode=N_DECODE)  # fetched on demand, then hits
+        assert np.array_equal(mixed.logits, ref.logits)
+    finally:
+        llm.close()
+
+
+def test_a_steady_decode_call_launches_once_and_collects_once(synth_model) -> None:
+    llm = load(synth_model("qwen2moe", "tiny", "Q4_K"))
+    try:
+        llm.set_device("100%", 8.0, 5.0, manual_clock=True, executor="pool")
+        greedy_run(llm, "exact", n_decode=2)  # warm: graphs built, tier preloaded
+        llm.spice_reset_stats()
+        prompt = llm.tokenize(b"one two", add_bos=True)
+        llm.eval(prompt)
+        llm.spice_reset_stats()
+        for token in (5, 6, 7, 8):
+            llm.eval([token])
+        per_call = llm.spice_stats()["per_call"]
+        assert per_call["launches"] == 1.0 and per_call["collects"] == 1.0
+    finally:
+        llm.close()
+
+
+def test_the_pool_is_opt_in_and_named(synth_model) -> None:
+    llm = load(synth_model("qwen2moe", "tiny", "Q8_0"))
+    try:
+        with pytest.raises(ValueError, match="device-executor 'fast'"):
+            llm.set_device("50%", 8.0, 5.0, manual_clock=True, executor="fast")
+        llm.set_device("100%", 8.0, 5.0, manual_clock=True)  # auto: the host executor reads the slots
+        run = greedy_run(llm, "exact", n_decode=2)
+        assert run.stats["per_call"]["launches"] == 0.0
+    finally:
+        llm.close()
