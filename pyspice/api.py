@@ -93,6 +93,7 @@ class Llama(llama_cpp.Llama):
         emulate_latency: float | None = None,
         sidecar: str | Path | Sidecar | None = None,
         ram_budget: str | int | None = None,
+        device_executor: str = "auto",
         **kwargs: Any,
     ) -> None:
         # llama_cpp.Llama.__del__ closes self._stack: make it exist even if loading fails early
@@ -146,6 +147,7 @@ class Llama(llama_cpp.Llama):
             sidecar=self.spice_sidecar,
             max_hook_tokens=max_hook_tokens,
             attach_error=attach_error,
+            device_executor=device_executor,
         )
         if device_budget is not None:
             self.set_device(device_budget, emulate_bandwidth, emulate_latency)
@@ -189,6 +191,7 @@ class Llama(llama_cpp.Llama):
             ram_budget=run.ram_budget,
             emulate_bandwidth=run.emulate_bandwidth,
             emulate_latency=run.emulate_latency,
+            device_executor=run.device_executor,
             sidecar=run.loaded_sidecar or run.sidecar,
             verbose=False,
         )
@@ -230,7 +233,7 @@ class Llama(llama_cpp.Llama):
         latency_us: float | None = None,
         *,
         manual_clock: bool = False,
-        executor: str = "auto",
+        executor: str | None = None,
     ) -> DeviceTier:
         """Give the model a device tier of `budget` (bytes, "2GiB", or "25%" of all
         routed-expert bytes). On a CUDA build with a GPU the tier is real (CUDA
@@ -239,7 +242,7 @@ class Llama(llama_cpp.Llama):
         the given bandwidth/latency. `executor` ("auto", "pool", "legacy") picks
         how a computing device runs its experts: "pool" is the slot-pool graph
         (on an emulated tier it runs on ggml's CPU backend), "legacy" one graph
-        per expert (CUDA, for A/B runs)."""
+        per expert (CUDA, for A/B runs); None: the model's device_executor."""
         return self.spice_engine.set_device(
             budget, bandwidth_gbps, latency_us, manual_clock=manual_clock, executor=executor
         )

@@ -92,6 +92,14 @@ def add_context_args(p: argparse.ArgumentParser) -> None:
         help="emulated device: latency per copy (default 10)",
     )
     p.add_argument(
+        "--device-executor",
+        choices=("auto", "pool", "legacy"),
+        default="auto",
+        help="how a device that computes runs its experts: the slot-pool graph, one launch per "
+        "layer (pool; on an emulated tier it runs on the CPU, for tests), one graph per expert "
+        "(legacy, CUDA, for A/B runs); auto: pool where the layer's types allow",
+    )
+    p.add_argument(
         "--max-hook-tokens",
         type=numbers.integer(0, hint="0: every micro-batch through the hook"),
         default=0,
@@ -236,6 +244,7 @@ def run_config(
         n_ubatch=args.ubatch_size,
         max_hook_tokens=args.max_hook_tokens,
         planning=planning_of(args),
+        device_executor=getattr(args, "device_executor", "auto"),
     )
 
 

@@ -20,6 +20,7 @@ from pyspice.engine.checks import (
     check_at_least,
     check_budget_value,
     check_bus,
+    check_executor,
     check_ram_budget_settings,
     check_threads,
     warn_threads_above_cores,
@@ -95,6 +96,7 @@ class RunConfig:
     n_ubatch: int = 512
     max_hook_tokens: int = 0
     planning: Planning = field(default_factory=Planning)  # where SPICE policies plan
+    device_executor: str = "auto"  # how a computing device runs its experts: auto, pool, legacy
 
     def __post_init__(self) -> None:
         # every numeric setting checked here, before anything loads (engine/checks.py)
@@ -114,6 +116,7 @@ class RunConfig:
             max_hook_tokens=self.max_hook_tokens,
         )
         check_bus(self.emulate_bandwidth, self.emulate_latency)
+        check_executor(self.device_executor)
 
     @property
     def emulated(self) -> bool:
@@ -202,6 +205,7 @@ class RunConfig:
             n_ubatch=self.n_ubatch,
             max_hook_tokens=self.max_hook_tokens,
             planning=self.planning,
+            device_executor=self.device_executor,
             loaded_sidecar=loaded,
         )
 
@@ -251,5 +255,6 @@ class ResolvedRun:
     n_ubatch: int
     max_hook_tokens: int
     planning: Planning = field(default_factory=Planning)
+    device_executor: str = "auto"
     # the sidecar as resolve() loaded and checked it, so loading the model reads it once
     loaded_sidecar: Sidecar | None = field(default=None, compare=False, repr=False)

@@ -73,8 +73,11 @@ class Engine:
         sidecar: Sidecar | None = None,
         max_hook_tokens: int = 0,
         attach_error: IncompatibleModelError | None = None,
+        device_executor: str = "auto",
     ) -> None:
+        check_executor(device_executor)
         self.runtime = runtime
+        self.device_executor = device_executor  # set_device's default (spice_executor by name)
         self.attach_error = attach_error
         self.model_path = model_path
         self.n_expert_used = n_expert_used
@@ -118,12 +121,13 @@ class Engine:
         latency_us: float | None = None,
         *,
         manual_clock: bool = False,
-        executor: str = "auto",
+        executor: str | None = None,
     ) -> DeviceTier:
         """A device tier of `budget`; real on a CUDA build with a GPU unless a bus to
         emulate (or a manual clock) is given. The policy in use restarts on it."""
         check_budget_value(budget)  # the API's entry point: RunConfig checked the CLI's already
         check_bus(bandwidth_gbps, latency_us)
+        executor = executor if executor is not None else self.device_executor
         check_executor(executor)
         self.require_runtime()  # a model the hook cannot serve fails before any sizing
         total = self.expert_bytes()
