@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Prepare scripts/gpu-check.sh here, on the build machine, before a lent GPU
+# session spends device time: the CUDA variant (make cuda-check: sm_90,
+# cuBLAS from the nvidia-cublas wheel), compressed with the pure-Python
+# llama_cpp package into .gpu/site.tar.xz (the libraries alone are over the
+# 64 MiB a device call carries), and the wheels the device lacks (cffi,
+# pycparser, gguf, diskcache) for its Python 3.12 in .gpu/whl.
+#
+#   scripts/gpu-check-prepare.sh          # then, with the device tool:
+#   run(command="bash scripts/gpu-check.sh", carry=[".gpu"], timeout_s=560)
+#
+# A first CUDA build takes long on 2 cores (ggml-cuda's kernels); later ones
+# rebuild libspice only.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+make cuda-check
+PY=.venv/bin/python
+rm -rf .gpu && mkdir -p .gpu/whl .gpu/stage/llama_cpp/lib .gpu/stage/bin
+grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >>.git/info/exclude
+
+# llama_cpp: pure Python (installed without its native build), with the CUDA libraries in lib/
+site=$($PY -c 'import llama_cpp, os; print(os.path.dirname(llama_cpp.__file__))')
+(cd "$site" && find . -name '*.py' -o -name '*.typed' | cpio -pdm --quiet "$OLDPWD/.gpu/stage/llama_cpp")
+cp -P build/cuda/bin/lib*.so* .gpu/stage/llama_cpp/lib/
+cp native/include/spice.h .gpu/stage/llama_cpp/lib/
+cp build/cuda/bin/spice-exec-bench build/cuda/bin/llama-quantize .gpu/stage/bin/ 2>/dev/null ||
+    cp build/cuda/bin/spice-exec-bench .gpu/stage/bin/
+tar -C .gpu/stage -cJf .gpu/site.tar.xz . && rm -rf .gpu/stage
+
+$PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d .gpu/whl cffi pycparser gguf diskcache
+du -sh .gpu
+echo "gpu-check-prepare: ready; carry .gpu and run scripts/gpu-check.sh (under 8 minutes)"

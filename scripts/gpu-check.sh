@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# The GPU check a lent H200 session runs in ONE device call (under 8 minutes),
+# after scripts/gpu-check-prepare.sh here:
+#   run(command="bash scripts/gpu-check.sh", carry=[".gpu"], timeout_s=560)
+# Every step has its own timeout and writes under $OUT as it goes, so a call
+# cut short still returns what finished. What comes back (8 files at most):
+#   gpu-check.log     every step's output, the tables included
+#   exec.json         executor microbenchmark: pool vs legacy, 1/2/4/6 experts, 1 and 8 tokens
+#   exec-nographs.json  the same with GGML_CUDA_DISABLE_GRAPHS=1 (does capture matter?)
+#   sched.txt         the hooked layers' split inputs (GGML_SCHED_DEBUG=2), stock vs hook
+#   bench-decode.json decode bench on a real-shape DeepSeek-V2-Lite, pool vs legacy, 25%/50%
+#   bench-prefill.json  prompt-batch bench at every budget
+#   trace.bin         the decode trace, for `pyspice sim --profile h200` back here
+#   verify.txt        the CUDA row-by-row checks (tests/native/test_cuda_device.py)
+set -u
+O=${OUT:?OUT is unset: this script runs on the device machine (see its header)}
+LOG=$O/gpu-check.log
+T0=$(date +%s)
+say() { echo "[$(($(date +%s) - T0))s] $*" | tee -a "$LOG"; }
+# step NAME LIMIT CMD...: run with a timeout, output into the log as it goes
+step() {
+    local name=$1 limit=$2
+    shift 2
+    say "== $name (limit ${limit}s)"
+    timeout "$limit" "$@" 2>&1 | tee -a "$LOG"
+    say "== $name: exit ${PIPESTATUS[0]}"
+}
+
+# ---- setup: carried wheels and libraries, cuBLAS from torch's nvidia-cublas ----
+mkdir -p /tmp/site
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl \
+    >>"$LOG" 2>&1 || { say "wheels did not install"; exit 1; }
+tar -C /tmp/site -xJf .gpu/site.tar.xz || { say "no .gpu/site.tar.xz: run scripts/gpu-check-prepare.sh first"; exit 1; }
+export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
+CUBLAS=$(python3 -c 'import nvidia.cublas as c, os; print(os.path.join(list(c.__path__)[0], "lib"))' 2>/dev/null)
+export LD_LIBRARY_PATH=/tmp/site/llama_cpp/lib:${CUBLAS}:${LD_LIBRARY_PATH:-}
+export PATH=/tmp/site/bin:$PATH
+PY=python3
+BENCH="$PY -m pyspice bench -ngl 99 -t 15"
+
+step env 60 bash -c "nvidia-smi; lscpu | grep -E 'Model name|Thread|Core|Socket'; $PY -m pyspice --version"
+
+# ---- 1. the executors alone, no model ----
+step exec 100 spice-exec-bench --iters 2000 --json "$O/exec.json"
+GGML_CUDA_DISABLE_GRAPHS=1 step exec-nographs 60 spice-exec-bench --iters 500 --only pool --json "$O/exec-nographs.json"
+
+# ---- 2. a real-shape model, built here (1.5-3 GB cannot travel) ----
+M=/tmp/dsv2lite-8L-Q4_K_M.gguf
+step synth-8 180 $PY -m pyspice models synth --arch deepseek2 --shape deepseek-v2-lite --layers 8 --quant Q4_K_M -o $M
+if [ ! -s $M ]; then
+    M=/tmp/dsv2lite-4L-Q4_K_M.gguf
+    step synth-4 120 $PY -m pyspice models synth --arch deepseek2 --shape deepseek-v2-lite --layers 4 --quant Q4_K_M -o $M
+fi
+[ -s $M ] || { say "no model: stopping before the model steps"; exit 1; }
+
+# ---- 3. what crosses each hooked layer's split (inputs copied to the CPU split) ----
+for row in stock exact; do
+    extra=""
+    [ $row = exact ] && extra="--device-budget 50%"
+    GGML_SCHED_DEBUG=2 timeout 60 $PY -m pyspice generate -m $M -ngl 99 -n 2 -p "one two three" --temp 0 \
+        --policy $row $extra >"/tmp/sched-$row.txt" 2>&1
+    { echo "### $row: split headers and their inputs (first 60 lines of each kind)"
+      grep -E "^## SPLIT|inputs" "/tmp/sched-$row.txt" | head -60; } >>"$O/sched.txt"
+done
+say "sched.txt written ($(wc -l <"$O/sched.txt") lines)"
+
+# ---- 4. decode: pool vs legacy executor, both budgets, the right baselines ----
+REPLAY=""
+[ -f .gpu/routing-trace.bin ] && REPLAY="--replay-routing .gpu/routing-trace.bin"
+for budget in 25% 50%; do
+    for ex in pool legacy; do
+        step "decode-$budget-$ex" 100 $BENCH -m $M -n 48 --repeat 3 --device-budget $budget --device-executor $ex \
+            $REPLAY --policies stock,exact,lru,spice:exact,upstream --json
+    done
+done 2>&1 | grep -E '^\{"' >"$O/bench-decode.json"
+step trace 90 $BENCH -m $M -n 32 --repeat 1 --device-budget 25% --policies lru --trace "$O/trace.bin"
+
+# ---- 5. prefill: prompt batches through the hook at every budget vs stock ----
+for budget in 25% 50% 100%; do
+    step "prefill-$budget" 90 $BENCH -m $M -n 1 --prompt-tokens 512 --repeat 3 --device-budget $budget \
+        --policies stock,exact,upstream --json
+done 2>&1 | grep -E '^\{"' >"$O/bench-prefill.json"
+
+# ---- 6. tolerance: device rows vs host rows, per type; pool rows vs the legacy executor's ----
+SPICE_CUDA_VERIFY=1 step verify 120 $PY -m pytest -q -s -p no:cacheprovider tests/native/test_cuda_device.py \
+    tests/native/test_pool_executor.py >"$O/verify.txt"
+say "done"
