@@ -30,6 +30,8 @@ typedef struct spice_plan_buffers {
     uint8_t * hit;        /* [cap_actions] expert resident when the call began */
     const char ** device; /* [max_n_expert] slot memory per expert the device tier runs */
     int32_t * slot;       /* [max_n_expert] its slot (-1: none), for a device that computes */
+    int32_t * wait;       /* [max_n_expert] experts whose copies the launch waits for */
+    int32_t n_wait;
 } spice_plan_buffers;
 
 struct spice_runtime {
@@ -63,6 +65,8 @@ struct spice_runtime {
     char last_error[512];
     int32_t call_il;           /* layer of the hook call in progress (thread 0) */
     int device_work_pending;   /* this call's device rows are still to be collected */
+    int device_launch_due;     /* thread 0 launches this call's device work after the first barrier */
+    const uint8_t * device_run; /* and the pairs it runs (plan.exec, or verify mode's copy) */
     float * device_y;          /* verify mode: where the device's rows go instead of the host's */
     uint64_t unpinned_bytes;   /* CUDA: expert weight bytes that could not be page-locked */
     spice_cuda_verify * verify; /* SPICE_CUDA_VERIFY=1 only */

@@ -68,7 +68,8 @@ static int plan_reserve(spice_runtime * rt, int32_t n_pairs) {
         const size_t n = (size_t) (rt->max_n_expert > 0 ? rt->max_n_expert : 1);
         p->device = (const char **) calloc(n, sizeof(char *));
         p->slot = (int32_t *) calloc(n, sizeof(int32_t));
-        if (p->device == NULL || p->slot == NULL) {
+        p->wait = (int32_t *) calloc(n, sizeof(int32_t));
+        if (p->device == NULL || p->slot == NULL || p->wait == NULL) {
             return SPICE_ERR_NO_MEMORY;
         }
     }
@@ -93,6 +94,7 @@ static void plan_free(spice_plan_buffers * p) {
     free(p->hit);
     free((void *) p->device);
     free(p->slot);
+    free(p->wait);
     memset(p, 0, sizeof(*p));
 }
 
@@ -242,8 +244,16 @@ static void drop_bad_ids(spice_runtime * rt, const struct llama_moe_hook_call * 
     }
 }
 
+/* Whether layer il's device pairs run on the device itself (else the host
+ * executor reads their slots). */
+static int device_computes(spice_runtime * rt, int32_t il) {
+    return rt->store != NULL && spice_device_executes(spice_store_device(rt->store), &rt->layers[il]);
+}
+
 /* apply: the store carries the plan out (its own time, less what it waited
- * for copies, is bookkeeping) */
+ * for copies, is bookkeeping). A device that computes waits for its copies
+ * only when it launches, after the first barrier, while the host executor
+ * already runs the misses (launch_device_work). */
 static void apply_call(spice_runtime * rt, const struct llama_moe_hook_call * hc, spice_policy_call * call) {
     if (rt->store == NULL) {
         return;
@@ -251,7 +261,11 @@ static void apply_call(spice_runtime * rt, const struct llama_moe_hook_call * hc
     spice_counters k0, k1;
     spice_store_get_counters(rt->store, hc->il, &k0);
     const uint64_t t0 = spice_monotonic_ns();
-    spice_store_apply_plan(rt->store, call, rt->plan.device);
+    if (device_computes(rt, hc->il)) {
+        spice_store_apply_plan_nowait(rt->store, call);
+    } else {
+        spice_store_apply_plan(rt->store, call, rt->plan.device);
+    }
     const uint64_t spent = spice_monotonic_ns() - t0;
     spice_store_get_counters(rt->store, hc->il, &k1);
     const uint64_t waited = k1.stall_ns - k0.stall_ns;
@@ -267,14 +281,28 @@ static void device_pairs_to_host(uint8_t * exec, int32_t n_pairs) {
     }
 }
 
-/* A device that computes: queue this call's device pairs there (their slots
- * stay resident: nothing evicts before the next hook call); the host
- * executor runs meanwhile. */
+/* The distinct experts of the call's device pairs: the copies the launch
+ * waits for. */
+static void note_device_experts(spice_runtime * rt, const struct llama_moe_hook_call * hc, const uint8_t * run) {
+    const int32_t n_expert = rt->layers[hc->il].n_expert;
+    uint8_t seen[n_expert > 0 ? n_expert : 1];
+    memset(seen, 0, sizeof(seen));
+    rt->plan.n_wait = 0;
+    for (int32_t t = 0; t < hc->n_tokens; ++t) {
+        const int32_t * ids = (const int32_t *) ((const char *) hc->ids + (size_t) t * hc->ids_nb1);
+        for (int32_t k = 0; k < hc->n_expert_used; ++k) {
+            const int32_t e = ids[k];
+            if (run[t * hc->n_expert_used + k] == SPICE_EXEC_DEVICE && e >= 0 && e < n_expert && !seen[e]) {
+                seen[e] = 1;
+                rt->plan.wait[rt->plan.n_wait++] = e;
+            }
+        }
+    }
+}
+
+/* A device that computes: queue this call's device pairs there. */
 static int start_device_work(spice_runtime * rt, const struct llama_moe_hook_call * hc, const uint8_t * run) {
     const spice_expert_layer * L = &rt->layers[hc->il];
-    for (int32_t e = 0; e < L->n_expert; ++e) {
-        rt->plan.slot[e] = rt->plan.device[e] != NULL ? spice_store_slot_index(rt->store, hc->il, e) : -1;
-    }
     spice_device_job job;
     memset(&job, 0, sizeof(job));
     job.layer = L;
@@ -292,11 +320,39 @@ static int start_device_work(spice_runtime * rt, const struct llama_moe_hook_cal
     c->launch_ns += spice_monotonic_ns() - t0;
     c->device_launches++;
     if (rc != SPICE_OK) {
-        set_error(rt, "layer %d: %s; ran those experts on the host", hc->il, err);
+        set_error(rt, "layer %d: the device could not run its experts: %s", hc->il, err);
         return rc;
     }
     rt->device_work_pending = 1;
     return SPICE_OK;
+}
+
+/* Thread 0, after the first barrier, while the other threads run the host
+ * executor's misses: wait for the device experts' copies, then queue this
+ * call's device pairs on the device (their slots stay resident: nothing
+ * evicts before the next hook call). Whatever fails here can no longer move
+ * pairs to the host (the host job is running): the decode stops with the
+ * reason, as a failed collect does. */
+static void launch_device_work(spice_runtime * rt, const struct llama_moe_hook_call * hc) {
+    rt->device_launch_due = 0;
+    const spice_expert_layer * L = &rt->layers[hc->il];
+    for (int32_t e = 0; e < L->n_expert; ++e) {
+        rt->plan.slot[e] = -1;
+    }
+    for (int32_t i = 0; i < rt->plan.n_wait; ++i) {
+        const int32_t e = rt->plan.wait[i];
+        if (spice_store_wait(rt->store, hc->il, e, NULL) != SPICE_OK ||
+            (rt->plan.slot[e] = spice_store_slot_index(rt->store, hc->il, e)) < 0) {
+            set_error(rt, "layer %d: the copy of expert %d never landed on the device; stopped", hc->il, e);
+            atomic_store(&rt->failed, 1);
+            atomic_store(&rt->abort_requested, 1);
+            return;
+        }
+    }
+    if (start_device_work(rt, hc, rt->device_run) != SPICE_OK) {
+        atomic_store(&rt->failed, 1);
+        atomic_store(&rt->abort_requested, 1);
+    }
 }
 
 /* before_combine of the host job: the device's rows land in y (verify mode:
@@ -322,7 +378,7 @@ static void collect_device_work(void * user_data, float * y) {
  * device work launched, host and surrogate jobs prepared. */
 static void execute_call(spice_runtime * rt, const struct llama_moe_hook_call * hc, const spice_policy_call * call) {
     const int32_t n_pairs = hc->n_tokens * hc->n_expert_used;
-    const int computes = rt->store != NULL && spice_device_executes(spice_store_device(rt->store), &rt->layers[hc->il]);
+    const int computes = device_computes(rt, hc->il);
     int any_surrogate = 0, any_device = 0;
     for (int32_t i = 0; i < n_pairs; ++i) {
         const int32_t a = call->actions[i];
@@ -340,6 +396,7 @@ static void execute_call(spice_runtime * rt, const struct llama_moe_hook_call * 
     rt->call_il = hc->il;
     rt->device_y = NULL;
     rt->device_work_pending = 0;
+    rt->device_launch_due = 0;
     if (computes && any_device) {
         const uint8_t * run = rt->plan.exec;
         if (rt->verify != NULL) {
@@ -347,9 +404,14 @@ static void execute_call(spice_runtime * rt, const struct llama_moe_hook_call * 
                                                            &rt->device_y);
             run = kept; /* NULL (no memory to verify): the host runs everything */
         }
-        if (run == NULL || start_device_work(rt, hc, run) != SPICE_OK) {
+        if (run == NULL) {
             device_pairs_to_host(rt->plan.exec, n_pairs); /* exact on the host weights instead */
             rt->device_y = NULL;
+        } else {
+            note_device_experts(rt, hc, run);
+            rt->device_run = run;
+            rt->device_launch_due = 1;
+            rt->device_work_pending = 1; /* collected before combine (a failed launch collects nothing) */
         }
     }
     job.n_tokens = hc->n_tokens;
@@ -449,6 +511,9 @@ static void hook_entry(const struct llama_moe_hook_call * hc, void * user_data) 
         }
     }
     spice_barrier_wait(&rt->barrier, hc->nth);
+    if (hc->ith == 0 && rt->device_launch_due) {
+        launch_device_work(rt, hc); /* the other threads start the host's misses meanwhile */
+    }
     if (rt->host.job.layer == NULL) {
         for (int32_t t = hc->ith; t < hc->n_tokens; t += hc->nth) {
             memset((char *) hc->out + (size_t) t * hc->out_nb1, 0, (size_t) hc->n_embd * sizeof(float));

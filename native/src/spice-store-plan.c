@@ -111,7 +111,7 @@ static const int32_t * ids_row(const spice_policy_call * call, int32_t t) {
     return (const int32_t *) ((const char *) call->ids + (size_t) t * call->ids_nb1);
 }
 
-int spice_store_apply_plan(spice_store * s, const spice_policy_call * call, const char ** slot_data) {
+static int apply_plan(spice_store * s, const spice_policy_call * call, const char ** slot_data, int wait) {
     if (s == NULL || call == NULL || call->il < 0 || call->il >= s->n_layers) {
         return SPICE_ERR_INVALID_ARG;
     }
@@ -155,9 +155,9 @@ int spice_store_apply_plan(spice_store * s, const spice_policy_call * call, cons
         if (!p->need[e]) {
             continue;
         }
-        if (!p->pinned[e] || spice_store_wait(s, il, e, NULL) != SPICE_OK) {
+        if (!p->pinned[e] || (wait && spice_store_wait(s, il, e, NULL) != SPICE_OK)) {
             p->need[e] = 0; /* no slot for it: its activations run on the host */
-        } else if (slot_data != NULL) {
+        } else if (slot_data != NULL && wait) {
             slot_data[e] = spice_store_slot_data(s, il, e);
         }
     }
@@ -176,4 +176,12 @@ int spice_store_apply_plan(spice_store * s, const spice_policy_call * call, cons
         }
     }
     return SPICE_OK;
+}
+
+int spice_store_apply_plan(spice_store * s, const spice_policy_call * call, const char ** slot_data) {
+    return apply_plan(s, call, slot_data, 1);
+}
+
+int spice_store_apply_plan_nowait(spice_store * s, const spice_policy_call * call) {
+    return apply_plan(s, call, NULL, 0);
 }

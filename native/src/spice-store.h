@@ -27,6 +27,13 @@ spice_clock * spice_store_clock(spice_store * store);
 /* Slot memory of a resident expert, or NULL (not resident, nothing bound, or
  * no memory: then the host executor reads the host weights instead). */
 const char * spice_store_slot_data(spice_store * store, int32_t il, int32_t e);
+/* spice_store_apply_plan without its waits: every device action whose
+ * expert got a slot stays a device action, its copy possibly still queued
+ * or on the bus. The caller waits for those experts (spice_store_wait)
+ * before the device computes them, with no store operation in between
+ * (nothing is pinned any more). For devices that compute: the waits then
+ * overlap the host executor's work. */
+int spice_store_apply_plan_nowait(spice_store * store, const spice_policy_call * call);
 /* The slot of a resident (il, e) whose copy has landed, or -1. */
 int32_t spice_store_slot_index(const spice_store * store, int32_t il, int32_t e);
 /* The copy that would bring expert (il, e) in: its sources, sizes and
