@@ -102,8 +102,9 @@ def add_context_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-hook-tokens",
         type=numbers.integer(0, hint="0: every micro-batch through the hook"),
-        default=0,
-        help="micro-batches with more tokens run upstream's path (0 = all through the hook)",
+        default=None,
+        help="micro-batches with more tokens run upstream's path (0 = all through the hook; default: "
+        "32 on a GPU tier, so prompts run as stock does, else 0)",
     )
     p.add_argument(
         "--planning",

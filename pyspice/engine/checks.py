@@ -77,7 +77,7 @@ def check_ram_budget_settings(
     *,
     device_budget: object = None,
     policy: object = None,
-    max_hook_tokens: int = 0,
+    max_hook_tokens: int | None = 0,
 ) -> None:
     """Edge mode's rules, one function for every door (RunConfig, Llama, a policy
     switch): one tier at a time (GPU + RAM + disk is a later step), and every
@@ -97,7 +97,7 @@ def check_ram_budget_settings(
             "memory for upstream's path: use --policy exact (the bench's 'upstream' row runs plain "
             "llama.cpp from its mmap)"
         )
-    if max_hook_tokens != 0:
+    if max_hook_tokens not in (0, None):
         raise ValueError(
             "--ram-budget sends every micro-batch through the hook (the experts are not in memory "
             "for upstream's path): leave --max-hook-tokens at 0"

@@ -35,6 +35,9 @@ Note = Callable[[str], None]
 
 # every layer's non-expert weights on the GPU: more than any model has
 ALL_LAYERS = 999
+# The slot-pool executor's largest token bucket (SPICE_POOL_MAX_BUCKET in
+# native/src/spice-pool-exec.h): on a GPU tier, larger micro-batches keep upstream's path.
+PREFILL_HOOK_TOKENS = 32
 
 
 def _quiet(message: str) -> None:
@@ -94,7 +97,9 @@ class RunConfig:
     n_ctx: int = 2048
     n_batch: int = 512
     n_ubatch: int = 512
-    max_hook_tokens: int = 0
+    # None: on a real GPU tier, prompt batches above the pool executor's largest bucket
+    # keep upstream's path (PREFILL_HOOK_TOKENS); elsewhere every micro-batch goes through the hook
+    max_hook_tokens: int | None = None
     planning: Planning = field(default_factory=Planning)  # where SPICE policies plan
     device_executor: str = "auto"  # how a computing device runs its experts: auto, pool, legacy
 
@@ -203,11 +208,30 @@ class RunConfig:
             n_ctx=self.n_ctx,
             n_batch=self.n_batch,
             n_ubatch=self.n_ubatch,
-            max_hook_tokens=self.max_hook_tokens,
+            max_hook_tokens=self._max_hook_tokens(gpu, budget, policy, note),
             planning=self.planning,
             device_executor=self.device_executor,
             loaded_sidecar=loaded,
         )
+
+    def _max_hook_tokens(self, gpu: bool, budget: str | int | None, policy: str, note: Note) -> int:
+        """--max-hook-tokens when given; otherwise PREFILL_HOOK_TOKENS on a real GPU tier
+        (prompt batches through the hook measured 0.24-0.79x of stock on an H200,
+        docs/results/cuda-h200.md; upstream's path runs them as stock does), else 0."""
+        if self.max_hook_tokens is not None:
+            return self.max_hook_tokens
+        if (
+            gpu
+            and self.ram_budget is None
+            and policy != "stock"
+            and (budget is not None or policy_spec(policy).needs_device)
+        ):
+            note(
+                f"GPU tier: micro-batches above {PREFILL_HOOK_TOKENS} tokens (prompts) keep upstream's path "
+                "(--max-hook-tokens 0 sends them through the hook)"
+            )
+            return PREFILL_HOOK_TOKENS
+        return 0
 
     def _sidecar_beside_checked(self, policy: str, note: Note) -> Sidecar | None:
         """The sidecar beside the model, loaded and checked, when one is there. One

@@ -291,3 +291,24 @@ def test_threads_above_the_cores_warn_once_and_run(tmp_path: Path) -> None:
 def test_perplexity_refuses_zero_chunks() -> None:
     with pytest.raises(ValueError, match=r"--chunks 0: must be at least 1"):
         perplexity(None, "some text", 64, max_chunks=0)  # type: ignore[arg-type]
+
+
+# ---- prompt batches on a GPU tier keep upstream's path above the pool's largest bucket --------
+
+
+def test_prompt_batches_keep_upstreams_path_on_a_gpu_tier_unless_told(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pyspice.engine.config as config
+
+    model = write_moe(tmp_path / "m.gguf")
+    monkeypatch.setattr(config, "gpu_present", lambda: False)
+    assert RunConfig(model, policy="lru", device_budget="50%").resolve().max_hook_tokens == 0
+    monkeypatch.setattr(config, "gpu_present", lambda: True)
+    notes: list[str] = []
+    run = RunConfig(model, policy="lru", device_budget="50%").resolve(notes.append)
+    assert run.max_hook_tokens == config.PREFILL_HOOK_TOKENS == 32
+    assert any("keep upstream's path" in n for n in notes), notes
+    told = RunConfig(model, policy="lru", device_budget="50%", max_hook_tokens=0).resolve()
+    assert told.max_hook_tokens == 0
+    assert RunConfig(model, policy="stock").resolve().max_hook_tokens == 0  # no hook, nothing to say
