@@ -8,19 +8,27 @@
 #   exec.json         executor microbenchmark: pool vs legacy, 1/2/4/6 experts, 1 and 8 tokens
 #   exec-nographs.json  the same with GGML_CUDA_DISABLE_GRAPHS=1 (does capture matter?)
 #   sched.txt         the hooked layers' split inputs (GGML_SCHED_DEBUG=2), stock vs hook
-#   bench-decode.json decode bench on a real-shape DeepSeek-V2-Lite, pool vs legacy, 25%/50%
-#   bench-prefill.json  prompt-batch bench at every budget
+#   bench-decode.json decode bench on a real-shape DeepSeek-V2-Lite: pool vs legacy at 25%, pool at 50%
+#   bench-prefill.json  512-token prompts: upstream's path above 32 tokens vs every batch through the hook
 #   trace.bin         the decode trace, for `pyspice sim --profile h200` back here
 #   verify.txt        the CUDA row-by-row checks (tests/native/test_cuda_device.py)
 set -u
 O=${OUT:?OUT is unset: this script runs on the device machine (see its header)}
 LOG=$O/gpu-check.log
 T0=$(date +%s)
+DEADLINE=${GPU_CHECK_SECONDS:-480} # the whole script: 8 minutes, so a call of 560 s returns everything
 say() { echo "[$(($(date +%s) - T0))s] $*" | tee -a "$LOG"; }
-# step NAME LIMIT CMD...: run with a timeout, output into the log as it goes
+# step NAME LIMIT CMD...: run with a timeout (cut to what is left of the deadline; skipped
+# under 20 s), output into the log as it goes. Steps run most valuable first.
 step() {
     local name=$1 limit=$2
     shift 2
+    local left=$((DEADLINE - ($(date +%s) - T0)))
+    if [ "$left" -lt 20 ]; then
+        say "== $name: skipped, ${left}s left of the ${DEADLINE}s deadline"
+        return 0
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
     say "== $name (limit ${limit}s)"
     timeout "$limit" "$@" 2>&1 | tee -a "$LOG"
     say "== $name: exit ${PIPESTATUS[0]}"
@@ -53,35 +61,34 @@ if [ ! -s $M ]; then
 fi
 [ -s $M ] || { say "no model: stopping before the model steps"; exit 1; }
 
-# ---- 3. what crosses each hooked layer's split (inputs copied to the CPU split) ----
+# ---- 3. decode: pool vs legacy executor at 25%, the pool at 50%, against the upstream rows ----
+REPLAY=""
+[ -f .gpu/routing-trace.bin ] && REPLAY="--replay-routing .gpu/routing-trace.bin"
+for row in 25%:pool 25%:legacy 50%:pool; do
+    step "decode-$row" 80 $BENCH -m $M -n 48 --repeat 3 --device-budget ${row%%:*} --device-executor ${row##*:} \
+        $REPLAY --policies stock,exact,lru,adapmoe,upstream,upstream-ncmoe,upstream-cpu-exps --json
+done 2>&1 | grep -E '^\{"' >"$O/bench-decode.json"
+
+# ---- 4. what crosses each hooked layer's split (inputs copied to the CPU split) ----
 for row in stock exact; do
     extra=""
     [ $row = exact ] && extra="--device-budget 50%"
-    GGML_SCHED_DEBUG=2 timeout 60 $PY -m pyspice generate -m $M -ngl 99 -n 2 -p "one two three" --temp 0 \
-        --policy $row $extra >"/tmp/sched-$row.txt" 2>&1
-    { echo "### $row: split headers and their inputs (first 60 lines of each kind)"
+    GGML_SCHED_DEBUG=2 step "sched-$row" 40 $PY -m pyspice generate -m $M -ngl 99 -n 2 -p "one two three" --temp 0 \
+        --policy $row $extra >"/tmp/sched-$row.txt"
+    { echo "### $row: split headers and their inputs (first 60 lines)"
       grep -E "^## SPLIT|inputs" "/tmp/sched-$row.txt" | head -60; } >>"$O/sched.txt"
 done
-say "sched.txt written ($(wc -l <"$O/sched.txt") lines)"
 
-# ---- 4. decode: pool vs legacy executor, both budgets, the right baselines ----
-REPLAY=""
-[ -f .gpu/routing-trace.bin ] && REPLAY="--replay-routing .gpu/routing-trace.bin"
-for budget in 25% 50%; do
-    for ex in pool legacy; do
-        step "decode-$budget-$ex" 100 $BENCH -m $M -n 48 --repeat 3 --device-budget $budget --device-executor $ex \
-            $REPLAY --policies stock,exact,lru,spice:exact,upstream --json
-    done
-done 2>&1 | grep -E '^\{"' >"$O/bench-decode.json"
-step trace 90 $BENCH -m $M -n 32 --repeat 1 --device-budget 25% --policies lru --trace "$O/trace.bin"
+# ---- 5. tolerance: device rows vs host rows, per type; pool rows vs the legacy executor's ----
+SPICE_CUDA_VERIFY=1 step verify 100 $PY -m pytest -q -s -p no:cacheprovider tests/native/test_cuda_device.py \
+    tests/native/test_pool_executor.py >"$O/verify.txt"
 
-# ---- 5. prefill: prompt batches through the hook at every budget vs stock ----
-for budget in 25% 50% 100%; do
-    step "prefill-$budget" 90 $BENCH -m $M -n 1 --prompt-tokens 512 --repeat 3 --device-budget $budget \
-        --policies stock,exact,upstream --json
+# ---- 6. prefill: 512-token prompts, upstream's path above 32 tokens (the default) vs all through the hook ----
+for hook in 32 0; do
+    step "prefill-hook$hook" 70 $BENCH -m $M -n 1 --prompt-tokens 512 --repeat 3 --device-budget 50% \
+        --max-hook-tokens $hook --policies stock,exact,upstream --json
 done 2>&1 | grep -E '^\{"' >"$O/bench-prefill.json"
 
-# ---- 6. tolerance: device rows vs host rows, per type; pool rows vs the legacy executor's ----
-SPICE_CUDA_VERIFY=1 step verify 120 $PY -m pytest -q -s -p no:cacheprovider tests/native/test_cuda_device.py \
-    tests/native/test_pool_executor.py >"$O/verify.txt"
+# ---- 7. a trace for `pyspice sim --profile h200` back here ----
+step trace 60 $BENCH -m $M -n 32 --repeat 1 --device-budget 25% --policies lru --trace "$O/trace.bin"
 say "done"
