@@ -26,6 +26,7 @@ static size_t align_up(size_t n) {
 
 void spice_host_exec_init(spice_host_exec * ex) {
     memset(ex, 0, sizeof(*ex));
+    atomic_init(&ex->next_quant, 0);
     atomic_init(&ex->next_ff, 0);
     atomic_init(&ex->next_embd, 0);
 }
@@ -148,6 +149,7 @@ int spice_host_exec_prepare(spice_host_exec * ex, const spice_host_job * job) {
 
     ex->chunks_ff = (int32_t) ((n_ff + SPICE_ROW_CHUNK - 1) / SPICE_ROW_CHUNK);
     ex->chunks_embd = (int32_t) ((n_embd + SPICE_ROW_CHUNK - 1) / SPICE_ROW_CHUNK);
+    atomic_store_explicit(&ex->next_quant, 0, memory_order_relaxed);
     atomic_store_explicit(&ex->next_ff, 0, memory_order_relaxed);
     atomic_store_explicit(&ex->next_embd, 0, memory_order_relaxed);
     return SPICE_OK;
@@ -165,19 +167,27 @@ static void quantize_part(const spice_expert_matrix * m, const float * x, char *
     }
 }
 
-static void quantize_inputs(spice_host_exec * ex, const spice_expert_matrix * m, char * dst, int ith, int nth) {
+/* The input rows quantized for gate (and for up where its activation type
+ * differs), as items (matrix, token, part of the row) taken off a counter:
+ * a thread that arrives late -- thread 0, launching device work after the
+ * barrier -- leaves its share to the others instead of holding them at the
+ * next barrier. Parts are the same block ranges ggml's threads would take,
+ * so the bytes are the same whoever converts them. */
+static void phase_quantize(spice_host_exec * ex, int nth) {
     const spice_host_job * job = &ex->job;
-    if (dst == NULL) {
-        return;
-    }
-    if (job->n_tokens >= nth) {
-        for (int32_t t = ith; t < job->n_tokens; t += nth) {
-            quantize_part(m, inp_row(job, t), dst + (size_t) t * m->act_row_size, 0, 1);
+    const spice_expert_layer * L = job->layer;
+    const spice_expert_matrix * mats[2] = { &L->gate, &L->up };
+    char * dsts[2] = { ex->xq_gate, ex->xq_up != ex->xq_gate ? ex->xq_up : NULL };
+    const int32_t parts = job->n_tokens >= nth ? 1 : nth;
+    const int32_t per_matrix = job->n_tokens * parts;
+    int32_t item;
+    while ((item = atomic_fetch_add_explicit(&ex->next_quant, 1, memory_order_relaxed)) < 2 * per_matrix) {
+        const int k = item / per_matrix;
+        if (dsts[k] == NULL) {
+            continue;
         }
-    } else {
-        for (int32_t t = 0; t < job->n_tokens; ++t) {
-            quantize_part(m, inp_row(job, t), dst + (size_t) t * m->act_row_size, ith, nth);
-        }
+        const int32_t t = (item % per_matrix) / parts, part = item % parts;
+        quantize_part(mats[k], inp_row(job, t), dsts[k] + (size_t) t * mats[k]->act_row_size, part, parts);
     }
 }
 
@@ -322,10 +332,7 @@ void spice_host_exec_run(spice_host_exec * ex, int ith, int nth, spice_barrier *
         return;
     }
 
-    quantize_inputs(ex, &L->gate, ex->xq_gate, ith, nth);
-    if (ex->xq_up != ex->xq_gate) {
-        quantize_inputs(ex, &L->up, ex->xq_up, ith, nth);
-    }
+    phase_quantize(ex, nth);
     spice_barrier_wait(barrier, nth);
 
     phase_gate_up(ex);

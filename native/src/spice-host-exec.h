@@ -6,7 +6,9 @@
  * quantize -> gate/up -> SwiGLU -> down -> weighted sum, with its own
  * barriers in between. Work within a phase is handed out by atomic counters
  * over (expert, row chunk) items, so prompt batches are processed expert by
- * expert (GEMM-like weight reuse) and decode spreads rows over threads. */
+ * expert (GEMM-like weight reuse) and decode spreads rows over threads; the
+ * quantize phase's (token, block range) items likewise, so a thread that
+ * starts late (thread 0 launching device work) holds nobody up. */
 #ifndef SPICE_HOST_EXEC_H
 #define SPICE_HOST_EXEC_H
 
@@ -60,6 +62,7 @@ typedef struct spice_host_exec {
 
     int32_t chunks_ff;   /* row chunks per expert in the gate/up phase */
     int32_t chunks_embd; /* row chunks per expert in the down phase */
+    atomic_int next_quant;
     atomic_int next_ff;
     atomic_int next_embd;
 } spice_host_exec;
