@@ -32,7 +32,7 @@ for _ in range(16):
     llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
 np.save(out, llm.scores[: llm.n_tokens])
 print(json.dumps({"lib": llama_cpp.llama_cpp._lib._name,
-                  "patched": hasattr(llama_cpp.llama_cpp._lib, "llama_spice_patch_series")}))
+                  "patched": hasattr(llama_cpp.llama_cpp._lib, "llama_set_moe_hook")}))
 """
 
 
