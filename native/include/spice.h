@@ -528,7 +528,8 @@ typedef struct spice_async_params {
 } spice_async_params;
 
 /* Register the hook with a policy callback called on the runtime's planner
- * thread (started here; a running one is stopped first). The callback then
+ * thread (started here; a running one is stopped first), with the flags
+ * with_probs and with_shexp imply (spice_runtime_enable_ex). The callback then
  * runs on a thread that is not the hook's: a Python callback takes the GIL
  * there (cffi does), and the hook's thread never waits for Python except in
  * deterministic mode. SPICE_ERR_INVALID_ARG for a NULL fn or out-of-range

@@ -56,6 +56,18 @@ def test_version_reports_our_library() -> None:
     assert "libllama: " in out and "moe-expert-hook" in out and "warning" not in out
 
 
+def test_version_warns_about_another_build_of_the_hook(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A libllama with the hook that is not the one make build installed (its sha256 differs)."""
+    from dataclasses import replace
+
+    import pyspice.cli.version as version
+
+    info = replace(load_build_info(), libllama_sha256="0" * 64)
+    monkeypatch.setattr(version, "load_build_info", lambda: info)
+    report = version.version_report()
+    assert "moe-expert-hook" in report and "is not the one `make build` installed" in report
+
+
 @pytest.mark.parametrize("arch", ["qwen2moe", "deepseek2"])
 def test_llama_quantize_and_perplexity_run(synth_model, arch: str, tmp_path: Path) -> None:
     info = load_build_info()
