@@ -27,6 +27,7 @@ class BuildInfo:
     patch_series: tuple[str, ...]
     cuda: bool
     build_type: str
+    libllama_sha256: str = ""  # of the libllama `make build` installed ("" from an older install)
 
     def tool(self, name: str) -> Path:
         """Path of an upstream tool we build (llama-quantize, llama-perplexity)."""
@@ -76,4 +77,5 @@ def load_build_info() -> BuildInfo:
         patch_series=tuple(raw["patch_series"]),
         cuda=bool(raw["cuda"]),
         build_type=str(raw["build_type"]),
+        libllama_sha256=str(raw.get("libllama_sha256", "")),
     )

@@ -18,7 +18,7 @@ import sys
 import threading
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import chain
 from typing import Any
 
@@ -27,7 +27,7 @@ import numpy.typing as npt
 
 from pyspice.build_info import BuildInfo, load_build_info
 from pyspice.interrupts import SigintGuard
-from pyspice.policy.base import HookCall, Plan, Policy
+from pyspice.policy.base import HookCall, HookInputError, Plan, Policy, policy_reads
 from pyspice.policy.rule import Rule
 from pyspice.stats import Counters
 
@@ -71,6 +71,19 @@ _COUNTER_FIELDS = (
     "async_wait_ns",
     "planner_ns",
 )
+
+
+# why a HookCall field is missing (Runtime._field)
+_UNREQUESTED = {
+    1: (
+        "HookCall.probs: policy {name!r} did not declare that it reads the router probabilities, so the "
+        "graph did not hand them to the hook; set `reads_probs = True` on the policy"
+    ),
+    4: (
+        "HookCall.shared: policy {name!r} did not declare that it reads the shared-expert output, so the "
+        "graph did not hand it to the hook; set `reads_shared = True` on the policy"
+    ),
+}
 
 
 class SpiceError(RuntimeError):
@@ -204,11 +217,13 @@ class AsyncParams:
     deterministic_lag  > 0: deterministic mode -- the plan of call c is applied
                        exactly at call c + deterministic_lag, the hook waiting for it
     with_probs         snapshots carry the router probabilities (HookCall.probs)
+    with_shared        snapshots carry the shared-expert output (HookCall.shared)
     """
 
     max_lag: int = 4
     deterministic_lag: int = 0
     with_probs: bool = False
+    with_shared: bool = False
 
     def __post_init__(self) -> None:
         if self.max_lag < 1:
@@ -225,6 +240,7 @@ class AsyncParams:
         p.deterministic = int(self.deterministic_lag > 0)
         p.lag = max(1, self.deterministic_lag)
         p.with_probs = int(self.with_probs)
+        p.with_shexp = int(self.with_shared)
         return p
 
 
@@ -503,6 +519,8 @@ class Runtime:
         self._warned_rejection = False
         self._rejections_seen = 0
         self._async = False
+        # HookCall fields (1 probs, 4 shared) the policy did not declare: reading one raises
+        self._unrequested: frozenset[int] = frozenset()
         self._rules: dict[int, tuple[Rule, Any, tuple[Any, ...]]] = {}  # see _plan_rule
 
     # ---- lifecycle -----------------------------------------------------------
@@ -690,13 +708,26 @@ class Runtime:
             "int(spice_policy_call *, void *)", self._on_call, onerror=self._on_callback_error
         )
         lib = self._n.lib
+        # the hook is handed only what the policy reads (each input is a copy per layer on a GPU)
+        probs, shared = policy_reads(policy)
+        if asynchronous is not None:
+            probs, shared = probs or asynchronous.with_probs, shared or asynchronous.with_shared
+        self._unrequested = frozenset(i for i, wanted in ((1, probs), (4, shared)) if not wanted)
         if asynchronous is None:
-            self._check(lib.spice_runtime_enable(self._rt, self._callback, ffi.NULL, max_tokens), "enable")
+            flags = (lib.SPICE_HOOK_WANT_PROBS if probs else 0) | (lib.SPICE_HOOK_WANT_SHEXP if shared else 0)
+            status = lib.spice_runtime_enable_ex(self._rt, self._callback, ffi.NULL, max_tokens, flags)
+            self._check(status, "enable")
         else:
+            params = replace(asynchronous, with_probs=probs, with_shared=shared)
             status = lib.spice_runtime_enable_async(
-                self._rt, self._callback, ffi.NULL, max_tokens, asynchronous.to_c(ffi)
+                self._rt, self._callback, ffi.NULL, max_tokens, params.to_c(ffi)
             )
             self._check(status, "enable_async")
+
+    def hook_flags(self) -> int:
+        """SPICE_HOOK_WANT_* the hook is registered with (1 probs, 2 shared-expert output;
+        libspice adds 2 while surrogates are loaded); 0 when it is not registered."""
+        return int(self._n.lib.spice_runtime_hook_flags(self._rt))
 
     def is_async(self) -> bool:
         """Whether the policy plans on libspice's planner thread."""
@@ -755,6 +786,8 @@ class Runtime:
         segfault), and a view made writable could change the routing in the graph.
         The memory is allocated once per cached HookCall and field, so a decode step
         pays one memmove of a few KiB per field read, and no new objects."""
+        if i in self._unrequested:
+            raise HookInputError(_UNREQUESTED[i].format(name=getattr(self._policy, "name", "?")))
         kept = owned[i]
         if i == 5:
             # the store's live table (synchronous) or the snapshot's copy (asynchronous)

@@ -5,12 +5,14 @@ Runs inside the project's venv. Copies libllama, libggml*, libspice (with
 their soname links) into the installed llama_cpp package's lib/ folder, so a
 plain `import llama_cpp` uses the patched build, and writes
 `pyspice-build.json` beside them: where the build tree, the tools and the
-patched upstream sources are. pyspice reads that file (pyspice.build_info).
+patched upstream sources are, the applied patch series and the installed
+libllama's sha256. pyspice reads that file (pyspice.build_info).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import json
 import shutil
@@ -67,6 +69,9 @@ def main() -> None:
         "upstream_dir": str(upstream),
         "lib_dir": str(lib_dir),
         "patch_series": series,
+        # what tells this build's libllama from another (pyspice --version): the patched
+        # library carries no mark of its own beyond the hook API
+        "libllama_sha256": hashlib.sha256((lib_dir / "libllama.so").resolve().read_bytes()).hexdigest(),
         "cuda": cmake_cache_value(build_dir, "GGML_CUDA") in ("ON", "1", "TRUE"),
         "build_type": cmake_cache_value(build_dir, "CMAKE_BUILD_TYPE"),
     }

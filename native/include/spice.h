@@ -51,8 +51,8 @@ SPICE_API const char * spice_version_string(void);
 /* Short English name of a status code; never NULL. */
 SPICE_API const char * spice_status_string(int status);
 
-/* The patch series compiled into the libllama libspice is linked against,
- * one patch file name per line. Proves the two come from one build. */
+/* The patch series (patches/series) the build applied to the libllama it
+ * built libspice with and installed beside it, one patch file name per line. */
 SPICE_API const char * spice_build_patch_series(void);
 
 /* ---- plans ---------------------------------------------------------------
@@ -81,10 +81,13 @@ typedef struct spice_policy_call {
     int32_t n_expert_used;
 
     const float   * inp;     size_t inp_nb1;     /* [n_tokens][n_embd] */
-    const float   * probs;   size_t probs_nb1;   /* [n_tokens][n_expert] */
+    const float   * probs;   size_t probs_nb1;   /* [n_tokens][n_expert], or NULL unless the hook was
+                                                    registered with SPICE_HOOK_WANT_PROBS */
     const int32_t * ids;     size_t ids_nb1;     /* [n_tokens][n_expert_used] */
     const float   * weights; size_t weights_nb1; /* [n_tokens][n_expert_used] */
-    const float   * shexp;   size_t shexp_nb1;   /* [n_tokens][n_embd] or NULL */
+    const float   * shexp;   size_t shexp_nb1;   /* [n_tokens][n_embd], or NULL: not registered with
+                                                    SPICE_HOOK_WANT_SHEXP (nor surrogates loaded), or
+                                                    the architecture has no shared expert */
     /* the device tier's residency as the call began (spice_residency values,
      * n_layers rows of max_expert), or NULL without a tier: the store's live
      * table for a synchronous call, the snapshot's own copy for an
@@ -480,18 +483,37 @@ SPICE_API int spice_runtime_n_layers(const spice_runtime * rt);
 SPICE_API int spice_runtime_layer_info(const spice_runtime * rt, int32_t il, spice_layer_info * out);
 
 /* Register the hook with the built-in exact policy (fn = NULL) or a policy
- * callback. max_tokens: micro-batches above it keep upstream's path (0 = none). */
+ * callback. max_tokens: micro-batches above it keep upstream's path (0 = none).
+ * The same as spice_runtime_enable_ex with no flags. */
 SPICE_API int spice_runtime_enable(spice_runtime * rt, spice_policy_fn fn, void * user_data,
                                    int32_t max_tokens);
+
+/* What a hook call carries beyond the hidden rows, the selected ids and their
+ * gate weights. Each input is a copy on a GPU build (the graph hands the hook
+ * one packed tensor per layer), so a policy asks only for what it reads. */
+#define SPICE_HOOK_WANT_PROBS 1 /* spice_policy_call.probs: the router probabilities */
+#define SPICE_HOOK_WANT_SHEXP 2 /* spice_policy_call.shexp: the shared-expert output */
+
+/* spice_runtime_enable with flags (SPICE_HOOK_WANT_*, others must be 0). The
+ * runtime adds SPICE_HOOK_WANT_SHEXP by itself while surrogates are loaded:
+ * the surrogate executor needs the shared-expert output (loading or clearing
+ * surrogates re-registers the hook). A graph is built again when the flags
+ * change: llama.cpp never reuses one built with other flags. */
+SPICE_API int spice_runtime_enable_ex(spice_runtime * rt, spice_policy_fn fn, void * user_data,
+                                      int32_t max_tokens, uint32_t flags);
+
+/* The flags the hook is registered with now (SPICE_HOOK_WANT_*, those the
+ * runtime added included); 0 when not registered. */
+SPICE_API uint32_t spice_runtime_hook_flags(const spice_runtime * rt);
 
 /* ---- asynchronous planning ---------------------------------------------------
  *
  * The policy callback runs on a planner thread owned by the runtime instead
  * of the hook's thread: each hook call that would call the policy copies its
  * snapshot (layer, hidden rows, ids, gate weights, the probabilities when
- * with_probs, the shared expert's rows, residency as the call began) into
- * arrays the snapshot owns, hands it to the planner and runs by the installed
- * rule (spice_rule) at once. A plan the planner finished is validated
+ * with_probs, the shared expert's rows when with_shexp, residency as the
+ * call began) into arrays the snapshot owns, hands it to the planner and runs
+ * by the installed rule (spice_rule) at once. A plan the planner finished is validated
  * (spice_plan_check) and applied by the hook's thread at a later hook call:
  * its prefetch, evict and evict_from lists join that call's plan, and its
  * resume_il holds unless a call of that layer came in between; its actions
@@ -512,10 +534,12 @@ typedef struct spice_async_params {
     int32_t deterministic; /* 1: apply the plan of call c exactly at call c + lag */
     int32_t lag;           /* deterministic mode's lag in hook calls (>= 1) */
     int32_t with_probs;    /* 1: snapshots carry the router probabilities (else probs is NULL) */
+    int32_t with_shexp;    /* 1: snapshots carry the shared-expert output (else shexp is NULL) */
 } spice_async_params;
 
 /* Register the hook with a policy callback called on the runtime's planner
- * thread (started here; a running one is stopped first). The callback then
+ * thread (started here; a running one is stopped first), with the flags
+ * with_probs and with_shexp imply (spice_runtime_enable_ex). The callback then
  * runs on a thread that is not the hook's: a Python callback takes the GIL
  * there (cffi does), and the hook's thread never waits for Python except in
  * deterministic mode. SPICE_ERR_INVALID_ARG for a NULL fn or out-of-range

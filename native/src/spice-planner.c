@@ -162,7 +162,7 @@ int spice_planner_post(spice_planner * p, spice_async_entry * e, uint64_t seq, c
     if (call->probs != NULL && p->params.with_probs) {
         status |= copy_rows((void **) &e->probs, &e->cap_probs, call->probs, call->probs_nb1, n, call->n_expert);
     }
-    if (call->shexp != NULL) {
+    if (call->shexp != NULL && p->params.with_shexp) {
         status |= copy_rows((void **) &e->shexp, &e->cap_shexp, call->shexp, call->shexp_nb1, n, call->n_embd);
     }
     status |= grow((void **) &e->residency, &e->cap_residency, res_bytes + 1);
@@ -193,7 +193,7 @@ int spice_planner_post(spice_planner * p, spice_async_entry * e, uint64_t seq, c
     if (call->probs != NULL && p->params.with_probs) {
         c->probs = e->probs; c->probs_nb1 = (size_t) call->n_expert * 4;
     }
-    if (call->shexp != NULL) {
+    if (call->shexp != NULL && p->params.with_shexp) {
         c->shexp = e->shexp; c->shexp_nb1 = (size_t) call->n_embd * 4;
     }
     if (call->residency != NULL) {

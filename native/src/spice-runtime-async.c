@@ -56,7 +56,9 @@ int spice_runtime_enable_async(spice_runtime * rt, spice_policy_fn fn, void * us
     rt->plan_rule = NULL;
     memset(rt->layer_seq, 0, (size_t) rt->n_layers * sizeof(uint64_t));
     /* registered first (enable stops any planner), started before the next decode can call */
-    int status = spice_runtime_enable(rt, fn, user_data, max_tokens);
+    const uint32_t flags = (params->with_probs ? SPICE_HOOK_WANT_PROBS : 0u) |
+                           (params->with_shexp ? SPICE_HOOK_WANT_SHEXP : 0u);
+    int status = spice_runtime_enable_ex(rt, fn, user_data, max_tokens, flags);
     if (status == SPICE_OK) {
         status = spice_planner_start(&rt->planner, fn, user_data, params, rt->max_n_expert, pairs_all,
                                      rt->n_layers);

@@ -9,6 +9,7 @@
 #include "spice-barrier.h"
 #include "spice-cuda-verify.h"
 #include "spice-experts.h"
+#include "spice-hook-call.h"
 #include "spice-host-exec.h"
 #include "spice-planner.h"
 #include "spice-store.h"
@@ -44,6 +45,10 @@ struct spice_runtime {
     uint8_t * surrogate_mask;  /* [n_layers * max_n_expert]: 1 where a surrogate is loaded */
 
     int enabled;
+    uint32_t hook_flags;            /* SPICE_HOOK_WANT_* the registration asked for */
+    uint32_t hook_flags_registered; /* and what the hook asks llama.cpp for (surrogates add SHEXP) */
+    int32_t hook_max_tokens;
+    spice_hook_ids hook_ids;   /* the call in progress's ids as int32 (thread 0 converts them) */
     spice_policy_fn policy_fn; /* NULL: built-in exact policy */
     void * policy_user_data;
     int32_t resume_il; /* -1, or the layer whose decode call next calls the policy (spice_policy_call) */
@@ -89,6 +94,10 @@ struct spice_runtime {
     int32_t n_async_prefetch, n_async_evict, n_async_evict_from;
     const void * plan_rule;   /* the last rule a plan installed (its address), or NULL */
 };
+
+/* Registers the hook again when what it must ask llama.cpp for changed
+ * (surrogates loaded or cleared); a no-op while it is not registered. */
+void spice_runtime_update_hook(spice_runtime * rt);
 
 /* A plan's rule (call->rule), installed unless it is the one installed last. */
 void spice_runtime_take_plan_rule(spice_runtime * rt, const spice_policy_call * call);

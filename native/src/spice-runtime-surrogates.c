@@ -74,6 +74,7 @@ int spice_runtime_set_surrogate(spice_runtime * rt, int32_t il, int32_t e, float
     rt->surrogate_mask[(size_t) il * (size_t) rt->max_n_expert + (size_t) e] = 1;
     tab->n_loaded++;
     tab->bytes = tab->bytes - old_bytes + new_bytes;
+    spice_runtime_update_hook(rt); /* surrogates read the shared-expert output */
     return SPICE_OK;
 }
 
@@ -95,6 +96,7 @@ int spice_runtime_clear_surrogates(spice_runtime * rt) {
     if (rt->surrogate_mask != NULL) {
         memset(rt->surrogate_mask, 0, (size_t) rt->n_layers * (size_t) rt->max_n_expert);
     }
+    spice_runtime_update_hook(rt);
     return SPICE_OK;
 }
 

@@ -130,7 +130,7 @@ static void default_actions(const spice_runtime * rt, spice_policy_call * call, 
 /* snapshot: the call as a policy sees it, which activations find their
  * expert resident (one poll of the device tier makes residency current,
  * copies in flight included), and the default plan. */
-static void snapshot_call(spice_runtime * rt, const struct llama_moe_hook_call * hc, spice_policy_call * call) {
+static void snapshot_call(spice_runtime * rt, const spice_hook_call * hc, spice_policy_call * call) {
     memset(call, 0, sizeof(*call));
     call->il = hc->il;
     call->n_tokens = hc->n_tokens;
@@ -176,7 +176,7 @@ static void rule_call(spice_runtime * rt, spice_policy_call * call, spice_counte
  * with no policy, and for a decode call the policy decided in advance, the
  * rule's plan. Asynchronous: the rule's plan, with the lists of the policy's
  * plans due at this call (spice-runtime-async.c). */
-static void decide_call(spice_runtime * rt, const struct llama_moe_hook_call * hc, spice_policy_call * call) {
+static void decide_call(spice_runtime * rt, const spice_hook_call * hc, spice_policy_call * call) {
     spice_counters * c = &rt->counters[hc->il];
     if (rt->planner.running) {
         spice_async_before(rt, call);
@@ -231,7 +231,7 @@ static void decide_call(spice_runtime * rt, const struct llama_moe_hook_call * h
 }
 
 /* ids come from the graph's top-k; a bad one would index out of the tensor */
-static void drop_bad_ids(spice_runtime * rt, const struct llama_moe_hook_call * hc, spice_policy_call * call) {
+static void drop_bad_ids(spice_runtime * rt, const spice_hook_call * hc, spice_policy_call * call) {
     const int32_t n_expert = rt->layers[hc->il].n_expert;
     for (int32_t t = 0; t < hc->n_tokens; ++t) {
         const int32_t * ids = (const int32_t *) ((const char *) hc->ids + (size_t) t * hc->ids_nb1);
@@ -254,7 +254,7 @@ static int device_computes(spice_runtime * rt, int32_t il) {
  * for copies, is bookkeeping). A device that computes waits for its copies
  * only when it launches, after the first barrier, while the host executor
  * already runs the misses (launch_device_work). */
-static void apply_call(spice_runtime * rt, const struct llama_moe_hook_call * hc, spice_policy_call * call) {
+static void apply_call(spice_runtime * rt, const spice_hook_call * hc, spice_policy_call * call) {
     if (rt->store == NULL) {
         return;
     }
@@ -283,7 +283,7 @@ static void device_pairs_to_host(uint8_t * exec, int32_t n_pairs) {
 
 /* The distinct experts of the call's device pairs: the copies the launch
  * waits for. */
-static void note_device_experts(spice_runtime * rt, const struct llama_moe_hook_call * hc, const uint8_t * run) {
+static void note_device_experts(spice_runtime * rt, const spice_hook_call * hc, const uint8_t * run) {
     const int32_t n_expert = rt->layers[hc->il].n_expert;
     uint8_t seen[n_expert > 0 ? n_expert : 1];
     memset(seen, 0, sizeof(seen));
@@ -301,7 +301,7 @@ static void note_device_experts(spice_runtime * rt, const struct llama_moe_hook_
 }
 
 /* A device that computes: queue this call's device pairs there. */
-static int start_device_work(spice_runtime * rt, const struct llama_moe_hook_call * hc, const uint8_t * run) {
+static int start_device_work(spice_runtime * rt, const spice_hook_call * hc, const uint8_t * run) {
     const spice_expert_layer * L = &rt->layers[hc->il];
     spice_device_job job;
     memset(&job, 0, sizeof(job));
@@ -333,7 +333,7 @@ static int start_device_work(spice_runtime * rt, const struct llama_moe_hook_cal
  * evicts before the next hook call). Whatever fails here can no longer move
  * pairs to the host (the host job is running): the decode stops with the
  * reason, as a failed collect does. */
-static void launch_device_work(spice_runtime * rt, const struct llama_moe_hook_call * hc) {
+static void launch_device_work(spice_runtime * rt, const spice_hook_call * hc) {
     rt->device_launch_due = 0;
     const spice_expert_layer * L = &rt->layers[hc->il];
     for (int32_t e = 0; e < L->n_expert; ++e) {
@@ -376,7 +376,7 @@ static void collect_device_work(void * user_data, float * y) {
 /* execute: the executors' views of the final actions -- exact for device and
  * host, nothing for drop and surrogate (the surrogate executor adds those) --
  * device work launched, host and surrogate jobs prepared. */
-static void execute_call(spice_runtime * rt, const struct llama_moe_hook_call * hc, const spice_policy_call * call) {
+static void execute_call(spice_runtime * rt, const spice_hook_call * hc, const spice_policy_call * call) {
     const int32_t n_pairs = hc->n_tokens * hc->n_expert_used;
     const int computes = device_computes(rt, hc->il);
     int any_surrogate = 0, any_device = 0;
@@ -454,7 +454,7 @@ static void execute_call(spice_runtime * rt, const struct llama_moe_hook_call * 
 }
 
 /* Thread 0: everything before the executors run. */
-static void plan_call(spice_runtime * rt, const struct llama_moe_hook_call * hc) {
+static void plan_call(spice_runtime * rt, const spice_hook_call * hc) {
     const int32_t n_pairs = hc->n_tokens * hc->n_expert_used;
     if (plan_reserve(rt, n_pairs) != SPICE_OK) {
         set_error(rt, "layer %d: out of memory for a plan of %d actions", hc->il, n_pairs);
@@ -487,8 +487,11 @@ static void plan_call(spice_runtime * rt, const struct llama_moe_hook_call * hc)
     execute_call(rt, hc, &call);
 }
 
-static void hook_entry(const struct llama_moe_hook_call * hc, void * user_data) {
+static void hook_entry(const struct llama_moe_hook_call * lc, void * user_data) {
     spice_runtime * rt = (spice_runtime *) user_data;
+    spice_hook_call call; /* the ids stay NULL on every thread but 0, where they are converted */
+    spice_hook_call_view(lc, &call);
+    const spice_hook_call * hc = &call;
     const uint64_t t_entry = hc->ith == 0 ? spice_monotonic_ns() : 0;
     const int served = hc->il >= 0 && hc->il < rt->n_layers && rt->layers[hc->il].is_moe &&
                        hc->n_embd == rt->layers[hc->il].n_embd && hc->n_expert == rt->layers[hc->il].n_expert;
@@ -497,6 +500,11 @@ static void hook_entry(const struct llama_moe_hook_call * hc, void * user_data) 
         if (!served) {
             /* cannot happen for a runtime attached to this context's model */
             set_error(rt, "hook called for layer %d, which the runtime does not serve", hc->il);
+            atomic_store(&rt->abort_requested, 1);
+            rt->host.failed = 1;
+            rt->host.job.layer = NULL;
+        } else if (spice_hook_call_ids(&call, lc, &rt->hook_ids) != SPICE_OK) {
+            set_error(rt, "layer %d: out of memory for the ids of %d tokens", hc->il, hc->n_tokens);
             atomic_store(&rt->abort_requested, 1);
             rt->host.failed = 1;
             rt->host.job.layer = NULL;
@@ -640,6 +648,7 @@ void spice_runtime_free(spice_runtime * rt) {
     spice_cuda_verify_report(rt->verify);
     spice_cuda_verify_free(rt->verify);
     spice_host_exec_free(&rt->host);
+    spice_hook_ids_free(&rt->hook_ids);
     spice_runtime_clear_surrogates(rt);
     spice_surrogate_exec_free(&rt->surrogate_exec);
     spice_store_free(rt->store);
@@ -682,8 +691,33 @@ int spice_runtime_layer_info(const spice_runtime * rt, int32_t il, spice_layer_i
     return SPICE_OK;
 }
 
+/* What the hook asks llama.cpp for: the registration's flags, plus the
+ * shared-expert output while surrogates are loaded (alpha * shared). */
+static uint32_t hook_flags_needed(const spice_runtime * rt) {
+    return rt->hook_flags | (rt->surrogates.n_loaded > 0 ? SPICE_HOOK_WANT_SHEXP : 0u);
+}
+
+static void register_hook(spice_runtime * rt) {
+    const uint32_t flags = hook_flags_needed(rt);
+    const uint32_t lflags = ((flags & SPICE_HOOK_WANT_PROBS) ? LLAMA_MOE_HOOK_WANT_PROBS : 0u) |
+                            ((flags & SPICE_HOOK_WANT_SHEXP) ? LLAMA_MOE_HOOK_WANT_SHEXP : 0u);
+    llama_set_moe_hook(rt->lctx, hook_entry, rt, rt->hook_max_tokens, lflags);
+    rt->hook_flags_registered = flags;
+}
+
+void spice_runtime_update_hook(spice_runtime * rt) {
+    if (rt->enabled && hook_flags_needed(rt) != rt->hook_flags_registered) {
+        register_hook(rt);
+    }
+}
+
 int spice_runtime_enable(spice_runtime * rt, spice_policy_fn fn, void * user_data, int32_t max_tokens) {
-    if (rt == NULL || max_tokens < 0) {
+    return spice_runtime_enable_ex(rt, fn, user_data, max_tokens, 0);
+}
+
+int spice_runtime_enable_ex(spice_runtime * rt, spice_policy_fn fn, void * user_data, int32_t max_tokens,
+                            uint32_t flags) {
+    if (rt == NULL || max_tokens < 0 || (flags & ~(SPICE_HOOK_WANT_PROBS | SPICE_HOOK_WANT_SHEXP)) != 0) {
         return SPICE_ERR_INVALID_ARG;
     }
     spice_async_stop(rt); /* a synchronous policy from here on */
@@ -692,16 +726,23 @@ int spice_runtime_enable(spice_runtime * rt, spice_policy_fn fn, void * user_dat
     rt->policy_user_data = user_data;
     rt->resume_il = -1;
     rt->enabled = 1;
+    rt->hook_flags = flags;
+    rt->hook_max_tokens = max_tokens;
     llama_set_abort_callback(rt->lctx, abort_entry, rt);
-    llama_set_moe_hook(rt->lctx, hook_entry, rt, max_tokens);
+    register_hook(rt);
     return SPICE_OK;
+}
+
+uint32_t spice_runtime_hook_flags(const spice_runtime * rt) {
+    return rt != NULL && rt->enabled ? rt->hook_flags_registered : 0u;
 }
 
 int spice_runtime_disable(spice_runtime * rt) {
     if (rt == NULL) {
         return SPICE_ERR_INVALID_ARG;
     }
-    llama_set_moe_hook(rt->lctx, NULL, NULL, 0);
+    llama_set_moe_hook(rt->lctx, NULL, NULL, 0, 0);
+    rt->hook_flags_registered = 0;
     llama_set_abort_callback(rt->lctx, NULL, NULL);
     spice_async_stop(rt); /* joins the planner: after the policy call in progress, if any */
     rt->enabled = 0;

@@ -1,7 +1,10 @@
 /* Version, status names and build identity. */
 #include "spice.h"
 
-#include "llama.h"
+/* patches/series as the build applied it (CMakeLists.txt) */
+#ifndef SPICE_PATCH_SERIES
+#define SPICE_PATCH_SERIES ""
+#endif
 
 const char * spice_version_string(void) {
     return "0.1.0";
@@ -23,5 +26,5 @@ const char * spice_status_string(int status) {
 }
 
 const char * spice_build_patch_series(void) {
-    return llama_spice_patch_series();
+    return SPICE_PATCH_SERIES;
 }

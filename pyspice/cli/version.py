@@ -2,29 +2,38 @@
 
 from __future__ import annotations
 
-import ctypes
+import hashlib
 from pathlib import Path
 
 from pyspice import __version__
 from pyspice.build_info import BuildNotFoundError, load_build_info
 from pyspice.runtime import device_count
 
+# The patched libllama carries no mark of its own: its MoE hook API tells it from an
+# unpatched one, and the sha256 `make build` recorded tells it from another build.
+HOOK_SYMBOL = "llama_set_moe_hook"
 
-def loaded_libllama() -> tuple[Path, str | None]:
-    """Path of the libllama `llama_cpp` loaded and its patch series (None: not ours)."""
+
+def loaded_libllama() -> tuple[Path, bool]:
+    """Path of the libllama `llama_cpp` loaded, and whether it has the MoE hook."""
     # lazy: loads libllama, only to report what it is
     import llama_cpp
 
     lib = llama_cpp.llama_cpp._lib
-    path = Path(lib._name).resolve()
-    try:
-        fn = lib.llama_spice_patch_series
-    except AttributeError:
-        return path, None
-    fn.restype = ctypes.c_char_p
-    fn.argtypes = []
-    series = fn()
-    return path, series.decode() if series is not None else None
+    return Path(lib._name).resolve(), hasattr(lib, HOOK_SYMBOL)
+
+
+def file_sha256(path: Path) -> str:
+    """As scripts/install-native.py records it (a libllama is a few MiB)."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def built_patch_series() -> list[str]:
+    """The series libspice was built with, alongside its libllama (spice_build_patch_series)."""
+    from pyspice.runtime import _Native
+
+    n = _Native.get()
+    return [s for s in n.ffi.string(n.lib.spice_build_patch_series()).decode().splitlines() if s]
 
 
 def version_report() -> str:
@@ -34,24 +43,32 @@ def version_report() -> str:
     except BuildNotFoundError as exc:
         return "\n".join([*lines, f"warning: {exc}"])
     try:
-        path, series = loaded_libllama()
+        path, hooked = loaded_libllama()
     except Exception as exc:  # a broken library must still let --version explain itself
         return "\n".join([*lines, f"warning: llama_cpp failed to load its library: {exc}"])
     lines.append(f"libllama: {path}")
-    if series is None:
+    if not hooked:
         lines.append(
-            "warning: llama_cpp loaded a libllama that is not pyspice's patched build; run `make build`"
+            "warning: llama_cpp loaded a libllama that is not pyspice's patched build (it has no MoE "
+            "hook); run `make build`"
         )
         return "\n".join(lines)
-    applied = [s for s in series.splitlines() if s]
+    try:
+        applied = built_patch_series()
+    except Exception as exc:
+        applied = list(info.patch_series)
+        lines.append(f"warning: libspice failed to load ({exc}); the series below is the build record's")
     lines.append("patch series:")
     lines.extend(f"  {name}" for name in applied)
     if path.parent != info.lib_dir.resolve():
         lines.append(f"warning: expected the library in {info.lib_dir}")
-    if tuple(applied) != info.patch_series:
+    if info.libllama_sha256 and file_sha256(path) != info.libllama_sha256:
         lines.append(
-            "warning: the loaded library's patches differ from the installed build's; run `make build`"
+            "warning: the loaded libllama is not the one `make build` installed (another build of the "
+            "hook); run `make build`"
         )
+    if tuple(applied) != info.patch_series:
+        lines.append("warning: libspice's patch series differs from the installed build's; run `make build`")
     lines.append(f"build: {info.build_type}{' + CUDA' if info.cuda else ''}, {info.build_dir}")
     lines.append(f"device tier: {device_tier_kind(info.cuda)}")
     return "\n".join(lines)

@@ -1,7 +1,7 @@
 """Edge mode's tier: routed experts stay in the GGUF file, resident ones live in a
 RAM slot pool of `--ram-budget` bytes, and copies are reads of the file.
 
-How the model is loaded so llama.cpp never reads the experts: patch 0004 adds
+How the model is loaded so llama.cpp never reads the experts: patch 0003 adds
 LLAMA_LAZY_MODE_EXPERTS, which maps the stacked routed-expert tensors from the
 file without reading them (upstream's lazy tensors, extended to experts, and kept
 out of the mapping's MAP_POPULATE / WILLNEED); every other weight stays mmap'd as
@@ -19,7 +19,7 @@ from pyspice.engine.device import host_memory_available
 from pyspice.runtime import DEVICE_DISK, StoreParams
 from pyspice.units import Budget, format_bytes
 
-# llama.cpp's enum value patch 0004 adds (include/llama.h, enum llama_lazy_mode)
+# llama.cpp's enum value patch 0003 adds (include/llama.h, enum llama_lazy_mode)
 LLAMA_LAZY_MODE_EXPERTS = 3
 
 # What a disk tier assumes before `pyspice probe` has measured the disk: a

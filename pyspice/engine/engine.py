@@ -39,7 +39,7 @@ from pyspice.engine.surrogates import (
 from pyspice.formats.routers import RouterReader
 from pyspice.formats.sidecar import Sidecar
 from pyspice.policy import Policy, PolicyContext, declared_rule, make_policy, policy_spec
-from pyspice.policy.base import attach_policy, is_lossless
+from pyspice.policy.base import attach_policy, is_lossless, policy_reads
 from pyspice.policy.predictor import DraftPredictor
 from pyspice.policy.profile import CostProfile
 from pyspice.runtime import (
@@ -365,7 +365,8 @@ class Engine:
             # the policy's rule runs each call at once; its plans land calls later
             runtime.set_rule(policy.asynchronous_rule())  # type: ignore[attr-defined]
             horizon = int(policy.plan_horizon()) if callable(getattr(policy, "plan_horizon", None)) else 1  # type: ignore[attr-defined]
-            params = self.planning.params(horizon, with_probs=bool(getattr(policy, "reads_probs", False)))
+            probs, shared = policy_reads(policy)
+            params = self.planning.params(horizon, with_probs=probs, with_shared=shared)
             runtime.enable_policy(policy, self.max_hook_tokens, asynchronous=params)
         else:
             runtime.enable_policy(policy, self.max_hook_tokens)

@@ -57,11 +57,12 @@ class Planning:
         measured free-running (1.0-1.1 on smolmoe, docs in the issue 19 note)."""
         return self.deterministic_lag if self.deterministic_lag > 0 else 1
 
-    def params(self, horizon: int, with_probs: bool = False) -> AsyncParams:
+    def params(self, horizon: int, with_probs: bool = False, with_shared: bool = False) -> AsyncParams:
         return AsyncParams(
             max_lag=self.max_lag if self.max_lag is not None else max(1, horizon),
             deterministic_lag=self.deterministic_lag,
             with_probs=with_probs,
+            with_shared=with_shared,
         )
 
 

@@ -43,7 +43,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pyspice.outputs import atomic_output
-from pyspice.policy.base import HookCall, Plan, Policy, PolicyBase, attach_policy, is_lossless
+from pyspice.policy.base import HookCall, Plan, Policy, PolicyBase, attach_policy, is_lossless, policy_reads
 from pyspice.policy.context import PolicyContext
 
 FORMAT = "pyspice-trace"
@@ -536,6 +536,10 @@ class TraceRecorder(PolicyBase):
         self._fields = tuple(writer.meta.fields)
         self._next: dict[int, int] = {il: 0 for il in writer.meta.moe_layers}
         self.calls = 0
+        # what the hook must hand over: the fields it records, and what the inner policy reads
+        inner_probs, inner_shared = policy_reads(inner)
+        self.reads_probs = "probs" in self._fields or inner_probs
+        self.reads_shared = "shared" in self._fields or inner_shared
 
     @property
     def lossless(self) -> bool:

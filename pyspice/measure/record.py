@@ -47,6 +47,8 @@ class _Recorder(PolicyBase):
     def __init__(self, writer: Any) -> None:
         self.writer = writer
         self.next_token: dict[int, int] = {}
+        self.reads_probs = "probs" in writer.meta.fields
+        self.reads_shared = "shared" in writer.meta.fields
 
     def decide(self, call: HookCall) -> Plan:
         start = self.next_token.get(call.layer, 0)

@@ -20,8 +20,10 @@ from pyspice.policy.base import (
     RESIDENCY_QUEUED,
     RESIDENCY_RESIDENT,
     HookCall,
+    HookInputError,
     Plan,
     Policy,
+    policy_reads,
 )
 from pyspice.policy.context import PolicyContext
 from pyspice.policy.registry import NATIVE_POLICIES, PolicySpec, make_policy, policy_names, policy_spec
@@ -39,6 +41,7 @@ __all__ = [
     "RESIDENCY_QUEUED",
     "RESIDENCY_RESIDENT",
     "HookCall",
+    "HookInputError",
     "Plan",
     "Policy",
     "PolicyContext",
@@ -48,5 +51,6 @@ __all__ = [
     "declared_rule",
     "make_policy",
     "policy_names",
+    "policy_reads",
     "policy_spec",
 ]

@@ -43,6 +43,11 @@ ACTION_NAMES = {
 _UNSET: Any = object()
 
 
+class HookInputError(RuntimeError):
+    """A policy read a HookCall input it did not declare (`reads_probs`, `reads_shared`):
+    the graph did not hand it to the hook, so there is nothing to read."""
+
+
 class HookCall:
     """One MoE layer's routed-expert work, as a policy sees it.
 
@@ -51,8 +56,15 @@ class HookCall:
     ids     [n_tokens, n_expert_used]   selected experts
     weights [n_tokens, n_expert_used]   their gate weights
     shared  [n_tokens, n_embd] or None  shared-expert output before its gate
+            (None: the architecture has no shared expert)
     residency [n_layers, max_expert] or None  RESIDENCY_* of every expert on the
             device tier when the call began (None: no device tier)
+
+    Under the engine, `probs` and `shared` exist only for a policy that declares
+    it reads them (`reads_probs = True`, `reads_shared = True`; see Policy): the
+    graph hands the hook one packed input per layer, and on a GPU build each
+    extra input is copied to the host at every layer. Reading one that was not
+    declared raises HookInputError.
 
     Under the engine the arrays can be read only during `Policy.decide`: reading
     one afterwards raises RuntimeError. Each is read-only, filled on first
@@ -197,6 +209,10 @@ class Policy(Protocol):
               before its first call
     decide    the plan for one hook call
 
+    Optional attributes (False when absent): `reads_probs` and `reads_shared`
+    declare that decide reads HookCall.probs / HookCall.shared; only then does
+    the hook receive them (policy_reads).
+
     Subclass PolicyBase for the defaults (lossless, nothing to attach). An
     object with only `name` and `decide` is accepted too (a user's policy
     written against the minimal interface): `is_lossless` and `attach_policy`
@@ -215,9 +231,12 @@ class Policy(Protocol):
 
 
 class PolicyBase:
-    """The defaults of the Policy protocol: lossless, and nothing to learn at attach."""
+    """The defaults of the Policy protocol: lossless, nothing to learn at attach, and
+    no optional inputs read (reads_probs, reads_shared)."""
 
     name = "policy"
+    reads_probs: bool = False
+    reads_shared: bool = False
 
     @property
     def lossless(self) -> bool:
@@ -233,6 +252,12 @@ class PolicyBase:
 def is_lossless(policy: object) -> bool:
     """`policy.lossless`, True for an object that does not say (the minimal interface)."""
     return bool(getattr(policy, "lossless", True))
+
+
+def policy_reads(policy: object) -> tuple[bool, bool]:
+    """(probs, shared): whether `policy` reads HookCall.probs and HookCall.shared, by its
+    `reads_probs` / `reads_shared` attributes (False for one that does not say)."""
+    return bool(getattr(policy, "reads_probs", False)), bool(getattr(policy, "reads_shared", False))
 
 
 def attach_policy(policy: object, ctx: PolicyContext) -> None:

@@ -22,6 +22,7 @@ class Keeps:
     """Keeps the HookCall and every array it reads, as a careless policy would."""
 
     name = "keeps"
+    reads_probs = True  # the graph hands the probabilities over only to a policy that says so
 
     def __init__(self) -> None:
         self.calls: list[HookCall] = []
@@ -48,6 +49,7 @@ def test_a_hookcall_read_after_decide_raises(model_path: Path) -> None:
         ref = greedy_run(llm, "exact", n_decode=4)
         got = greedy_run(llm, policy, n_decode=4)
         assert np.array_equal(got.logits, ref.logits)
+        assert got.stats["policy_fallbacks"] == 0  # every read it made was one it declared
         assert policy.calls
         for name in ("hidden", "probs", "ids", "weights", "shared", "residency"):
             with pytest.raises(RuntimeError, match=r"read after Policy\.decide returned.*copy what you keep"):
@@ -70,6 +72,7 @@ KEEP_AFTER_CLOSE = textwrap.dedent(
 
     class Keeps:
         name = "keeps"
+        reads_probs = True
         arrays = []
         def decide(self, call):
             self.arrays += [call.hidden, call.probs, call.ids, call.residency]

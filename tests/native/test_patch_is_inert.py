@@ -32,7 +32,7 @@ for _ in range(16):
     llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
 np.save(out, llm.scores[: llm.n_tokens])
 print(json.dumps({"lib": llama_cpp.llama_cpp._lib._name,
-                  "patched": hasattr(llama_cpp.llama_cpp._lib, "llama_spice_patch_series")}))
+                  "patched": hasattr(llama_cpp.llama_cpp._lib, "llama_set_moe_hook")}))
 """
 
 
@@ -62,3 +62,15 @@ def test_unpatched_upstream_and_ours_without_hook_agree(
     ours = run(model, tmp_path / "ours.npy", None)
     assert theirs["patched"] is False and ours["patched"] is True  # really two different libraries
     assert np.array_equal(np.load(tmp_path / "upstream.npy"), np.load(tmp_path / "ours.npy"))
+
+
+def test_version_warns_about_an_unpatched_library() -> None:
+    """`pyspice --version` with llama_cpp pointed at upstream's own libllama: no MoE hook."""
+    lib_dir = pristine_lib_dir()
+    assert (lib_dir / "libllama.so").is_file(), f"no unpatched build at {lib_dir}; run `make pristine`"
+    env = {**os.environ, "LLAMA_CPP_LIB_PATH": str(lib_dir)}
+    out = subprocess.run(
+        [sys.executable, "-m", "pyspice", "--version"], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    assert f"libllama: {(lib_dir / 'libllama.so').resolve()}" in out
+    assert "not pyspice's patched build" in out and "patch series" not in out

@@ -14,14 +14,15 @@ from pyspice.runtime import native
 from tests.native.upstream_tools import llama_perplexity
 
 
-def test_libllama_exports_the_patch_series() -> None:
+def test_libllama_is_the_installed_patched_build() -> None:
+    """The hook API marks a patched libllama; the sha256 make build recorded marks ours."""
+    from pyspice.cli.version import HOOK_SYMBOL, file_sha256
+
     info = load_build_info()
     lib = ctypes.CDLL(str(info.libllama))
-    fn = lib.llama_spice_patch_series
-    fn.restype = ctypes.c_char_p
-    applied = [line for line in fn().decode().splitlines() if line]
-    assert applied == list(info.patch_series)
-    assert any("moe-expert-hook" in name for name in applied)
+    assert hasattr(lib, HOOK_SYMBOL)
+    assert info.libllama_sha256 == file_sha256(info.libllama.resolve())
+    assert any("moe-expert-hook" in name for name in info.patch_series)
 
 
 def test_libspice_is_linked_to_the_same_series() -> None:
@@ -38,16 +39,14 @@ def test_plain_import_llama_cpp_loads_our_library() -> None:
         "import ctypes, llama_cpp\n"
         "lib = llama_cpp.llama_cpp._lib\n"
         "print(lib._name)\n"
-        "fn = lib.llama_spice_patch_series\n"
-        "fn.restype = ctypes.c_char_p\n"
-        "print(fn().decode().splitlines()[0])\n"
+        "print(hasattr(lib, 'llama_set_moe_hook'))\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout.split("\n")
     info = load_build_info()
     assert Path(out[0]).resolve().parent == info.lib_dir.resolve()
-    assert out[1] == info.patch_series[0]
+    assert out[1] == "True"
 
 
 def test_version_reports_our_library() -> None:
@@ -55,6 +54,18 @@ def test_version_reports_our_library() -> None:
         [sys.executable, "-m", "pyspice", "--version"], capture_output=True, text=True, check=True
     ).stdout
     assert "libllama: " in out and "moe-expert-hook" in out and "warning" not in out
+
+
+def test_version_warns_about_another_build_of_the_hook(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A libllama with the hook that is not the one make build installed (its sha256 differs)."""
+    from dataclasses import replace
+
+    import pyspice.cli.version as version
+
+    info = replace(load_build_info(), libllama_sha256="0" * 64)
+    monkeypatch.setattr(version, "load_build_info", lambda: info)
+    report = version.version_report()
+    assert "moe-expert-hook" in report and "is not the one `make build` installed" in report
 
 
 @pytest.mark.parametrize("arch", ["qwen2moe", "deepseek2"])
