@@ -95,6 +95,7 @@ class RunConfig:
     n_ubatch: int = 512
     max_hook_tokens: int = 0
     planning: Planning = field(default_factory=Planning)  # where SPICE policies plan
+    replay_routing: Path | None = None  # a trace whose expert ids the hook uses (timing only)
 
     def __post_init__(self) -> None:
         # every numeric setting checked here, before anything loads (engine/checks.py)
@@ -203,6 +204,7 @@ class RunConfig:
             max_hook_tokens=self.max_hook_tokens,
             planning=self.planning,
             loaded_sidecar=loaded,
+            replay_routing=self.replay_routing,
         )
 
     def _sidecar_beside_checked(self, policy: str, note: Note) -> Sidecar | None:
@@ -253,3 +255,4 @@ class ResolvedRun:
     planning: Planning = field(default_factory=Planning)
     # the sidecar as resolve() loaded and checked it, so loading the model reads it once
     loaded_sidecar: Sidecar | None = field(default=None, compare=False, repr=False)
+    replay_routing: Path | None = None
