@@ -236,6 +236,7 @@ def run_config(
         n_ubatch=args.ubatch_size,
         max_hook_tokens=args.max_hook_tokens,
         planning=planning_of(args),
+        replay_routing=getattr(args, "replay_routing", None),
     )
 
 
