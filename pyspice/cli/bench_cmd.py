@@ -42,8 +42,8 @@ def register(sub: Any) -> None:
         default="stock,exact,exact-py",
         help="comma-separated policy names; llama.cpp rows (plain llama_cpp.Llama, upstream's "
         "defaults, weight repacking on): 'upstream' (-ngl 99 on a GPU: every weight there), "
-        "'upstream-ncmoe' (-ngl 99 --n-cpu-moe N, N the smallest whose GPU experts fit "
-        "--device-budget) and 'upstream-cpu-exps' (-ngl 99 -ot exps=CPU), the last two GPU only "
+        "'upstream-ncmoe' (-ngl 99 --n-cpu-moe N, N the smallest whose GPU experts fit the "
+        "slots of the --device-budget tier) and 'upstream-cpu-exps' (-ngl 99 -ot exps=CPU), the last two GPU only "
         "(skipped, with the reason, elsewhere); NAME@sync, NAME@async, NAME@detK run a "
         "SPICE policy planning synchronously, asynchronously, or deterministically K layers late",
     )
@@ -126,14 +126,16 @@ def plan_upstream_rows(llm: Any, model: Path, policies: tuple[str, ...]) -> dict
     if not wanted:
         return {}
     gpu = gpu_present()
-    tier = llm.spice_device
+    # what the pyspice rows' tier holds on the device: its slots (the budget in slots as large
+    # as the largest expert), which is what upstream-ncmoe's GPU experts must match
+    tier = llm.spice_engine.runtime.slot_pool_bytes() if llm.spice_device is not None else None
     tensors = read_header(model).tensors
     return {
         name: plan_row(
             name,
             tensors,
             gpu=gpu,
-            budget_bytes=tier.budget_bytes if tier is not None else None,
+            budget_bytes=tier,
             device_free=device_memory(0)[0] if gpu else None,
             cpu_n_gpu_layers=int(llm.model_params.n_gpu_layers),
         )
@@ -174,7 +176,8 @@ def describe_row(row: UpstreamRow) -> str:
     if "n_cpu_moe" in row.extra:
         flags += (
             f" --n-cpu-moe {row.extra['n_cpu_moe']} (the experts of {row.extra['gpu_expert_layers']} of "
-            f"{row.extra['expert_layers']} MoE layers on the GPU: {format_bytes(row.expert_device_bytes)})"
+            f"{row.extra['expert_layers']} MoE layers on the GPU: {format_bytes(row.expert_device_bytes)}, "
+            f"for the {format_bytes(row.extra['matched_bytes'])} of the pyspice rows' device tier)"
         )
     elif row.overrides:
         flags += "".join(f" -ot {pattern}={buft}" for pattern, buft in row.overrides)
@@ -183,6 +186,8 @@ def describe_row(row: UpstreamRow) -> str:
 
 def run(args: argparse.Namespace) -> int:
     if args.memory_limit is not None:
+        if args.replay_routing is not None:
+            raise ValueError("--replay-routing is for timing runs; --memory-limit rows do not replay")
         return bench_limited.run(args)
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
     if not policies:

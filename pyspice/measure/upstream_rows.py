@@ -7,8 +7,8 @@ flags place it:
   build: upstream's defaults on the CPU, weight repacking on);
 - `upstream-ncmoe`: `-ngl 99 --n-cpu-moe N`, the routed experts of the first N
   blocks on the CPU and the rest on the GPU, N the smallest (so the most
-  expert layers on the GPU) whose GPU experts fit the pyspice rows' device
-  budget: the same device bytes for experts;
+  expert layers on the GPU) whose GPU experts fit the bytes the pyspice rows'
+  device tier holds (its slots): the same device bytes for experts;
 - `upstream-cpu-exps`: `-ngl 99 -ot exps=CPU`, every routed expert on the CPU.
 
 The override patterns are llama.cpp's (common/common.h, LLM_FFN_EXPS_REGEX and
@@ -147,6 +147,11 @@ def plan_row(
             ALL_LAYERS_NGL,
             ncmoe_overrides(n),
             expert_device_bytes=on_gpu,
-            extra={"n_cpu_moe": n, "gpu_expert_layers": layers, "expert_layers": len(by_block)},
+            extra={
+                "n_cpu_moe": n,
+                "gpu_expert_layers": layers,
+                "expert_layers": len(by_block),
+                "matched_bytes": budget_bytes,
+            },
         )
     raise ValueError(f"{name!r} is not a llama.cpp row ({', '.join(UPSTREAM_ROWS)})")

@@ -65,7 +65,8 @@ def test_the_gpu_rows_as_llama_cpp_would_run_them() -> None:
     assert [p for p, _ in ncmoe.overrides] == [block_regex(0), block_regex(1)]
     assert {b for _, b in ncmoe.overrides} == {"CPU"}
     assert ncmoe.expert_device_bytes == 12 * MiB
-    assert ncmoe.extra == {"n_cpu_moe": 2, "gpu_expert_layers": 2, "expert_layers": 3}
+    extra = {"n_cpu_moe": 2, "gpu_expert_layers": 2, "expert_layers": 3, "matched_bytes": 12 * MiB}
+    assert ncmoe.extra == extra
     cpu = plan_row(UPSTREAM_CPU_EXPS, tensors, gpu=True, budget_bytes=None)
     assert cpu.overrides == (("exps", "CPU"),) and cpu.n_gpu_layers == 99 and cpu.expert_device_bytes == 0
     up = plan_row(UPSTREAM, tensors, gpu=True, budget_bytes=None, device_free=10**12)
@@ -121,3 +122,12 @@ def test_rows_at_the_same_device_bytes_are_named() -> None:
     assert "within 5%: exact (-3%)" in line and "not: upstream (+191%)" in line
     assert "none on the device: stock" in line
     assert device_match_lines({"stock": {"total": 0}}) == []
+
+
+def test_a_memory_limited_bench_refuses_the_gpu_rows() -> None:
+    from pyspice.cli.bench_limited import parse_rows
+
+    assert [r.name for r in parse_rows("upstream,exact")] == ["upstream", "exact"]
+    for row in (UPSTREAM_NCMOE, UPSTREAM_CPU_EXPS):
+        with pytest.raises(ValueError, match="splits the experts between GPU and CPU"):
+            parse_rows(f"exact,{row}")
