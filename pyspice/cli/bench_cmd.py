@@ -43,8 +43,8 @@ def register(sub: Any) -> None:
         help="comma-separated policy names; llama.cpp rows (plain llama_cpp.Llama, upstream's "
         "defaults, weight repacking on): 'upstream' (-ngl 99 on a GPU: every weight there), "
         "'upstream-ncmoe' (-ngl 99 --n-cpu-moe N, N the smallest whose GPU experts fit the "
-        "slots of the --device-budget tier) and 'upstream-cpu-exps' (-ngl 99 -ot exps=CPU), the last two GPU only "
-        "(skipped, with the reason, elsewhere); NAME@sync, NAME@async, NAME@detK run a "
+        "slots of the --device-budget tier) and 'upstream-cpu-exps' (-ngl 99 -ot exps=CPU), the "
+        "last two GPU only (skipped, with the reason, elsewhere); NAME@sync, NAME@async, NAME@detK run a "
         "SPICE policy planning synchronously, asynchronously, or deterministically K layers late",
     )
     p.add_argument(
