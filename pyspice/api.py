@@ -18,7 +18,7 @@ import contextlib
 import ctypes
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ import llama_cpp
 from pyspice.engine import DeviceTier, Engine, ResolvedRun, RunConfig, SurrogateSet
 from pyspice.engine.checks import check_ram_budget_settings
 from pyspice.engine.disk import LLAMA_LAZY_MODE_EXPERTS
+from pyspice.engine.plain_llama import PlainLlama, TensorBuftOverride, override_array
 from pyspice.engine.planning import Planning
 from pyspice.engine.surrogates import SurrogateSource
 from pyspice.formats.model_info import ModelFileError, read_header
@@ -49,18 +50,8 @@ from pyspice.units import format_bytes
 EXPERT_TENSOR_PATTERN = rb"\.ffn_(gate|up|down)_exps\.weight$"
 
 
-class _TensorBuftOverride(ctypes.Structure):
-    # struct llama_model_tensor_buft_override { const char * pattern; ggml_backend_buffer_type_t buft; }
-    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
-
-
-def _expert_overrides(buft: ExpertBufferType) -> ctypes.Array[_TensorBuftOverride]:
-    overrides = (_TensorBuftOverride * 2)()
-    overrides[0].pattern = EXPERT_TENSOR_PATTERN
-    overrides[0].buft = buft.address
-    overrides[1].pattern = None
-    overrides[1].buft = None
-    return overrides
+def _expert_overrides(buft: ExpertBufferType) -> ctypes.Array[TensorBuftOverride]:
+    return override_array([(EXPERT_TENSOR_PATTERN, buft.address)])
 
 
 class Llama(llama_cpp.Llama):
@@ -119,7 +110,7 @@ class Llama(llama_cpp.Llama):
         self._spice_overrides = _expert_overrides(self._spice_buft)
         self._spice_model_params: Any = None  # see the model_params property
         self._spice_runtime: Runtime | None = None
-        self._spice_twin: llama_cpp.Llama | None = None
+        self._spice_twins: dict[tuple[int, tuple[tuple[str, str], ...]], llama_cpp.Llama] = {}
         if kwargs.get("n_gpu_layers", 0) == 0 and "op_offload" not in kwargs and device_count() > 0:
             # with no layer on the GPU, llama.cpp's op offload copies host weights over
             # for prompt batches; beside a real device tier those copies failed
@@ -196,6 +187,14 @@ class Llama(llama_cpp.Llama):
             verbose=False,
         )
         llm.spice_engine.planning = run.planning
+        if run.replay_routing is not None:
+            try:
+                replay = llm.spice_engine.set_routing_replay(run.replay_routing)
+            except Exception:
+                llm.close()
+                raise
+            assert replay is not None
+            say(replay.note)
         if run.auto_budget:
             budget = llm.automatic_device_budget()
             say(
@@ -357,24 +356,34 @@ class Llama(llama_cpp.Llama):
     def spice_reset_stats(self) -> None:
         self.spice_engine.reset_stats()
 
-    def spice_upstream_twin(self) -> llama_cpp.Llama:
-        """The same model loaded by plain llama_cpp.Llama with upstream's defaults
-        (weight repacking on), made on first use: what `bench` compares against
-        as "upstream". Shares nothing with this instance but the file."""
-        if self._spice_twin is None:
+    def spice_upstream_twin(
+        self, n_gpu_layers: int | None = None, tensor_overrides: Sequence[tuple[str, str]] = ()
+    ) -> llama_cpp.Llama:
+        """The same model loaded by plain llama.cpp with upstream's defaults (weight
+        repacking on, the hook never registered): what `bench` compares against as
+        its `upstream*` rows. `n_gpu_layers` as `-ngl` (default: this instance's),
+        `tensor_overrides` (pattern, buffer type) pairs as `-ot PATTERN=TYPE` takes
+        them. Made on first use for each placement; shares nothing with this
+        instance but the file."""
+        ngl = self.model_params.n_gpu_layers if n_gpu_layers is None else n_gpu_layers
+        key = (ngl, tuple(tensor_overrides))
+        twin = self._spice_twins.get(key)
+        if twin is None:
             cp = self.context_params
-            self._spice_twin = llama_cpp.Llama(
+            twin = PlainLlama(
                 self.model_path,
+                tensor_overrides=tensor_overrides,
                 n_ctx=cp.n_ctx,
                 n_batch=cp.n_batch,
                 n_ubatch=cp.n_ubatch,
                 n_threads=cp.n_threads,
                 n_threads_batch=cp.n_threads_batch,
-                n_gpu_layers=self.model_params.n_gpu_layers,
+                n_gpu_layers=ngl,
                 verbose=False,
             )
-            self._stack.callback(self._spice_twin.close)
-        return self._spice_twin
+            self._stack.callback(twin.close)
+            self._spice_twins[key] = twin
+        return twin
 
 
 def load_sidecar(path: str | Path, model_path: str | Path) -> Sidecar:

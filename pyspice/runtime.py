@@ -522,6 +522,7 @@ class Runtime:
         # HookCall fields (1 probs, 4 shared) the policy did not declare: reading one raises
         self._unrequested: frozenset[int] = frozenset()
         self._rules: dict[int, tuple[Rule, Any, tuple[Any, ...]]] = {}  # see _plan_rule
+        self._replay_ids: np.ndarray | None = None  # borrowed by libspice (set_routing_replay)
 
     # ---- lifecycle -----------------------------------------------------------
 
@@ -583,6 +584,16 @@ class Runtime:
         """Whether the device tier's slots are on a real (CUDA) device."""
         store = self._n.lib.spice_runtime_get_store(self._rt)
         return store != self._n.ffi.NULL and bool(self._n.lib.spice_store_is_real(store))
+
+    def slot_pool_bytes(self) -> int:
+        """Bytes of the device tier's slots: as many slots as the budget holds of the
+        smallest expert, each as large as the largest (what a CUDA tier allocates up
+        front); 0 without a tier."""
+        lib = self._n.lib
+        store = lib.spice_runtime_get_store(self._rt)
+        if store == self._n.ffi.NULL:
+            return 0
+        return int(lib.spice_store_n_slots(store)) * int(lib.spice_store_slot_bytes(store))
 
     def read_slot(self, il: int, e: int, size: int) -> bytes:
         """The first `size` bytes (gate | up | down) of resident expert (il, e) as the
@@ -663,6 +674,39 @@ class Runtime:
 
     def n_surrogates(self) -> int:
         return int(self._n.lib.spice_runtime_n_surrogates(self._rt))
+
+    # ---- routing replay ----------------------------------------------------------
+
+    def set_routing_replay(self, ids: npt.ArrayLike | None) -> None:
+        """Make every hook call use these expert ids instead of the router's:
+        ids [n_tokens, n_layers, n_used] over all the model's layers (dense layers'
+        rows ignored), each MoE row distinct experts of its layer; None stops
+        replaying. libspice borrows the array: this handle keeps it alive. Tokens
+        advance per hooked row, from token 0 (spice_runtime_set_routing_replay)."""
+        ffi, lib = self._n.ffi, self._n.lib
+        if ids is None:
+            self._check(lib.spice_runtime_set_routing_replay(self._rt, ffi.NULL, 0, 0, 0), "routing replay")
+            self._replay_ids = None
+            return
+        arr = np.ascontiguousarray(ids, dtype=np.int32)
+        if arr.ndim != 3:
+            raise ValueError(f"routing replay ids must be [tokens, layers, experts], not {arr.shape}")
+        status = lib.spice_runtime_set_routing_replay(
+            self._rt, ffi.from_buffer("int32_t[]", arr), arr.shape[0], arr.shape[1], arr.shape[2]
+        )
+        if status != 0:
+            raise SpiceError(status, self.last_error() or "routing replay refused")
+        self._replay_ids = arr  # borrowed by libspice until cleared
+
+    def routing_replay_position(self) -> int:
+        """The trace token the next micro-batch starts at; -1 when not replaying."""
+        return int(self._n.lib.spice_runtime_routing_replay_position(self._rt))
+
+    def seek_routing_replay(self, token: int) -> None:
+        """The next micro-batch starts at trace token `token` (modulo the trace's length)."""
+        self._check(
+            self._n.lib.spice_runtime_seek_routing_replay(self._rt, int(token)), "seek routing replay"
+        )
 
     # ---- policies ------------------------------------------------------------------
 

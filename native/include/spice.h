@@ -649,6 +649,46 @@ SPICE_API int spice_surrogate_apply(int32_t n_embd, int32_t rank, float alpha, c
                                     size_t shexp_nb1, const float * weights, float * out, size_t out_nb1,
                                     int32_t n_threads);
 
+/* ---- routing replay (timing runs) ---------------------------------------------
+ *
+ * Random-weight models route uniformly; replaying the expert ids of a
+ * recorded trace gives their runs real locality. While a replay is set, every
+ * hook call first replaces the router's selected expert ids with recorded
+ * ones, before anything reads them: the policy, the store (residency,
+ * recency, hit counters), the executors and the counters all see the
+ * recorded ids. The gate weights stay the router's, so the output is not the
+ * model's (timing only). The replacement is written over the call's id rows
+ * in the graph's buffer, which nothing reads after the hook.
+ *
+ * ids[(t * n_layers + il) * n_used + k] is the k-th expert of token t at
+ * layer il (n_layers = spice_runtime_n_layers; rows of dense layers are
+ * ignored); each MoE layer's row names distinct experts of that layer.
+ * Positions: the replay keeps the trace token of the current micro-batch's
+ * first row. A micro-batch begins at a hook call whose layer is not after the
+ * previous call's; its rows take the next tokens in order (a decode call
+ * one, a prompt batch one per row), wrapping around at n_tokens. A layer
+ * handed fewer rows than the micro-batch's first MoE layer (llama.cpp gives
+ * the last layer only the rows whose logits are wanted) takes the
+ * micro-batch's last rows. Micro-batches that keep upstream's path
+ * (max_tokens) are not hooked and take no tokens. A call selecting more
+ * experts than n_used keeps the router's ids.
+ *
+ * The array is borrowed, not copied: it must stay valid and unchanged until
+ * the replay is cleared (ids = NULL) or the runtime freed. Not to be called
+ * during a llama_decode. SPICE_ERR_INVALID_ARG for n_tokens < 1, n_used < 1,
+ * n_layers other than the runtime's, or an id out of range or repeated in a
+ * row (nothing changes then). The position starts at token 0. */
+SPICE_API int spice_runtime_set_routing_replay(spice_runtime * rt, const int32_t * ids, int64_t n_tokens,
+                                               int32_t n_layers, int32_t n_used);
+
+/* The trace token the next micro-batch starts at, or -1 with no replay. */
+SPICE_API int64_t spice_runtime_routing_replay_position(const spice_runtime * rt);
+
+/* The next micro-batch starts at trace token `token` (modulo the trace's
+ * length; e.g. 0 before each of several runs that must replay alike).
+ * SPICE_ERR_STATE with no replay, SPICE_ERR_INVALID_ARG for token < 0. */
+SPICE_API int spice_runtime_seek_routing_replay(spice_runtime * rt, int64_t token);
+
 /* ---- expert buffer type ------------------------------------------------------
  *
  * Where routed-expert tensors must live for the hook: plain host memory in

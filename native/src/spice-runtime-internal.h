@@ -1,7 +1,8 @@
 /* The runtime handle's layout, shared by the runtime's source files
  * (spice-runtime.c: the hook; spice-runtime-store.c: its device tier;
  * spice-runtime-surrogates.c: its surrogates; spice-plan.c: validation;
- * spice-runtime-async.c: asynchronous planning). */
+ * spice-runtime-async.c: asynchronous planning; spice-runtime-replay.c:
+ * routing replay). */
 #ifndef SPICE_RUNTIME_INTERNAL_H
 #define SPICE_RUNTIME_INTERNAL_H
 
@@ -19,6 +20,20 @@
 #include <stdint.h>
 
 struct llama_model;
+struct llama_moe_hook_call;
+
+/* Routing replay (spice_runtime_set_routing_replay): recorded expert ids the
+ * hook uses instead of the router's. Zeroed (ids NULL) means off; the ids are
+ * the caller's, so nothing here is freed. */
+typedef struct spice_routing_replay {
+    const int32_t * ids; /* [n_tokens][n_layers][n_used], borrowed */
+    int64_t n_tokens;
+    int32_t n_layers;
+    int32_t n_used;
+    int64_t base;        /* trace token of the current micro-batch's first row */
+    int32_t batch_rows;  /* rows of the current micro-batch's first MoE layer (0: none yet) */
+    int32_t last_il;     /* layer of the previous hooked call; -1: a micro-batch begins next */
+} spice_routing_replay;
 
 /* Plan buffers handed to a policy; grown by thread 0 as calls need. */
 typedef struct spice_plan_buffers {
@@ -93,6 +108,8 @@ struct spice_runtime {
     spice_plan_buffers async_lists; /* prefetch, evict, evict_from of the plans collected at this call */
     int32_t n_async_prefetch, n_async_evict, n_async_evict_from;
     const void * plan_rule;   /* the last rule a plan installed (its address), or NULL */
+
+    spice_routing_replay replay; /* routing replay; ids NULL: the router's ids */
 };
 
 /* Registers the hook again when what it must ask llama.cpp for changed
@@ -129,6 +146,11 @@ int spice_runtime_read_host_experts(spice_runtime * rt, int32_t il, const spice_
 void spice_runtime_book_io(spice_runtime * rt, int32_t il);
 int spice_runtime_host_read_init(spice_runtime * rt);
 void spice_runtime_host_read_free(spice_runtime * rt);
+
+/* Routing replay, the first thing of a hook call's snapshot (thread 0, before
+ * anything reads the ids): with a replay set, overwrite the call's id rows
+ * with the recorded ones of its tokens and move the position on. */
+void spice_runtime_replay_routing(spice_runtime * rt, const spice_hook_call * hc);
 
 /* The surrogate of (il, e), or NULL when none is loaded. */
 const spice_surrogate * spice_runtime_surrogate(const spice_runtime * rt, int32_t il, int32_t e);

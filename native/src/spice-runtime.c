@@ -131,6 +131,7 @@ static void default_actions(const spice_runtime * rt, spice_policy_call * call, 
  * expert resident (one poll of the device tier makes residency current,
  * copies in flight included), and the default plan. */
 static void snapshot_call(spice_runtime * rt, const spice_hook_call * hc, spice_policy_call * call) {
+    spice_runtime_replay_routing(rt, hc); /* recorded ids, if replaying, before anything reads them */
     memset(call, 0, sizeof(*call));
     call->il = hc->il;
     call->n_tokens = hc->n_tokens;

@@ -11,6 +11,8 @@ from typing import Any
 from pyspice.calibrate.capture import finish_decode_trace, start_decode_trace
 from pyspice.cli import bench_limited, numbers
 from pyspice.cli.common import add_context_args, add_model_args, add_sidecar_arg, open_model, resolve_model
+from pyspice.engine.config import gpu_present
+from pyspice.formats.model_info import read_header
 from pyspice.measure.bench import (
     DEFAULT_PROMPT,
     BenchConfig,
@@ -22,6 +24,10 @@ from pyspice.measure.bench import (
     split_row,
     stderr_progress,
 )
+from pyspice.measure.device_bytes import llama_buffer_report
+from pyspice.measure.upstream_rows import UPSTREAM_ROWS, UpstreamRow, plan_row
+from pyspice.runtime import device_memory
+from pyspice.units import format_bytes
 
 
 def register(sub: Any) -> None:
@@ -34,8 +40,11 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--policies",
         default="stock,exact,exact-py",
-        help="comma-separated policy names; 'upstream' adds the model loaded by plain llama_cpp.Llama "
-        "with upstream's defaults (weight repacking on); NAME@sync, NAME@async, NAME@detK run a "
+        help="comma-separated policy names; llama.cpp rows (plain llama_cpp.Llama, upstream's "
+        "defaults, weight repacking on): 'upstream' (-ngl 99 on a GPU: every weight there), "
+        "'upstream-ncmoe' (-ngl 99 --n-cpu-moe N, N the smallest whose GPU experts fit the "
+        "slots of the --device-budget tier) and 'upstream-cpu-exps' (-ngl 99 -ot exps=CPU), the "
+        "last two GPU only (skipped, with the reason, elsewhere); NAME@sync, NAME@async, NAME@detK run a "
         "SPICE policy planning synchronously, asynchronously, or deterministically K layers late",
     )
     p.add_argument(
@@ -71,6 +80,16 @@ def register(sub: Any) -> None:
         "decode step's MoE inputs and routing into this trace directory (pyspice sim)",
     )
     p.add_argument(
+        "--replay-routing",
+        metavar="TRACE",
+        type=Path,
+        default=None,
+        help="timing only: every hooked row uses the expert ids of this recorded trace (bench "
+        "--trace, python -m pyspice.measure.record trace) instead of the router's, so hit rates and "
+        "TPOT of a random-weight model show real locality; outputs are not compared; a trace of "
+        "another geometry is mapped (said once); --trace then records the replayed ids",
+    )
+    p.add_argument(
         "--memory-limit",
         type=numbers.byte_size("the RAM every row may use"),
         default=None,
@@ -88,7 +107,11 @@ def _record_trace(llm: Any, out: str, policies: list[str], prompt: tuple[int, ..
     name = policies[0] if policies else "exact"
     recorder = start_decode_trace(llm, out, "exact" if name == "stock" else name)
     llm.reset()
+    replay = llm.spice_engine.replay  # replaying: the trace records the replayed ids, as the rows ran
+    llm.spice_engine.seek_routing_replay(0)
     llm.eval(list(prompt))
+    if replay is not None:
+        llm.spice_engine.seek_routing_replay(replay.decode_start)
     tokens = [greedy_next(llm)]
     for _ in range(n_predict - 1):
         llm.eval([tokens[-1]])
@@ -97,29 +120,106 @@ def _record_trace(llm: Any, out: str, policies: list[str], prompt: tuple[int, ..
     print(f"bench: trace of {trace.n_tokens} decode steps written to {out}", file=sys.stderr)
 
 
+def plan_upstream_rows(llm: Any, model: Path, policies: tuple[str, ...]) -> dict[str, UpstreamRow]:
+    """How each llama.cpp row among `policies` loads here, or why it cannot."""
+    wanted = [p for p in policies if p in UPSTREAM_ROWS]
+    if not wanted:
+        return {}
+    gpu = gpu_present()
+    # what the pyspice rows' tier holds on the device: its slots (the budget in slots as large
+    # as the largest expert), which is what upstream-ncmoe's GPU experts must match
+    tier = llm.spice_engine.runtime.slot_pool_bytes() if llm.spice_device is not None else None
+    tensors = read_header(model).tensors
+    return {
+        name: plan_row(
+            name,
+            tensors,
+            gpu=gpu,
+            budget_bytes=tier,
+            device_free=device_memory(0)[0] if gpu else None,
+            cpu_n_gpu_layers=int(llm.model_params.n_gpu_layers),
+        )
+        for name in wanted
+    }
+
+
+def pick_baseline(policies: tuple[str, ...], upstream: dict[str, UpstreamRow], chosen: str | None) -> str:
+    """--baseline, or the first row that runs here; a baseline that cannot run is an error."""
+    skipped = {name: row.skip for name, row in upstream.items() if row.skip is not None}
+    if chosen is not None:
+        if chosen in skipped:
+            raise ValueError(f"baseline {chosen!r} cannot run here ({skipped[chosen]}); name another")
+        return chosen
+    runs = [p for p in policies if p not in skipped]
+    if not runs:
+        raise ValueError(f"no row of --policies can run here: {'; '.join(skipped.values())}")
+    return runs[0]
+
+
+def row_record(row: UpstreamRow) -> dict[str, Any]:
+    """A llama.cpp row's placement for --json."""
+    return {
+        "label": row.label,
+        "n_gpu_layers": row.n_gpu_layers,
+        "overrides": [f"{pattern}={buft}" for pattern, buft in row.overrides],
+        "expert_device_bytes": row.expert_device_bytes,
+        "skipped": row.skip,
+        **row.extra,
+    }
+
+
+def describe_row(row: UpstreamRow) -> str:
+    """What a llama.cpp row ran, as llama.cpp's own flags say it."""
+    if not row.n_gpu_layers:
+        return f"bench: {row.label}: llama.cpp with upstream's defaults, every weight on the CPU"
+    flags = f"-ngl {row.n_gpu_layers}"
+    if "n_cpu_moe" in row.extra:
+        flags += (
+            f" --n-cpu-moe {row.extra['n_cpu_moe']} (the experts of {row.extra['gpu_expert_layers']} of "
+            f"{row.extra['expert_layers']} MoE layers on the GPU: {format_bytes(row.expert_device_bytes)}, "
+            f"for the {format_bytes(row.extra['matched_bytes'])} of the pyspice rows' device tier)"
+        )
+    elif row.overrides:
+        flags += "".join(f" -ot {pattern}={buft}" for pattern, buft in row.overrides)
+    return f"bench: {row.label}: llama.cpp {flags}"
+
+
 def run(args: argparse.Namespace) -> int:
     if args.memory_limit is not None:
+        if args.replay_routing is not None:
+            raise ValueError("--replay-routing is for timing runs; --memory-limit rows do not replay")
         return bench_limited.run(args)
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
     if not policies:
         raise ValueError("--policies needs at least one policy name")
-    baseline = args.baseline if args.baseline is not None else policies[0]
-    if baseline not in policies:
-        raise ValueError(f"baseline {baseline!r} is not among --policies {','.join(policies)}")
+    if args.baseline is not None and args.baseline not in policies:
+        raise ValueError(f"baseline {args.baseline!r} is not among --policies {','.join(policies)}")
     if args.n_predict < 1 or args.repeat < 1:
         raise ValueError("-n and --repeat must be at least 1")
     prompt = Path(args.file).read_text(encoding="utf-8") if args.file else (args.prompt or DEFAULT_PROMPT)
     # open as the first policy that is not the reference, so that what it needs
     # (a device tier, the model's sidecar) is found before any run starts
-    first = next((split_row(p)[0] for p in policies if p not in ("stock", "upstream")), "stock")
-    resolve_model(args, role="benchmark")  # with no -m, the model in the targets' routing regime
-    llm = open_model(args, first)
+    first = next((split_row(p)[0] for p in policies if p != "stock" and p not in UPSTREAM_ROWS), "stock")
+    model = resolve_model(args, role="benchmark")  # with no -m, the model in the targets' routing regime
+    with llama_buffer_report() as model_buffers:
+        llm = open_model(args, first)
     prompt_tokens = fit_prompt(llm.tokenize(prompt.encode("utf-8"), add_bos=True), args.prompt_tokens)
     if len(prompt_tokens) + args.n_predict > args.ctx_size:
         raise ValueError(
             f"prompt ({len(prompt_tokens)} tokens) + -n {args.n_predict} exceed -c {args.ctx_size}"
         )
-    cfg = BenchConfig(policies, prompt_tokens, args.n_predict, args.repeat)
+    upstream = plan_upstream_rows(llm, model, policies)
+    baseline = pick_baseline(policies, upstream, args.baseline)
+    replay = llm.spice_engine.replay
+    cfg = BenchConfig(
+        policies,
+        prompt_tokens,
+        args.n_predict,
+        args.repeat,
+        upstream=upstream,
+        replay_decode_start=replay.decode_start if replay is not None else None,
+        model_buffers=model_buffers,
+    )
     stderr_progress(
         f"{resolve_model(args).name}: {len(prompt_tokens)} prompt tokens, {args.n_predict} decoded, "
         f"{args.repeat} repeats, {llm.n_threads} threads"
@@ -127,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
     results = run_bench(llm, cfg, stderr_progress)
     if args.trace:
         _record_trace(
-            llm, args.trace, [p for p in policies if p != "upstream"], prompt_tokens, args.n_predict
+            llm, args.trace, [p for p in policies if p not in UPSTREAM_ROWS], prompt_tokens, args.n_predict
         )
     llm.close()
     if args.json:
@@ -137,12 +237,17 @@ def run(args: argparse.Namespace) -> int:
             "n_predict": args.n_predict,
             "repeat": args.repeat,
             "threads": llm.n_threads,
+            "replay_routing": str(replay.source) if replay is not None else None,
             "policies": {name: res.record() for name, res in results.items()},
+            "llama_cpp_rows": {name: row_record(row) for name, row in upstream.items()},
         }
         json.dump(doc, sys.stdout)
         sys.stdout.write("\n")
     else:
         print(format_table(results, baseline))
+        for row in upstream.values():
+            if row.skip is None:
+                print(describe_row(row))
     if args.plot:
         title = f"{resolve_model(args).name}: {len(prompt_tokens)}-token prompt, {args.n_predict} decoded"
         plot(results, baseline, args.plot, title)

@@ -27,10 +27,12 @@ from pyspice.measure.isolated_row import UPSTREAM, RowSpec, config_fields
 from pyspice.measure.limited_bench import run_limited_bench, tokenize
 from pyspice.measure.limited_report import format_limited_table, limited_document, limited_plot
 from pyspice.measure.memlimit import system_layout
+from pyspice.measure.upstream_rows import UPSTREAM_CPU_EXPS, UPSTREAM_NCMOE
 from pyspice.policy import policy_spec
 from pyspice.units import format_bytes
 
 RAM_KEY = "@ram="
+GPU_ROWS = (UPSTREAM_NCMOE, UPSTREAM_CPU_EXPS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +58,11 @@ def parse_rows(text: str) -> list[Row]:
                     f"row {entry!r}: upstream is plain llama.cpp from its mmap, it has no RAM budget; "
                     "write 'upstream'"
                 )
+        elif name in GPU_ROWS:
+            raise ValueError(
+                f"row {entry!r} splits the experts between GPU and CPU; --memory-limit rows measure "
+                "the host: leave it out (or run it without --memory-limit)"
+            )
         else:
             policy_spec(name)  # unknown names fail before any work
         rows.append(Row(entry, name, ram or None))

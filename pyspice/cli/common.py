@@ -246,6 +246,7 @@ def run_config(
         max_hook_tokens=args.max_hook_tokens,
         planning=planning_of(args),
         device_executor=getattr(args, "device_executor", "auto"),
+        replay_routing=getattr(args, "replay_routing", None),
     )
 
 

@@ -102,6 +102,7 @@ class RunConfig:
     max_hook_tokens: int | None = None
     planning: Planning = field(default_factory=Planning)  # where SPICE policies plan
     device_executor: str = "auto"  # how a computing device runs its experts: auto, pool, legacy
+    replay_routing: Path | None = None  # a trace whose expert ids the hook uses (timing only)
 
     def __post_init__(self) -> None:
         # every numeric setting checked here, before anything loads (engine/checks.py)
@@ -212,6 +213,7 @@ class RunConfig:
             planning=self.planning,
             device_executor=self.device_executor,
             loaded_sidecar=loaded,
+            replay_routing=self.replay_routing,
         )
 
     def _max_hook_tokens(self, gpu: bool, budget: str | int | None, policy: str, note: Note) -> int:
@@ -282,3 +284,4 @@ class ResolvedRun:
     device_executor: str = "auto"
     # the sidecar as resolve() loaded and checked it, so loading the model reads it once
     loaded_sidecar: Sidecar | None = field(default=None, compare=False, repr=False)
+    replay_routing: Path | None = None

@@ -27,6 +27,7 @@ from pyspice.engine.device import DeviceTier, automatic_budget, store_params
 from pyspice.engine.disk import disk_store_params
 from pyspice.engine.planning import Planning
 from pyspice.engine.profile import profile_for_tier, saved_disk, saved_profile
+from pyspice.engine.replay import RoutingReplay, load_routing_replay
 from pyspice.engine.surrogates import (
     SURROGATE_BUDGET_SHARE,
     SurrogateSet,
@@ -95,6 +96,7 @@ class Engine:
         self._blas_limit: Any = None  # threadpoolctl's handle, held while it lasts
         self._said_rank: int | None = None  # the surrogate rank cut, once said
         self.planning = Planning()  # where the shipped SPICE policies plan (engine/planning.py)
+        self.replay: RoutingReplay | None = None  # recorded expert ids the hook uses (timing only)
 
     def require_runtime(self) -> Runtime:
         if self.runtime is None:
@@ -408,6 +410,27 @@ class Engine:
         if self._predictor is None:
             self._predictor = self.sidecar.predictor(self._routers)
         return self._predictor
+
+    # ---- routing replay ---------------------------------------------------------------
+
+    def set_routing_replay(self, trace: str | Path | None) -> RoutingReplay | None:
+        """Hook calls use the expert ids of the trace at `trace` instead of the router's
+        (engine/replay.py: timing only; its note says how the trace maps onto the
+        model), from its first token on; None: the router's again."""
+        runtime = self.require_runtime()
+        if trace is None:
+            runtime.set_routing_replay(None)
+            self.replay = None
+            return None
+        replay = load_routing_replay(Path(trace), runtime.layers(), self.n_expert_used)
+        runtime.set_routing_replay(replay.ids)
+        self.replay = replay
+        return replay
+
+    def seek_routing_replay(self, token: int) -> None:
+        """The next micro-batch replays from trace token `token` (a no-op without a replay)."""
+        if self.replay is not None:
+            self.require_runtime().seek_routing_replay(token)
 
     # ---- stats -----------------------------------------------------------------------
 

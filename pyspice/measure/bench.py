@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 
 from pyspice.engine.planning import Planning
+from pyspice.measure.device_bytes import BufferReport, device_bytes, device_match_lines, llama_buffer_report
+from pyspice.measure.upstream_rows import UPSTREAM_ROWS, UpstreamRow
 from pyspice.policy import policy_spec
 from pyspice.policy.registry import split_planning
 
@@ -36,6 +38,12 @@ class BenchConfig:
     prompt_tokens: tuple[int, ...]
     n_predict: int
     repeat: int = 3
+    # how the llama.cpp rows of `policies` load, or why they cannot run (upstream_rows.plan_row);
+    # a llama.cpp row without a plan runs as `upstream` always has: upstream's defaults
+    upstream: dict[str, UpstreamRow] = field(default_factory=dict)
+    # routing replay: the trace token decode steps replay from (None: the router's routing)
+    replay_decode_start: int | None = None
+    model_buffers: BufferReport | None = None  # llama.cpp's buffers of the pyspice model
 
 
 @dataclass
@@ -47,9 +55,23 @@ class PolicyResult:
     stats: dict[str, Any] = field(default_factory=dict)
     tokens_consistent: bool = True  # same tokens in every repeat
     policy_us: list[float] = field(default_factory=list)  # per decode hook call, each repeat
+    label: str = ""  # the table's name (a llama.cpp row's placement); "" = name
+    skipped: str | None = None  # why the row did not run here
+    timing_only: bool = False  # replayed routing: outputs are not the model's, tokens not compared
+    device: dict[str, int] = field(default_factory=dict)  # device bytes (device_bytes.device_bytes)
+
+    @property
+    def shown(self) -> str:
+        return self.label or self.name
 
     def record(self) -> dict[str, Any]:
+        if self.skipped is not None:
+            return {"label": self.shown, "skipped": self.skipped}
         rec = dict(self.stats)
+        rec["label"] = self.shown
+        rec["device_bytes"] = self.device
+        if self.timing_only:
+            rec["timing_only"] = True
         if self.policy_us:  # noisy on shared machines: the median of the repeats, like TPOT
             rec["policy_us_per_decode_call"] = median(self.policy_us)
             rec["policy_us_per_decode_call_runs"] = self.policy_us
@@ -92,11 +114,6 @@ def greedy_next(llm: Any) -> int:
     return int(np.argmax(logits))
 
 
-# Not a policy: the same model loaded by plain llama_cpp.Llama with upstream's
-# defaults (CPU weight repacking on), to measure against what users run today.
-UPSTREAM_ROW = "upstream"
-
-
 def split_row(row: str) -> tuple[str, Planning | None]:
     """A bench row: a policy name, optionally with where it plans -- `NAME@sync`,
     `NAME@async` (free-running) or `NAME@detK` (deterministic, lag K) -- so one run
@@ -108,12 +125,17 @@ def split_row(row: str) -> tuple[str, Planning | None]:
 
 
 def run_one(
-    llm: Any, row: str, cfg: BenchConfig, default_planning: Planning | None = None
+    llm: Any,
+    row: str,
+    cfg: BenchConfig,
+    default_planning: Planning | None = None,
+    twins: UpstreamTwins | None = None,
 ) -> tuple[float, float, list[int], dict[str, Any]]:
     """One repeat of one policy: (prefill tok/s, TPOT ms, generated ids, stats record).
-    A row without '@' plans as `default_planning` says (None: as the engine does now)."""
-    if row == UPSTREAM_ROW:
-        return _run_plain(llm, cfg)
+    A row without '@' plans as `default_planning` says (None: as the engine does now);
+    a llama.cpp row runs its model of `twins`."""
+    if row in UPSTREAM_ROWS:
+        return _run_plain((twins or UpstreamTwins(llm, cfg.upstream)).get(row), cfg)
     name, planning = split_row(row)
     chosen = planning if planning is not None else default_planning
     if chosen is not None:
@@ -121,7 +143,10 @@ def run_one(
     llm.set_policy(name)
     llm.reset()
     llm.spice_reset_stats()
+    llm.spice_engine.seek_routing_replay(0)  # every row and repeat replays the same routing
     llm.eval(list(cfg.prompt_tokens))
+    if cfg.replay_decode_start is not None:
+        llm.spice_engine.seek_routing_replay(cfg.replay_decode_start)
     prompt = llm.spice_stats()
     tokens = [greedy_next(llm)]
     for _ in range(cfg.n_predict - 1):
@@ -156,8 +181,26 @@ def decode_hit_rate(total: dict[str, Any], prompt: dict[str, Any]) -> float:
     return hits / acts if acts > 0 else 0.0
 
 
-def _run_plain(llm: Any, cfg: BenchConfig) -> tuple[float, float, list[int], dict[str, Any]]:
-    plain = llm.spice_upstream_twin()
+class UpstreamTwins:
+    """The plain llama.cpp models of a run's llama.cpp rows, each loaded on first use
+    with what llama.cpp reported allocating for it (device_bytes.llama_buffer_report)."""
+
+    def __init__(self, llm: Any, rows: dict[str, UpstreamRow]) -> None:
+        self.llm, self.rows = llm, rows
+        self.buffers: dict[str, BufferReport] = {}
+
+    def get(self, name: str) -> Any:
+        row = self.rows.get(name)  # None: upstream's defaults
+        ngl, overrides = (row.n_gpu_layers, row.overrides) if row is not None else (None, ())
+        if name in self.buffers:
+            return self.llm.spice_upstream_twin(ngl, overrides)
+        with llama_buffer_report() as report:
+            twin = self.llm.spice_upstream_twin(ngl, overrides)
+        self.buffers[name] = report
+        return twin
+
+
+def _run_plain(plain: Any, cfg: BenchConfig) -> tuple[float, float, list[int], dict[str, Any]]:
     plain.reset()
     start = time.perf_counter()
     plain.eval(list(cfg.prompt_tokens))
@@ -178,18 +221,20 @@ def run_bench(
     llm: Any, cfg: BenchConfig, progress: Callable[[str], None] | None = None
 ) -> dict[str, PolicyResult]:
     for name in cfg.policies:
-        if name != UPSTREAM_ROW:
+        if name not in UPSTREAM_ROWS:
             policy_spec(split_row(name)[0])  # unknown names fail before any work
-    results = {name: PolicyResult(name) for name in cfg.policies}
-    n = len(cfg.policies)
+    results = {name: _result(llm, name, cfg) for name in cfg.policies}
+    runs = tuple(name for name in cfg.policies if results[name].skipped is None)
+    n = len(runs)
     default_planning = llm.spice_engine.planning  # the run's, for rows without '@'
+    twins = UpstreamTwins(llm, cfg.upstream)
 
     for r in range(cfg.repeat):
-        order = cfg.policies[r % n :] + cfg.policies[: r % n]
+        order = runs[r % n :] + runs[: r % n]
         for name in order:
             if progress:
                 progress(f"repeat {r + 1}/{cfg.repeat}: {name}")
-            pps, tpot, tokens, stats = run_one(llm, name, cfg, default_planning)
+            pps, tpot, tokens, stats = run_one(llm, name, cfg, default_planning, twins)
             res = results[name]
             res.prefill_tps.append(pps)
             res.tpot_ms.append(tpot)
@@ -198,31 +243,65 @@ def run_bench(
             res.tokens = tokens
             res.stats = stats
             res.policy_us.append(float(stats.get("policy_us_per_decode_call", 0.0)))
+    for name in runs:
+        results[name].device = _device_bytes(llm, name, cfg, twins)
     return results
+
+
+def _result(llm: Any, name: str, cfg: BenchConfig) -> PolicyResult:
+    """An empty result for row `name`: its label, and why it is skipped, if it is."""
+    row = cfg.upstream.get(name)
+    if row is not None:
+        return PolicyResult(name, label=row.label, skipped=row.skip)
+    hooked = name not in UPSTREAM_ROWS and split_row(name)[0] != "stock"
+    return PolicyResult(name, timing_only=hooked and cfg.replay_decode_start is not None)
+
+
+def _device_bytes(llm: Any, name: str, cfg: BenchConfig, twins: UpstreamTwins) -> dict[str, int]:
+    """What row `name` holds on the device: a llama.cpp row its model's device buffers;
+    a pyspice row the pyspice model's, and the tier's slots unless it is `stock`."""
+    if name in UPSTREAM_ROWS:
+        return device_bytes(twins.buffers.get(name))
+    runtime = llm.spice_engine.runtime
+    uses_tier = split_row(name)[0] != "stock" and runtime is not None
+    return device_bytes(cfg.model_buffers, runtime.slot_pool_bytes() if uses_tier else 0)
 
 
 def _ratio(value: float, base: float) -> str:
     return f"{value / base:.2f}" if base else "-"
 
 
+def _same_tokens(res: PolicyResult, base: PolicyResult | None) -> str:
+    if res.timing_only:
+        return "timing only"
+    if base is None or base.timing_only:
+        return "-"
+    return "yes" if res.tokens == base.tokens else "NO"
+
+
 def format_table(results: dict[str, PolicyResult], baseline: str) -> str:
-    """Median and best of the repeats, each with its ratio to the baseline's, and
-    the stats record's traffic columns (from the last repeat)."""
+    """Median and best of the repeats, each with its ratio to the baseline's, the stats
+    record's traffic columns (from the last repeat) and each row's device bytes; rows
+    that cannot run here say why."""
     base = results.get(baseline)
     b_pps = (median(base.prefill_tps), max(base.prefill_tps)) if base else (0.0, 0.0)
     b_tpot = (median(base.tpot_ms), min(base.tpot_ms)) if base else (0.0, 0.0)
+    width = max([18, *(len(res.shown) for res in results.values())])
     header = (
-        f"{'policy':<18} {'prefill tok/s':>13} {'x ' + baseline:>11} {'TPOT ms':>9} {'best':>8} "
+        f"{'policy':<{width}} {'prefill tok/s':>13} {'x ' + baseline:>11} {'TPOT ms':>9} {'best':>8} "
         f"{'x ' + baseline:>11} {'spread':>7} {'hit':>6} {'dec hit':>7} {'fetch/host/surr':>17} "
-        f"{'MiB/tok':>8} {'stall ms/tok':>12} {'pol us/call':>11} {'lag':>5} {'stale':>6} {'same tokens':>11}"
+        f"{'MiB/tok':>8} {'stall ms/tok':>12} {'pol us/call':>11} {'lag':>5} {'stale':>6} "
+        f"{'dev MiB':>9} {'same tokens':>11}"
     )
     lines = [header, "-" * len(header)]
-    for name, res in results.items():
+    for res in results.values():
+        if res.skipped is not None:
+            lines.append(f"{res.shown:<{width}} skipped: {res.skipped}")
+            continue
         pps, pps_best = median(res.prefill_tps), max(res.prefill_tps)
         tpot, tpot_best = median(res.tpot_ms), min(res.tpot_ms)
         st = res.stats
         misses = st.get("misses", {})
-        same = "yes" if base and res.tokens == base.tokens else "NO"
         pps_ratio = _ratio(pps, b_pps[0]) + "/" + _ratio(pps_best, b_pps[1])
         tpot_ratio = _ratio(tpot, b_tpot[0]) + "/" + _ratio(tpot_best, b_tpot[1])
         outcome = f"{misses.get('fetched', 0)}/{misses.get('host', 0)}/{misses.get('surrogate', 0)}"
@@ -230,11 +309,12 @@ def format_table(results: dict[str, PolicyResult], baseline: str) -> str:
         lag = f"{planning['lag_layers']:.1f}" if planning.get("asynchronous") else "-"
         stale = str(planning.get("stale", 0)) if planning.get("asynchronous") else "-"
         lines.append(
-            f"{name:<18} {pps:>13.1f} {pps_ratio:>11} {tpot:>9.3f} {tpot_best:>8.3f} {tpot_ratio:>11} "
-            f"{spread(res.tpot_ms):>6.1%} {st.get('hit_rate', 0.0):>6.3f} "
+            f"{res.shown:<{width}} {pps:>13.1f} {pps_ratio:>11} {tpot:>9.3f} {tpot_best:>8.3f} "
+            f"{tpot_ratio:>11} {spread(res.tpot_ms):>6.1%} {st.get('hit_rate', 0.0):>6.3f} "
             f"{st.get('decode_hit_rate', 0.0):>7.3f} {outcome:>17} "
             f"{st.get('bytes_per_token', 0.0) / 2**20:>8.2f} {st.get('stall_ms_per_token', 0.0):>12.3f} "
-            f"{median(res.policy_us) if res.policy_us else 0.0:>11.1f} {lag:>5} {stale:>6} {same:>11}"
+            f"{median(res.policy_us) if res.policy_us else 0.0:>11.1f} {lag:>5} {stale:>6} "
+            f"{res.device.get('total', 0) / 2**20:>9.1f} {_same_tokens(res, base):>11}"
         )
     lines.append(
         f"(prefill: median, x {baseline} = median ratio/best ratio, above 1 is faster; TPOT: median and "
@@ -242,8 +322,12 @@ def format_table(results: dict[str, PolicyResult], baseline: str) -> str:
         "decode steps only; misses as fetched/host/surrogate; "
         "pol us/call: the hook thread's deciding time per decode hook call (the policy when "
         "synchronous; posting snapshots, applying plans and the rule when asynchronous), median of "
-        "the repeats; lag: layers from a snapshot to its plan's use, stale: plans dropped as too late)"
+        "the repeats; lag: layers from a snapshot to its plan's use, stale: plans dropped as too late; "
+        "dev MiB: device memory as llama.cpp reports its buffers (weights, KV cache, compute) plus "
+        "the device tier's slots (an emulated tier's are host memory standing in for them); "
+        "timing only: routing replayed from a trace, outputs not the model's)"
     )
+    lines.extend(device_match_lines({n: r.device for n, r in results.items() if r.skipped is None}))
     return "\n".join(lines)
 
 
@@ -254,6 +338,7 @@ def plot(results: dict[str, PolicyResult], baseline: str, path: str, title: str)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    results = {n: r for n, r in results.items() if r.skipped is None}
     names = list(results)
     pps = [median(results[n].prefill_tps) for n in names]
     tpot = [median(results[n].tpot_ms) for n in names]
@@ -266,9 +351,10 @@ def plot(results: dict[str, PolicyResult], baseline: str, path: str, title: str)
         [max(r.tpot_ms) - median(r.tpot_ms) for r in results.values()],
     ]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(4 + 1.6 * len(names), 4))
-    ax1.bar(names, pps, yerr=pps_err, color="tab:blue", capsize=4)
+    labels = [results[n].shown for n in names]
+    ax1.bar(labels, pps, yerr=pps_err, color="tab:blue", capsize=4)
     ax1.set_title("prefill tokens/s (higher is better)")
-    ax2.bar(names, tpot, yerr=tpot_err, color="tab:orange", capsize=4)
+    ax2.bar(labels, tpot, yerr=tpot_err, color="tab:orange", capsize=4)
     ax2.set_title("decode TPOT ms (lower is better)")
     base = results.get(baseline)
     for ax, values, ref in (

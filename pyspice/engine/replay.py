@@ -1,0 +1,125 @@
+"""Routing replay: a recorded trace's expert ids, laid out for libspice to use
+instead of the router's (spice_runtime_set_routing_replay).
+
+For timing on random-weight real-shape models, whose routers pick experts
+with no locality: replayed ids give hit rates and TPOT the locality of real
+routing. Outputs are not the model's (the gate weights stay the router's), so
+such runs are timing only.
+
+A trace of another geometry is mapped, and the mapping said in one note:
+
+- layers by index: the model's j-th MoE layer replays the trace's
+  (j mod L)-th of its L MoE layers;
+- experts by block: trace expert e of n_t stands for the model's experts
+  floor(e * n_m / n_t) onwards (itself when n_m = n_t); a token's first slots
+  take the first expert of each of its trace experts' blocks, in the trace's
+  order, and slots beyond the trace's top-k the blocks' next experts; an id
+  already taken in the row moves to the next free one (mod n_m), so every
+  row names distinct experts. Equal geometry replays the trace's ids as
+  recorded (the first k of each row when the trace routes more per token).
+
+Positions: trace tokens in order, one per hooked row, wrapping at the end
+(libspice's rule); `decode_start` is the first decode step's token in the
+trace: the recorded prompt's length when the trace holds its rows one per
+call (`python -m pyspice.measure.record trace`), else 0 (`bench --trace`
+records decode steps only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+from pyspice.formats.trace import TraceMeta, TraceReader
+from pyspice.runtime import LayerInfo
+
+
+@dataclass(frozen=True)
+class RoutingReplay:
+    ids: npt.NDArray[np.int32]  # [tokens, n_layers, k] over all the model's layers (dense rows 0)
+    decode_start: int  # the trace token the first decode step replays
+    source: Path
+    note: str  # how the trace maps onto the model, for the user
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.ids.shape[0])
+
+
+def map_expert_rows(trace_ids: npt.NDArray[np.integer], n_trace: int, n_model: int, k: int) -> np.ndarray:
+    """Rows of trace expert ids [T, k_t] (distinct ids < n_trace) as rows of k distinct
+    model experts < n_model, by the block rule of the module's docstring."""
+    rows = np.asarray(trace_ids, dtype=np.int64)
+    if k > n_model:
+        raise ValueError(f"a row of {k} distinct experts needs at least {k} experts, not {n_model}")
+    if n_trace == n_model and k <= rows.shape[1]:
+        return rows[:, :k].astype(np.int32)
+    k_t = rows.shape[1]
+    first = rows * n_model // n_trace  # each trace expert's block start
+    out = np.empty((rows.shape[0], k), dtype=np.int32)
+    for t in range(rows.shape[0]):
+        taken: set[int] = set()
+        for slot in range(k):
+            e = (int(first[t, slot % k_t]) + slot // k_t) % n_model
+            while e in taken:
+                e = (e + 1) % n_model
+            taken.add(e)
+            out[t, slot] = e
+    return out
+
+
+def geometry_note(meta: TraceMeta, n_tokens: int, moe: list[LayerInfo], k: int) -> str:
+    n_model = moe[0].n_expert
+    head = (
+        f"routing replay: {n_tokens} tokens of {meta.model}'s recorded routing "
+        f"({len(meta.moe_layers)} MoE layers, top-{meta.n_expert_used} of {meta.n_expert}) replace the "
+        "router's expert ids on every hooked row (timing only: the gate weights stay the router's, "
+        "the outputs are not the model's)"
+    )
+    same = len(meta.moe_layers) == len(moe) and meta.n_expert == n_model and meta.n_expert_used >= k
+    if same:
+        return head + "; same geometry: ids as recorded"
+    parts = [f"on a model of {len(moe)} MoE layers, top-{k} of {n_model}:"]
+    if len(meta.moe_layers) != len(moe):
+        parts.append(f"model MoE layer j replays trace layer j mod {len(meta.moe_layers)};")
+    if meta.n_expert != n_model:
+        parts.append(f"trace expert e stands for model experts from e*{n_model}//{meta.n_expert} on;")
+    if k > meta.n_expert_used:
+        parts.append(f"slots beyond the trace's {meta.n_expert_used} take the next expert of each block;")
+    elif k < meta.n_expert_used:
+        parts.append(f"the first {k} of each recorded row;")
+    if meta.n_expert != n_model or k > meta.n_expert_used:
+        parts.append("an id taken twice in a row moves to the next free expert;")
+    return head + "; " + " ".join(parts).rstrip(";")
+
+
+def decode_start_of(meta: TraceMeta, n_tokens: int) -> int:
+    """The trace token of the first decode step (see the module's docstring)."""
+    if meta.extra.get("prompt_rows_skipped") is not None:  # bench/generate --trace: decode steps only
+        return 0
+    prompt = meta.extra.get("prompt_tokens", 0)
+    return int(prompt) % n_tokens if isinstance(prompt, int) and prompt > 0 else 0
+
+
+def load_routing_replay(path: Path, layers: list[LayerInfo], n_expert_used: int) -> RoutingReplay:
+    """The trace at `path` as ids for a model of `layers` routing `n_expert_used` per token."""
+    reader = TraceReader(path)
+    if reader.n_tokens < 1:
+        raise ValueError(f"{path}: the trace holds no tokens to replay")
+    trace_ids, _weights = reader.routing()  # [T, L_t, k_t]
+    moe = [info for info in layers if info.is_moe]
+    if not moe:
+        raise ValueError("routing replay needs a model with MoE layers")
+    ids = np.zeros((reader.n_tokens, len(layers), n_expert_used), dtype=np.int32)
+    for j, info in enumerate(moe):
+        src = trace_ids[:, j % trace_ids.shape[1], :]
+        ids[:, info.il, :] = map_expert_rows(src, reader.meta.n_expert, info.n_expert, n_expert_used)
+    return RoutingReplay(
+        ids=ids,
+        decode_start=decode_start_of(reader.meta, reader.n_tokens),
+        source=Path(path),
+        note=geometry_note(reader.meta, reader.n_tokens, moe, n_expert_used),
+    )

@@ -1,0 +1,77 @@
+"""Routing replay's mapping of a trace onto a model of another geometry (engine/replay.py):
+rows stay distinct and in range, equal geometry replays the ids as recorded, and where
+decode steps start in the trace."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pyspice.engine.replay import decode_start_of, map_expert_rows
+from pyspice.formats.trace import TraceMeta
+
+
+def _rows(n_expert: int, k: int, n: int = 200, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.stack([rng.choice(n_expert, size=k, replace=False) for _ in range(n)])
+
+
+def _distinct_in_range(rows: np.ndarray, n_expert: int) -> bool:
+    return bool(
+        rows.min() >= 0 and rows.max() < n_expert and all(len(set(r.tolist())) == len(r) for r in rows)
+    )
+
+
+def test_equal_geometry_replays_the_ids_as_recorded() -> None:
+    trace = _rows(64, 6)
+    np.testing.assert_array_equal(map_expert_rows(trace, 64, 64, 6), trace)
+    np.testing.assert_array_equal(map_expert_rows(trace, 64, 64, 4), trace[:, :4])  # the first k
+
+
+@pytest.mark.parametrize(
+    ("n_trace", "k_trace", "n_model", "k_model"),
+    [(32, 4, 64, 6), (64, 6, 32, 4), (8, 2, 8, 4), (64, 8, 64, 6), (32, 4, 8, 8), (60, 4, 64, 6)],
+)
+def test_other_geometries_map_to_distinct_experts_of_the_model(
+    n_trace: int, k_trace: int, n_model: int, k_model: int
+) -> None:
+    trace = _rows(n_trace, k_trace)
+    mapped = map_expert_rows(trace, n_trace, n_model, k_model)
+    assert mapped.shape == (len(trace), k_model) and mapped.dtype == np.int32
+    assert _distinct_in_range(mapped, n_model)
+    # the same trace row maps to the same model row: reuse in the trace stays reuse
+    again = map_expert_rows(np.concatenate([trace[:5], trace[:5]]), n_trace, n_model, k_model)
+    np.testing.assert_array_equal(again[:5], again[5:])
+
+
+def test_more_experts_spread_the_trace_over_all_of_them() -> None:
+    # 32 -> 64 experts, top-4 -> top-6: e stands for 2e (and 2e + 1 in the extra slots)
+    mapped = map_expert_rows(np.array([[3, 10, 0, 31]]), 32, 64, 6)
+    assert mapped.tolist() == [[6, 20, 0, 62, 7, 21]]
+    assert set(np.unique(map_expert_rows(_rows(32, 4, 500), 32, 64, 6))) == set(range(64))
+
+
+def test_a_row_needs_as_many_experts_as_it_names() -> None:
+    with pytest.raises(ValueError, match="at least 8 experts"):
+        map_expert_rows(_rows(8, 2), 8, 4, 8)
+
+
+def _meta(**extra: object) -> TraceMeta:
+    return TraceMeta(
+        model="m",
+        fingerprint="",
+        n_layers=2,
+        moe_layers=[0, 1],
+        n_expert=8,
+        n_expert_used=2,
+        n_embd=4,
+        source="decode",
+        extra=dict(extra),
+    )
+
+
+def test_decode_steps_start_after_a_recorded_prompt() -> None:
+    assert decode_start_of(_meta(prompt_tokens=128), 160) == 128  # measure.record: prompt rows kept
+    assert decode_start_of(_meta(prompt_tokens=128, prompt_rows_skipped=128), 31) == 0  # bench --trace
+    assert decode_start_of(_meta(), 50) == 0  # calibration text
+    assert decode_start_of(_meta(prompt_tokens=40), 32) == 8  # wraps as the positions do
