@@ -4,7 +4,10 @@
 # cuBLAS from the nvidia-cublas wheel), compressed with the pure-Python
 # llama_cpp package into .gpu/site.tar.xz (the libraries alone are over the
 # 64 MiB a device call carries), and the wheels the device lacks (cffi,
-# pycparser, gguf, diskcache) for its Python 3.12 in .gpu/whl.
+# pycparser, gguf, diskcache) for its Python 3.12 in .gpu/whl, and a routing
+# trace of the default benchmark model (smolmoe-b, built offline if missing)
+# for the decode bench's --replay-routing: random-weight models route at
+# random, the trace gives their hits real locality.
 #
 #   scripts/gpu-check-prepare.sh          # then, with the device tool:
 #   run(command="bash scripts/gpu-check.sh", carry=[".gpu"], timeout_s=560)
@@ -30,5 +33,7 @@ tar -C .gpu/stage -cJf .gpu/site.tar.xz . && rm -rf .gpu/stage
 $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d .gpu/whl cffi pycparser gguf diskcache
+model=$($PY -c 'from pyspice.models.default import default_model; print(default_model("smolmoe-b", sidecar=False, note=lambda m: None))')
+$PY -m pyspice.measure.record trace "$model" .gpu/routing-trace --prompt-tokens 128 -n 48 -t "$(nproc)"
 du -sh .gpu
 echo "gpu-check-prepare: ready; carry .gpu and run scripts/gpu-check.sh (under 8 minutes)"

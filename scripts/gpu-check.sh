@@ -63,7 +63,7 @@ fi
 
 # ---- 3. decode: pool vs legacy executor at 25%, the pool at 50%, against the upstream rows ----
 REPLAY=""
-[ -f .gpu/routing-trace.bin ] && REPLAY="--replay-routing .gpu/routing-trace.bin"
+[ -e .gpu/routing-trace ] && REPLAY="--replay-routing .gpu/routing-trace"
 for row in 25%:pool 25%:legacy 50%:pool; do
     step "decode-$row" 80 $BENCH -m $M -n 48 --repeat 3 --device-budget ${row%%:*} --device-executor ${row##*:} \
         $REPLAY --policies stock,exact,lru,adapmoe,upstream,upstream-ncmoe,upstream-cpu-exps --json
