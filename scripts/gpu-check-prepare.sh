@@ -18,21 +18,36 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 make cuda-check
 PY=.venv/bin/python
-rm -rf .gpu && mkdir -p .gpu/whl .gpu/stage/llama_cpp/lib .gpu/stage/bin
+rm -rf .gpu && mkdir -p .gpu/whl .gpu/stage/llama_cpp .gpu/stage/bin
 grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >>.git/info/exclude
 
 # llama_cpp: pure Python (installed without its native build), with the CUDA libraries in lib/
 site=$($PY -c 'import llama_cpp, os; print(os.path.dirname(llama_cpp.__file__))')
-(cd "$site" && find . -name '*.py' -o -name '*.typed' | cpio -pdm --quiet "$OLDPWD/.gpu/stage/llama_cpp")
+cp -r "$site"/. .gpu/stage/llama_cpp/
+rm -rf .gpu/stage/llama_cpp/lib/* && find .gpu/stage/llama_cpp -name __pycache__ -prune -exec rm -rf {} +
 cp -P build/cuda/bin/lib*.so* .gpu/stage/llama_cpp/lib/
 cp native/include/spice.h .gpu/stage/llama_cpp/lib/
 cp build/cuda/bin/spice-exec-bench build/cuda/bin/llama-quantize .gpu/stage/bin/ 2>/dev/null ||
     cp build/cuda/bin/spice-exec-bench .gpu/stage/bin/
+# what synth needs of the upstream tree (vocabularies), and the build's facts for
+# pyspice-build.json, whose paths gpu-check.sh fills in there
+mkdir -p .gpu/stage/upstream/models
+for v in $($PY -c 'from pyspice.models.synth import SHAPES; print(" ".join(sorted({s.vocab for s in SHAPES.values()})))'); do
+    cp build/upstream/llama.cpp/models/ggml-vocab-$v.gguf .gpu/stage/upstream/models/
+done
+$PY - <<'PYEOF'
+import hashlib, json, pathlib
+series = [l.strip() for l in pathlib.Path("patches/series").read_text().splitlines() if l.strip() and not l.startswith("#")]
+lib = pathlib.Path("build/cuda/bin/libllama.so").resolve()
+facts = {"patch_series": series, "libllama_sha256": hashlib.sha256(lib.read_bytes()).hexdigest(),
+         "cuda": True, "build_type": "Release"}
+pathlib.Path(".gpu/stage/build-facts.json").write_text(json.dumps(facts, indent=2) + "\n")
+PYEOF
 tar -C .gpu/stage -cJf .gpu/site.tar.xz . && rm -rf .gpu/stage
 
 $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d .gpu/whl cffi pycparser gguf diskcache
+    -d .gpu/whl cffi pycparser gguf==0.19.0 diskcache
 model=$($PY -c 'from pyspice.models.default import default_model; print(default_model("smolmoe-b", sidecar=False, note=lambda m: None))')
 $PY -m pyspice.measure.record trace "$model" .gpu/routing-trace --prompt-tokens 128 -n 48 -t "$(nproc)"
 du -sh .gpu

@@ -39,6 +39,15 @@ mkdir -p /tmp/site
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl \
     >>"$LOG" 2>&1 || { say "wheels did not install"; exit 1; }
 tar -C /tmp/site -xJf .gpu/site.tar.xz || { say "no .gpu/site.tar.xz: run scripts/gpu-check-prepare.sh first"; exit 1; }
+# pyspice-build.json as install-native.py writes it, with this machine's paths
+python3 - <<'PYEOF' || { say "could not write pyspice-build.json"; exit 1; }
+import json, os, pathlib
+site = pathlib.Path("/tmp/site")
+info = {"source_dir": os.getcwd(), "build_dir": str(site), "bin_dir": str(site / "bin"),
+        "upstream_dir": str(site / "upstream"), "lib_dir": str(site / "llama_cpp" / "lib")}
+info.update(json.loads((site / "build-facts.json").read_text()))
+(site / "llama_cpp" / "lib" / "pyspice-build.json").write_text(json.dumps(info, indent=2) + "\n")
+PYEOF
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
 CUBLAS=$(python3 -c 'import nvidia.cublas as c, os; print(os.path.join(list(c.__path__)[0], "lib"))' 2>/dev/null)
 export LD_LIBRARY_PATH=/tmp/site/llama_cpp/lib:${CUBLAS}:${LD_LIBRARY_PATH:-}
