@@ -32,6 +32,7 @@ struct spice_cuda {
     cudaStream_t copy_stream;
     cudaEvent_t * ev_start;          /* [n_slots] */
     cudaEvent_t * ev_end;            /* [n_slots] */
+    size_t (*written)[3];            /* [n_slots]: where kind k of the slot is zero from (0: all zero) */
 
     /* device executors, one layer call at a time: the slot-pool graph, and
      * per-expert graphs (legacy) for layers it cannot run or when asked */
@@ -142,7 +143,8 @@ int spice_cuda_create(int device, const spice_pool_layout * layout, int32_t exec
     }
     cu->ev_start = (cudaEvent_t *) calloc((size_t) n_slots, sizeof(cudaEvent_t));
     cu->ev_end = (cudaEvent_t *) calloc((size_t) n_slots, sizeof(cudaEvent_t));
-    if (cu->ev_start == NULL || cu->ev_end == NULL) {
+    cu->written = (size_t (*)[3]) calloc((size_t) n_slots, sizeof(*cu->written));
+    if (cu->ev_start == NULL || cu->ev_end == NULL || cu->written == NULL) {
         spice_cuda_free(cu);
         return SPICE_ERR_NO_MEMORY;
     }
@@ -190,6 +192,7 @@ void spice_cuda_free(spice_cuda * cu) {
     }
     free(cu->ev_start);
     free(cu->ev_end);
+    free(cu->written);
     if (cu->copy_stream) {
         cudaStreamDestroy(cu->copy_stream);
     }
@@ -280,10 +283,16 @@ int spice_cuda_copy_issue(spice_cuda * cu, int32_t slot, const spice_cuda_segmen
         }
         char * dst = slot_matrix_addr(cu, slot, k, seg[k].dst_offset);
         rc = cleared(cudaMemcpyAsync(dst, seg[k].src, seg[k].size, cudaMemcpyHostToDevice, cu->copy_stream));
-        if (rc == cudaSuccess && seg[k].pad > 0) {
-            /* a slot reused by another layer may hold weight bytes there */
-            rc = cleared(cudaMemsetAsync(dst + seg[k].size, 0, seg[k].pad, cu->copy_stream));
+        /* the padding kernels read past the matrix must be zero: it is, unless the slot's
+         * last occupant was a larger matrix (another layer class) -- then clear what it left */
+        const size_t left = cu->written[slot][k];
+        if (rc == cudaSuccess && seg[k].pad > 0 && left > seg[k].size) {
+            const size_t end = left < seg[k].size + seg[k].pad ? left : seg[k].size + seg[k].pad;
+            rc = cleared(cudaMemsetAsync(dst + seg[k].size, 0, end - seg[k].size, cu->copy_stream));
         }
+        /* bytes past size + pad a larger matrix left stay (nothing reads them until a later,
+         * larger matrix's padding reaches them: it clears them then) */
+        cu->written[slot][k] = left > seg[k].size + seg[k].pad ? left : seg[k].size;
     }
     if (rc == cudaSuccess) {
         rc = cleared(cudaEventRecord(cu->ev_end[slot], cu->copy_stream));
