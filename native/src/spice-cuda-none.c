@@ -87,9 +87,11 @@ uint64_t spice_cuda_copy_ns(spice_cuda * cu, int32_t slot) {
     return 0;
 }
 
-int spice_cuda_exec_supports(spice_cuda * cu, const spice_expert_layer * L) {
+int spice_cuda_exec_supports(spice_cuda * cu, const spice_expert_layer * L, int32_t n_tokens, int32_t n_used) {
     (void) cu;
     (void) L;
+    (void) n_tokens;
+    (void) n_used;
     return 0;
 }
 

@@ -39,6 +39,7 @@ struct spice_cuda {
     int32_t executor;                /* spice_executor */
     spice_pool_exec * pool_exec;     /* NULL when the layout has no kind regions */
     int pending_pool;                /* the queued call went to pool_exec */
+    int use_pool;                    /* exec_supports readied pool_exec for the coming call */
     ggml_gallocr_t galloc;
     struct ggml_context * ctx;
     float * x_host;  size_t x_cap;   /* pinned staging: gathered input rows */
@@ -468,15 +469,16 @@ static int legacy_exec_begin(spice_cuda * cu, const spice_device_job * job, char
     return SPICE_OK;
 }
 
-int spice_cuda_exec_supports(spice_cuda * cu, const spice_expert_layer * L) {
-    (void) cu;
-    (void) L;
-    return 1; /* the per-expert graphs run every type ggml-cuda's mul_mat does */
+int spice_cuda_exec_supports(spice_cuda * cu, const spice_expert_layer * L, int32_t n_tokens, int32_t n_used) {
+    /* the pool graph when it can be readied now (before the barrier), else the per-expert
+     * graphs, which run every type ggml-cuda's mul_mat does */
+    cu->use_pool = cu->pool_exec != NULL && spice_pool_exec_ready(cu->pool_exec, L, n_tokens, n_used) == SPICE_OK;
+    return 1;
 }
 
 int spice_cuda_exec_begin(spice_cuda * cu, const spice_device_job * job, char * err, size_t err_len) {
     cu->pending_pool = 0; /* an uncollected call (its layer failed) is finished by the executor's begin */
-    if (cu->pool_exec != NULL && spice_pool_exec_supports(cu->pool_exec, job->layer)) {
+    if (cu->use_pool) {
         const int rc = spice_pool_exec_begin(cu->pool_exec, job, err, err_len);
         cu->pending_pool = rc == SPICE_OK;
         return rc;

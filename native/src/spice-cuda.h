@@ -72,7 +72,9 @@ uint64_t spice_cuda_copy_ns(spice_cuda * cu, int32_t slot);
 /* Device executor for one layer call (spice_device_job in spice-exec.h):
  * the slot-pool graph (spice-pool-exec.h) when the layout allows it and
  * SPICE_DEVICE_EXEC is not "legacy", else one small graph per expert. */
-int spice_cuda_exec_supports(spice_cuda * cu, const spice_expert_layer * L);
+/* Whether this call can run on the GPU (it always can: the per-expert
+ * executor runs every type); readies the pool graph it will use, if any. */
+int spice_cuda_exec_supports(spice_cuda * cu, const spice_expert_layer * L, int32_t n_tokens, int32_t n_used);
 int spice_cuda_exec_begin(spice_cuda * cu, const spice_device_job * job, char * err, size_t err_len);
 int spice_cuda_exec_end(spice_cuda * cu, float * y, char * err, size_t err_len);
 

@@ -96,8 +96,8 @@ static int cuda_exec_end(spice_device * dev, float * y, char * err, size_t err_l
     return spice_cuda_exec_end(ctx_of(dev)->cu, y, err, err_len);
 }
 
-static int cuda_exec_supports(spice_device * dev, const spice_expert_layer * L) {
-    return spice_cuda_exec_supports(ctx_of(dev)->cu, L);
+static int cuda_exec_supports(spice_device * dev, const spice_expert_layer * L, int32_t n_tokens, int32_t n_used) {
+    return spice_cuda_exec_supports(ctx_of(dev)->cu, L, n_tokens, n_used);
 }
 
 typedef struct host_range {

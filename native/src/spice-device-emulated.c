@@ -213,8 +213,9 @@ static int emulated_exec_end(spice_device * dev, float * y, char * err, size_t e
     return spice_pool_exec_end(ctx_of(dev)->exec, y, err, err_len);
 }
 
-static int emulated_exec_supports(spice_device * dev, const spice_expert_layer * L) {
-    return spice_pool_exec_supports(ctx_of(dev)->exec, L);
+static int emulated_exec_supports(spice_device * dev, const spice_expert_layer * L, int32_t n_tokens,
+                                  int32_t n_used) {
+    return spice_pool_exec_ready(ctx_of(dev)->exec, L, n_tokens, n_used) == SPICE_OK;
 }
 
 static const spice_device_i emulated_iface = {

@@ -90,9 +90,11 @@ typedef struct spice_device_i {
      * runs device pairs from slot_data) ---- */
     int (*exec_begin)(spice_device * dev, const spice_device_job * job, char * err, size_t err_len);
     int (*exec_end)(spice_device * dev, float * y, char * err, size_t err_len);
-    /* 1 when the device can execute layer L's pairs (NULL: every layer);
-     * the host executor runs the others on the host weights. */
-    int (*exec_supports)(spice_device * dev, const spice_expert_layer * L);
+    /* 1 when the device can execute a call of n_tokens x n_used on layer L
+     * (NULL: every call), decided before the hook's first barrier: what it
+     * needs is built then, so that a launch after the barrier does not fail
+     * for want of it. The host executor runs the other calls' pairs. */
+    int (*exec_supports)(spice_device * dev, const spice_expert_layer * L, int32_t n_tokens, int32_t n_used);
 
     /* Make host ranges that copies read from fast to copy (a CUDA device
      * page-locks them); returns the bytes it could not. NULL: nothing to do. */
@@ -164,9 +166,11 @@ static inline int spice_device_can_execute(const spice_device * dev) {
     return dev != NULL && dev->iface->exec_begin != NULL;
 }
 
-/* Whether the device executes layer L's device pairs itself. */
-static inline int spice_device_executes(spice_device * dev, const spice_expert_layer * L) {
-    return spice_device_can_execute(dev) && (dev->iface->exec_supports == NULL || dev->iface->exec_supports(dev, L));
+/* Whether the device executes this call's device pairs itself. */
+static inline int spice_device_executes(spice_device * dev, const spice_expert_layer * L, int32_t n_tokens,
+                                        int32_t n_used) {
+    return spice_device_can_execute(dev) &&
+           (dev->iface->exec_supports == NULL || dev->iface->exec_supports(dev, L, n_tokens, n_used));
 }
 
 

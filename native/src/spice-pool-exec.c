@@ -257,6 +257,24 @@ static int32_t bucket_of(int32_t n_tokens) {
     return b;
 }
 
+int spice_pool_exec_ready(spice_pool_exec * px, const spice_expert_layer * L, int32_t n_tokens, int32_t n_used) {
+    if (!spice_pool_exec_supports(px, L) || n_tokens < 1 || n_used < 1) {
+        return SPICE_ERR_UNSUPPORTED;
+    }
+    const int32_t bucket = bucket_of(n_tokens);
+    const int32_t n_chunks = (n_tokens + bucket - 1) / bucket;
+    int status = SPICE_OK;
+    const pool_graph * g = graph_for(px, L, n_used, bucket, &status);
+    if (g == NULL) {
+        return status;
+    }
+    if (grow_stage(px, &px->in_stage, &px->in_host, (size_t) n_chunks * g->in_bytes) != SPICE_OK ||
+        grow_stage(px, &px->y_stage, &px->y_host, (size_t) n_chunks * g->y_bytes) != SPICE_OK) {
+        return SPICE_ERR_NO_MEMORY;
+    }
+    return SPICE_OK;
+}
+
 int spice_pool_exec_begin(spice_pool_exec * px, const spice_device_job * job, char * err, size_t err_len) {
     if (px->pending) { /* the last call's work was never collected (its layer failed): finish it first */
         ggml_backend_synchronize(px->backend);

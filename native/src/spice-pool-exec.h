@@ -44,6 +44,10 @@ void spice_pool_exec_free(spice_pool_exec * px);
  * sizes and the backend supports its ops). */
 int spice_pool_exec_supports(spice_pool_exec * px, const spice_expert_layer * L);
 
+/* Build what a call of n_tokens x n_used on layer L needs (its graph and
+ * staging), ahead of begin: SPICE_OK, or why it cannot run here. */
+int spice_pool_exec_ready(spice_pool_exec * px, const spice_expert_layer * L, int32_t n_tokens, int32_t n_used);
+
 /* Queue the job's device pairs (at least one); returns at once on an
  * asynchronous backend. */
 int spice_pool_exec_begin(spice_pool_exec * px, const spice_device_job * job, char * err, size_t err_len);

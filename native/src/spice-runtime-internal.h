@@ -86,6 +86,7 @@ struct spice_runtime {
     int32_t call_il;           /* layer of the hook call in progress (thread 0) */
     int device_work_pending;   /* this call's device rows are still to be collected */
     int device_launch_due;     /* thread 0 launches this call's device work after the first barrier */
+    int call_computes;         /* the device runs this call's device pairs (apply_call decided) */
     const uint8_t * device_run; /* and the pairs it runs (plan.exec, or verify mode's copy) */
     float * device_y;          /* verify mode: where the device's rows go instead of the host's */
     uint64_t unpinned_bytes;   /* CUDA: expert weight bytes that could not be page-locked */

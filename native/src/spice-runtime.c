@@ -245,10 +245,13 @@ static void drop_bad_ids(spice_runtime * rt, const spice_hook_call * hc, spice_p
     }
 }
 
-/* Whether layer il's device pairs run on the device itself (else the host
- * executor reads their slots). */
-static int device_computes(spice_runtime * rt, int32_t il) {
-    return rt->store != NULL && spice_device_executes(spice_store_device(rt->store), &rt->layers[il]);
+/* Whether the call's device pairs run on the device itself (else the host
+ * executor reads their slots). Asked once per call, in apply_call, before
+ * the first barrier; execute_call reads the answer. */
+static int device_computes(spice_runtime * rt, const spice_hook_call * hc) {
+    rt->call_computes = rt->store != NULL && spice_device_executes(spice_store_device(rt->store), &rt->layers[hc->il],
+                                                                   hc->n_tokens, hc->n_expert_used);
+    return rt->call_computes;
 }
 
 /* apply: the store carries the plan out (its own time, less what it waited
@@ -262,7 +265,7 @@ static void apply_call(spice_runtime * rt, const spice_hook_call * hc, spice_pol
     spice_counters k0, k1;
     spice_store_get_counters(rt->store, hc->il, &k0);
     const uint64_t t0 = spice_monotonic_ns();
-    if (device_computes(rt, hc->il)) {
+    if (device_computes(rt, hc)) {
         spice_store_apply_plan_nowait(rt->store, call);
     } else {
         spice_store_apply_plan(rt->store, call, rt->plan.device);
@@ -379,7 +382,7 @@ static void collect_device_work(void * user_data, float * y) {
  * device work launched, host and surrogate jobs prepared. */
 static void execute_call(spice_runtime * rt, const spice_hook_call * hc, const spice_policy_call * call) {
     const int32_t n_pairs = hc->n_tokens * hc->n_expert_used;
-    const int computes = device_computes(rt, hc->il);
+    const int computes = rt->store != NULL && rt->call_computes;
     int any_surrogate = 0, any_device = 0;
     for (int32_t i = 0; i < n_pairs; ++i) {
         const int32_t a = call->actions[i];
