@@ -257,22 +257,28 @@ static int32_t bucket_of(int32_t n_tokens) {
     return b;
 }
 
+/* The graph a call of n_tokens x n_used on L runs, built if new, with staging
+ * for its chunks; NULL with *status when it cannot be had. */
+static const pool_graph * prepare(spice_pool_exec * px, const spice_expert_layer * L, int32_t n_tokens,
+                                  int32_t n_used, int * status) {
+    const int32_t bucket = bucket_of(n_tokens);
+    const int32_t n_chunks = (n_tokens + bucket - 1) / bucket;
+    const pool_graph * g = graph_for(px, L, n_used, bucket, status);
+    if (g != NULL && (grow_stage(px, &px->in_stage, &px->in_host, (size_t) n_chunks * g->in_bytes) != SPICE_OK ||
+                      grow_stage(px, &px->y_stage, &px->y_host, (size_t) n_chunks * g->y_bytes) != SPICE_OK)) {
+        *status = SPICE_ERR_NO_MEMORY;
+        return NULL;
+    }
+    return g;
+}
+
 int spice_pool_exec_ready(spice_pool_exec * px, const spice_expert_layer * L, int32_t n_tokens, int32_t n_used) {
     if (!spice_pool_exec_supports(px, L) || n_tokens < 1 || n_used < 1) {
         return SPICE_ERR_UNSUPPORTED;
     }
-    const int32_t bucket = bucket_of(n_tokens);
-    const int32_t n_chunks = (n_tokens + bucket - 1) / bucket;
     int status = SPICE_OK;
-    const pool_graph * g = graph_for(px, L, n_used, bucket, &status);
-    if (g == NULL) {
-        return status;
-    }
-    if (grow_stage(px, &px->in_stage, &px->in_host, (size_t) n_chunks * g->in_bytes) != SPICE_OK ||
-        grow_stage(px, &px->y_stage, &px->y_host, (size_t) n_chunks * g->y_bytes) != SPICE_OK) {
-        return SPICE_ERR_NO_MEMORY;
-    }
-    return SPICE_OK;
+    prepare(px, L, n_tokens, n_used, &status);
+    return status;
 }
 
 int spice_pool_exec_begin(spice_pool_exec * px, const spice_device_job * job, char * err, size_t err_len) {
@@ -299,18 +305,15 @@ int spice_pool_exec_begin(spice_pool_exec * px, const spice_device_job * job, ch
     if (px->n_rows == 0) {
         return SPICE_OK;
     }
-    const int32_t bucket = bucket_of(job->n_tokens);
-    const int32_t n_chunks = (job->n_tokens + bucket - 1) / bucket;
     int status = SPICE_OK;
-    const pool_graph * g = graph_for(px, L, job->n_used, bucket, &status);
+    const pool_graph * g = prepare(px, L, job->n_tokens, job->n_used, &status); /* ready() built it: a lookup */
     if (g == NULL) {
         return fail(err, err_len, status == SPICE_ERR_UNSUPPORTED ? "the backend lacks an op of the pool graph"
-                                                                  : "out of memory for a pool graph", status);
+                                                                  : "out of memory for a pool graph or its staging",
+                    status);
     }
-    if (grow_stage(px, &px->in_stage, &px->in_host, (size_t) n_chunks * g->in_bytes) != SPICE_OK ||
-        grow_stage(px, &px->y_stage, &px->y_host, (size_t) n_chunks * g->y_bytes) != SPICE_OK) {
-        return fail(err, err_len, "no host memory for staging", SPICE_ERR_NO_MEMORY);
-    }
+    const int32_t bucket = g->bucket;
+    const int32_t n_chunks = (job->n_tokens + bucket - 1) / bucket;
     const size_t row_bytes = (size_t) L->n_embd * sizeof(float);
     const int32_t zero_slot = px->layout.n_slots;
     for (int32_t c = 0; c < n_chunks; ++c) {
