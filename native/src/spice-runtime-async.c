@@ -14,19 +14,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-static int grow_list(int32_t ** buf, int32_t * cap, int32_t need) {
-    if (need <= *cap) {
-        return SPICE_OK;
-    }
-    int32_t * nbuf = (int32_t *) realloc(*buf, (size_t) need * sizeof(int32_t));
-    if (nbuf == NULL) {
-        return SPICE_ERR_NO_MEMORY;
-    }
-    *buf = nbuf;
-    *cap = need;
-    return SPICE_OK;
-}
-
 void spice_async_stop(spice_runtime * rt) {
     spice_planner_stop(&rt->planner);
     rt->n_async_prefetch = rt->n_async_evict = rt->n_async_evict_from = 0;
@@ -47,9 +34,9 @@ int spice_runtime_enable_async(spice_runtime * rt, spice_policy_fn fn, void * us
     spice_runtime_disable(rt); /* stops a planner running, unregisters the hook */
     const int32_t pairs_all = 2 * rt->n_layers * rt->max_n_expert;
     spice_plan_buffers * l = &rt->async_lists;
-    if (grow_list(&l->prefetch, &l->cap_prefetch, pairs_all) != SPICE_OK ||
-        grow_list(&l->evict, &l->cap_evict, pairs_all) != SPICE_OK ||
-        grow_list(&l->evict_from, &l->cap_evict_from, rt->n_layers) != SPICE_OK) {
+    if (spice_grow_i32(&l->prefetch, &l->cap_prefetch, pairs_all) != SPICE_OK ||
+        spice_grow_i32(&l->evict, &l->cap_evict, pairs_all) != SPICE_OK ||
+        spice_grow_i32(&l->evict_from, &l->cap_evict_from, rt->n_layers) != SPICE_OK) {
         return SPICE_ERR_NO_MEMORY;
     }
     rt->call_seq = 0;

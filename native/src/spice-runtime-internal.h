@@ -86,7 +86,7 @@ struct spice_runtime {
     int32_t call_il;           /* layer of the hook call in progress (thread 0) */
     int device_work_pending;   /* this call's device rows are still to be collected */
     int device_launch_due;     /* thread 0 launches this call's device work after the first barrier */
-    int call_computes;         /* the device runs this call's device pairs (apply_call decided) */
+    int call_computes;         /* the device runs this call's device pairs (plan_call decides, once) */
     const uint8_t * device_run; /* and the pairs it runs (plan.exec, or verify mode's copy) */
     float * device_y;          /* verify mode: where the device's rows go instead of the host's */
     uint64_t unpinned_bytes;   /* CUDA: expert weight bytes that could not be page-locked */
@@ -116,6 +116,10 @@ struct spice_runtime {
 /* Registers the hook again when what it must ask llama.cpp for changed
  * (surrogates loaded or cleared); a no-op while it is not registered. */
 void spice_runtime_update_hook(spice_runtime * rt);
+
+/* Grow *buf to at least `need` int32 values (*cap: what it holds); SPICE_OK
+ * or SPICE_ERR_NO_MEMORY, with *buf untouched then. */
+int spice_grow_i32(int32_t ** buf, int32_t * cap, int32_t need);
 
 /* A plan's rule (call->rule), installed unless it is the one installed last. */
 void spice_runtime_take_plan_rule(spice_runtime * rt, const spice_policy_call * call);

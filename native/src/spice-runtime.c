@@ -33,7 +33,7 @@ static void write_err(char * err, size_t err_len, const char * msg) {
 
 /* ---- plan buffers ---------------------------------------------------------- */
 
-static int grow_i32(int32_t ** buf, int32_t * cap, int32_t need) {
+int spice_grow_i32(int32_t ** buf, int32_t * cap, int32_t need) {
     if (need <= *cap) {
         return SPICE_OK;
     }
@@ -49,7 +49,7 @@ static int grow_i32(int32_t ** buf, int32_t * cap, int32_t need) {
 static int plan_reserve(spice_runtime * rt, int32_t n_pairs) {
     spice_plan_buffers * p = &rt->plan;
     const int32_t old_cap = p->cap_actions;
-    if (grow_i32(&p->actions, &p->cap_actions, n_pairs) != SPICE_OK) {
+    if (spice_grow_i32(&p->actions, &p->cap_actions, n_pairs) != SPICE_OK) {
         return SPICE_ERR_NO_MEMORY;
     }
     if (p->cap_actions != old_cap || p->exec == NULL) {
@@ -75,10 +75,10 @@ static int plan_reserve(spice_runtime * rt, int32_t n_pairs) {
     }
     /* experts of one layer; (layer, expert) pairs across all layers */
     const int32_t pairs_all = 2 * rt->n_layers * rt->max_n_expert;
-    if (grow_i32(&p->fetch, &p->cap_fetch, rt->max_n_expert) != SPICE_OK ||
-        grow_i32(&p->prefetch, &p->cap_prefetch, pairs_all) != SPICE_OK ||
-        grow_i32(&p->evict, &p->cap_evict, pairs_all) != SPICE_OK ||
-        grow_i32(&p->evict_from, &p->cap_evict_from, rt->n_layers) != SPICE_OK) {
+    if (spice_grow_i32(&p->fetch, &p->cap_fetch, rt->max_n_expert) != SPICE_OK ||
+        spice_grow_i32(&p->prefetch, &p->cap_prefetch, pairs_all) != SPICE_OK ||
+        spice_grow_i32(&p->evict, &p->cap_evict, pairs_all) != SPICE_OK ||
+        spice_grow_i32(&p->evict_from, &p->cap_evict_from, rt->n_layers) != SPICE_OK) {
         return SPICE_ERR_NO_MEMORY;
     }
     return SPICE_OK;
@@ -246,12 +246,12 @@ static void drop_bad_ids(spice_runtime * rt, const spice_hook_call * hc, spice_p
 }
 
 /* Whether the call's device pairs run on the device itself (else the host
- * executor reads their slots). Asked once per call, in apply_call, before
- * the first barrier; execute_call reads the answer. */
+ * executor reads their slots). Asked once per call, before the plan is
+ * applied (a device readies what the call needs then); apply and execute
+ * read the answer. */
 static int device_computes(spice_runtime * rt, const spice_hook_call * hc) {
-    rt->call_computes = rt->store != NULL && spice_device_executes(spice_store_device(rt->store), &rt->layers[hc->il],
-                                                                   hc->n_tokens, hc->n_expert_used);
-    return rt->call_computes;
+    return rt->store != NULL && spice_device_executes(spice_store_device(rt->store), &rt->layers[hc->il],
+                                                      hc->n_tokens, hc->n_expert_used);
 }
 
 /* apply: the store carries the plan out (its own time, less what it waited
@@ -265,7 +265,7 @@ static void apply_call(spice_runtime * rt, const spice_hook_call * hc, spice_pol
     spice_counters k0, k1;
     spice_store_get_counters(rt->store, hc->il, &k0);
     const uint64_t t0 = spice_monotonic_ns();
-    if (device_computes(rt, hc)) {
+    if (rt->call_computes) {
         spice_store_apply_plan_nowait(rt->store, call);
     } else {
         spice_store_apply_plan(rt->store, call, rt->plan.device);
@@ -382,7 +382,7 @@ static void collect_device_work(void * user_data, float * y) {
  * device work launched, host and surrogate jobs prepared. */
 static void execute_call(spice_runtime * rt, const spice_hook_call * hc, const spice_policy_call * call) {
     const int32_t n_pairs = hc->n_tokens * hc->n_expert_used;
-    const int computes = rt->store != NULL && rt->call_computes;
+    const int computes = rt->call_computes;
     int any_surrogate = 0, any_device = 0;
     for (int32_t i = 0; i < n_pairs; ++i) {
         const int32_t a = call->actions[i];
@@ -476,6 +476,7 @@ static void plan_call(spice_runtime * rt, const spice_hook_call * hc) {
     snapshot_call(rt, hc, &call);
     decide_call(rt, hc, &call);
     drop_bad_ids(rt, hc, &call);
+    rt->call_computes = device_computes(rt, hc);
     apply_call(rt, hc, &call);
     spice_counters * c = &rt->counters[hc->il];
     c->hook_calls++;
