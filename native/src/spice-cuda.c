@@ -26,9 +26,7 @@ struct spice_cuda {
     ggml_backend_t backend;          /* compute: ggml's CUDA stream */
     ggml_backend_buffer_t pool;      /* slot memory */
     char * base;
-    int32_t n_slots;
-    spice_pool_layout layout;        /* where each slot's matrices live */
-    size_t pool_bytes;
+    spice_pool_layout layout;        /* where each slot's matrices live; layout.n_slots slots */
     cudaStream_t copy_stream;
     cudaEvent_t * ev_start;          /* [n_slots] */
     cudaEvent_t * ev_end;            /* [n_slots] */
@@ -36,7 +34,6 @@ struct spice_cuda {
 
     /* device executors, one layer call at a time: the slot-pool graph, and
      * per-expert graphs (legacy) for layers it cannot run or when asked */
-    int32_t executor;                /* spice_executor */
     spice_pool_exec * pool_exec;     /* NULL when the layout has no kind regions */
     int pending_pool;                /* the queued call went to pool_exec */
     int use_pool;                    /* exec_supports readied pool_exec for the coming call */
@@ -104,9 +101,7 @@ int spice_cuda_create(int device, const spice_pool_layout * layout, int32_t exec
         return SPICE_ERR_NO_MEMORY;
     }
     cu->device = device;
-    cu->n_slots = n_slots;
     cu->layout = *layout;
-    cu->executor = executor;
     cudaError_t rc = cleared(cudaSetDevice(device));
     if (rc != cudaSuccess) {
         free(cu);
@@ -114,9 +109,7 @@ int spice_cuda_create(int device, const spice_pool_layout * layout, int32_t exec
     }
     size_t free_b = 0, total_b = 0;
     ggml_backend_cuda_get_device_memory(device, &free_b, &total_b);
-    /* the zero slot's padding may be read past the last region */
-    const size_t pool_bytes = layout->bytes + layout->pad[0] + layout->pad[1] + layout->pad[2];
-    cu->pool_bytes = pool_bytes;
+    const size_t pool_bytes = spice_pool_alloc_bytes(layout);
     if (pool_bytes > free_b) {
         snprintf(err, err_len, "the device budget needs %zu bytes of slots; CUDA device %d has %zu free",
                  pool_bytes, device, free_b);
@@ -183,7 +176,7 @@ void spice_cuda_free(spice_cuda * cu) {
     if (cu->backend) {
         ggml_backend_synchronize(cu->backend);
     }
-    for (int32_t i = 0; cu->ev_start && i < cu->n_slots; ++i) {
+    for (int32_t i = 0; cu->ev_start && i < cu->layout.n_slots; ++i) {
         if (cu->ev_start[i]) {
             cudaEventDestroy(cu->ev_start[i]);
         }
@@ -228,11 +221,6 @@ char * spice_cuda_slot(spice_cuda * cu, int32_t slot) {
     return cu->base + spice_pool_offset(&cu->layout, slot, 0);
 }
 
-/* Matrix k of the expert in slot (dst_offset: where the layout puts kind k
- * for slot 0, region[k] plus any offset inside the slot). */
-static char * slot_matrix_addr(spice_cuda * cu, int32_t slot, int k, size_t dst_offset) {
-    return cu->base + dst_offset + (size_t) slot * cu->layout.stride[k];
-}
 
 int spice_cuda_register_host(spice_cuda * cu, const void * data, size_t size) {
     cleared(cudaSetDevice(cu->device));
@@ -273,7 +261,7 @@ int spice_cuda_is_pinned(const void * data, size_t size) {
 }
 
 int spice_cuda_copy_issue(spice_cuda * cu, int32_t slot, const spice_cuda_segment seg[3]) {
-    if (slot < 0 || slot >= cu->n_slots) {
+    if (slot < 0 || slot >= cu->layout.n_slots) {
         return SPICE_ERR_INVALID_ARG;
     }
     cleared(cudaSetDevice(cu->device));
@@ -282,7 +270,7 @@ int spice_cuda_copy_issue(spice_cuda * cu, int32_t slot, const spice_cuda_segmen
         if (seg[k].size == 0) {
             continue;
         }
-        char * dst = slot_matrix_addr(cu, slot, k, seg[k].dst_offset);
+        char * dst = cu->base + spice_pool_copy_offset(&cu->layout, slot, k, seg[k].dst_offset);
         rc = cleared(cudaMemcpyAsync(dst, seg[k].src, seg[k].size, cudaMemcpyHostToDevice, cu->copy_stream));
         /* the padding kernels read past the matrix must be zero: it is, unless the slot's
          * last occupant was a larger matrix (another layer class) -- then clear what it left */
@@ -317,12 +305,12 @@ int spice_cuda_copy_wait(spice_cuda * cu, int32_t slot) {
 }
 
 int spice_cuda_read(spice_cuda * cu, int32_t slot, size_t offset, void * dst, size_t n) {
-    const int k = spice_pool_kind_of(&cu->layout, offset);
-    if (slot < 0 || slot >= cu->n_slots || k < 0 || offset + n > cu->layout.region[k] + cu->layout.stride[k]) {
+    const int64_t at = spice_pool_slot_range(&cu->layout, slot, offset, n);
+    if (at < 0) {
         return SPICE_ERR_INVALID_ARG;
     }
     cleared(cudaSetDevice(cu->device));
-    return cleared(cudaMemcpy(dst, slot_matrix_addr(cu, slot, k, offset), n, cudaMemcpyDeviceToHost)) == cudaSuccess
+    return cleared(cudaMemcpy(dst, cu->base + at, n, cudaMemcpyDeviceToHost)) == cudaSuccess
                ? SPICE_OK
                : SPICE_ERR_INTERNAL;
 }

@@ -77,7 +77,7 @@ static void emulated_free(spice_device * dev) {
 static char * matrix_addr(emulated * em, int32_t slot, int k) {
     const emulated_slot * s = &em->slots[slot];
     if (em->pool != NULL) {
-        return em->pool + s->copy.dst_offset[k] + (size_t) slot * em->layout.stride[k];
+        return em->pool + spice_pool_copy_offset(&em->layout, slot, k, s->copy.dst_offset[k]);
     }
     return s->memory + s->copy.dst_offset[k];
 }
@@ -131,11 +131,11 @@ static int emulated_slot_read(spice_device * dev, int32_t slot, size_t offset, v
         return SPICE_ERR_NO_MEMORY;
     }
     if (em->pool != NULL) {
-        const int k = spice_pool_kind_of(&em->layout, offset);
-        if (k < 0 || offset + n > em->layout.region[k] + em->layout.stride[k]) {
+        const int64_t at = spice_pool_slot_range(&em->layout, slot, offset, n);
+        if (at < 0) {
             return SPICE_ERR_INVALID_ARG;
         }
-        memcpy(dst, em->pool + offset + (size_t) slot * em->layout.stride[k], n);
+        memcpy(dst, em->pool + at, n);
         return SPICE_OK;
     }
     if (offset + n > s->memory_size) {
@@ -259,7 +259,7 @@ static const spice_device_i emulated_pool_iface = {
 /* The pool, ggml's CPU backend on one thread (the caller's) and the executor. */
 static int emulated_pool_init(emulated * em, const spice_pool_layout * layout, char * err, size_t err_len) {
     em->layout = *layout;
-    em->pool_size = layout->bytes + layout->pad[0] + layout->pad[1] + layout->pad[2];
+    em->pool_size = spice_pool_alloc_bytes(layout);
     void * mem = mmap(NULL, em->pool_size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (mem == MAP_FAILED) {
         snprintf(err, err_len, "emulated device: could not map a %zu-byte slot pool", em->pool_size);

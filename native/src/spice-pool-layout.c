@@ -102,10 +102,10 @@ int spice_pool_layout_make(const spice_expert_layer * layers, int32_t n_layers, 
     return SPICE_OK;
 }
 
-int spice_pool_kind_of(const spice_pool_layout * p, size_t offset) {
-    for (int k = 0; k < 3; ++k) {
+int64_t spice_pool_slot_range(const spice_pool_layout * p, int32_t slot, size_t offset, size_t n) {
+    for (int k = 0; slot >= 0 && slot < p->n_slots && k < 3; ++k) {
         if (offset >= p->region[k] && offset < p->region[k] + p->stride[k]) {
-            return k;
+            return offset + n <= p->region[k] + p->stride[k] ? (int64_t) spice_pool_copy_offset(p, slot, k, offset) : -1;
         }
     }
     return -1;

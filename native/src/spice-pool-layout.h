@@ -48,14 +48,27 @@ int spice_pool_layout_make(const spice_expert_layer * layers, int32_t n_layers, 
  * layer shapes; graph_ok = 0). */
 void spice_pool_layout_interleaved(int32_t n_slots, size_t slot_stride, spice_pool_layout * out);
 
+/* Bytes to allocate for the pool: the layout, plus the padding a kernel may
+ * read past the last region's zero slot. */
+static inline size_t spice_pool_alloc_bytes(const spice_pool_layout * p) {
+    return p->bytes + p->pad[0] + p->pad[1] + p->pad[2];
+}
+
 /* Where kind k of slot s starts, from the pool's base (interleaved: where
  * the slot starts). A copy's matrix k goes to dst_offset[k] + s * stride[k]. */
 static inline size_t spice_pool_offset(const spice_pool_layout * p, int32_t slot, int k) {
     return p->region[k] + (size_t) slot * p->stride[k];
 }
 
-/* The kind whose first slot holds byte `offset` of the pool (a copy's
- * dst_offset is region[k] plus its offset inside the slot), or -1. */
-int spice_pool_kind_of(const spice_pool_layout * p, size_t offset);
+/* Where a copy's matrix k lands in slot s, from the pool's base (dst_offset:
+ * the copy's dst_offset[k], which is for slot 0). */
+static inline size_t spice_pool_copy_offset(const spice_pool_layout * p, int32_t slot, int k, size_t dst_offset) {
+    return dst_offset + (size_t) slot * p->stride[k];
+}
+
+/* The n bytes at `offset` as slot 0 lays them out (region[k] plus an offset
+ * inside kind k) in slot s instead, from the pool's base; -1 when they are
+ * not inside one kind of one existing slot. */
+int64_t spice_pool_slot_range(const spice_pool_layout * p, int32_t slot, size_t offset, size_t n);
 
 #endif /* SPICE_POOL_LAYOUT_H */

@@ -101,7 +101,6 @@ typedef struct host_exec_state {
     const spice_device_job * job;
     float * weights;
     uint8_t * exec;
-    const char ** device_of; /* slot memory per expert (packed layout) */
 } host_exec_state;
 
 static int host_begin(void * self, const spice_device_job * job) {
@@ -333,7 +332,8 @@ int main(int argc, char ** argv) {
         }
     } else {
         /* the pool in host memory, filled as an emulated tier fills it */
-        pool_mem = (char *) calloc(1, layout.bytes + layout.pad[0] + layout.pad[1] + layout.pad[2] + 64);
+        const size_t pool_bytes = spice_pool_alloc_bytes(&layout);
+        pool_mem = (char *) calloc(1, pool_bytes + 64);
         char * base = (char *) (((uintptr_t) pool_mem + 63) & ~(uintptr_t) 63);
         for (int il = 0; il < N_LAYERS; ++il) {
             const spice_expert_matrix * m[3] = { &layers[il].gate, &layers[il].up, &layers[il].down };
@@ -346,7 +346,7 @@ int main(int argc, char ** argv) {
         }
         cpu = ggml_backend_cpu_init();
         ggml_backend_cpu_set_n_threads(cpu, 1);
-        cpu_pool_buf = ggml_backend_cpu_buffer_from_ptr(base, layout.bytes + layout.pad[0] + layout.pad[1] + layout.pad[2]);
+        cpu_pool_buf = ggml_backend_cpu_buffer_from_ptr(base, pool_bytes);
         char err[256];
         if (spice_pool_exec_create(cpu, cpu_pool_buf, &layout, &cpu_pool, err, sizeof(err)) != SPICE_OK) {
             fprintf(stderr, "spice-exec-bench: %s\n", err);
