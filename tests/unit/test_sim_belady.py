@@ -15,6 +15,24 @@ def one_layer(seq: list[int], n_expert: int = 4) -> Workload:
     return Workload.from_arrays(1, [0], n_expert, ids)
 
 
+def random_three_layers(seed: int, n_tokens: int) -> Workload:
+    """Three layers of 8 experts, one selected per token, uniformly at random."""
+    ids = np.random.default_rng(seed).integers(0, 8, size=(n_tokens, 3, 1)).astype(np.int32)
+    return Workload.from_arrays(3, [0, 1, 2], 8, ids)
+
+
+def three_layer_costs() -> Costs:
+    """100-byte experts on a 1 GB/s bus; device work cheaper than host work."""
+    return Costs(
+        expert_bytes=(100, 100, 100),
+        bus_gbps=1.0,
+        bus_latency_us=1.0,
+        rest_us=((1, 10.0),),
+        device_expert_us=((1, 1.0),),
+        host_expert_us=((1, 2.0),),
+    )
+
+
 def test_min_on_a_textbook_sequence() -> None:
     # capacity 2: 0 1 2 | 0 hit | 1 (evict 2, never used again) | 3 (evict 1: used after 0) | 0 hit | 1
     wl = one_layer([0, 1, 2, 0, 1, 3, 0, 1])
@@ -51,17 +69,8 @@ def test_size_aware_variant_only_when_sizes_differ_and_is_labelled() -> None:
 
 
 def test_no_policy_misses_less_than_min() -> None:
-    rng = np.random.default_rng(0)
-    ids = rng.integers(0, 8, size=(200, 3, 1)).astype(np.int32)
-    wl = Workload.from_arrays(3, [0, 1, 2], 8, ids)
-    costs = Costs(
-        expert_bytes=(100, 100, 100),
-        bus_gbps=1.0,
-        bus_latency_us=1.0,
-        rest_us=((1, 10.0),),
-        device_expert_us=((1, 1.0),),
-        host_expert_us=((1, 2.0),),
-    )
+    wl = random_three_layers(seed=0, n_tokens=200)
+    costs = three_layer_costs()
     budget = 900  # 9 of 24 experts
     bound = belady(wl, costs.expert_bytes, budget)[0]
     sim = Simulator(wl, costs, budget)
@@ -74,17 +83,8 @@ def test_no_policy_misses_less_than_min() -> None:
 def test_the_oracle_policy_meets_the_min_bound_in_the_simulator() -> None:
     from pyspice.sim.belady import BeladyOracle
 
-    rng = np.random.default_rng(5)
-    ids = rng.integers(0, 8, size=(150, 3, 1)).astype(np.int32)
-    wl = Workload.from_arrays(3, [0, 1, 2], 8, ids)
-    costs = Costs(
-        expert_bytes=(100, 100, 100),
-        bus_gbps=1.0,
-        bus_latency_us=1.0,
-        rest_us=((1, 10.0),),
-        device_expert_us=((1, 1.0),),
-        host_expert_us=((1, 2.0),),
-    )
+    wl = random_three_layers(seed=5, n_tokens=150)
+    costs = three_layer_costs()
     bound = belady(wl, costs.expert_bytes, 900)[0]
     result = Simulator(wl, costs, 900).run("belady", BeladyOracle(wl), policy_us=0.0)
     assert result.policy_fallbacks == 0
@@ -98,17 +98,8 @@ def test_the_oracle_leaves_the_tiers_reserved_bytes_alone() -> None:
     planned into them, the tier refused its demand fetches and they ran on the host."""
     from pyspice.sim.belady import BeladyOracle
 
-    rng = np.random.default_rng(5)
-    ids = rng.integers(0, 8, size=(150, 3, 1)).astype(np.int32)
-    wl = Workload.from_arrays(3, [0, 1, 2], 8, ids)
-    costs = Costs(
-        expert_bytes=(100, 100, 100),
-        bus_gbps=1.0,
-        bus_latency_us=1.0,
-        rest_us=((1, 10.0),),
-        device_expert_us=((1, 1.0),),
-        host_expert_us=((1, 2.0),),
-    )
+    wl = random_three_layers(seed=5, n_tokens=150)
+    costs = three_layer_costs()
     sim = Simulator(wl, costs, 900, context_extra={"reserved_bytes": 250})
     result = sim.run("belady", BeladyOracle(wl), policy_us=0.0)
     assert result.misses_host == 0  # every miss fetched, as MIN with demand loading does
