@@ -569,6 +569,7 @@ int spice_store_wait(spice_store * s, int32_t il, int32_t e, uint64_t * stall_ns
         }
         stall += waited;
         land(s, s->slots[slot].copy);
+        start_copies(s, spice_clock_now(&s->clock)); /* room on the device again, as after a poll */
     }
     spice_slot * sl = &s->slots[slot];
     spice_counters * k = &s->counters[il];

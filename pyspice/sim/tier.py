@@ -329,6 +329,7 @@ class SimTier:
                 stall += self._wait_copy(first)
                 self._start_copies(self.now_ns)
             stall += self._wait_copy(target)
+            self._start_copies(self.now_ns)  # room on the device again, as after a poll
         k = self.counters[layer]
         k.stall_ns += stall
         if key in self.from_prefetch:

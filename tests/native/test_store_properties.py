@@ -207,3 +207,16 @@ def test_other_device_data_is_charged_to_the_same_budget(make_store: MakeStore) 
     assert store.reserve(-8192) == OK
     assert store.request(0, 0, demand=True) == OK
     assert store.used_bytes == 8192 + 4096
+
+
+def test_a_wait_moves_the_queue_on(make_store: MakeStore) -> None:
+    """Like a poll, a wait that lands a copy starts the queued one the device now has
+    room for, so the state a caller reads afterwards is the state the next operation
+    acts on (an evict then refuses only what it saw in flight). Hypothesis found the
+    case: demand, demand, wait on the first, evict the second."""
+    store = make_store(2)
+    assert store.request(2, 2, demand=True) == OK and store.request(2, 0, demand=True) == OK
+    assert (store.state(2, 2), store.state(2, 0)) == (COPYING, QUEUED)
+    store.wait(2, 2)
+    assert (store.state(2, 2), store.state(2, 0)) == (RESIDENT, COPYING)
+    assert store.evict(2, 0) == STATE
