@@ -53,6 +53,8 @@ typedef struct spice_store_rule {
     uint8_t * selected;      /* [max_expert] scratch: experts this call selects (never victims) */
     uint8_t * chosen;        /* [n_layers * max_expert] scratch: victims already listed */
     double * logits;         /* [max_expert] scratch */
+    int32_t * oldest;        /* [n_layers] KEEP_LRU: the layer's least recently selected evictable expert
+                                (-1: none) as of the last look, valid while layer_changed says so */
     uint8_t * predicted;     /* [max_expert] scratch */
 } spice_store_rule;
 
@@ -88,6 +90,12 @@ struct spice_store {
     uint64_t *last_use;       /* [n_layers * max_expert] */
     uint64_t  use_clock;
     int32_t   call_il;
+
+    /* per layer, so a rule's scans skip what cannot have changed: experts not
+     * absent, and whether a state or a recency stamp changed since the rule
+     * last looked (set by every state change and by spice_store_begin_call) */
+    int32_t *layer_held;      /* [n_layers] */
+    uint8_t *layer_changed;   /* [n_layers] */
 
     spice_store_rule rule;    /* the per-activation rule for the calls no policy decides */
 

@@ -41,6 +41,7 @@ int spice_store_begin_call(spice_store * s, int32_t il, int32_t n_tokens, int32_
             }
         }
     }
+    s->layer_changed[il] = 1; /* the rule's cached oldest there may be stamped newest now */
     return status;
 }
 

@@ -22,8 +22,10 @@ int spice_store_rule_init(spice_store * s) {
     r->predicted = (uint8_t *) calloc(width, 1);
     r->chosen = (uint8_t *) calloc(cells, 1);
     r->logits = (double *) calloc(width, sizeof(double));
-    return r->misses && r->incoming && r->selected && r->predicted && r->chosen && r->logits ? SPICE_OK
-                                                                                          : SPICE_ERR_NO_MEMORY;
+    r->oldest = (int32_t *) calloc((size_t) s->n_layers, sizeof(int32_t));
+    return r->misses && r->incoming && r->selected && r->predicted && r->chosen && r->logits && r->oldest
+               ? SPICE_OK
+               : SPICE_ERR_NO_MEMORY;
 }
 
 static void release_arrays(spice_store * s) {
@@ -49,6 +51,7 @@ void spice_store_rule_free(spice_store * s) {
     free(r->predicted);
     free(r->chosen);
     free(r->logits);
+    free(r->oldest);
     memset(r, 0, sizeof(*r));
 }
 
@@ -172,20 +175,31 @@ static void fit_layer(spice_store * s, spice_policy_call * call, int32_t il, int
     }
 }
 
-/* A candidate victim: ordered by recency, then by position in (layer, expert)
- * order, which is the order a repeated "least recent first" scan picks in. */
-typedef struct victim {
-    uint64_t last_use;
-    int32_t cell;
-} victim;
-
-static int victim_before(const victim * a, const victim * b) {
-    return a->last_use != b->last_use ? a->last_use < b->last_use : a->cell < b->cell;
+/* Layer l's least recently selected evictable expert (ties: the lower id),
+ * not listed as a victim yet nor in `skip` (NULL: none); -1 when none. */
+static int32_t oldest_in_layer(const spice_store * s, int32_t l, const uint8_t * skip) {
+    const spice_store_rule * r = &s->rule;
+    const size_t base = spice_store_cell(s, l, 0);
+    const uint64_t * last_use = s->last_use + base;
+    const int8_t * states = s->states + base;
+    const uint8_t * chosen = r->chosen + base;
+    int32_t best = -1;
+    for (int32_t e = 0; e < s->n_expert[l]; ++e) {
+        if ((states[e] == SPICE_RES_RESIDENT || states[e] == SPICE_RES_QUEUED) && !chosen[e] &&
+            (skip == NULL || !skip[e]) && (best < 0 || last_use[e] < last_use[best])) {
+            best = e;
+        }
+    }
+    return best;
 }
 
-/* One pooled cache: least recently selected out first until `need` bytes fit.
- * One pass keeps the few oldest candidates in a small max-heap (as many as the
- * smallest experts could need), then takes them oldest first. */
+/* One pooled cache: least recently selected out first -- by (recency,
+ * layer, expert), never an expert this call selects -- until `need` bytes
+ * fit, at most as many victims as the smallest experts would take. Each
+ * layer's oldest candidate is cached between calls (r->oldest) and looked
+ * for again only where a state or a stamp changed (s->layer_changed), so a
+ * call scans the layers it touched, not the whole table: this runs on the
+ * hook's thread, on caches ggml's kernels have just emptied. */
 static void fit_pool(spice_store * s, spice_policy_call * call, uint64_t need) {
     spice_store_rule * r = &s->rule;
     const uint64_t used = s->used_bytes;
@@ -201,58 +215,36 @@ static void fit_pool(spice_store * s, spice_policy_call * call, uint64_t need) {
     const uint64_t over = used + need - s->params.budget_bytes;
     int64_t want = (int64_t) ((over + min_bytes - 1) / min_bytes);
     want = want < s->n_slots ? want : s->n_slots;
-    victim heap[want > 0 ? want : 1];
-    int32_t n = 0;
-    for (int32_t il = 0; il < s->n_layers; ++il) {
-        const size_t base = spice_store_cell(s, il, 0);
-        for (int32_t e = 0; e < s->n_expert[il]; ++e) {
-            const int8_t st = s->states[base + (size_t) e];
-            if ((st != SPICE_RES_RESIDENT && st != SPICE_RES_QUEUED) || (il == call->il && r->selected[e])) {
-                continue;
-            }
-            const victim v = { s->last_use[base + (size_t) e], (int32_t) (base + (size_t) e) };
-            if (n < want) { /* sift up */
-                int32_t i = n++;
-                while (i > 0 && victim_before(&heap[(i - 1) / 2], &v)) {
-                    heap[i] = heap[(i - 1) / 2];
-                    i = (i - 1) / 2;
-                }
-                heap[i] = v;
-            } else if (n > 0 && victim_before(&v, &heap[0])) { /* replace the newest kept, sift down */
-                int32_t i = 0;
-                for (;;) {
-                    int32_t c = 2 * i + 1;
-                    if (c >= n) {
-                        break;
-                    }
-                    if (c + 1 < n && victim_before(&heap[c], &heap[c + 1])) {
-                        c++;
-                    }
-                    if (!victim_before(&v, &heap[c])) {
-                        break;
-                    }
-                    heap[i] = heap[c];
-                    i = c;
-                }
-                heap[i] = v;
-            }
+    for (int32_t l = 0; l < s->n_layers; ++l) {
+        if (l != call->il && s->layer_changed[l]) {
+            r->oldest[l] = s->n_expert[l] > 0 ? oldest_in_layer(s, l, NULL) : -1;
+            s->layer_changed[l] = 0;
         }
     }
-    /* oldest first: selection sort of the few kept */
+    /* the call's own layer spares what it selects: never cached */
+    int32_t own = oldest_in_layer(s, call->il, r->selected);
     uint64_t freed = 0;
-    for (int32_t taken = 0; taken < n && used + need - freed > s->params.budget_bytes; ++taken) {
-        int32_t best = taken;
-        for (int32_t i = taken + 1; i < n; ++i) {
-            if (victim_before(&heap[i], &heap[best])) {
-                best = i;
+    for (int64_t taken = 0; taken < want && used + need - freed > s->params.budget_bytes; ++taken) {
+        int32_t best_l = -1, best_e = -1;
+        for (int32_t l = 0; l < s->n_layers; ++l) {
+            const int32_t e = l == call->il ? own : r->oldest[l];
+            if (e >= 0 && (best_l < 0 || s->last_use[spice_store_cell(s, l, e)] <
+                                             s->last_use[spice_store_cell(s, best_l, best_e)])) {
+                best_l = l;
+                best_e = e;
             }
         }
-        const victim v = heap[best];
-        heap[best] = heap[taken];
-        heap[taken] = v;
-        const int32_t il = v.cell / s->max_expert, e = v.cell % s->max_expert;
-        add_evict(call, r->chosen, s, il, e);
-        freed += s->expert_bytes[il];
+        if (best_l < 0) {
+            return;
+        }
+        add_evict(call, r->chosen, s, best_l, best_e);
+        freed += s->expert_bytes[best_l];
+        if (best_l == call->il) {
+            own = oldest_in_layer(s, best_l, r->selected);
+        } else { /* the next oldest there; looked for again next call (chosen is this call's) */
+            r->oldest[best_l] = oldest_in_layer(s, best_l, NULL);
+            s->layer_changed[best_l] = 1;
+        }
     }
 }
 
@@ -298,25 +290,49 @@ static int32_t next_moe_layer(const spice_store * s, int32_t il) {
     return -1;
 }
 
-/* One router logit. Eight running sums the compiler keeps in vector
- * registers (a different order from numpy's, which only a tie at the top-k
- * edge could show). */
-static double router_dot(const float * w, const float * h, int32_t n) {
-    float part[8] = { 0 };
+/* Four float lanes, in GCC/Clang's vector extension: plain C that every
+ * target compiles to its vector registers (SSE2 on baseline x86-64). */
+typedef float spice_f32x4 __attribute__((vector_size(16)));
+
+static spice_f32x4 load4(const float * p) {
+    spice_f32x4 v;
+    memcpy(&v, p, sizeof(v));
+    return v;
+}
+
+/* Router logits of experts e0 .. e0 + n - 1 (n <= 4) for one row: per
+ * expert eight running sums (lanes j mod 8) added up in double at the end
+ * -- a different order from numpy's, which only a tie at the top-k edge
+ * could show -- four experts at a time so that their chains of additions
+ * overlap instead of each waiting on its own latency. A logit is the same
+ * sum in the same order whatever n is. */
+static void router_dots(const float * w, int32_t n_embd, const float * h, int32_t n, double * out) {
+    spice_f32x4 lo[4] = { { 0 } }, hi[4] = { { 0 } };
+    const float * row[4];
+    for (int32_t x = 0; x < 4; ++x) {
+        row[x] = w + (size_t) (x < n ? x : 0) * (size_t) n_embd;
+    }
     int32_t j = 0;
-    for (; j + 8 <= n; j += 8) {
-        for (int q = 0; q < 8; ++q) {
-            part[q] += w[j + q] * h[j + q];
+    for (; j + 8 <= n_embd; j += 8) {
+        const spice_f32x4 h_lo = load4(h + j), h_hi = load4(h + j + 4);
+        for (int32_t x = 0; x < 4; ++x) {
+            lo[x] += load4(row[x] + j) * h_lo;
+            hi[x] += load4(row[x] + j + 4) * h_hi;
         }
     }
-    double acc = 0.0;
-    for (int q = 0; q < 8; ++q) {
-        acc += (double) part[q];
+    for (int32_t x = 0; x < n; ++x) {
+        double acc = 0.0;
+        for (int q = 0; q < 4; ++q) {
+            acc += (double) lo[x][q];
+        }
+        for (int q = 0; q < 4; ++q) {
+            acc += (double) hi[x][q];
+        }
+        for (int32_t tail = j; tail < n_embd; ++tail) {
+            acc += (double) row[x][tail] * (double) h[tail];
+        }
+        out[x] = acc;
     }
-    for (; j < n; ++j) {
-        acc += (double) w[j] * (double) h[j];
-    }
-    return acc;
 }
 
 /* The experts the next layer's router picks for this call's rows (top
@@ -329,8 +345,8 @@ static void predict_next(spice_store * s, const spice_policy_call * call, int32_
     memset(r->predicted, 0, (size_t) n_e);
     for (int32_t t = 0; t < call->n_tokens; ++t) {
         const float * h = (const float *) ((const char *) call->inp + (size_t) t * call->inp_nb1);
-        for (int32_t e = 0; e < n_e; ++e) {
-            r->logits[e] = router_dot(router + (size_t) e * (size_t) n_embd, h, n_embd);
+        for (int32_t e = 0; e < n_e; e += 4) {
+            router_dots(router + (size_t) e * (size_t) n_embd, n_embd, h, n_e - e < 4 ? n_e - e : 4, r->logits + e);
         }
         for (int32_t pick = 0; pick < k; ++pick) {
             int32_t best = -1;
@@ -384,8 +400,7 @@ int spice_store_rule_plan(spice_store * s, spice_policy_call * call) {
     call->n_fetch = call->n_prefetch = call->n_evict = call->n_evict_from = 0;
     call->n_actions = call->n_tokens * n_used;
     memset(r->incoming, 0, (size_t) n_e);
-    memset(r->selected, 0, (size_t) n_e);
-    memset(r->chosen, 0, (size_t) s->n_layers * (size_t) s->max_expert);
+    memset(r->selected, 0, (size_t) n_e); /* r->chosen is all zero: each plan clears what it set */
 
     int32_t absent_selected = 0;
     for (int32_t t = 0; t < call->n_tokens; ++t) {
@@ -438,7 +453,7 @@ int spice_store_rule_plan(spice_store * s, spice_policy_call * call) {
     switch (rule->keep) {
         case SPICE_KEEP_NONE:
             for (int32_t l = 0; l < s->n_layers; ++l) {
-                for (int32_t e = 0; e < s->n_expert[l]; ++e) {
+                for (int32_t e = 0; s->layer_held[l] > 0 && e < s->n_expert[l]; ++e) {
                     if (!(l == il && r->selected[e]) && evictable(s, l, e)) {
                         add_evict(call, r->chosen, s, l, e);
                     }
@@ -480,6 +495,9 @@ int spice_store_rule_plan(spice_store * s, spice_policy_call * call) {
                 at[1] = wanted[i];
             }
         }
+    }
+    for (int32_t i = 0; i + 1 < call->n_evict; i += 2) { /* add_evict marked exactly these */
+        r->chosen[spice_store_cell(s, call->evict[i], call->evict[i + 1])] = 0;
     }
     return SPICE_OK;
 }

@@ -28,7 +28,10 @@ static int32_t * slot_ref(spice_store * s, int32_t il, int32_t e) {
 }
 
 static void set_state(spice_store * s, int32_t il, int32_t e, int state) {
-    s->states[spice_store_cell(s, il, e)] = (int8_t) state;
+    int8_t * st = &s->states[spice_store_cell(s, il, e)];
+    s->layer_held[il] += (state != SPICE_RES_ABSENT) - (*st != SPICE_RES_ABSENT);
+    s->layer_changed[il] = 1;
+    *st = (int8_t) state;
 }
 
 /* ---- the queue ------------------------------------------------------------------ */
@@ -184,6 +187,8 @@ int spice_store_create_unattached(const spice_store_params * params, int32_t n_l
     s->copies = (spice_copy *) malloc((size_t) s->n_slots * sizeof(spice_copy));
     s->counters = (spice_counters *) calloc((size_t) n_layers, sizeof(spice_counters));
     s->last_use = (uint64_t *) calloc(cells, sizeof(uint64_t));
+    s->layer_held = (int32_t *) calloc((size_t) n_layers, sizeof(int32_t));
+    s->layer_changed = (uint8_t *) calloc((size_t) n_layers, 1);
     s->scratch.need = (uint8_t *) calloc(width, 1);
     s->scratch.pinned = (uint8_t *) calloc(width, 1);
     s->scratch.kept = (uint8_t *) calloc(cells, 1);
@@ -191,12 +196,14 @@ int spice_store_create_unattached(const spice_store_params * params, int32_t n_l
     s->scratch.started = (int32_t *) calloc((size_t) s->n_slots, sizeof(int32_t));
     s->scratch.landed = (uint8_t *) calloc((size_t) s->n_slots, 1);
     if (!s->n_expert || !s->expert_bytes || !s->slot_of || !s->states || !s->sources || !s->slots ||
-        !s->free_slots || !s->copies || !s->counters || !s->last_use || !s->scratch.need || !s->scratch.pinned ||
+        !s->free_slots || !s->copies || !s->counters || !s->last_use || !s->layer_held || !s->layer_changed || !s->scratch.need ||
+        !s->scratch.pinned ||
         !s->scratch.kept || !s->scratch.rank || !s->scratch.started || !s->scratch.landed) {
         spice_store_free(s);
         return SPICE_ERR_NO_MEMORY;
     }
     memcpy(s->n_expert, n_expert, (size_t) n_layers * sizeof(int32_t));
+    memset(s->layer_changed, 1, (size_t) n_layers); /* no rule has looked yet */
     memcpy(s->expert_bytes, expert_bytes, (size_t) n_layers * sizeof(uint64_t));
     if (spice_store_rule_init(s) != SPICE_OK) {
         spice_store_free(s);
@@ -270,6 +277,8 @@ void spice_store_free(spice_store * s) {
     free(s->copies);
     free(s->counters);
     free(s->last_use);
+    free(s->layer_held);
+    free(s->layer_changed);
     free(s->scratch.need);
     free(s->scratch.pinned);
     free(s->scratch.kept);
