@@ -4,9 +4,47 @@
 
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+
+/* How an idle planner waits for the next snapshot. Parked on the condition
+ * variable, it costs the hook's thread a futex wake at the next post --
+ * microseconds in a VM, and the woken planner may preempt the hook's thread
+ * on a shared core -- so it first busy-waits a little, then sleeps in short
+ * steps, and parks only after a while with no work. Decode posts every few
+ * layers, well inside that while, so a steady decode never makes the hook's
+ * thread wake anyone. */
+#define SPICE_PLANNER_SPIN_NS 50000ull   /* busy-wait this long: a post usually follows soon */
+#define SPICE_PLANNER_IDLE_NS 5000000ull /* then short sleeps up to this long, then park */
+
+static void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+/* Unlocked: until an entry is queued, stop is asked, or the idle time runs out. */
+static void idle_wait(spice_planner * p) {
+    const uint64_t t0 = spice_monotonic_ns();
+    for (;;) {
+        if (atomic_load(&p->queued) > 0 || atomic_load(&p->stopping)) {
+            return;
+        }
+        const uint64_t idle = spice_monotonic_ns() - t0;
+        if (idle > SPICE_PLANNER_IDLE_NS) {
+            return;
+        }
+        if (idle < SPICE_PLANNER_SPIN_NS) {
+            cpu_relax();
+        } else {
+            const struct timespec step = { 0, 20000 };
+            nanosleep(&step, NULL);
+        }
+    }
+}
 
 static void * planner_main(void * arg) {
     spice_planner * p = (spice_planner *) arg;
+    int waited = 0; /* idle_wait ran since the last entry: park next time */
     pthread_mutex_lock(&p->mu);
     while (!p->stop) {
         spice_async_entry * next = NULL;
@@ -17,10 +55,22 @@ static void * planner_main(void * arg) {
             }
         }
         if (next == NULL) {
-            pthread_cond_wait(&p->work, &p->mu);
+            if (!waited) {
+                pthread_mutex_unlock(&p->mu);
+                idle_wait(p);
+                pthread_mutex_lock(&p->mu);
+                waited = 1;
+            } else {
+                p->sleeping = 1;
+                pthread_cond_wait(&p->work, &p->mu);
+                p->sleeping = 0;
+                waited = 0;
+            }
             continue;
         }
+        waited = 0;
         next->state = SPICE_ENTRY_PLANNING;
+        atomic_fetch_sub(&p->queued, 1);
         pthread_mutex_unlock(&p->mu);
         /* the policy: a Python callback takes the GIL here (cffi), never on the hook's thread */
         const uint64_t t0 = spice_monotonic_ns();
@@ -54,6 +104,8 @@ static void entry_free(spice_async_entry * e) {
 int spice_planner_start(spice_planner * p, spice_policy_fn fn, void * user_data, const spice_async_params * params,
                         int32_t cap_fetch, int32_t cap_pairs, int32_t cap_layers) {
     memset(p, 0, sizeof(*p));
+    atomic_init(&p->queued, 0);
+    atomic_init(&p->stopping, 0);
     p->params = *params;
     p->fn = fn;
     p->user_data = user_data;
@@ -88,6 +140,7 @@ void spice_planner_stop(spice_planner * p) {
     }
     pthread_mutex_lock(&p->mu);
     p->stop = 1;
+    atomic_store(&p->stopping, 1);
     pthread_cond_broadcast(&p->work);
     pthread_mutex_unlock(&p->mu);
     pthread_join(p->thread, NULL);
@@ -120,6 +173,9 @@ spice_async_entry * spice_planner_acquire(spice_planner * p, int * replaced) {
         *replaced = got != NULL;
     }
     if (got != NULL) {
+        if (got->state == SPICE_ENTRY_QUEUED) {
+            atomic_fetch_sub(&p->queued, 1); /* its snapshot is written over */
+        }
         got->state = SPICE_ENTRY_WRITING;
     }
     pthread_mutex_unlock(&p->mu);
@@ -213,7 +269,10 @@ int spice_planner_post(spice_planner * p, spice_async_entry * e, uint64_t seq, c
 
     pthread_mutex_lock(&p->mu);
     e->state = SPICE_ENTRY_QUEUED;
-    pthread_cond_signal(&p->work);
+    atomic_fetch_add(&p->queued, 1);
+    if (p->sleeping) { /* a polling planner sees `queued`: no wake, no syscall on the hook's thread */
+        pthread_cond_signal(&p->work);
+    }
     pthread_mutex_unlock(&p->mu);
     return SPICE_OK;
 }

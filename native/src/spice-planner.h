@@ -14,6 +14,7 @@
 #include "spice.h"
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -51,6 +52,9 @@ typedef struct spice_planner {
     pthread_cond_t work; /* an entry was queued, or stop */
     pthread_cond_t done; /* an entry was planned */
     int stop;
+    int sleeping;          /* the planner is parked on `work`: a post must signal it */
+    atomic_int queued;     /* entries QUEUED, read by an idle planner without the mutex */
+    atomic_int stopping;   /* stop, as the idle planner reads it */
     spice_async_entry * ring;
     int32_t n_ring;
     /* list capacities of every plan: the runtime's */
