@@ -259,6 +259,7 @@ class StoreParams:
     io_threads: int = 0  # DEVICE_DISK: reader threads (0: libspice's default, 4)
     io_fault_after: int = 0  # DEVICE_DISK, tests only: reads after this many fail with EIO
     executor: int = EXECUTOR_AUTO  # spice_executor; EXECUTOR_POOL: the slot-pool graph (emulated: CPU)
+    exec_fault_after: int = 0  # tests only: launches after this many fail (> 0), collects after -this (< 0)
 
     def to_c(self, ffi: Any) -> tuple[Any, Any]:
         """The C struct, and what must outlive the call it is passed to (the path:
@@ -276,6 +277,7 @@ class StoreParams:
         p.io_threads = self.io_threads
         p.io_fault_after = self.io_fault_after
         p.executor = self.executor
+        p.exec_fault_after = self.exec_fault_after
         return p, path
 
 

@@ -327,6 +327,10 @@ typedef struct spice_store_params {
     int32_t  io_threads;         /* reader threads; <= 0: 4 */
     int32_t  io_fault_after;     /* tests: every read after this many fails with EIO; 0: never */
     int32_t  executor;           /* spice_executor; 0 = auto */
+    /* tests: on a device that computes, every launch after this many fails
+     * (> 0), or every collect after -this many (< 0); 0: never. The decode
+     * stops with the reason, as for a real device failure. */
+    int32_t  exec_fault_after;
 } spice_store_params;
 
 typedef enum spice_residency {

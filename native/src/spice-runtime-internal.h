@@ -92,6 +92,8 @@ struct spice_runtime {
     uint64_t unpinned_bytes;   /* CUDA: expert weight bytes that could not be page-locked */
     spice_cuda_verify * verify; /* SPICE_CUDA_VERIFY=1 only */
     atomic_int failed;         /* the runtime stopped the decode itself (spice_runtime_failed) */
+    int32_t exec_fault_after;  /* the tier's spice_store_params.exec_fault_after (tests) */
+    int64_t n_launches, n_collects; /* device launches and collects on this tier, for that hook */
     struct {                   /* a tier without host weights in memory (spice-runtime-host-read.c) */
         uint8_t * wanted;      /* [max_n_expert] */
         int32_t * experts;     /* [max_n_expert] read for this call */

@@ -166,6 +166,8 @@ int spice_runtime_set_store(spice_runtime * rt, const spice_store_params * param
         return SPICE_ERR_BUDGET;
     }
     rt->store = store;
+    rt->exec_fault_after = params->exec_fault_after;
+    rt->n_launches = rt->n_collects = 0;
     rt->host_read.bytes_seen = rt->host_read.reads_seen = 0; /* a new device's totals start at 0 */
     return SPICE_OK;
 }

@@ -320,8 +320,13 @@ static int start_device_work(spice_runtime * rt, const spice_hook_call * hc, con
     spice_counters * c = &rt->counters[hc->il];
     char err[256];
     const uint64_t t0 = spice_monotonic_ns();
-    const int rc = dev->iface->exec_begin(dev, &job, err, sizeof(err));
+    int rc = dev->iface->exec_begin(dev, &job, err, sizeof(err));
     c->launch_ns += spice_monotonic_ns() - t0;
+    if (rc == SPICE_OK && rt->exec_fault_after > 0 && ++rt->n_launches > rt->exec_fault_after) {
+        snprintf(err, sizeof(err), "launch %lld refused by the test fault hook (exec_fault_after)",
+                 (long long) rt->n_launches);
+        rc = SPICE_ERR_STATE;
+    }
     c->device_launches++;
     if (rc != SPICE_OK) {
         set_error(rt, "layer %d: the device could not run its experts: %s", hc->il, err);
@@ -367,9 +372,15 @@ static void collect_device_work(void * user_data, float * y) {
     spice_counters * c = &rt->counters[rt->call_il];
     char err[256];
     const uint64_t t0 = spice_monotonic_ns();
-    if (dev->iface->exec_end(dev, rt->device_y != NULL ? rt->device_y : y, err, sizeof(err)) !=
-        SPICE_OK) {
-        set_error(rt, "%s", err);
+    int rc = dev->iface->exec_end(dev, rt->device_y != NULL ? rt->device_y : y, err, sizeof(err));
+    if (rc == SPICE_OK && rt->exec_fault_after < 0 && ++rt->n_collects > -(int64_t) rt->exec_fault_after) {
+        snprintf(err, sizeof(err), "collect %lld refused by the test fault hook (exec_fault_after)",
+                 (long long) rt->n_collects);
+        rc = SPICE_ERR_STATE;
+    }
+    if (rc != SPICE_OK) { /* the call's rows are not all there: stop, with the reason (not as Ctrl-C) */
+        set_error(rt, "layer %d: the device's results could not be collected: %s", rt->call_il, err);
+        atomic_store(&rt->failed, 1);
         atomic_store(&rt->abort_requested, 1);
     }
     c->collect_ns += spice_monotonic_ns() - t0;

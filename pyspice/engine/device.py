@@ -68,6 +68,7 @@ def store_params(
     latency_us: float | None,
     manual_clock: bool,
     executor: int = 0,
+    exec_fault_after: int = 0,
 ) -> StoreParams:
     """The store's parameters for a budget over `expert_bytes` routed-expert bytes,
     after checking that the device (real) or this machine (emulated) can hold it."""
@@ -80,6 +81,7 @@ def store_params(
             latency_us=REAL_BUS_GUESS_LATENCY_US,
             device_kind=DEVICE_CUDA,
             executor=executor,
+            exec_fault_after=exec_fault_after,
         )
     check_emulated_budget(spec, budget_bytes, expert_bytes)
     return StoreParams(
@@ -88,6 +90,7 @@ def store_params(
         latency_us=latency_us if latency_us is not None else DEFAULT_EMULATED_LATENCY_US,
         manual_clock=manual_clock,
         executor=executor,
+        exec_fault_after=exec_fault_after,
     )
 
 

@@ -124,9 +124,12 @@ class Engine:
         *,
         manual_clock: bool = False,
         executor: str | None = None,
+        exec_fault_after: int = 0,
     ) -> DeviceTier:
         """A device tier of `budget`; real on a CUDA build with a GPU unless a bus to
-        emulate (or a manual clock) is given. The policy in use restarts on it."""
+        emulate (or a manual clock) is given. The policy in use restarts on it.
+        exec_fault_after is a test-only fault hook (spice_store_params): device
+        launches after that many fail (> 0), or collects after -that many (< 0)."""
         check_budget_value(budget)  # the API's entry point: RunConfig checked the CLI's already
         check_bus(bandwidth_gbps, latency_us)
         executor = executor if executor is not None else self.device_executor
@@ -143,6 +146,7 @@ class Engine:
             latency_us=latency_us,
             manual_clock=manual_clock,
             executor=EXECUTORS[executor],
+            exec_fault_after=exec_fault_after,
         )
         return self._install_tier(
             spec, total, params, emulated=not real, device_name="CUDA device 0" if real else ""

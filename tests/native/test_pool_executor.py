@@ -10,6 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from pyspice.runtime import DecodeFailedError
+
 from .golden import AllDevice, greedy_run, load
 
 N_DECODE = 8
@@ -66,5 +68,24 @@ def test_the_pool_is_opt_in_and_named(synth_model) -> None:
         llm.set_device("100%", 8.0, 5.0, manual_clock=True)  # auto: the host executor reads the slots
         run = greedy_run(llm, "exact", n_decode=2)
         assert run.stats["per_call"]["launches"] == 0.0
+    finally:
+        llm.close()
+
+
+# A device that fails mid-decode (the test-only fault hook exec_fault_after): the
+# decode stops with the reason as DecodeFailedError -- a failed collect used to stop
+# it as if Ctrl-C had been pressed (KeyboardInterrupt) -- and the instance goes on.
+@pytest.mark.parametrize("fault,what", [(3, "launch 4 refused"), (-3, "collect 4 refused")])
+def test_a_device_failure_stops_the_decode_with_its_reason(synth_model, fault: int, what: str) -> None:
+    llm = load(synth_model("qwen2moe", "tiny", "Q4_K"))
+    try:
+        ref = greedy_run(llm, "stock", n_decode=N_DECODE)
+        engine = llm.spice_engine
+        engine.set_device("100%", 8.0, 5.0, manual_clock=True, executor="pool", exec_fault_after=fault)
+        with pytest.raises(DecodeFailedError, match=f"could not .*{what}"):
+            greedy_run(llm, "exact", n_decode=N_DECODE)
+        llm.set_device("100%", 8.0, 5.0, manual_clock=True, executor="pool")
+        again = greedy_run(llm, "exact", n_decode=N_DECODE)
+        assert np.array_equal(again.logits, ref.logits)
     finally:
         llm.close()
