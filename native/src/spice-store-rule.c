@@ -305,8 +305,21 @@ static spice_f32x4 load4(const float * p) {
  * -- a different order from numpy's, which only a tie at the top-k edge
  * could show -- four experts at a time so that their chains of additions
  * overlap instead of each waiting on its own latency. A logit is the same
- * sum in the same order whatever n is. */
-static void router_dots(const float * w, int32_t n_embd, const float * h, int32_t n, double * out) {
+ * sum in the same order whatever n is. The hook runs on caches ggml's
+ * kernels have just emptied, and one expert's row is too short a stream for
+ * the hardware prefetcher to ramp up on: the loop prefetches the next four
+ * rows (`next`, NULL: none) as it reads these, which halves the time of a
+ * cold router (spice-rule-bench --cold). */
+static void prefetch_rows(const float * w, int32_t n_embd, int32_t n) {
+    for (int32_t x = 0; x < n; ++x) {
+        for (int32_t j = 0; j < n_embd; j += 16) { /* 16 floats: one 64-byte line */
+            __builtin_prefetch(w + (size_t) x * (size_t) n_embd + j);
+        }
+    }
+}
+
+static void router_dots(const float * w, int32_t n_embd, const float * h, int32_t n, double * out,
+                        const float * next, int32_t n_next) {
     spice_f32x4 lo[4] = { { 0 } }, hi[4] = { { 0 } };
     const float * row[4];
     for (int32_t x = 0; x < 4; ++x) {
@@ -314,6 +327,11 @@ static void router_dots(const float * w, int32_t n_embd, const float * h, int32_
     }
     int32_t j = 0;
     for (; j + 8 <= n_embd; j += 8) {
+        if (next != NULL && j % 16 == 0) {
+            for (int32_t x = 0; x < n_next; ++x) {
+                __builtin_prefetch(next + (size_t) x * (size_t) n_embd + j);
+            }
+        }
         const spice_f32x4 h_lo = load4(h + j), h_hi = load4(h + j + 4);
         for (int32_t x = 0; x < 4; ++x) {
             lo[x] += load4(row[x] + j) * h_lo;
@@ -346,7 +364,9 @@ static void predict_next(spice_store * s, const spice_policy_call * call, int32_
     for (int32_t t = 0; t < call->n_tokens; ++t) {
         const float * h = (const float *) ((const char *) call->inp + (size_t) t * call->inp_nb1);
         for (int32_t e = 0; e < n_e; e += 4) {
-            router_dots(router + (size_t) e * (size_t) n_embd, n_embd, h, n_e - e < 4 ? n_e - e : 4, r->logits + e);
+            const int32_t n = n_e - e < 4 ? n_e - e : 4, n_next = n_e - e - n < 4 ? n_e - e - n : 4;
+            router_dots(router + (size_t) e * (size_t) n_embd, n_embd, h, n, r->logits + e,
+                        n_next > 0 ? router + (size_t) (e + n) * (size_t) n_embd : NULL, n_next);
         }
         for (int32_t pick = 0; pick < k; ++pick) {
             int32_t best = -1;
@@ -401,6 +421,10 @@ int spice_store_rule_plan(spice_store * s, spice_policy_call * call) {
     call->n_actions = call->n_tokens * n_used;
     memset(r->incoming, 0, (size_t) n_e);
     memset(r->selected, 0, (size_t) n_e); /* r->chosen is all zero: each plan clears what it set */
+    const int32_t nxt = rule->prefetch_next ? next_moe_layer(s, il) : -1;
+    if (nxt >= 0 && r->routers[nxt] != NULL) { /* its first rows come in while the actions are decided */
+        prefetch_rows(r->routers[nxt], rule->n_embd, s->n_expert[nxt] < 4 ? s->n_expert[nxt] : 4);
+    }
 
     int32_t absent_selected = 0;
     for (int32_t t = 0; t < call->n_tokens; ++t) {
@@ -474,7 +498,6 @@ int spice_store_rule_plan(spice_store * s, spice_policy_call * call) {
         default: break;
     }
 
-    const int32_t nxt = rule->prefetch_next ? next_moe_layer(s, il) : -1;
     if (nxt >= 0 && r->routers[nxt] != NULL) {
         predict_next(s, call, nxt);
         const int32_t limit = rule->keep == SPICE_KEEP_LAYER_LRU ? r->capacity[nxt] : s->n_expert[nxt];
