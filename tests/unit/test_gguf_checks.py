@@ -14,6 +14,7 @@ import pytest
 
 from pyspice.formats.model_info import ModelFileError, read_header
 
+ROOT = Path(__file__).resolve().parents[2]
 U32, I32, F32, STR, ARR = (
     gguf.GGUFValueType.UINT32,
     gguf.GGUFValueType.INT32,
@@ -101,6 +102,14 @@ def write_model(
 @pytest.mark.parametrize("arch", ["deepseek2", "qwen2moe"])
 def test_the_base_model_passes(tmp_path: Path, arch: str) -> None:
     read_header(write_model(tmp_path / "m.gguf", arch))
+
+
+def test_the_differential_seed_corpus_passes() -> None:
+    """The fuzz seeds are complete models llama.cpp loads: no rule may refuse them."""
+    seeds = sorted((ROOT / "fuzz" / "corpus" / "gguf_differential").glob("*.gguf"))
+    assert len(seeds) == 3
+    for seed in seeds:
+        read_header(seed)
 
 
 CASES = [
