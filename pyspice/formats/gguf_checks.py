@@ -358,6 +358,24 @@ def check_rope_dimensions(path: Path, meta: Mapping[str, Any]) -> None:
         )
 
 
+def check_uniform_heads(path: Path, meta: Mapping[str, Any]) -> None:
+    """For the architectures of ROPE_IS_HEAD_SIZE and deepseek2, head_count and head_count_kv,
+    when given per layer, are one value: they make every layer's attention tensors with the
+    first layer's sizes but its KV cache with each layer's, so a layer with other heads
+    fails the first decode (GGML_ASSERT(a->ne[0] == b->ne[0]) in ggml_set_rows)."""
+    arch = _arch(meta)
+    if arch not in ROPE_IS_HEAD_SIZE and arch != "deepseek2":
+        return
+    for suffix in ("head_count", "head_count_kv"):
+        key = f"{arch}.attention.{suffix}"
+        values = _int_values(meta, key)
+        if values is not None and len(set(values)) > 1:
+            raise ModelFileError(
+                f"{path} is corrupt: {key} is {values}, but {arch} has the same attention heads in every "
+                f"layer; {_FIX}"
+            )
+
+
 def check_mla_dimensions(path: Path, meta: Mapping[str, Any]) -> None:
     """deepseek2's attention: the query/key head (key_length_mla under MLA) is wider than
     its RoPE part (GGML_ASSERT(n_embd_head_qk_nope >= 1)); under MLA (key_length_mla and
@@ -418,5 +436,6 @@ def validate_header(
     check_attention_temperature(path, meta)
     check_rope_scaling(path, meta)
     check_rope_dimensions(path, meta)
+    check_uniform_heads(path, meta)
     check_mla_dimensions(path, meta)
     check_vocabulary(path, meta)

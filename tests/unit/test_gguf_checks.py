@@ -263,6 +263,18 @@ def test_deepseek2_without_attention_heads_is_refused(tmp_path: Path) -> None:
         read_header(bad)
 
 
+@pytest.mark.parametrize("arch", ["qwen2moe", "deepseek2"])
+def test_attention_heads_that_differ_by_layer_are_refused(tmp_path: Path, arch: str) -> None:
+    """The attention tensors are made with layer 0's sizes, the KV cache with each layer's:
+    GGML_ASSERT(a->ne[0] == b->ne[0]) in ggml_set_rows at the first decode (long run 2)."""
+    heads = {f"{arch}.attention.head_count_kv": ([1, 2, 1], ARR, U32)}
+    bad = write_model(tmp_path / "bad.gguf", arch, set_kv=heads)
+    with pytest.raises(ModelFileError, match=r"head_count_kv is \[1, 2, 1\], but .* same attention heads"):
+        read_header(bad)
+    heads[f"{arch}.attention.head_count_kv"] = ([1, 1, 1], ARR, U32)  # per layer, but one value
+    read_header(write_model(tmp_path / "ok.gguf", arch, set_kv=heads))
+
+
 def test_mla_head_count_kv_defaults_to_head_count(tmp_path: Path) -> None:
     """Without head_count_kv llama.cpp takes head_count (2): two cache heads, not one latent."""
     bad = write_model(tmp_path / "bad.gguf", drop=("deepseek2.attention.head_count_kv",))
