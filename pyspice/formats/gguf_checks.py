@@ -23,6 +23,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from gguf import GGMLQuantizationType
+
 from pyspice.formats.gguf_header import ArraySummary, ModelFileError
 
 # GGML_MAX_DIMS in ggml.h: a tensor of more dimensions cannot be represented
@@ -160,6 +162,29 @@ def check_tensor_types(path: Path, meta: Mapping[str, Any], tensors: Sequence[_T
                 f"{path} is corrupt: tensor {t.name} has type {name}, which no llama.cpp weight can have "
                 f"(it cannot compute with it); {_FIX}"
             )
+
+
+def check_vector_types(path: Path, meta: Mapping[str, Any], tensors: Sequence[_Tensor]) -> None:
+    """Vectors (norm weights, biases: one dimension, or trailing ones) are F32, as every
+    converter writes them and llama-quantize leaves them: the graph multiplies and adds F32
+    activations by them, which the CPU kernels do only for F32 (an F16 attn_kv_a_norm aborted
+    the first decode in binary_op, "unsupported types"). Sidecars are exempt."""
+    if _arch(meta) == SIDECAR_ARCH:
+        return
+    for t in tensors:
+        if t.type_id != 0 and t.shape and all(d == 1 for d in t.shape[1:]):
+            name = NON_WEIGHT_TYPES.get(t.type_id) or _type_name(t.type_id)
+            raise ModelFileError(
+                f"{path} is corrupt: tensor {t.name} is a vector of type {name}; llama.cpp computes with "
+                f"F32 vectors only (norms and biases stay F32 when a model is quantized); {_FIX}"
+            )
+
+
+def _type_name(type_id: int) -> str:
+    try:
+        return GGMLQuantizationType(type_id).name
+    except ValueError:
+        return str(type_id)
 
 
 def check_block_count(path: Path, meta: Mapping[str, Any]) -> None:
@@ -428,6 +453,7 @@ def validate_header(
     check_alignment(path, tensors, alignment)
     check_tensor_placement(path, tensors, (header_end + alignment - 1) // alignment * alignment)
     check_tensor_types(path, meta, tensors)
+    check_vector_types(path, meta, tensors)
     check_block_count(path, meta)
     check_moe_metadata(path, meta, tensors)
     check_expert_groups(path, meta)

@@ -245,6 +245,16 @@ def test_a_weight_type_llama_cpp_cannot_compute_with_is_refused(
         read_header(bad)
 
 
+@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16])
+def test_a_vector_that_is_not_f32_is_refused(tmp_path: Path, qtype: Q) -> None:
+    """An F16 norm weight: binary_op's GGML_ABORT("unsupported types") at the first decode
+    (found by long run 2, blk.1.attn_kv_a_norm.weight)."""
+    bad = write_model(tmp_path / "bad.gguf", types={"output_norm.weight": qtype})
+    with pytest.raises(ModelFileError, match=f"tensor output_norm.weight is a vector of type {qtype.name}"):
+        read_header(bad)
+    read_header(write_model(tmp_path / "ok.gguf", types={"output.weight": qtype}))  # a matrix may be
+
+
 def test_a_tensor_off_ggmls_alignment_is_refused(tmp_path: Path) -> None:
     """general.alignment 8 is a valid GGUF, but llama.cpp maps tensors in place and asserts
     each is 32-byte aligned (ggml-backend.cpp, TENSOR_ALIGNMENT)."""
