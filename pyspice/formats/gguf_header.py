@@ -11,6 +11,7 @@ be exact). Every read is bounds-checked: a truncated file is one clear error.
 from __future__ import annotations
 
 import struct
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,13 +73,19 @@ class RawHeader:
     end: int  # where the header ends (the data section starts at the next alignment)
 
 
+_U64 = struct.Struct("<Q")
+
+
 class _Cursor:
-    def __init__(self, buf: Any, path: Path, max_array_items: int | None, raw_strings: bool) -> None:
+    def __init__(
+        self, buf: Any, path: Path, max_array_items: int | None, raw_strings: bool, keep: Collection[str] = ()
+    ) -> None:
         self.buf = buf
         self.pos = 0
         self.path = path
         self.max_array_items = max_array_items
         self.raw_strings = raw_strings
+        self.keep = keep
 
     def _need(self, n: int) -> None:
         if n < 0 or self.pos + n > len(self.buf):
@@ -104,15 +111,38 @@ class _Cursor:
         raw = self.raw_string()
         return raw if self.raw_strings else raw.decode("utf-8", errors="replace")
 
-    def value(self, vtype: int) -> tuple[Any, GGUFValueType | None]:
-        """The value and, for an array, its element type."""
+    def _string_run(self, count: int, keep: bool) -> list[bytes] | None:
+        """`count` strings, skipped or (keep) as raw bytes, in one tight loop: a tokenizer's
+        vocabulary and merges are most of a header."""
+        buf, pos, end, unpack = self.buf, self.pos, len(self.buf), _U64.unpack_from
+        items: list[bytes] | None = [] if keep else None
+        for _ in range(count):
+            if end - pos < 8:
+                self.pos = pos
+                self._need(8)
+            (n,) = unpack(buf, pos)
+            pos += 8
+            if n > end - pos:
+                self.pos = pos
+                self._need(n)
+            if items is not None:
+                items.append(bytes(buf[pos : pos + n]))
+            pos += n
+        self.pos = pos
+        return items
+
+    def value(self, vtype: int, key: str = "") -> tuple[Any, GGUFValueType | None]:
+        """The value and, for an array, its element type (`key` is in self.keep: decoded
+        whatever its length, strings as raw bytes)."""
         if vtype == GGUFValueType.STRING:
             return self.string(), None
         if vtype != GGUFValueType.ARRAY:
             return self.take(self._scalar(vtype)[0]), None
         sub = self._type(int(self.take("<I")))
         count = int(self.take("<Q"))
-        if self.max_array_items is not None and count > self.max_array_items:
+        if key in self.keep and sub == GGUFValueType.STRING:
+            return self._string_run(count, keep=True), sub
+        if self.max_array_items is not None and count > self.max_array_items and key not in self.keep:
             self._skip(sub, count)
             return ArraySummary(sub.name.lower(), count), sub
         if sub in _SCALARS:
@@ -129,10 +159,7 @@ class _Cursor:
             self._need(n)
             self.pos += n
         elif sub == GGUFValueType.STRING:
-            for _ in range(count):
-                n = int(self.take("<Q"))
-                self._need(n)
-                self.pos += n
+            self._string_run(count, keep=False)
         else:
             for _ in range(count):
                 self.value(sub)
@@ -151,15 +178,21 @@ class _Cursor:
 
 
 def parse_header(
-    buf: Any, path: Path, *, max_array_items: int | None = None, raw_strings: bool = False
+    buf: Any,
+    path: Path,
+    *,
+    max_array_items: int | None = None,
+    raw_strings: bool = False,
+    keep: Collection[str] = (),
 ) -> RawHeader:
     """The header of the GGUF in `buf` (bytes, mmap or memoryview; `path` names it in errors).
 
     max_array_items: longer arrays become an ArraySummary (None: decode all);
-    raw_strings: strings as bytes, not decoded."""
+    raw_strings: strings as bytes, not decoded; keep: keys whose arrays are decoded
+    whatever their length, their strings as raw bytes (what a check needs whole)."""
     if bytes(buf[:4]) != GGUF_MAGIC:
         raise ModelFileError(f"{path} is not a GGUF model (bad magic {bytes(buf[:4])!r})")
-    cur = _Cursor(buf, path, max_array_items, raw_strings)
+    cur = _Cursor(buf, path, max_array_items, raw_strings, keep)
     cur.pos = 4
     version = int(cur.take("<I"))
     n_tensors = int(cur.take("<Q"))
@@ -168,7 +201,7 @@ def parse_header(
     for _ in range(n_kv):
         key = cur.raw_string().decode("utf-8", errors="replace")
         vtype = cur._type(int(cur.take("<I")))
-        value, sub = cur.value(vtype)
+        value, sub = cur.value(vtype, key)
         metadata.append(KeyValue(key, value, vtype, sub))
     tensors: list[TensorEntry] = []
     for _ in range(n_tensors):

@@ -16,11 +16,11 @@ from typing import Any
 
 import gguf
 
-from pyspice.formats.gguf_checks import validate_header
+from pyspice.formats.gguf_checks import VOCAB_KEYS, validate_header
+from pyspice.formats.gguf_header import ArraySummary, parse_header
 
 # ModelFileError is re-exported: it is the error callers of read_header catch
 from pyspice.formats.gguf_header import ModelFileError as ModelFileError
-from pyspice.formats.gguf_header import parse_header
 from pyspice.units import Budget, format_bytes
 
 # arrays longer than this are summarized (tokenizer vocabularies), not decoded
@@ -76,7 +76,8 @@ def header_from_buffer(buf: Any, path: Path, file_size: int) -> GGUFHeader:
     its contract is that nothing but ModelFileError comes out."""
     if len(buf) < 24:
         raise ModelFileError(f"{path} is not a GGUF model (only {len(buf)} bytes)")
-    header = parse_header(buf, path, max_array_items=_MAX_ARRAY_ITEMS)
+    # the vocabulary whole (its checks need every token), summarized again after them
+    header = parse_header(buf, path, max_array_items=_MAX_ARRAY_ITEMS, keep=VOCAB_KEYS)
     if header.version < 2:
         raise ModelFileError(f"{path}: GGUF version {header.version} is too old (convert it with llama.cpp)")
     metadata: dict[str, Any] = {kv.key: kv.value for kv in header.metadata}
@@ -91,7 +92,11 @@ def header_from_buffer(buf: Any, path: Path, file_size: int) -> GGUFHeader:
     if not isinstance(alignment, int) or isinstance(alignment, bool):
         raise ModelFileError(f"{path} is corrupt: general.alignment is {alignment!r}, not an integer")
     # the consistency llama.cpp assumes (expert counts above all), before any size is computed
-    validate_header(path, metadata, header.tensors, alignment)
+    validate_header(path, metadata, header.tensors, alignment, header.end)
+    for kv in header.metadata:
+        if kv.key in VOCAB_KEYS and isinstance(kv.value, list) and len(kv.value) > _MAX_ARRAY_ITEMS:
+            assert kv.sub_type is not None
+            metadata[kv.key] = ArraySummary(kv.sub_type.name.lower(), len(kv.value))
     data_offset = (header.end + alignment - 1) // alignment * alignment
     tensors = [TensorInfo(n, s, t, tensor_nbytes(t, s), o) for n, s, t, o in raw]
     end = max((data_offset + t.offset + t.nbytes for t in tensors), default=data_offset)

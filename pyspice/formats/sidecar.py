@@ -35,6 +35,7 @@ import numpy as np
 import numpy.typing as npt
 from gguf import GGUFReader, GGUFWriter
 
+from pyspice.formats.gguf_checks import SIDECAR_ARCH
 from pyspice.formats.gguf_header import parse_header
 from pyspice.formats.model_info import ModelFileError, read_header
 from pyspice.formats.routers import RouterReader
@@ -42,7 +43,6 @@ from pyspice.outputs import OutputPathError, atomic_output, check_output
 from pyspice.policy.predictor import DraftPredictor, Transition
 
 SIDECAR_VERSION = 1
-SIDECAR_ARCH = "spice-sidecar"
 _SAMPLE_BLOCKS = 16
 _SAMPLE_BYTES = 64 << 10
 

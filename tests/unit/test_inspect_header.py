@@ -20,6 +20,8 @@ def write_moe(path: Path, n_layers: int = 3, dense_first: int = 1, vocab: int = 
     w = gguf.GGUFWriter(path, "deepseek2")
     w.add_block_count(n_layers)
     w.add_embedding_length(N_EMBD)
+    w.add_head_count(2)  # 16-wide heads, 8 of them RoPE: what llama.cpp's deepseek2 asserts on
+    w.add_rope_dimension_count(8)
     w.add_expert_count(N_EXPERT)
     w.add_expert_used_count(2)
     w.add_expert_shared_count(2)
