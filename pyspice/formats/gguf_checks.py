@@ -383,21 +383,23 @@ def check_rope_dimensions(path: Path, meta: Mapping[str, Any]) -> None:
         )
 
 
-def check_uniform_heads(path: Path, meta: Mapping[str, Any]) -> None:
-    """For the architectures of ROPE_IS_HEAD_SIZE and deepseek2, head_count and head_count_kv,
-    when given per layer, are one value: they make every layer's attention tensors with the
-    first layer's sizes but its KV cache with each layer's, so a layer with other heads
-    fails the first decode (GGML_ASSERT(a->ne[0] == b->ne[0]) in ggml_set_rows)."""
+def check_uniform_layers(path: Path, meta: Mapping[str, Any]) -> None:
+    """For the architectures of ROPE_IS_HEAD_SIZE and deepseek2, head_count, head_count_kv and
+    expert_used_count, when given per layer, are one value. Their graphs size every layer
+    by one value where llama.cpp's shared code takes each layer's: attention tensors made
+    with layer 0's heads but a KV cache with each layer's fail the first decode
+    (GGML_ASSERT(a->ne[0] == b->ne[0]) in ggml_set_rows), and per-layer expert counts
+    fail it in a view past its source (GGML_ASSERT(... <= ggml_nbytes(view_src)) in
+    ggml_view), with the hook unregistered too."""
     arch = _arch(meta)
     if arch not in ROPE_IS_HEAD_SIZE and arch != "deepseek2":
         return
-    for suffix in ("head_count", "head_count_kv"):
-        key = f"{arch}.attention.{suffix}"
+    for suffix in ("attention.head_count", "attention.head_count_kv", "expert_used_count"):
+        key = f"{arch}.{suffix}"
         values = _int_values(meta, key)
         if values is not None and len(set(values)) > 1:
             raise ModelFileError(
-                f"{path} is corrupt: {key} is {values}, but {arch} has the same attention heads in every "
-                f"layer; {_FIX}"
+                f"{path} is corrupt: {key} is {values}, but {arch} has one value for every layer; {_FIX}"
             )
 
 
@@ -462,6 +464,6 @@ def validate_header(
     check_attention_temperature(path, meta)
     check_rope_scaling(path, meta)
     check_rope_dimensions(path, meta)
-    check_uniform_heads(path, meta)
+    check_uniform_layers(path, meta)
     check_mla_dimensions(path, meta)
     check_vocabulary(path, meta)

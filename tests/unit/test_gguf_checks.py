@@ -274,15 +274,18 @@ def test_deepseek2_without_attention_heads_is_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("arch", ["qwen2moe", "deepseek2"])
-def test_attention_heads_that_differ_by_layer_are_refused(tmp_path: Path, arch: str) -> None:
-    """The attention tensors are made with layer 0's sizes, the KV cache with each layer's:
-    GGML_ASSERT(a->ne[0] == b->ne[0]) in ggml_set_rows at the first decode (long run 2)."""
-    heads = {f"{arch}.attention.head_count_kv": ([1, 2, 1], ARR, U32)}
-    bad = write_model(tmp_path / "bad.gguf", arch, set_kv=heads)
-    with pytest.raises(ModelFileError, match=r"head_count_kv is \[1, 2, 1\], but .* same attention heads"):
+@pytest.mark.parametrize("field", ["attention.head_count_kv", "expert_used_count"])
+def test_per_layer_values_that_differ_are_refused(tmp_path: Path, arch: str, field: str) -> None:
+    """head_count_kv [1, 2]: GGML_ASSERT(a->ne[0] == b->ne[0]) in ggml_set_rows; expert_used_count
+    [2, 3]: GGML_ASSERT in ggml_view; both at the first decode (long runs 2 and 3)."""
+    per_layer = {f"{arch}.{field}": ([1, 2, 1], ARR, U32)}
+    bad = write_model(tmp_path / "bad.gguf", arch, set_kv=per_layer)
+    message = rf"{field} is \[1, 2, 1\], but {arch} has one value for every layer"
+    with pytest.raises(ModelFileError, match=message):
         read_header(bad)
-    heads[f"{arch}.attention.head_count_kv"] = ([1, 1, 1], ARR, U32)  # per layer, but one value
-    read_header(write_model(tmp_path / "ok.gguf", arch, set_kv=heads))
+    value = 1 if field.startswith("attention") else 2
+    per_layer[f"{arch}.{field}"] = ([value] * 3, ARR, U32)  # per layer, but one value
+    read_header(write_model(tmp_path / "ok.gguf", arch, set_kv=per_layer))
 
 
 def test_mla_head_count_kv_defaults_to_head_count(tmp_path: Path) -> None:
