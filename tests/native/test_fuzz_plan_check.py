@@ -3,7 +3,8 @@ a libFuzzer target where clang has -fsanitize=fuzzer, else a driver replaying th
 corpus with byte-flip mutations (under ASan and UBSan where the compiler links them).
 The contract: only SPICE_OK or SPICE_ERR_INVALID_PLAN, a NUL-terminated message, no
 read out of bounds, and every accepted plan in range. A second each; longer runs outside
-CI: `build/cmake/bin/spice-fuzz-plan-check fuzz/corpus/plan_check -runs=1000000`."""
+CI: `build/cmake/bin/spice-fuzz-plan-check fuzz/corpus/plan_check -runs=1000000`, or the
+libFuzzer build of README's "Fuzzing" (clang, build/fuzz-clang)."""
 
 from __future__ import annotations
 
