@@ -23,12 +23,16 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from pyspice.formats.gguf_header import ArraySummary, ModelFileError
+from pyspice.formats.gguf_header import ArraySummary, ModelFileError, RawHeader
 
 # GGML_MAX_DIMS in ggml.h: a tensor of more dimensions cannot be represented
 MAX_DIMS = 4
+# the GGUF versions the pinned llama.cpp reads (ggml/src/gguf.cpp: GGUF_VERSION 3, v1 dropped)
+GGUF_VERSIONS = (2, 3)
+# GGML_MAX_NAME in ggml.h: a tensor name holds at most this many bytes less one
+GGML_MAX_NAME = 64
 # llama.cpp's limits (src/llama-hparams.h) and ggml's (TENSOR_ALIGNMENT, ggml-impl.h)
 LLAMA_MAX_LAYERS = 512
 LLAMA_MAX_EXPERTS = 1024
@@ -107,6 +111,69 @@ def _arch(meta: Mapping[str, Any]) -> str:
 
 
 _FIX = "re-download the model, or rebuild it with `pyspice models`"
+
+
+def check_container(path: Path, header: RawHeader) -> None:
+    """What ggml's own GGUF reader (gguf.cpp) refuses, said before it refuses with a line
+    llama-cpp-python hides: a version it does not read, an empty or repeated key, a tensor
+    name empty, repeated or of GGML_MAX_NAME bytes or more, a row not a whole number of
+    quant blocks (the order of the data: check_tensor_packing, after the alignment)."""
+    if header.version not in GGUF_VERSIONS:
+        if header.version < GGUF_VERSIONS[0]:
+            fix = "it is too old: convert the model again with llama.cpp's convert_hf_to_gguf.py"
+        elif header.version >= 1 << 16:
+            fix = "a version that large is most likely a file of the other byte order, or not a GGUF"
+        else:
+            fix = "it is newer than this build's llama.cpp reads: update pyspice, or convert the model again"
+        raise ModelFileError(
+            f"{path}: GGUF version {header.version}, and this pyspice's llama.cpp reads versions "
+            f"{GGUF_VERSIONS[0]} and {GGUF_VERSIONS[-1]}; {fix}"
+        )
+    seen: set[str] = set()
+    for kv in header.metadata:
+        if not kv.key:
+            raise ModelFileError(f"{path} is corrupt: a metadata key is empty; {_FIX}")
+        if kv.key in seen:
+            raise ModelFileError(
+                f"{path} is corrupt: metadata key {kv.key} appears twice (llama.cpp refuses that); {_FIX}"
+            )
+        seen.add(kv.key)
+    names: set[str] = set()
+    for t in header.tensors:
+        if not t.name or len(t.name.encode("utf-8")) >= GGML_MAX_NAME:
+            raise ModelFileError(
+                f"{path} is corrupt: tensor name {t.name!r} is empty or {GGML_MAX_NAME} bytes or longer "
+                f"(ggml holds at most {GGML_MAX_NAME - 1}); {_FIX}"
+            )
+        if t.name in names:
+            raise ModelFileError(f"{path} is corrupt: tensor {t.name} appears twice in its directory; {_FIX}")
+        names.add(t.name)
+        try:
+            qtype = GGMLQuantizationType(t.type_id)
+        except ValueError:
+            return  # read_header names the unknown type itself
+        block = GGML_QUANT_SIZES[qtype][0]
+        if t.shape and t.shape[0] % block:
+            raise ModelFileError(
+                f"{path} is corrupt: tensor {t.name} of type {qtype.name} has rows of {t.shape[0]} values, "
+                f"not a whole number of its {block}-value blocks; {_FIX}"
+            )
+
+
+def check_tensor_packing(path: Path, tensors: Sequence[_Tensor], alignment: int) -> None:
+    """Tensor data packed in directory order, as gguf.cpp reads it: each tensor starts where
+    the one before ends, padded to the file's alignment (checked, as the types, before)."""
+    expected = 0
+    for t in tensors:
+        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(t.type_id)]
+        if t.offset != expected:
+            raise ModelFileError(
+                f"{path} is corrupt: tensor {t.name}'s data is at offset {t.offset} of the data section, "
+                f"where the tensors before it end at {expected} (llama.cpp reads tensors packed in "
+                f"directory order); {_FIX}"
+            )
+        nbytes = type_size * (t.shape[0] // block) * math.prod(t.shape[1:]) if all(t.shape) else 0
+        expected += (nbytes + alignment - 1) // alignment * alignment
 
 
 def check_dimensions(path: Path, tensors: Sequence[_Tensor]) -> None:
@@ -454,6 +521,7 @@ def validate_header(
     check_dimensions(path, tensors)
     check_alignment(path, tensors, alignment)
     check_tensor_placement(path, tensors, (header_end + alignment - 1) // alignment * alignment)
+    check_tensor_packing(path, tensors, alignment)
     check_tensor_types(path, meta, tensors)
     check_vector_types(path, meta, tensors)
     check_block_count(path, meta)

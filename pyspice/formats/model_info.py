@@ -16,7 +16,7 @@ from typing import Any
 
 import gguf
 
-from pyspice.formats.gguf_checks import VOCAB_KEYS, validate_header
+from pyspice.formats.gguf_checks import VOCAB_KEYS, check_container, validate_header
 from pyspice.formats.gguf_header import ArraySummary, parse_header
 
 # ModelFileError is re-exported: it is the error callers of read_header catch
@@ -78,8 +78,6 @@ def header_from_buffer(buf: Any, path: Path, file_size: int) -> GGUFHeader:
         raise ModelFileError(f"{path} is not a GGUF model (only {len(buf)} bytes)")
     # the vocabulary whole (its checks need every token), summarized again after them
     header = parse_header(buf, path, max_array_items=_MAX_ARRAY_ITEMS, keep=VOCAB_KEYS)
-    if header.version < 2:
-        raise ModelFileError(f"{path}: GGUF version {header.version} is too old (convert it with llama.cpp)")
     metadata: dict[str, Any] = {kv.key: kv.value for kv in header.metadata}
     raw: list[tuple[str, tuple[int, ...], str, int]] = []
     for t in header.tensors:
@@ -91,7 +89,9 @@ def header_from_buffer(buf: Any, path: Path, file_size: int) -> GGUFHeader:
     alignment = metadata.get("general.alignment", 32)
     if not isinstance(alignment, int) or isinstance(alignment, bool):
         raise ModelFileError(f"{path} is corrupt: general.alignment is {alignment!r}, not an integer")
-    # the consistency llama.cpp assumes (expert counts above all), before any size is computed
+    # what ggml's GGUF reader refuses, then the consistency llama.cpp assumes (expert
+    # counts above all), before any size is computed
+    check_container(path, header)
     validate_header(path, metadata, header.tensors, alignment, header.end)
     for kv in header.metadata:
         if kv.key in VOCAB_KEYS and isinstance(kv.value, list) and len(kv.value) > _MAX_ARRAY_ITEMS:
