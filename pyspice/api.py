@@ -27,6 +27,7 @@ import llama_cpp
 from pyspice.engine import DeviceTier, Engine, ResolvedRun, RunConfig, SurrogateSet
 from pyspice.engine.checks import check_ram_budget_settings
 from pyspice.engine.disk import LLAMA_LAZY_MODE_EXPERTS
+from pyspice.engine.llama_log import llama_load_reasons
 from pyspice.engine.plain_llama import PlainLlama, TensorBuftOverride, override_array
 from pyspice.engine.planning import Planning
 from pyspice.engine.surrogates import SurrogateSource
@@ -116,7 +117,8 @@ class Llama(llama_cpp.Llama):
             # for prompt batches; beside a real device tier those copies failed
             # (CUDA "invalid argument", H200, 2026-11-30); the tier does that job here
             kwargs["op_offload"] = False
-        super().__init__(model_path, **kwargs)
+        with llama_load_reasons(model_path):
+            super().__init__(model_path, **kwargs)
         ctx_address = ctypes.cast(self._ctx.ctx, ctypes.c_void_p).value
         assert ctx_address is not None
         attach_error: IncompatibleModelError | None = None

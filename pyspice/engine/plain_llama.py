@@ -19,6 +19,8 @@ from typing import Any
 import llama_cpp
 import llama_cpp._ggml
 
+from pyspice.engine.llama_log import llama_load_reasons
+
 
 class TensorBuftOverride(ctypes.Structure):
     # struct llama_model_tensor_buft_override { const char * pattern; ggml_backend_buffer_type_t buft; }
@@ -79,7 +81,8 @@ class PlainLlama(llama_cpp.Llama):
         pairs = [(pattern.encode(), buffer_type(name)) for pattern, name in tensor_overrides]
         self._plain_overrides = override_array(pairs) if pairs else None
         self.tensor_overrides = tuple(tensor_overrides)
-        super().__init__(model_path, **kwargs)
+        with llama_load_reasons(model_path):
+            super().__init__(model_path, **kwargs)
 
     # llama_cpp.Llama.__init__ assigns self.model_params and fills it before loading;
     # intercepting the assignment places the override list there (as pyspice.Llama does)

@@ -12,12 +12,12 @@ this sum: libspice does not report them.
 
 from __future__ import annotations
 
-import ctypes
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+
+from pyspice.engine.llama_log import llama_log_tap
 
 # "load_tensors:        CUDA0 model buffer size =   123.45 MiB", likewise KV and compute
 _BUFFER_LINE = re.compile(r"(\S+)\s+(model|KV|compute) buffer size\s*=\s*([0-9.]+) MiB")
@@ -65,26 +65,15 @@ class BufferReport:
 @contextmanager
 def llama_buffer_report() -> Iterator[BufferReport]:
     """Collect llama.cpp's buffer reports of the models and contexts made inside the
-    block. llama.cpp's log has one callback per process: llama-cpp-python's is put
-    back on leaving."""
-    # lazy: llama_cpp loads libllama on import
-    import llama_cpp
-    import llama_cpp._logger
-
+    block (its log, kept from the callback installed before: llama_log_tap)."""
     report = BufferReport()
     pieces: list[str] = []
-
-    @llama_cpp.llama_log_callback  # type: ignore[untyped-decorator]
-    def collect(level: int, text: bytes, user_data: Any) -> None:
-        pieces.append(text.decode("utf-8", errors="replace"))
-
-    llama_cpp.llama_log_set(collect, ctypes.c_void_p(0))
-    try:
-        yield report
-    finally:
-        llama_cpp.llama_log_set(llama_cpp._logger.llama_log_callback, ctypes.c_void_p(0))
-        report.text = "".join(pieces)
-        report.buffers = parse_buffer_lines(report.text)
+    with llama_log_tap(lambda _level, text: pieces.append(text), forward=False):
+        try:
+            yield report
+        finally:
+            report.text = "".join(pieces)
+            report.buffers = parse_buffer_lines(report.text)
 
 
 def device_bytes(report: BufferReport | None, slot_bytes: int = 0) -> dict[str, int]:
