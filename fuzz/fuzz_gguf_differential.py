@@ -24,8 +24,9 @@ Inputs start from small complete models (fuzz/corpus/gguf_differential: a
 qwen2moe and a deepseek2 in F32, a qwen2moe in Q8_0, made by `--seeds DIR`).
 The custom mutator mostly edits the parsed header -- metadata values, types
 and keys, tensor shapes, types, offsets and names -- and writes it back with
-the tensor data unchanged, or grown to fit the new shapes, so that most
-inputs get past the reader and reach llama.cpp; the rest are libFuzzer's own
+the tensor data unchanged, or grown to fit the new shapes, and (seven times in
+ten) the offsets packed again in directory order, so that most inputs get past
+the reader and reach llama.cpp; the rest are libFuzzer's own
 byte mutations, of the header bytes or of the whole file. Three in ten start
 again from a seed, since inputs the reader refuses pile up in the corpus. What
 llama.cpp answered (loaded, or its reason for refusing) is coverage too (one
@@ -602,6 +603,24 @@ class _Gguf:
         header = b"".join(out)
         return header + bytes(_align_up(len(header), self.alignment()) - len(header)) + self.data
 
+    def pack_offsets(self) -> bool:
+        """Offsets in directory order, each tensor where the one before ends (padded to the
+        alignment), as gguf.cpp reads them; False (nothing changed) where a shape or type
+        has no size."""
+        offsets, end = [], 0
+        for t in self.tensors:
+            try:
+                block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(t.type_id)]
+            except (ValueError, KeyError):
+                return False
+            if not t.shape or t.shape[0] % block:
+                return False
+            offsets.append(end)
+            end = _align_up(end + t.shape[0] // block * size * math.prod(t.shape[1:]), self.alignment())
+        for t, offset in zip(self.tensors, offsets, strict=True):
+            t.offset = offset
+        return True
+
     def data_needed(self) -> int:
         """The data section's size for every tensor to fit (-1: a shape or type no size fits)."""
         end = 0
@@ -840,6 +859,10 @@ def mutate_structured(buf: bytes, max_size: int, rng: random.Random) -> bytes:
     funcs, weights = zip(*_EDITS, strict=True)
     for _ in range(rng.choice((1, 1, 1, 2, 3))):
         rng.choices(funcs, weights)[0](rng, g)
+    if rng.random() < 0.7:
+        # packed as gguf.cpp wants, most of the time, so that a new shape or type reaches
+        # llama.cpp's model loader; the rest keep what the edits made of the offsets
+        g.pack_offsets()
     need = g.data_needed()
     if need >= 0 and len(g.data) < need <= len(g.data) + MAX_GROWTH and rng.random() < 0.8:
         g.data += bytes(need - len(g.data))  # room for the new shapes: the reader would refuse it otherwise
