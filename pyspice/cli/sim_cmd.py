@@ -2,8 +2,10 @@
 
 The source model (-m) gives the policies their routers and the trace its
 geometry; --target gives the sizes to simulate (a 57B model on an RTX 4060),
---profile the hardware (shipped profiles, a JSON file, or `emulated`: this
-machine with its emulated device, from `pyspice probe`). Every figure is
+--profile the hardware (shipped profiles, a JSON file, `emulated`: this
+machine with its emulated device, from `pyspice probe`, or `disk`: edge mode
+on this machine, the source model's experts read from its file into a RAM slot
+pool of --ram-budget, the disk as `pyspice probe` measured it). Every figure is
 simulated and labelled so.
 """
 
@@ -22,7 +24,7 @@ from pyspice.cli.common import add_model_args, note, resolve_model
 from pyspice.formats.profile import profile_path
 from pyspice.formats.routers import RouterReader
 from pyspice.formats.sidecar import Sidecar
-from pyspice.sim.hardware import EMULATED, load_profile
+from pyspice.sim.hardware import DISK, EMULATED, load_profile
 from pyspice.sim.report import SimConfig, format_tables, plot, simulate_all, stderr_progress
 from pyspice.sim.targets import load_target, source_target
 from pyspice.sim.validate import compare, format_comparison, measured_policy_us, parse_compare
@@ -45,7 +47,14 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--profile", default="rtx4060,a800", help="comma-separated hardware profiles (default rtx4060,a800)"
     )
-    p.add_argument("--device-budget", default="25%,50%", help="comma-separated budgets (default 25%%,50%%)")
+    p.add_argument(
+        "--device-budget",
+        "--ram-budget",
+        dest="device_budget",
+        default="25%,50%",
+        help="comma-separated budgets of the tier: device memory, or RAM for the disk profile "
+        "(--ram-budget is the same option; default 25%%,50%%)",
+    )
     p.add_argument(
         "--policies",
         default="host,static,ondemand,lru,adapmoe,exact",
@@ -70,7 +79,12 @@ def register(sub: Any) -> None:
         help="validate: compare simulated TPOT with `pyspice bench --json` runs of the same budgets "
         "(repeats of several runs pool); without --policy-us-from, each policy's us per call is theirs",
     )
-    p.add_argument("--probe", type=Path, help="cost profile for `emulated` (default: the source model's)")
+    p.add_argument(
+        "--probe",
+        type=Path,
+        help="cost profile (`pyspice probe`) for `emulated` and `disk` (default: the source model's saved "
+        "one; `disk` falls back to profiles/disk.json without it)",
+    )
     p.add_argument(
         "--show-profiles",
         action="store_true",
@@ -112,11 +126,19 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.trace}: the trace has no decoded tokens to simulate")
     names = _split(args.profile)
     probe_file = args.probe
-    if EMULATED in names and probe_file is None:
+    if probe_file is not None and not probe_file.is_file():
+        raise ValueError(f"cost profile {probe_file} does not exist")
+    if (EMULATED in names or DISK in names) and probe_file is None:
         probe_file = profile_path(model)
-        if not probe_file.is_file():
+        if EMULATED in names and not probe_file.is_file():
             raise ValueError(f"no cost profile for {model.name}: run `pyspice probe -m {model}` first")
     profiles = tuple(load_profile(n, probe_file) for n in names)
+    for prof in profiles:
+        if prof.disk:
+            note(
+                f"profile {prof.name}: {prof.description}; disk {prof.values['bus_gbps'].label()} GB/s, "
+                f"{prof.values['bus_latency_us'].label()} us per read"
+            )
     # "source": the recorded model's own sizes, for hardware profiles as well as `emulated`
     target = source_target(model) if args.target == "source" else load_target(args.target)
     policy_us: dict[str, float] = {}
@@ -138,11 +160,17 @@ def run(args: argparse.Namespace) -> int:
         expert_bytes,
         policy_us,
         policy_us_by_budget,
+        model=model,
     )
     note(
         f"simulating {workload.decoded_tokens} decoded tokens of {args.trace} "
         f"({len(workload.moe_layers)} MoE layers x {max(workload.n_expert)} experts, "
-        f"top-{workload.n_expert_used})" + (f" with the sizes of {target.name}" if target else "")
+        f"top-{workload.n_expert_used})"
+        + (
+            f" with the sizes of {target.name}"
+            if target and any(not p.simulates_source for p in profiles)
+            else ""
+        )
     )
     router = RouterReader(model)
     extra: dict[str, Any] = {}
@@ -158,7 +186,8 @@ def run(args: argparse.Namespace) -> int:
         note(f"sidecar {args.sidecar}: draft predictor and {len(errors)} layers of surrogates")
     rows = simulate_all(workload, cfg, router=router, context_extra=extra, progress=stderr_progress)
     if args.plot:
-        plot(rows, args.plot, f"{target.name if target else model.name}, trace {args.trace.name}")
+        sized = target is not None and any(not p.simulates_source for p in profiles)
+        plot(rows, args.plot, f"{target.name if sized and target else model.name}, trace {args.trace.name}")
         note(f"plot written to {args.plot}")
     doc: dict[str, Any] = {"rows": rows, "simulated": True}
     if args.compare:

@@ -8,7 +8,11 @@ layer records every row (in a batch llama.cpp hands the last layer only the
 rows whose logits are wanted); the KV cache, and so the decoded tokens, are
 the ones bench's batched prompt gives (tokens.json lets you check), and
 `meta.extra["prompt_tokens"]` has the simulator replay those rows as one
-untimed prompt step that warms the device tier as bench's prompt does.
+untimed prompt step that warms the device tier as bench's prompt does. With
+`-f FILE` the trace is of a text instead: its first --prompt-tokens + -n tokens,
+every one fed (teacher-forced, nothing generated), so the decode steps route
+as the text does -- a trace of calibration text to tune on, or of held-out text
+to judge on, where bench's greedy continuation may repeat itself.
 
 `python -m pyspice.measure.record costs MODEL OUT.json [--position 128]` measures
 this machine's per-layer and per-expert times where bench measures TPOT: one
@@ -72,13 +76,30 @@ def bench_prompt(llm: Any, prompt_tokens: int) -> list[int]:
 
 
 def record_bench_trace(
-    model: Path, out: Path, *, prompt_tokens: int = 128, n_predict: int = 32, threads: int = 2
+    model: Path,
+    out: Path,
+    *,
+    prompt_tokens: int = 128,
+    n_predict: int = 32,
+    threads: int = 2,
+    text: str | None = None,
 ) -> list[int]:
+    """Record bench's workload (or, with `text`, that text teacher-forced); returns the
+    tokens after the prompt."""
     llm = _open(model, threads)
     try:
         layers = llm.spice_layers()
         moe = [info.il for info in layers if info.is_moe]
-        prompt = bench_prompt(llm, prompt_tokens)
+        forced: list[int] | None = None
+        if text is None:
+            prompt = bench_prompt(llm, prompt_tokens)
+            about = "pyspice bench's default prompt, one token per call"
+        else:
+            tokens = list(llm.tokenize(text.encode("utf-8"), add_bos=True))[: prompt_tokens + n_predict]
+            if len(tokens) < prompt_tokens + n_predict:
+                raise ValueError(f"the text has {len(tokens)} tokens; {prompt_tokens + n_predict} are needed")
+            prompt, forced = tokens[:prompt_tokens], tokens[prompt_tokens:]
+            about = "a text, every token fed one per call (teacher-forced)"
         meta = TraceMeta(
             model=model.name,
             fingerprint="",
@@ -90,7 +111,7 @@ def record_bench_trace(
             source="decode",
             extra={
                 "prompt_tokens": len(prompt),
-                "prompt": "pyspice bench's default prompt, one token per call",
+                "prompt": about,
             },
         )
         writer = TraceWriter(out, meta)
@@ -98,10 +119,15 @@ def record_bench_trace(
         llm.reset()  # type: ignore[no-untyped-call]
         for t in prompt:
             llm.eval([t])
-        generated = [greedy_next(llm)]
-        for _ in range(n_predict - 1):
-            llm.eval([generated[-1]])
-            generated.append(greedy_next(llm))
+        if forced is not None:
+            for t in forced:
+                llm.eval([t])
+            generated = forced
+        else:
+            generated = [greedy_next(llm)]
+            for _ in range(n_predict - 1):
+                llm.eval([generated[-1]])
+                generated.append(greedy_next(llm))
         writer.close()
     finally:
         llm.close()
@@ -159,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--prompt-tokens", type=int, default=128)
     t.add_argument("-n", "--n-predict", type=int, default=32)
     t.add_argument("-t", "--threads", type=int, default=2)
+    t.add_argument(
+        "-f", "--file", type=Path, help="a text to trace instead, every token fed (teacher-forced)"
+    )
     c = sub.add_parser("costs", help="measure decode-step costs at bench's KV position")
     c.add_argument("model", type=Path)
     c.add_argument("out", type=Path)
@@ -173,8 +202,10 @@ def main(argv: list[str] | None = None) -> int:
             prompt_tokens=args.prompt_tokens,
             n_predict=args.n_predict,
             threads=args.threads,
+            text=args.file.read_text(encoding="utf-8") if args.file is not None else None,
         )
-        print(f"recorded {args.prompt_tokens} prompt + {len(tokens) - 1} decoded tokens into {args.out}")
+        steps = len(tokens) if args.file is not None else len(tokens) - 1  # greedy: the first is the prompt's
+        print(f"recorded {args.prompt_tokens} prompt + {steps} decoded tokens into {args.out}")
     else:
         profile = measure_decode_costs(
             args.model, position=args.position, repeats=args.repeat, threads=args.threads

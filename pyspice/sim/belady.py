@@ -12,13 +12,21 @@ them: a call's tokens that share a missing expert all miss.
 Where expert sizes differ (a quant mix gives some layers bigger experts),
 `size_aware` fills a byte budget and evicts farthest-next-use first until the
 new expert fits: a heuristic, not a bound, and labelled so.
+
+On edge mode's disk tier (pyspice.sim.disk) a call need not hold its experts
+in slots: one without a slot is read into scratch for that call (bypassing the
+cache), and every miss costs a read whether it is fetched or run from scratch,
+so the bound that matters is on reads and bytes, with bypass allowed.
+`read_bound` gives it (see ReadBound): MIN with bypass for reads, and for bytes
+(experts' widened reads differ with their alignment in the file) the least
+bytes of any schedule, by a min-cost flow.
 """
 
 from __future__ import annotations
 
 import bisect
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -200,3 +208,174 @@ class BeladyOracle(PolicyBase):
             used -= self.expert_bytes[key[0]]
         self.i += 1
         return Plan(actions=np.full(call.ids.shape, ACTION_DEVICE, np.int32), evict=evict)
+
+
+# ---- the disk tier: reads and bytes, with bypass -------------------------------------
+
+
+@dataclass(frozen=True)
+class ReadBound:
+    """The fewest reads and bytes any lossless policy makes on a disk tier of `slots`
+    slots over a trace's decode steps (prompt steps read for free, as the simulator
+    counts per decoded token).
+
+    The model: a call needs each of its distinct experts in RAM while it runs, in a
+    slot (kept from before: no read) or read for it; after the call, the slots may
+    keep any `slots` of the experts held before or used by the call. Every real
+    policy is such a schedule (a prefetch is a read made early, a host action on an
+    absent expert a read into scratch, a surrogate or a drop is not lossless), and
+    the model is looser than the tier (a miss may take the slot of an expert the
+    same call uses; reads cost no time), so its optimum is a lower bound on any
+    lossless policy's reads and bytes on the same trace and budget. Slots are as
+    libspice counts them (budget // the smallest expert), a further relaxation
+    where sizes differ.
+
+    - `reads` (and `misses`, `min_bytes`): MIN with bypass, which after each call
+      keeps the `slots` experts needed soonest (Belady's farthest-next-use rule;
+      optimal for the number of reads, all reads counting one);
+    - `bound_bytes` (and `bound_reads`): the least widened bytes read, every expert
+      weighing what its read costs (ExpertReads), solved exactly as a min-cost flow
+      (weighted caching with unit sizes): one unit of flow per slot from the first
+      call to the last, keeping an expert between two of its uses is an arc of
+      capacity 1 saving its read's bytes at the later use, and a slot may idle
+      along the calls. `bound_bytes` <= `min_bytes`; equal when all reads weigh
+      the same."""
+
+    slots: int
+    activations: int  # decode activations
+    misses: int  # MIN: decode activations whose expert was not held
+    reads: int  # MIN: expert reads in decode steps (one per distinct missed expert per call)
+    min_bytes: int  # MIN: those reads' widened bytes
+    bound_reads: int  # the reads of the least-bytes schedule
+    bound_bytes: int  # the least widened bytes of any schedule
+
+    @property
+    def fallback_rate(self) -> float:
+        return self.misses / self.activations if self.activations else 0.0
+
+
+def _min_bypass(
+    calls: Sequence[tuple[bool, list[tuple[Key, int]]]], slots: int, weight: dict[Key, int]
+) -> tuple[int, int, int, int]:
+    """(activations, misses, reads, bytes) of MIN with bypass over the decode calls."""
+    next_use = _next_uses(calls)
+    held: dict[Key, int] = {}  # key -> its next use
+    acts = misses = reads = nbytes = 0
+    for i, (decode, keys) in enumerate(calls):
+        for (key, count), nu in zip(keys, next_use[i], strict=True):
+            if decode:
+                acts += count
+                if key not in held:
+                    misses += count
+                    reads += 1
+                    nbytes += weight[key]
+            held[key] = nu
+        if len(held) > slots or any(nu == _NEVER for nu in held.values()):
+            keep = sorted((nu, key) for key, nu in held.items() if nu != _NEVER)[:slots]
+            held = {key: nu for nu, key in keep}
+    return acts, misses, reads, nbytes
+
+
+def _least_bytes(
+    calls: Sequence[tuple[bool, list[tuple[Key, int]]]], slots: int, weight: dict[Key, int]
+) -> tuple[int, int]:
+    """(bytes, reads) of the least-bytes schedule: min-cost flow by successive shortest
+    paths (Dijkstra on reduced costs; the graph is acyclic, so the first potentials come
+    from one pass in call order)."""
+    n = len(calls)
+    total_bytes = total_reads = 0
+    last: dict[Key, int] = {}
+    intervals: list[tuple[int, int, int]] = []  # (from call, to call, bytes saved)
+    for i, (decode, keys) in enumerate(calls):
+        for key, _count in keys:
+            if decode:
+                total_bytes += weight[key]
+                total_reads += 1
+                if key in last:
+                    intervals.append((last[key], i, weight[key]))
+            last[key] = i
+    if n < 2 or not intervals or slots <= 0:
+        return total_bytes, total_reads
+    # arcs: to, capacity, cost, index of the reverse arc; adjacency by node
+    to: list[int] = []
+    cap: list[int] = []
+    cost: list[int] = []
+    adj: list[list[int]] = [[] for _ in range(n)]
+
+    def arc(u: int, v: int, c: int, w: int) -> None:
+        for a, b, c_ab, w_ab in ((u, v, c, w), (v, u, 0, -w)):
+            adj[a].append(len(to))
+            to.append(b)
+            cap.append(c_ab)
+            cost.append(w_ab)
+
+    for g in range(n - 1):
+        arc(g, g + 1, slots, 0)
+    first_interval = len(to)
+    for a, b, w in intervals:
+        arc(a, b, 1, -w)
+    inf = 1 << 62
+    pot = [inf] * n  # shortest distances from call 0 in the acyclic graph
+    pot[0] = 0
+    for u in range(n):
+        if pot[u] == inf:
+            continue
+        for e in adj[u]:
+            if cap[e] > 0 and pot[u] + cost[e] < pot[to[e]]:
+                pot[to[e]] = pot[u] + cost[e]
+    saved = 0
+    units = slots
+    sink = n - 1
+    while units > 0:
+        dist = [inf] * n
+        prev = [-1] * n
+        dist[0] = 0
+        heap = [(0, 0)]
+        while heap:
+            d, u = heapq.heappop(heap)
+            if d > dist[u]:
+                continue
+            if u == sink:
+                break
+            pu = pot[u]
+            for e in adj[u]:
+                if cap[e] > 0:
+                    v = to[e]
+                    nd = d + cost[e] + pu - pot[v]
+                    if nd < dist[v]:
+                        dist[v] = nd
+                        prev[v] = e
+                        heapq.heappush(heap, (nd, v))
+        if dist[sink] == inf:
+            break
+        dsink = dist[sink]
+        for v in range(n):
+            pot[v] += min(dist[v], dsink)
+        path_cost = pot[sink] - pot[0]
+        if path_cost >= 0:
+            break  # the slots left gain nothing: they idle along the calls
+        push, v = units, sink
+        while v != 0:
+            e = prev[v]
+            push = min(push, cap[e])
+            v = to[e ^ 1]
+        v = sink
+        while v != 0:
+            e = prev[v]
+            cap[e] -= push
+            cap[e ^ 1] += push
+            v = to[e ^ 1]
+        saved -= push * path_cost
+        units -= push
+    kept = sum(1 for e in range(first_interval, len(to), 2) if cap[e] == 0)
+    return total_bytes - saved, total_reads - kept
+
+
+def read_bound(workload: Workload, weight_of: Callable[[int, int], int], slots: int) -> ReadBound:
+    """ReadBound over `workload` for `slots` slots, an expert's read weighing
+    `weight_of(layer, expert)` bytes (ExpertReads.bytes_of)."""
+    calls = _requests(workload)
+    weight = {key: int(weight_of(*key)) for _, keys in calls for key, _ in keys}
+    acts, misses, reads, min_bytes = _min_bypass(calls, slots, weight)
+    bound_bytes, bound_reads = _least_bytes(calls, slots, weight)
+    return ReadBound(slots, acts, misses, reads, min_bytes, bound_reads, bound_bytes)

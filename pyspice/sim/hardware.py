@@ -27,13 +27,22 @@ work: the ratios copy/expert : compute/layer : host/expert are the target's.
 Per-token figures are then scaled by L_target / L_trace (depth), so TPOT is
 per target token. What does not carry over: the source's top-k share (k/E)
 and its reuse pattern, which are the source model's.
+
+The `disk` profile is edge mode on this machine (pyspice.sim.disk): the recorded
+model itself, its routed experts read from its own file into a RAM slot pool
+(`--device-budget` is then the RAM budget), device work = host work. Its disk is
+the one `pyspice probe` measured for the model (the saved cost profile, or
+--probe) when that profile has the disk's figures, else the committed
+profiles/disk.json (this project's CPU machine, measured, with its note); its
+compute times are the probe's, or without one derived from the JSON's host
+figures over the model's own sizes.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -41,14 +50,17 @@ from typing import Any
 import numpy as np
 
 from pyspice.formats.profile import load_profile as load_cost_profile
+from pyspice.policy.profile import EMULATED as EMULATED_SOURCE
 from pyspice.policy.profile import PROFILE_VERSION, BatchCost, CostProfile
+from pyspice.sim.disk import READERS, DiskRules, ExpertReads
 from pyspice.sim.simulator import BatchTable, Costs
-from pyspice.sim.targets import TargetModel
+from pyspice.sim.targets import TargetModel, source_target
 from pyspice.sim.workload import Workload
 from pyspice.units import parse_budget
 
 SOURCES = ("measured", "derived", "published", "estimate")
 EMULATED = "emulated"
+DISK = "disk"  # edge mode's disk tier on this machine (profiles/disk.json, or a probe's disk)
 
 
 @dataclass(frozen=True)
@@ -102,9 +114,15 @@ class HardwareProfile:
     description: str
     values: dict[str, Value]
     emulated: bool = False
-    probe: CostProfile | None = None  # the measured cost profile of an emulated profile
+    probe: CostProfile | None = None  # the measured cost profile of an emulated or disk profile
     fill_gbps: float = 0.0
     wake_us: float = 0.0
+    disk: bool = False  # edge mode: the bus is the model file's disk, slots are RAM
+
+    @property
+    def simulates_source(self) -> bool:
+        """The profile runs the recorded model itself (its sizes), whatever --target says."""
+        return self.emulated or self.disk
 
     def __getitem__(self, key: str) -> float:
         return self.values[key].value
@@ -116,7 +134,10 @@ class HardwareProfile:
         if missing:
             raise ValueError(f"hardware profile {name!r} lacks {', '.join(missing)}")
         values = {k: Value.parse(k, v) for k, v in doc["values"].items()}
-        return HardwareProfile(name, str(doc.get("description", "")), values)
+        kind = doc.get("kind", "gpu")
+        if kind not in ("gpu", DISK):
+            raise ValueError(f"hardware profile {name!r}: kind {kind!r} is neither 'gpu' nor '{DISK}'")
+        return HardwareProfile(name, str(doc.get("description", "")), values, disk=kind == DISK)
 
     def describe(self) -> list[str]:
         return [f"{self.name}: {self.description}"] + [
@@ -144,7 +165,35 @@ def load_profile(name: str, probe_path: Path | None = None) -> HardwareProfile:
     res = resources.files("pyspice.sim").joinpath("profiles", f"{name}.json")
     if not res.is_file():
         raise ValueError(f"unknown hardware profile {name!r}; choose one of {', '.join(profile_names())}")
-    return HardwareProfile.from_json(json.loads(res.read_text()))
+    profile = HardwareProfile.from_json(json.loads(res.read_text()))
+    if profile.disk and probe_path is not None and probe_path.is_file():
+        return with_probe(profile, load_cost_profile(probe_path))
+    return profile
+
+
+def with_probe(profile: HardwareProfile, probe: CostProfile) -> HardwareProfile:
+    """A disk profile with a `pyspice probe` cost profile of the recorded model: its
+    compute times, and its disk where it measured one (else the profile's own)."""
+    values = dict(profile.values)
+    if probe.disk_gbps is not None and probe.disk_latency_us is not None:
+        how = (
+            f"`pyspice probe` of {Path(probe.model).name}: {READERS} readers of expert-sized O_DIRECT "
+            "reads of the model file"
+        )
+        values["bus_gbps"] = Value(probe.disk_gbps, "measured", how)
+        values["bus_latency_us"] = Value(
+            probe.disk_latency_us,
+            "measured",
+            f"`pyspice probe` of {Path(probe.model).name}: median random 64 KiB O_DIRECT read",
+        )
+    return HardwareProfile(
+        profile.name,
+        f"{profile.description}; compute from `pyspice probe` of {Path(probe.model).name} "
+        f"({probe.threads} threads)",
+        values,
+        probe=probe,
+        disk=True,
+    )
 
 
 def measure_fill_gbps(nbytes: int, repeats: int = 200) -> float:
@@ -220,6 +269,30 @@ def emulated_costs(profile: HardwareProfile, workload: Workload, expert_bytes: t
     )
 
 
+def disk_costs(
+    profile: HardwareProfile, workload: Workload, model: Path, expert_bytes: tuple[int, ...]
+) -> Costs:
+    """The recorded model on this machine's disk tier (module docstring): the reads its
+    file takes, the disk as the profile has it, compute from the probe or the profile.
+    `expert_bytes`: one routed expert's bytes per layer, as the store charges them."""
+    gbps, latency = profile["bus_gbps"], profile["bus_latency_us"]
+    rules = DiskRules(ExpertReads.from_model(model), DiskRules.fixed_latency_us(latency, gbps))
+    if profile.probe is not None:
+        base = emulated_costs(profile, workload, expert_bytes)
+    else:
+        derived = target_costs(profile, source_target(model), workload)
+        base = replace(derived, expert_bytes=expert_bytes, device_expert_us=derived.host_expert_us)
+    return replace(
+        base,
+        bus_gbps=gbps,
+        bus_latency_us=latency,
+        device_shares_host=True,  # the host executor runs every expert, from slots or scratch
+        fill_gbps=0.0,  # the read itself fills the slot
+        wake_us=0.0,  # a wait blocks on a reader's condition variable, no timer sleep
+        disk=rules,
+    )
+
+
 def _stand_in(j: int, n_src: int, n_tgt: int) -> int:
     return round(j * (n_tgt - 1) / (n_src - 1)) if n_src > 1 else 0
 
@@ -275,6 +348,14 @@ def policy_profile(profile: HardwareProfile, costs: Costs) -> CostProfile | None
     over the measured one itself."""
     if profile.emulated:
         return profile.probe
+    if profile.disk and profile.probe is not None:
+        # as the engine hands it to policies on its disk tier (profile_for_tier): the bus is the disk
+        return replace(
+            profile.probe,
+            bus_gbps=costs.bus_gbps,
+            bus_latency_us=costs.bus_latency_us,
+            bus_source=f"disk (simulated: {profile.name})",
+        )
 
     moe_bytes = [b for b in costs.expert_bytes if b > 0]
     host = dict(costs.host_expert_us)
@@ -291,7 +372,12 @@ def policy_profile(profile: HardwareProfile, costs: Costs) -> CostProfile | None
         bus_latency_us=costs.bus_latency_us,
         bus_source=f"simulated: {profile.name}",
         device_expert_us=dict(costs.device_expert_us)[1],
-        device_source=f"simulated: {profile.name}",
+        # device work that is host work (the disk tier) overlaps nothing, as on an emulated device
+        device_source=(
+            f"{EMULATED_SOURCE}: the host's (simulated: {profile.name})"
+            if costs.device_shares_host
+            else f"simulated: {profile.name}"
+        ),
         batches=[BatchCost(tokens=n, expert_us=host[n], rest_us_per_layer=rest[n]) for n in sorted(host)],
     )
 

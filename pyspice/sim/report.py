@@ -6,12 +6,20 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pyspice.policy import make_policy, policy_spec
 from pyspice.policy.registry import split_planning
-from pyspice.sim.belady import BeladyOracle, belady
-from pyspice.sim.hardware import HardwareProfile, budget_bytes, emulated_costs, policy_profile, target_costs
+from pyspice.sim.belady import BeladyOracle, belady, read_bound
+from pyspice.sim.hardware import (
+    HardwareProfile,
+    budget_bytes,
+    disk_costs,
+    emulated_costs,
+    policy_profile,
+    target_costs,
+)
 from pyspice.sim.planner import AsyncModel
 from pyspice.sim.simulator import Simulator
 from pyspice.sim.targets import TargetModel
@@ -30,6 +38,12 @@ class SimConfig:
     policy_us: dict[str, float] | None = None  # measured us per call, by policy
     # measured us per call by budget, then policy (bench runs of each budget); before policy_us
     policy_us_by_budget: dict[str, dict[str, float]] | None = None
+    model: Path | None = None  # the recorded model's file (the disk profile reads it)
+
+
+# PolicyContext fields that say surrogates are loaded: a lossless policy runs without
+# them, as the engine runs it (Engine._sync_surrogates: they would only take room)
+_SURROGATE_FIELDS = ("surrogate_error", "surrogates_loaded", "reserved_bytes")
 
 
 def _check_policies(names: Sequence[str]) -> None:
@@ -50,8 +64,15 @@ def simulate_all(
     """One row per (profile, budget, policy) plus a `belady` row per (profile, budget)."""
     _check_policies(cfg.policies)
     rows: list[dict[str, Any]] = []
+    extra = dict(context_extra or {})
     for prof in cfg.profiles:
-        if prof.emulated:
+        if prof.disk:
+            if cfg.model is None:
+                raise ValueError(f"profile {prof.name!r} reads the recorded model's file: give the model")
+            costs = disk_costs(prof, workload, cfg.model, cfg.source_expert_bytes)
+            target_name = "source"
+            target_routed = None
+        elif prof.emulated:
             costs = emulated_costs(prof, workload, cfg.source_expert_bytes)
             target_name = "source"
             target_routed = None
@@ -65,24 +86,33 @@ def simulate_all(
             target_name = cfg.target.name
             target_routed = cfg.target.routed_bytes
         routed = sum(b * n for b, n in zip(costs.expert_bytes, workload.n_expert, strict=True))
+        tier_extra = dict(extra)
+        if costs.disk is not None:
+            # as Engine.policy_context says it on the disk tier: a host action reads first
+            tier_extra.update(host_weights_in_memory=False, tier_bus=(costs.bus_gbps, costs.bus_latency_us))
+        lossless_extra = {k: v for k, v in tier_extra.items() if k not in _SURROGATE_FIELDS}
         for budget in cfg.budgets:
             nbytes = budget_bytes(budget, routed, target_routed)
             base = {"profile": prof.name, "budget": budget, "target": target_name, "simulated": True}
             note = _fit_note(prof, cfg.target, budget, target_routed)
-            sim = Simulator(
-                workload,
-                costs,
-                nbytes,
-                router=router,
-                profile=policy_profile(prof, costs),
-                context_extra=context_extra,
-            )
+            sims = {
+                lossless: Simulator(
+                    workload,
+                    costs,
+                    nbytes,
+                    router=router,
+                    profile=policy_profile(prof, costs),
+                    context_extra=lossless_extra if lossless else tier_extra,
+                )
+                for lossless in (True, False)
+            }
             for row in cfg.policies:
                 if progress:
                     progress(f"{prof.name} {budget} {row}")
                 name, how, lag = split_planning(row)  # NAME@async: the planner thread modelled
                 spec = policy_spec(name)
                 policy = make_policy(name)
+                sim = sims[spec.lossless]
                 us = (cfg.policy_us_by_budget or {}).get(budget, {}).get(row)
                 if us is None:
                     us = (cfg.policy_us or {}).get(row)
@@ -93,35 +123,74 @@ def simulate_all(
                 rows.append({**base, **result.record(), **({"note": note} if note else {})})
             scale = costs.layer_scale
             n_tok = max(1, workload.decoded_tokens)
-            # the bound over the bytes experts may use: those the tier keeps for surrogates are not
-            reserved = int((context_extra or {}).get("reserved_bytes", 0))
-            bounds = belady(workload, costs.expert_bytes, max(0, nbytes - reserved))
+            # the bound is for lossless replacement, which holds no surrogates (the whole
+            # budget is the experts'), as the lossless rows run
+            bounds = belady(workload, costs.expert_bytes, nbytes)
             first = bounds[0]
             if progress:
                 progress(f"{prof.name} {budget} belady")
-            oracle = sim.run("belady", BeladyOracle(workload), policy_us=0.0).record()
-            rows.append(
-                {
-                    **base,
-                    **oracle,
-                    # the bound itself; tpot_ms and the traffic columns are the oracle's
-                    # (MIN eviction, demand fetches, no decision cost)
-                    "hit_rate": 1.0 - first.fallback_rate,
-                    "fallback_rate": first.fallback_rate,
-                    "misses": {"fetched": first.misses, "host": 0, "surrogate": 0},
-                    "bounds": [
-                        {
-                            "mode": b.mode,
-                            "slots": b.slots,
-                            "misses": b.misses,
-                            "fallback_rate": b.fallback_rate,
-                            "bytes_per_token": b.bytes_loaded / n_tok * scale,
-                        }
-                        for b in bounds
-                    ],
-                }
-            )
+            oracle = sims[True].run("belady", BeladyOracle(workload), policy_us=0.0).record()
+            bound_row = {
+                **base,
+                **oracle,
+                # the bound itself; tpot_ms and the traffic columns are the oracle's
+                # (MIN eviction, demand fetches, no decision cost)
+                "hit_rate": 1.0 - first.fallback_rate,
+                "fallback_rate": first.fallback_rate,
+                "misses": {"fetched": first.misses, "host": 0, "surrogate": 0},
+                "bounds": [
+                    {
+                        "mode": b.mode,
+                        "slots": b.slots,
+                        "misses": b.misses,
+                        "fallback_rate": b.fallback_rate,
+                        "bytes_per_token": b.bytes_loaded / n_tok * scale,
+                    }
+                    for b in bounds
+                ],
+            }
+            if costs.disk is not None:
+                bound_row.update(_disk_bound(workload, costs, nbytes, n_tok, scale, bound_row["bounds"]))
+            rows.append(bound_row)
     return rows
+
+
+def _disk_bound(
+    workload: Workload, costs: Any, nbytes: int, n_tok: int, scale: float, bounds: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The belady row of a disk profile (belady.ReadBound): hits and misses are MIN with
+    bypass (a call's experts need no slot: without one they are read into scratch), and
+    its disk bytes per token are the least bytes of any schedule (min-cost flow), the
+    bound a lossless policy's disk reads are held to."""
+    assert costs.disk is not None
+    moe = [b for b, n in zip(costs.expert_bytes, workload.n_expert, strict=True) if n > 0]
+    slots = min(nbytes // min(moe), sum(workload.n_expert)) if moe else 0  # as libspice counts them
+    b = read_bound(workload, costs.disk.reads.bytes_of, slots)
+    per_expert = max((costs.disk.reads.of(il, 0)[0] for il in workload.moe_layers), default=0)
+    bypass = {
+        "mode": "MIN with bypass",
+        "slots": b.slots,
+        "misses": b.misses,
+        "fallback_rate": b.fallback_rate,
+        "bytes_per_token": b.min_bytes / n_tok * scale,
+    }
+    return {
+        "hit_rate": 1.0 - b.fallback_rate,
+        "fallback_rate": b.fallback_rate,
+        "misses": {"fetched": b.misses, "host": 0, "surrogate": 0},
+        "disk_read_bytes_per_token": b.bound_bytes / n_tok * scale,
+        "disk_reads_per_token": b.bound_reads * per_expert / n_tok * scale,
+        "disk_expert_reads_per_token": b.bound_reads / n_tok * scale,
+        "read_bound": {
+            "slots": b.slots,
+            "min_misses": b.misses,
+            "min_reads_per_token": b.reads / n_tok * scale,
+            "min_bytes_per_token": b.min_bytes / n_tok * scale,
+            "bound_reads_per_token": b.bound_reads / n_tok * scale,
+            "bound_bytes_per_token": b.bound_bytes / n_tok * scale,
+        },
+        "bounds": [bypass, *bounds],
+    }
 
 
 def _fit_note(prof: HardwareProfile, target: TargetModel | None, budget: str, routed: int | None) -> str:
@@ -153,9 +222,12 @@ def format_tables(rows: Sequence[dict[str, Any]]) -> str:
     """Table 2 style (fallback, MiB moved per token, bus utilisation, TPOT), with the
     Fig. 7 speedup over adapmoe as a column."""
     speed = _speedups(rows)
+    bound = _read_bounds(rows)
+    disk = bool(bound)
     header = (
         f"{'profile':<9} {'budget':>6} {'policy':<9} {'TPOT ms':>9} {'x adapmoe':>9} {'fallback':>8} "
         f"{'fetch/host':>13} {'MiB/tok':>8} {'bus use':>7} {'stall ms/tok':>12} {'pf used/issued':>14}"
+        + (f" {'read MiB/tok':>12} {'x bound':>7}" if disk else "")
     )
     lines = ["(simulated)", header, "-" * len(header)]
     notes = []
@@ -168,9 +240,14 @@ def format_tables(rows: Sequence[dict[str, Any]]) -> str:
         bus = f"{r['bus_utilization']:7.0%}" if "bus_utilization" in r else f"{'-':>7}"
         stall = f"{r['stall_ms_per_token']:12.2f}" if "stall_ms_per_token" in r else f"{'-':>12}"
         pf = f"{r['prefetch_used']}/{r['prefetch_issued']}" if "prefetch_issued" in r else "-"
+        read = ""
+        if disk:
+            got, b = r.get("disk_read_bytes_per_token"), bound.get((r["profile"], r["budget"]))
+            read = f" {got / 2**20:12.2f}" if got is not None else f" {'-':>12}"
+            read += f" {got / b:7.2f}" if got is not None and b else f" {'-':>7}"
         lines.append(
             f"{r['profile']:<9} {r['budget']:>6} {r['policy']:<9} {tpot} {sp} {r['fallback_rate']:8.1%} "
-            f"{fh:>13} {r['bytes_per_token'] / 2**20:8.1f} {bus} {stall} {pf:>14}"
+            f"{fh:>13} {r['bytes_per_token'] / 2**20:8.1f} {bus} {stall} {pf:>14}{read}"
         )
         if r.get("note") and (r["profile"], r["budget"], r["note"]) not in notes:
             notes.append((r["profile"], r["budget"], r["note"]))
@@ -184,12 +261,29 @@ def format_tables(rows: Sequence[dict[str, Any]]) -> str:
         "the fewest misses of any demand-loading replacement policy, with the TPOT of MIN eviction and "
         "demand fetches at no decision cost; MiB/tok = host-to-device bytes per decoded token)"
     )
+    if disk:
+        lines.append(
+            "(disk profile: MiB/tok = bytes copied into RAM slots; read MiB/tok = bytes read from the model "
+            "file, widened as O_DIRECT reads them, scratch reads of host actions included; belady's hits are "
+            "MIN with bypass and its read MiB/tok the least bytes of any schedule (min-cost flow), a lower "
+            "bound for every lossless policy; x bound = read MiB/tok over it)"
+        )
     lines += [f"note: {p} {b}: {n}" for p, b, n in notes]
     return "\n".join(lines)
 
 
+def _read_bounds(rows: Sequence[dict[str, Any]]) -> dict[tuple[str, str], float]:
+    """(profile, budget) -> the belady row's bound on disk bytes per token (disk profiles)."""
+    return {
+        (r["profile"], r["budget"]): r["disk_read_bytes_per_token"]
+        for r in rows
+        if r["policy"] == "belady" and r.get("disk_read_bytes_per_token")
+    }
+
+
 def plot(rows: Sequence[dict[str, Any]], path: str, title: str) -> None:
-    """Fig. 7 style: speedup over adapmoe per policy, grouped by profile and budget."""
+    """Fig. 7 style: speedup over adapmoe per policy, grouped by profile and budget; with
+    disk profiles a second panel: bytes read from the file per token, against the bound."""
     # lazy: matplotlib is optional, for --plot only
     import matplotlib
 
@@ -199,8 +293,12 @@ def plot(rows: Sequence[dict[str, Any]], path: str, title: str) -> None:
     speed = _speedups(rows)
     groups = list(dict.fromkeys((r["profile"], r["budget"]) for r in rows))
     policies = list(dict.fromkeys(r["policy"] for r in rows))
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(groups) + 2), 4))
+    bound = _read_bounds(rows)
+    disk_groups = [g for g in groups if g in bound]
+    panels = 2 if disk_groups else 1
+    fig, axes = plt.subplots(1, panels, figsize=(panels * max(6.0, 1.6 * len(groups) + 2), 4), squeeze=False)
     width = 0.8 / max(1, len(policies))
+    ax = axes[0][0]
     for i, name in enumerate(policies):
         xs = [g + i * width for g in range(len(groups))]
         ys = [speed.get((p, b, name), 0.0) for p, b in groups]
@@ -211,6 +309,30 @@ def plot(rows: Sequence[dict[str, Any]], path: str, title: str) -> None:
     ax.set_ylabel(f"speedup over {SPEEDUP_BASE} (TPOT ratio)")
     ax.set_title(f"{title} (simulated)")
     ax.legend(fontsize=8, ncol=min(4, len(policies)))
+    if disk_groups:
+        read = {
+            (r["profile"], r["budget"], r["policy"]): r["disk_read_bytes_per_token"] / 2**20
+            for r in rows
+            if r.get("disk_read_bytes_per_token") is not None
+        }
+        ax = axes[0][1]
+        for i, name in enumerate(policies):
+            xs = [g + i * width for g in range(len(disk_groups))]
+            ys = [read.get((p, b, name), 0.0) for p, b in disk_groups]
+            ax.bar(xs, ys, width, label=name if name != "belady" else "bound (least bytes)")
+        for g, key in enumerate(disk_groups):
+            ax.plot(
+                [g - width / 2, g + 0.8 - width / 2],
+                [1.2 * bound[key] / 2**20] * 2,
+                color="black",
+                linewidth=1,
+            )
+        ax.set_xticks([g + 0.4 - width / 2 for g in range(len(disk_groups))])
+        ax.set_xticklabels([f"{p}\n{b}" for p, b in disk_groups])
+        ax.set_ylabel("MiB read from the model file per token")
+        ax.set_title("disk reads (line: 1.2 x the bound) (simulated)")
+        ax.set_ylim(0, 1.4 * max(read.values(), default=1.0))
+        ax.legend(fontsize=7, ncol=min(3, len(policies)), loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -13,7 +13,9 @@ Per step (a prompt micro-batch or one decoded token) and layer, in order:
    fetches (explicit, then implied by device actions), prefetches behind
    them; every needed device expert is waited for, in expert order; one that
    got no slot runs on the host. Activations are counted as count_actions
-   counts them.
+   counts them. On edge mode's disk tier (Costs.disk, pyspice.sim.disk) the
+   host's weights are in the file too: the experts the call runs on the host
+   without a slot are then read into scratch, and the call waits for them.
 4. Routed experts run: device experts on the device stream, host experts on
    the host executor (its threads are folded into the per-expert time); the
    layer ends when both are done (a synchronisation per layer). On an emulated
@@ -46,6 +48,7 @@ from pyspice.policy.base import (
 )
 from pyspice.policy.context import PolicyContext, RouterLoader
 from pyspice.policy.rule import Rule, declared_rule
+from pyspice.sim.disk import DiskRules, SimDiskTier
 from pyspice.sim.plan import (
     InvalidPlan,
     Outcomes,
@@ -102,6 +105,9 @@ class Costs:
     wake_us: float = 0.0  # emulated device: a wait that sleeps wakes this much late
     prefetch_queue_max: int = 64
     layer_scale: float = 1.0  # per-token times x this (target depth / trace depth)
+    # edge mode's disk tier (pyspice.sim.disk): copies are reads of the model file and a
+    # host action on an expert without a slot reads it into scratch; None: a device tier
+    disk: DiskRules | None = None
 
 
 @dataclass
@@ -130,6 +136,14 @@ class SimResult:
     plan_lag_layers: float = 0.0
     plans_stale: int = 0
     plans_skipped: int = 0
+    # a disk tier (Costs.disk): what was read from the model file per decoded token,
+    # widened as O_DIRECT reads it (copies into slots and reads into scratch alike), and
+    # the experts host actions read into scratch, with the time calls waited for them
+    disk_read_bytes_per_token: float | None = None
+    disk_reads_per_token: float | None = None  # preads, as libspice counts them (3 per expert)
+    disk_expert_reads_per_token: float | None = None
+    scratch_reads: int | None = None
+    scratch_ms_per_token: float | None = None
 
     @property
     def misses(self) -> int:
@@ -145,7 +159,19 @@ class SimResult:
         return 1.0 - self.hit_rate if self.activations else 0.0
 
     def record(self) -> dict[str, Any]:
+        disk = (
+            {
+                "disk_read_bytes_per_token": self.disk_read_bytes_per_token,
+                "disk_reads_per_token": self.disk_reads_per_token,
+                "disk_expert_reads_per_token": self.disk_expert_reads_per_token,
+                "disk_scratch_reads": self.scratch_reads,
+                "disk_scratch_ms_per_token": self.scratch_ms_per_token,
+            }
+            if self.disk_read_bytes_per_token is not None
+            else {}
+        )
         return {
+            **disk,
             "policy": self.policy,
             "tpot_ms": self.tpot_ms,
             "decoded_tokens": self.decoded_tokens,
@@ -194,6 +220,21 @@ def _us(v: float) -> int:
     return round(v * 1e3)
 
 
+def scratch_experts(ids: npt.NDArray[np.int32], actions: npt.NDArray[np.int32], n_expert: int) -> list[int]:
+    """spice_runtime_read_host_experts: the experts a call reads into scratch on a tier
+    whose host weights are not in memory, in the order it reads them -- each expert
+    (once) of a host action that got no slot in this call, i.e. that none of the call's
+    device actions (as applied: those that got a slot) runs, whether or not the tier
+    holds it."""
+    flat_ids, flat_actions = ids.ravel().tolist(), actions.ravel().tolist()
+    slotted = {e for e, a in zip(flat_ids, flat_actions, strict=True) if a == ACTION_DEVICE}
+    out: list[int] = []
+    for e, a in zip(flat_ids, flat_actions, strict=True):
+        if a in (ACTION_HOST, ACTION_DEVICE) and 0 <= e < n_expert and e not in slotted and e not in out:
+            out.append(e)
+    return out
+
+
 class Simulator:
     """Replays `workload` through `policy` (a Policy object, or None for the
     engine's native default plan: resident experts on the device, the rest on
@@ -222,6 +263,7 @@ class Simulator:
         # the loaded surrogates, which a plan's surrogate actions must name (spice_plan_validate)
         self.surrogates: SurrogateTable | None = surrogate_table(self.context())
         self._plan_rule: RuleState | None = None  # the rule plans installed (run() resets it)
+        self.tier: SimTier | None = None  # the tier of the last run
 
     def context(self) -> PolicyContext:
         kwargs: dict[str, Any] = {}
@@ -241,6 +283,17 @@ class Simulator:
     def make_tier(self) -> SimTier | None:
         if self.budget_bytes is None:
             return None
+        if self.costs.disk is not None:
+            return SimDiskTier(
+                n_expert=self.workload.n_expert,
+                expert_bytes=self.costs.expert_bytes,
+                budget_bytes=self.budget_bytes,
+                bandwidth_gbps=self.costs.bus_gbps,
+                latency_us=self.costs.bus_latency_us,
+                prefetch_queue_max=self.costs.prefetch_queue_max,
+                used_bytes=int(self.context_extra.get("reserved_bytes", 0)),
+                rules=self.costs.disk,
+            )
         return SimTier(
             n_expert=self.workload.n_expert,
             expert_bytes=self.costs.expert_bytes,
@@ -268,6 +321,7 @@ class Simulator:
         is then the hook thread's deciding time (posting, applying, the rule)."""
         wl, costs = self.workload, self.costs
         tier = self.make_tier()
+        self.tier = tier  # the last run's, for tests and reports that look inside
         plans_async = asynchronous is not None and callable(getattr(policy, "asynchronous_rule", None))
         if asynchronous is not None and hasattr(policy, "plan_lag"):
             # as the engine does: a policy whose plans land late looks that much further
@@ -291,6 +345,7 @@ class Simulator:
         tally = _Tally()
         bytes0 = copy0 = stall0 = 0
         pre0 = (0, 0, 0)
+        disk0, scratch0 = (0, 0, 0, 0), 0
         decode_started = False
         for si, step in enumerate(wl.steps):
             if step.decode and not decode_started:
@@ -300,6 +355,8 @@ class Simulator:
                     tier.refresh()
                     bytes0, copy0, stall0 = self._bus_totals(tier)
                     pre0 = self._prefetch_totals(tier)
+                    if isinstance(tier, SimDiskTier):
+                        disk0, scratch0 = tier.read_totals(t), tier.scratch_ns
                 tally = _Tally()
             start = t
             t = self._step(step.calls, step.n_tokens, t, tier, policy, policy_us, tally, rule_state, planner)
@@ -320,6 +377,16 @@ class Simulator:
             b1 = c1 = s1 = bytes0
             p1 = pre0
         decode_ns = max(1, tally.time_ns)
+        disk: dict[str, Any] = {}
+        if isinstance(tier, SimDiskTier):
+            d1 = tier.read_totals(t)
+            disk = {
+                "disk_read_bytes_per_token": (d1[0] - disk0[0]) / n_tok * scale,
+                "disk_reads_per_token": (d1[1] - disk0[1]) / n_tok * scale,
+                "disk_expert_reads_per_token": (d1[2] - disk0[2]) / n_tok * scale,
+                "scratch_reads": d1[3] - disk0[3],
+                "scratch_ms_per_token": (tier.scratch_ns - scratch0) / 1e6 / n_tok * scale,
+            }
         return SimResult(
             policy=name,
             tpot_ms=tally.time_ns / 1e6 / n_tok * scale,
@@ -343,6 +410,7 @@ class Simulator:
             plan_lag_layers=planner.mean_lag() if planner is not None else 0.0,
             plans_stale=planner.stale if planner is not None else 0,
             plans_skipped=planner.skipped if planner is not None else 0,
+            **disk,
         )
 
     # -- pieces -------------------------------------------------------------------
@@ -507,6 +575,11 @@ class Simulator:
             if tier is not None:
                 tier.now_ns = t
                 t, actions = self._apply(tier, il, ids, actions, plan, t, tally)
+                if isinstance(tier, SimDiskTier):
+                    tier.now_ns = t
+                    wait = tier.read_for_host(il, scratch_experts(ids, actions, self.workload.n_expert[il]))
+                    t += wait
+                    tally.part("disk reads for host actions", wait)
             tally.outcomes = tally.outcomes + count_outcomes(actions, hit)
             is_dev, is_host = actions == ACTION_DEVICE, actions == ACTION_HOST
             dev = _us(

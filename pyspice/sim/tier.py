@@ -134,9 +134,34 @@ class SimTier:
     def _queued(self) -> list[Copy]:
         return [c for c in self.copies.values() if not c.started]
 
+    # -- the device (spice_device_i): the emulated bus here; pyspice.sim.disk's
+    # SimDiskTier overrides these five with the disk device's rules
+
+    def _can_start(self, now: int) -> bool:
+        """copy_can_start: one serial bus, free by now."""
+        return self.bus_free_ns <= now
+
+    def _issue(self, c: Copy, now: int) -> None:
+        """copy_issue: the copy starts when the bus is free (possibly in the past of now)."""
+        c.start_ns = max(self.bus_free_ns, c.issue_ns)
+        c.end_ns = c.start_ns + self.occupancy_ns(c.nbytes)
+        self.bus_free_ns = c.end_ns
+
+    def _landed_by(self, c: Copy, now: int) -> bool:
+        """copy_poll: a started copy has landed by now."""
+        return c.end_ns <= now
+
+    def _done_ns(self, c: Copy) -> int:
+        """copy_wait: when a wait for the started copy c returns."""
+        return c.end_ns
+
+    def _copy_ns(self, c: Copy) -> int:
+        """copy_ns: the time the copy took, booked as it lands."""
+        return c.end_ns - c.start_ns
+
     def _start_copies(self, now: int) -> None:
-        """start_copies: hand the bus what it can have started by now, in queue order."""
-        while self.bus_free_ns <= now:
+        """start_copies: hand the device what it can have started by now, in queue order."""
+        while self._can_start(now):
             queued = self._queued()
             if not queued:
                 return
@@ -144,10 +169,8 @@ class SimTier:
             for other in queued[1:]:
                 if other.before(c):
                     c = other
-            c.start_ns = max(self.bus_free_ns, c.issue_ns)
-            c.end_ns = c.start_ns + self.occupancy_ns(c.nbytes)
+            self._issue(c, now)
             c.started = True
-            self.bus_free_ns = c.end_ns
             self._op_counters().device_copies += 1
 
     def _land(self, key: Key) -> None:
@@ -157,13 +180,13 @@ class SimTier:
             self.from_prefetch.add(key)
         else:
             self.from_prefetch.discard(key)
-        self.counters[c.layer].copy_ns += c.end_ns - c.start_ns
+        self.counters[c.layer].copy_ns += self._copy_ns(c)
 
     def _poll(self) -> None:
         now = self.now_ns
         self._start_copies(now)
         for key, c in list(self.copies.items()):
-            if c.started and c.end_ns <= now:
+            if c.started and self._landed_by(c, now):
                 self._land(key)
         self._start_copies(now)
 
@@ -339,8 +362,9 @@ class SimTier:
 
     def _wait_copy(self, c: Copy) -> int:
         self._op_counters().device_waits += 1
-        stall = max(0, c.end_ns - self.now_ns)
-        self.now_ns = max(self.now_ns, c.end_ns)
+        done = self._done_ns(c)
+        stall = max(0, done - self.now_ns)
+        self.now_ns = max(self.now_ns, done)
         self._land((c.layer, c.expert))
         return stall
 

@@ -88,3 +88,35 @@ def test_sim_target_source_runs_on_a_hardware_profile(
     # the simulated bytes are the model file's own: per token, at most every routed expert once
     target = source_target(model)
     assert 0 < rows[0]["bytes_per_token"] <= sum(target.expert_bytes) * target.n_expert
+
+
+def test_sim_runs_edge_mode_on_the_disk_profile_over_a_text_trace(
+    synth_model: ModelFactory, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A text traced teacher-forced (record -f), replayed on the disk profile: the
+    recorded model's own file, every lossless row at or above the bound on bytes read."""
+    from pyspice.api import Llama
+    from pyspice.cli.main import main
+    from pyspice.measure.record import record_bench_trace
+
+    model = synth_model("qwen2moe")
+    text = "Experts are read from the model file into a pool of RAM slots. " * 8
+    trace = tmp_path / "trace"
+    forced = record_bench_trace(model, trace, prompt_tokens=4, n_predict=8, threads=1, text=text)
+    llm = Llama(str(model), verbose=False, n_ctx=128)
+    try:
+        assert forced == list(llm.tokenize(text.encode(), add_bos=True))[4:12]  # fed, not generated
+    finally:
+        llm.close()
+    plot = tmp_path / "disk.png"
+    args = ["sim", "-m", str(model), "--trace", str(trace), "--profile", "disk", "--ram-budget", "25%,50%"]
+    rc = main([*args, "--policies", "lru,exact,spice:exact", "--json", "--plot", str(plot)])
+    assert rc == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert {r["target"] for r in rows} == {"source"}
+    bound = {r["budget"]: r["disk_read_bytes_per_token"] for r in rows if r["policy"] == "belady"}
+    assert set(bound) == {"25%", "50%"} and all(b > 0 for b in bound.values())
+    for r in rows:
+        assert r["decoded_tokens"] == 8
+        assert r["disk_read_bytes_per_token"] >= bound[r["budget"]] * (1 - 1e-9), r["policy"]
+    assert plot.stat().st_size > 0

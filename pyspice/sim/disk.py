@@ -1,0 +1,310 @@
+"""Edge mode's disk tier in the simulator: routed experts stay in the model file,
+resident ones live in a RAM slot pool, and every copy is a read of the file.
+
+The rules are libspice's, each modelled from its C original:
+
+- what a read is (spice-device-disk.c, read_copy): an expert is read as its
+  three matrices, one pread each, at file_offset[k] + e * stride[k]; with
+  O_DIRECT every read is widened to DISK_ALIGN (4096) at both ends and the
+  widened bytes are what is counted (a read past the end of the file stops
+  there). `ExpertReads` holds the reads and widened bytes of every expert, taken
+  from the model file's own header as bind_file_offsets takes them;
+- who reads (reader_main, take_next): READERS (4) reader threads with their own
+  queue, taken highest priority first, then in the order handed over; a read
+  that started runs to its end;
+- what the store hands over (disk_can_start, disk_issue on a real clock): copies
+  start while fewer than 2 x READERS of them are started and not yet landed; a
+  started copy can no longer be overtaken or cancelled, so its read is made (and
+  counted) whatever happens to its expert later. The start and end a started
+  copy reports -- what ready_at and the policies see -- are the device's
+  estimate, start = max(bus_free, now), end = start + latency + bytes /
+  bandwidth, bus_free = start + bytes / bandwidth (reads overlap their latency),
+  from the figures the engine gives the store (`pyspice probe`'s);
+- when a copy is resident (disk_poll, disk_wait): at the first poll (one per
+  hook call) or wait after its read is done; copy_ns is the read's own time;
+- host actions (spice-runtime-host-read.c): after the plan is applied (its
+  device experts waited for), every expert the call runs on the host that got
+  no slot in this call -- whether or not the tier holds it -- is read into
+  scratch for this call only, at priority demand + 1 (ahead of every queued
+  read), and the call waits for those reads; nothing of it stays resident;
+- the device does not compute: the host executor runs resident experts from
+  their slots and scratch experts from scratch, so device work is host work
+  (Costs.device_shares_host).
+
+The disk itself is hardware, not C. It is modelled from the two figures
+`pyspice probe` measures (pyspice.measure.disk_probe): bandwidth with READERS
+expert-sized direct reads in flight, and the median time of one random 64 KiB
+direct read. Transfers share the bandwidth one after another; each read also
+takes a fixed latency that overlaps other reads' transfers: a read a reader
+starts at s moves its bytes from x = max(s, disk free) to x + bytes / bandwidth
+and is done `read_latency_us` later. The probe's 64 KiB read includes its own
+transfer, so the fixed part is that read's time less 64 KiB / bandwidth: one
+lone 64 KiB read then takes what the probe measured, and READERS readers
+together reach its bandwidth. (The store's estimates use the probe's latency
+as a whole, as the engine gives it: they are estimates, as in C.)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pyspice.formats.model_info import EXPERT_TENSOR, read_header
+from pyspice.sim.tier import PRIORITY_DEMAND, Copy, SimTier
+
+DISK_ALIGN = 4096  # spice-device-disk.c: O_DIRECT alignment of offsets, lengths and buffers
+READERS = 4  # DISK_THREADS_DEFAULT: reader threads of the disk device
+PROBE_READ_BYTES = 64 * 1024  # pyspice.measure.disk_probe.LATENCY_READ: the read its latency times
+PRIORITY_HOST_READ = PRIORITY_DEMAND + 1  # disk_host_read: ahead of every copy into a slot
+
+
+def widened(offset: int, length: int, file_size: int | None = None, align: int = DISK_ALIGN) -> int:
+    """Bytes one O_DIRECT read of [offset, offset + length) reads: the range widened to
+    `align` at both ends, cut at the end of the file (pread returns short there)."""
+    lo = offset // align * align
+    hi = (offset + length + align - 1) // align * align
+    if file_size is not None:
+        hi = min(hi, max(file_size, offset + length))
+    return hi - lo
+
+
+def direct_io(path: Path) -> bool:
+    """Whether the file system takes O_DIRECT for `path`, as disk_create finds out (it
+    opens with O_DIRECT and falls back to the page cache, unwidened, on EINVAL)."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY | flag)
+    except OSError:
+        return False
+    os.close(fd)
+    return True
+
+
+@dataclass(frozen=True)
+class ExpertReads:
+    """Per layer and expert: (reads, widened bytes) of reading that expert from the file.
+    Layers without routed experts have no entries."""
+
+    per_layer: tuple[tuple[tuple[int, int], ...], ...]
+
+    def of(self, layer: int, expert: int) -> tuple[int, int]:
+        return self.per_layer[layer][expert]
+
+    def bytes_of(self, layer: int, expert: int) -> int:
+        return self.per_layer[layer][expert][1]
+
+    @staticmethod
+    def from_model(path: Path, direct: bool | None = None) -> ExpertReads:
+        """From the GGUF header, as bind_file_offsets and spice_store_expert_copy place
+        an expert: matrix k of expert e at data offset + tensor offset + e * (tensor
+        bytes / n_expert), that many bytes, widened where O_DIRECT is in effect (`direct`;
+        None: as the file system allows, direct_io)."""
+        align = DISK_ALIGN if (direct_io(path) if direct is None else direct) else 1
+        header = read_header(path)
+        n_layers = 0
+        mats: dict[int, list[tuple[int, int, int]]] = {}  # layer -> [(offset, stride, n_expert)]
+        for t in header.tensors:
+            m = EXPERT_TENSOR.match(t.name)
+            if m is None:
+                continue
+            il = int(m.group(1))
+            n_layers = max(n_layers, il + 1)
+            n_expert = int(t.shape[-1])
+            mats.setdefault(il, []).append((header.data_offset + t.offset, t.nbytes // n_expert, n_expert))
+        block_count = header.metadata.get(f"{header.metadata.get('general.architecture')}.block_count")
+        if isinstance(block_count, int):
+            n_layers = max(n_layers, block_count)
+        per_layer: list[tuple[tuple[int, int], ...]] = []
+        for il in range(n_layers):
+            layer = mats.get(il, [])
+            n_expert = min((n for _, _, n in layer), default=0)
+            per_layer.append(
+                tuple(
+                    (
+                        len(layer),
+                        sum(
+                            widened(off + e * stride, stride, header.file_size, align)
+                            for off, stride, _ in layer
+                        ),
+                    )
+                    for e in range(n_expert)
+                )
+            )
+        return ExpertReads(tuple(per_layer))
+
+    @staticmethod
+    def unaligned(n_expert: Sequence[int], expert_bytes: Sequence[int], reads: int = 3) -> ExpertReads:
+        """Every expert as `reads` reads of its own bytes, nothing widened (tests; a file
+        system without O_DIRECT)."""
+        return ExpertReads(
+            tuple(((reads, int(b)),) * int(n) for n, b in zip(n_expert, expert_bytes, strict=True))
+        )
+
+
+@dataclass(frozen=True)
+class DiskRules:
+    """What makes a simulated tier the disk tier (Costs.disk)."""
+
+    reads: ExpertReads
+    read_latency_us: float  # the disk's fixed latency per read (module docstring)
+    readers: int = READERS
+
+    @staticmethod
+    def fixed_latency_us(probe_latency_us: float, gbps: float) -> float:
+        """The fixed part of the probe's 64 KiB read time: less that read's own transfer."""
+        return max(0.0, probe_latency_us - PROBE_READ_BYTES / (gbps * 1e3))
+
+
+@dataclass
+class Read:
+    nbytes: int  # widened
+    n_reads: int
+    priority: int
+    seq: int
+    handed_ns: int
+    scratch: bool  # a host action's read into scratch (else a copy into a slot)
+    start_ns: int = -1  # when a reader took it
+    done_ns: int = -1
+
+
+@dataclass
+class DiskDevice:
+    """The disk device's reader pool and the disk, on the simulator's clock. Reads are
+    handed over at the caller's `now`; readers free by then take them in queue order
+    (take_next) as the clock moves on."""
+
+    gbps: float
+    latency_us: float  # fixed, per read
+    readers: int = READERS
+    free_ns: list[int] = field(default_factory=list)
+    disk_free_ns: int = 0
+    queue: list[Read] = field(default_factory=list)
+    log: list[Read] = field(default_factory=list)  # every read handed over, in order
+    _seq: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.gbps > 0 or self.latency_us < 0 or self.readers < 1:
+            raise ValueError("disk bandwidth must be positive, latency non-negative, readers at least 1")
+        self.free_ns = [0] * self.readers
+
+    def submit(self, nbytes: int, n_reads: int, priority: int, now: int, *, scratch: bool = False) -> Read:
+        self.advance(now)
+        self._seq += 1
+        r = Read(nbytes, n_reads, priority, self._seq, now, scratch)
+        self.queue.append(r)
+        self.log.append(r)
+        self.advance(now)  # a reader free now takes it at once
+        return r
+
+    def advance(self, now: int) -> None:
+        """Readers free by `now` take the queued reads they would have taken."""
+        while self.queue:
+            i = min(range(self.readers), key=self.free_ns.__getitem__)
+            t = max(self.free_ns[i], min(r.handed_ns for r in self.queue))
+            if t > now:
+                return
+            ready = [r for r in self.queue if r.handed_ns <= t]
+            r = min(ready, key=lambda q: (-q.priority, q.seq))
+            self.queue.remove(r)
+            x = max(t, self.disk_free_ns)
+            transfer = int(r.nbytes / self.gbps)
+            self.disk_free_ns = x + transfer
+            r.start_ns = t
+            r.done_ns = x + transfer + round(self.latency_us * 1e3)
+            self.free_ns[i] = r.done_ns
+
+    def finish(self, r: Read) -> int:
+        """When `r` is done, the readers moved on as far as that takes (nothing else is
+        handed over meanwhile: the caller waits)."""
+        while r.done_ns < 0:
+            self.advance(max(min(self.free_ns), min(q.handed_ns for q in self.queue)))
+        return r.done_ns
+
+    def totals(self, until_ns: int) -> tuple[int, int, int, int]:
+        """(bytes, reads, experts read, experts read into scratch) of the reads done by
+        `until_ns` (libspice books a read once it is done)."""
+        nbytes = reads = experts = scratch = 0
+        for r in self.log:
+            if 0 <= r.done_ns <= until_ns:
+                nbytes += r.nbytes
+                reads += r.n_reads
+                experts += 1
+                scratch += r.scratch
+        return nbytes, reads, experts, scratch
+
+
+@dataclass
+class SimDiskTier(SimTier):
+    """SimTier with the disk device's rules (module docstring): `bandwidth_gbps` and
+    `latency_us` are the store's figures (its estimates); `rules` the disk's."""
+
+    rules: DiskRules | None = None
+    device: DiskDevice | None = None
+    _reads: dict[tuple[int, int], Read] = field(default_factory=dict)
+    scratch_ns: int = 0  # time calls waited for their host actions' reads
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.rules is None:
+            raise ValueError("a disk tier needs its rules (DiskRules)")
+        self.device = DiskDevice(self.bandwidth_gbps, self.rules.read_latency_us, self.rules.readers)
+
+    @property
+    def disk(self) -> DiskDevice:
+        assert self.device is not None
+        return self.device
+
+    def _can_start(self, now: int) -> bool:
+        self.disk.advance(now)
+        started = sum(1 for c in self.copies.values() if c.started)
+        return started < 2 * self.disk.readers
+
+    def _issue(self, c: Copy, now: int) -> None:
+        occupancy = int(c.nbytes / self.bandwidth_gbps)
+        c.start_ns = max(self.bus_free_ns, now)
+        c.end_ns = c.start_ns + int(self.latency_us * 1e3) + occupancy
+        self.bus_free_ns = c.start_ns + occupancy
+        assert self.rules is not None
+        n_reads, nbytes = self.rules.reads.of(c.layer, c.expert)
+        self._reads[(c.layer, c.expert)] = self.disk.submit(nbytes, n_reads, c.priority, now)
+
+    def _landed_by(self, c: Copy, now: int) -> bool:
+        self.disk.advance(now)
+        done = self._reads[(c.layer, c.expert)].done_ns
+        return 0 <= done <= now
+
+    def _done_ns(self, c: Copy) -> int:
+        return self.disk.finish(self._reads[(c.layer, c.expert)])
+
+    def _copy_ns(self, c: Copy) -> int:
+        r = self._reads.pop((c.layer, c.expert))
+        return r.done_ns - r.start_ns
+
+    def read_for_host(self, layer: int, experts: Sequence[int]) -> int:
+        """spice_runtime_read_host_experts: read `experts` of `layer` into scratch, ahead of
+        every queued read, and wait for them all; returns the wait (the clock moves on)."""
+        assert self.rules is not None
+        now = self.now_ns
+        reads = []
+        for e in experts:
+            n_reads, nbytes = self.rules.reads.of(layer, e)
+            reads.append(self.disk.submit(nbytes, n_reads, PRIORITY_HOST_READ, now, scratch=True))
+        done = max((self.disk.finish(r) for r in reads), default=now)
+        wait = max(0, done - now)
+        self.now_ns = max(now, done)
+        self.scratch_ns += wait
+        return wait
+
+    def reset_counters(self) -> None:
+        """As spice_runtime_preload leaves them: the reads done so far are booked nowhere."""
+        super().reset_counters()
+        self.disk.log = [r for r in self.disk.log if r.done_ns < 0 or r.done_ns > self.now_ns]
+        self.scratch_ns = 0
+
+    def read_totals(self, until_ns: int) -> tuple[int, int, int, int]:
+        """(bytes, reads, experts, scratch experts) of the reads done by `until_ns`."""
+        return self.disk.totals(until_ns)
