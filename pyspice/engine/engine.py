@@ -9,7 +9,8 @@ policy once per MoE layer through pyspice.runtime):
   the budget;
 - the cost profile policies weigh copies with;
 - the policy lifecycle: each policy starts from an empty tier, gets its
-  PolicyContext at attach, and the surrogates its kind needs;
+  PolicyContext at attach, and the surrogates its kind needs; a lossy SPICE
+  level by name gets the thresholds tuned for the model (its sidecar's);
 - the stats record.
 """
 
@@ -329,7 +330,8 @@ class Engine:
                     runtime.preload()  # `exact` means every expert resident (as far as the budget goes)
                 runtime.enable_exact(self.max_hook_tokens)
             else:
-                shipped = make_policy(policy)
+                levels = self.sidecar.levels if self.sidecar is not None else None
+                shipped = make_policy(policy, levels, self._note_once)
                 assert shipped is not None
                 rule = declared_rule(shipped)
                 if rule is not None or spec.kind == "rule":

@@ -1,10 +1,78 @@
-"""The lossy levels' surrogates: the engine loads only those a level may use."""
+"""The lossy levels' surrogate thresholds: a model's own (from its sidecar) where it has
+them, the shared constants otherwise, said once; the engine loads only the surrogates a
+level may use."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import numpy as np
+import pytest
+
+from pyspice.policy import make_policy
+from pyspice.policy.spice import (
+    LEVEL_BOUNDS,
+    QUALITY_LEVELS,
+    SpicePolicy,
+    SurrogateThresholds,
+    level_config,
+    spice_config,
+)
+
+
+def test_a_level_takes_the_models_thresholds_when_its_sidecar_has_them() -> None:
+    tuned = {"spice:balanced": SurrogateThresholds(0.04, 0.45), "spice:fast": SurrogateThresholds(1.0, 0.6)}
+    notes: list[str] = []
+    balanced = level_config("spice:balanced", tuned, notes.append)
+    fast = level_config("spice:fast", tuned, notes.append)
+    assert (balanced.surrogate_max_weight, balanced.surrogate_max_error) == (0.04, 0.45)
+    assert (fast.surrogate_max_weight, fast.surrogate_max_error) == (1.0, 0.6)
+    # only the thresholds change: the name and everything else are the level's
+    shared = spice_config("spice:balanced")
+    assert balanced.name == "spice:balanced" and balanced.plan_every == shared.plan_every
+    assert notes == []
+
+
+def test_without_tuned_thresholds_a_level_falls_back_to_the_shared_ones_and_says_so() -> None:
+    notes: list[str] = []
+    config = level_config("spice:fast", {"spice:balanced": SurrogateThresholds(0.04, 0.45)}, notes.append)
+    assert config == QUALITY_LEVELS["spice:fast"]
+    assert len(notes) == 1 and "spice:fast" in notes[0] and "shared" in notes[0]
+    # no sidecar at all (None): the constants, and nothing to say (there are no surrogates)
+    assert level_config("spice:balanced", None, notes.append) == QUALITY_LEVELS["spice:balanced"]
+    assert len(notes) == 1
+
+
+def test_lossless_variants_ignore_tuned_thresholds() -> None:
+    tuned = {level: SurrogateThresholds(1.0, 1.0) for level in LEVEL_BOUNDS}
+    notes: list[str] = []
+    for name in ("spice", "spice:exact", "abl-a"):
+        assert level_config(name, tuned, notes.append) == spice_config(name)
+        assert level_config(name, {}, notes.append).lossless
+    assert notes == []
+
+
+def test_thresholds_tuned_to_zero_make_a_level_lossless() -> None:
+    # what the tuning writes for a level no pair of its grid keeps within the bound
+    config = level_config("spice:balanced", {"spice:balanced": SurrogateThresholds(0.0, 0.0)})
+    assert config.lossless and SpicePolicy(config).surrogate_limit is None
+
+
+def test_make_policy_passes_the_models_thresholds_to_the_level() -> None:
+    tuned = {"spice:balanced": SurrogateThresholds(0.04, 0.45)}
+    policy = make_policy("spice:balanced", tuned)
+    assert isinstance(policy, SpicePolicy)
+    assert policy.config.surrogate_max_error == 0.45 and policy.surrogate_limit == 0.45
+    shared = make_policy("spice:balanced")
+    assert isinstance(shared, SpicePolicy) and shared.config == QUALITY_LEVELS["spice:balanced"]
+
+
+@pytest.mark.parametrize("bad", [-0.1, float("nan"), float("inf")])
+def test_thresholds_must_be_finite_and_not_negative(bad: float) -> None:
+    with pytest.raises(ValueError, match="finite"):
+        SurrogateThresholds(bad, 0.5)
+    with pytest.raises(ValueError, match="finite"):
+        SurrogateThresholds(0.05, bad)
 
 
 def test_the_engine_loads_only_the_surrogates_within_the_levels_error_limit() -> None:
