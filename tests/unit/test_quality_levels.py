@@ -101,3 +101,57 @@ def test_the_engine_loads_only_the_surrogates_within_the_levels_error_limit() ->
     # the rank cut counts only the trusted ones: 2 of them fit a budget all 4 would not
     budget = int(2 * per_expert / 0.25)
     assert budget_rank(sidecar, budget, 0.5) is None and budget_rank(sidecar, budget) == 1
+
+
+def test_a_builtin_models_sidecar_of_its_calibration_gets_the_committed_thresholds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dataclasses import replace
+
+    from pyspice.formats.sidecar import read_sidecar, write_sidecar
+    from pyspice.models import builtin as builtin_mod
+    from pyspice.models.builtin import BUILTIN, TunedLevels, adopt_tuned_levels
+    from tests.unit.test_sidecar import data_for, tiny_model
+
+    model = tiny_model(tmp_path / "smolmoe-b-r1-0123abcd-Q8_0.gguf", 0)  # named as a build of smolmoe-b
+    data = data_for(model)
+    sidecar = write_sidecar(tmp_path / "smolmoe-b-r1-0123abcd-Q8_0.spice.gguf", data)
+    tuned = TunedLevels(
+        corpus=data.corpus,
+        tokens=data.tokens,
+        lore_rank=data.lore_rank,
+        balanced=SurrogateThresholds(0.05, 0.45),
+        fast=SurrogateThresholds(0.05, 0.6),
+        tuned_on="test",
+    )
+    monkeypatch.setitem(BUILTIN, "smolmoe-b", replace(BUILTIN["smolmoe-b"], tuned=tuned))
+    notes: list[str] = []
+    assert adopt_tuned_levels(model, sidecar, notes.append)
+    assert read_sidecar(sidecar).levels == tuned.levels() and len(notes) == 1
+    # once there, they stay (as a user's own tuning would): nothing to write again
+    assert not adopt_tuned_levels(model, sidecar, notes.append)
+    # a sidecar of another calibration (other text, tokens or rank) keeps the shared ones
+    other = write_sidecar(sidecar, replace(data, tokens=data.tokens + 1))
+    assert not adopt_tuned_levels(model, other, notes.append) and read_sidecar(other).levels == {}
+    # and a model that is no built-in one is never touched
+    plain = tiny_model(tmp_path / "mine.gguf", 0)
+    assert not adopt_tuned_levels(plain, write_sidecar(tmp_path / "mine.spice.gguf", data), notes.append)
+    assert builtin_mod.builtin_of(plain) is None and len(notes) == 1
+
+
+def test_the_committed_thresholds_name_the_calibration_a_first_use_makes() -> None:
+    # a built-in model's sidecar made on first use (run_calibration's defaults) must be the one
+    # its committed thresholds were tuned on, or they would never be written into it
+    import inspect
+
+    from pyspice.calibrate.run import default_corpus_name, run_calibration
+    from pyspice.models.builtin import BUILTIN
+
+    defaults = inspect.signature(run_calibration).parameters
+    for name, model in BUILTIN.items():
+        assert model.tuned is not None, name
+        built = Path(f"{name}-r1-0123abcd-Q8_0.gguf")
+        assert model.tuned.corpus == default_corpus_name(built), name
+        assert model.tuned.tokens == defaults["tokens"].default
+        assert model.tuned.lore_rank == defaults["rank"].default
+        assert set(model.tuned.levels()) == set(LEVEL_BOUNDS)
