@@ -1,37 +1,120 @@
 #!/usr/bin/env python3
-"""Tune the lossy SPICE levels' surrogate thresholds on the CALIBRATION text.
+"""Tune one model's lossy SPICE levels' surrogate thresholds on its CALIBRATION text.
 
 `spice:balanced` may cost at most +1% perplexity over exact and `spice:fast` at
-most +5% (token by token, as decoding runs). Their two thresholds — the gate
-weight under which a miss may be substituted and the surrogate's held-out
-fit error under which it is trusted — are chosen here on the calibration
-split of the model's corpus (the text the sidecar was fitted on; -m smolmoe-b
-tunes on smolmoe-b's mix),
-never on the held-out text the levels are then judged on
-(`pyspice eval ppl --token-by-token --policies spice:exact,spice:balanced,spice:fast`).
+most +5% (token by token, as decoding runs), and each should run at least 10%
+fewer activations exactly on the host than `spice:exact` in the same run (what
+the loss buys). Their two thresholds — the gate weight under which a miss may
+be substituted and the surrogate's held-out fit error under which it is
+trusted — are chosen here on the calibration split of the model's corpus (the
+text the sidecar was fitted on; -m smolmoe-b tunes on smolmoe-b's mix), never
+on the text the levels are then judged on (`pyspice eval ppl --token-by-token
+--policies spice:exact,spice:balanced,spice:fast -f TEXT-OF-NO-CALIBRATION-SOURCE`).
 
 For every device budget and every (weight, error) pair of the grid this prints
-the perplexity change against spice:exact and the share of activations
-substituted; then, per level, the pair with the most substitution whose change
-stays under `--margin` x the level's bound at every budget (a margin, because
-held-out text is not calibration text).
+the perplexity change against spice:exact, the share of activations
+substituted and the cut in host-executed activations against spice:exact;
+then, per level, the pair with the largest host cut (the smallest over the
+budgets) whose change stays under `--margin` x the level's bound at every
+budget (a margin, because judging text is not calibration text). With
+`--write` the picks go into the model's sidecar (`spice.levels.*`), where
+`spice:balanced` and `spice:fast` read them; a level no pair keeps within the
+margin is written lossless (it then substitutes nothing, which keeps its bound).
 
-    .venv/bin/python scripts/tune-quality-levels.py --budgets 25%,50% --chunks 3
+    .venv/bin/python scripts/tune-quality-levels.py -m smolmoe-b --budgets 25%,50% --chunks 3 \\
+        --json grid.json --plot grid.png --write
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import itertools
+import json
 import sys
 from pathlib import Path
+from typing import Any
 
-BOUNDS = {"spice:balanced": 0.01, "spice:fast": 0.05}
+HOST_CUT_TARGET = 0.10  # issue 19: each lossy level runs >= 10% fewer host activations than exact
 
 
 def floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
+
+
+def pick(
+    results: dict[tuple[str, float, float], dict[str, float]],
+    budgets: list[str],
+    grid: list[tuple[float, float]],
+    bound: float,
+    margin: float,
+) -> tuple[float, float, float] | None:
+    """(weight, error, smallest host cut over the budgets) of the pair with the largest such
+    cut (then the most substitution) whose change stays within margin x bound at every
+    budget; None when no pair does with a positive cut (a lossy level that runs as many
+    activations on the host as exact does, or more, does not earn any loss)."""
+    ok = [
+        (
+            min(results[(b, w, e)]["host_cut"] for b in budgets),
+            min(results[(b, w, e)]["surrogate_rate"] for b in budgets),
+            w,
+            e,
+        )
+        for w, e in grid
+        if all(results[(b, w, e)]["change"] <= margin * bound for b in budgets)
+    ]
+    if not ok or max(ok)[0] <= 0.0:
+        return None
+    cut, _rate, w, e = max(ok)
+    return w, e, cut
+
+
+def plot(
+    path: Path,
+    results: dict[tuple[str, float, float], dict[str, float]],
+    budgets: list[str],
+    title: str,
+    margin: float,
+) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from pyspice.policy.spice import LEVEL_BOUNDS
+
+    fig, axes = plt.subplots(1, len(budgets), figsize=(5.5 * len(budgets), 4.2), squeeze=False)
+    for ax, budget in zip(axes[0], budgets, strict=True):
+        cells = sorted((k, v) for k, v in results.items() if k[0] == budget)
+        weights = sorted({w for (_, w, _), _ in cells})
+        for w in weights:
+            pts = sorted((e, v) for (_, ww, e), v in cells if ww == w)
+            xs = [100 * v["host_cut"] for _, v in pts]
+            ys = [100 * v["change"] for _, v in pts]
+            ax.plot(xs, ys, marker="o", label=f"gate weight < {w:g}")
+            for (e, _v), x, y in zip(pts, xs, ys, strict=True):
+                ax.annotate(f"{e:g}", (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
+        for level, bound in LEVEL_BOUNDS.items():
+            ax.axhline(100 * bound, ls="--", lw=0.8, color="grey")
+            ax.axhline(100 * margin * bound, ls=":", lw=0.8, color="grey")
+            ax.text(ax.get_xlim()[0], 100 * bound, f" {level} bound", fontsize=7, va="bottom")
+            ax.text(ax.get_xlim()[0], 100 * margin * bound, f" {margin:g} x it (picks)", fontsize=6, va="top")
+        ax.axvline(100 * HOST_CUT_TARGET, ls="--", lw=0.8, color="red")
+        top = ax.get_ylim()[1]
+        ax.text(100 * HOST_CUT_TARGET, top, " host cut target", fontsize=7, va="top", color="red")
+        ax.set_xlabel("host-executed activations cut vs spice:exact (%)")
+        ax.set_ylabel("perplexity change vs spice:exact (%)")
+        ax.set_title(f"{budget} device budget (labels: error limit)", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _axes(results: dict[tuple[str, float, float], dict[str, float]]) -> tuple[list[float], list[float]]:
+    return sorted({w for _, w, _ in results}), sorted({e for _, _, e in results})
 
 
 def main() -> int:
@@ -39,22 +122,45 @@ def main() -> int:
     parser.add_argument("-m", "--model", default=None, help="GGUF or built-in name (default: smolmoe)")
     parser.add_argument("--sidecar", type=Path, default=None, help="default: the one beside the model")
     parser.add_argument("--budgets", default="25%,50%")
-    parser.add_argument("--weights", default="0.04,0.05,0.06,0.07", help="gate-weight thresholds to try")
-    parser.add_argument("--errors", default="0.5,0.6,0.7,0.8", help="fit-error thresholds to try")
+    # the MoEfied built-in models' gate weights are all within 0.031-0.033 (near-flat
+    # routers over 32 experts): a weight limit of 0.05 passes every miss, and limits
+    # inside that range (0.032, 0.0322 on smolmoe-b) pass only the router's weakest
+    # picks, which cost less perplexity per substitution
+    # (docs/results/quality-levels-per-model.md)
+    parser.add_argument("--weights", default="0.05", help="gate-weight thresholds to try")
+    parser.add_argument("--errors", default="0.5,0.55,0.6,0.65,0.7", help="fit-error thresholds to try")
     parser.add_argument("--chunks", type=int, default=3, help="512-token chunks scored per run")
     parser.add_argument("--margin", type=float, default=0.6, help="use at most this share of each bound")
     parser.add_argument("-t", "--threads", type=int, default=2)
+    parser.add_argument("--json", type=Path, default=None, help="write every grid cell here")
+    parser.add_argument("--plot", type=Path, default=None, help="plot change vs host cut over the grid")
+    parser.add_argument("--write", action="store_true", help="write the picks into the sidecar")
+    parser.add_argument("--replot", type=Path, default=None, help="only plot an earlier --json to --plot")
+    parser.add_argument(
+        "--merge",
+        type=Path,
+        action="append",
+        default=[],
+        help="an earlier run's --json (same model and budgets): its cells join this grid; a pair "
+        "measured on more chunks wins (each cell is relative to its own run's spice:exact)",
+    )
     args = parser.parse_args()
+    if args.replot is not None:
+        doc = json.loads(args.replot.read_text(encoding="utf-8"))
+        measured = {(c["budget"], float(c["weight"]), float(c["error"])): c for c in doc["grid"]}
+        title = f"{doc['model']}: calibration text, token by token"
+        plot(args.plot, measured, list(doc["exact"]), title, args.margin)
+        return 0
 
     from pyspice.api import Llama
     from pyspice.engine import RunConfig
-    from pyspice.formats.sidecar import default_sidecar_path
+    from pyspice.formats.sidecar import default_sidecar_path, with_levels
     from pyspice.measure.perplexity import perplexity
     from pyspice.models.builtin import builtin_of
     from pyspice.models.default import default_model
     from pyspice.models.smolmoe_build import MODEL_NAMES
     from pyspice.models.smolmoe_recipe import RECIPE_NAME, corpus_part
-    from pyspice.policy.spice import SpicePolicy, spice_config
+    from pyspice.policy.spice import LEVEL_BOUNDS, SpicePolicy, SurrogateThresholds, spice_config
 
     def say(message: str) -> None:
         print(f"pyspice: {message}", file=sys.stderr)
@@ -69,10 +175,14 @@ def main() -> int:
     corpus = builtin_of(model) or RECIPE_NAME
     say(f"tuning on the calibration split of {corpus}'s corpus")
     text = corpus_part("calibration", corpus).text
+    # an empty grid (--weights '' or --errors '') measures nothing: the --merge runs' cells only
     grid = list(itertools.product(floats(args.weights), floats(args.errors)))
-    # (budget, weight, error) -> (ppl change vs exact, surrogate rate)
-    results: dict[tuple[str, float, float], tuple[float, float]] = {}
-    for budget in [b.strip() for b in args.budgets.split(",") if b.strip()]:
+    budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
+    # (budget, weight, error) -> change vs exact, surrogate and host rates, host cut vs exact
+    results: dict[tuple[str, float, float], dict[str, float]] = {}
+    exact: dict[str, dict[str, float]] = {}
+    started = datetime.datetime.now()
+    for budget in budgets if grid else []:
         config = RunConfig(
             model=model,
             policy="exact",
@@ -85,57 +195,121 @@ def main() -> int:
             n_ubatch=1,
         )
         llm = Llama.from_config(config, logits_all=True, note=say)
+
+        def score(llm: Any) -> dict[str, float]:
+            llm.spice_reset_stats()
+            ppl = perplexity(llm, text, 512, max_chunks=args.chunks).ppl
+            stats = llm.spice_stats()
+            n = max(1, int(stats["activations"]))
+            return {
+                "ppl": ppl,
+                "surrogate_rate": stats["misses"]["surrogate"] / n,
+                "host_rate": stats["misses"]["host"] / n,
+                "hit_rate": float(stats["hit_rate"]),
+            }
+
         try:
             llm.set_policy("spice:exact")
-            exact = perplexity(llm, text, 512, max_chunks=args.chunks).ppl
-            print(f"{budget}: spice:exact ppl {exact:.4f}", file=sys.stderr, flush=True)
+            base = exact[budget] = score(llm)
+            print(
+                f"{budget}: spice:exact ppl {base['ppl']:.4f}, host rate {base['host_rate']:.4f}",
+                file=sys.stderr,
+                flush=True,
+            )
             for weight, error in grid:
-                config = dataclasses.replace(
+                config_ = dataclasses.replace(
                     spice_config("spice:fast"),
                     name=f"tune@{weight},{error}",
                     surrogate_max_weight=weight,
                     surrogate_max_error=error,
                 )
-                llm.set_policy(SpicePolicy(config))
-                llm.spice_reset_stats()
-                ppl = perplexity(llm, text, 512, max_chunks=args.chunks).ppl
-                stats = llm.spice_stats()
-                rate = stats["misses"]["surrogate"] / max(1, stats["activations"])
-                results[(budget, weight, error)] = (ppl / exact - 1.0, rate)
+                llm.set_policy(SpicePolicy(config_))
+                cell = score(llm)
+                cell["change"] = cell["ppl"] / base["ppl"] - 1.0
+                cell["host_cut"] = 1.0 - cell["host_rate"] / base["host_rate"] if base["host_rate"] else 0.0
+                cell["surrogates_loaded"] = llm.spice_surrogates().count
+                cell["chunks"] = args.chunks
+                results[(budget, weight, error)] = cell
                 print(
-                    f"{budget}: weight < {weight:g}, error <= {error:g}: ppl {ppl:.4f} "
-                    f"({ppl / exact - 1.0:+.2%}), surrogate rate {rate:.4f}",
+                    f"{budget}: weight < {weight:g}, error <= {error:g}: ppl {cell['ppl']:.4f} "
+                    f"({cell['change']:+.2%}), surrogate rate {cell['surrogate_rate']:.4f}, host rate "
+                    f"{cell['host_rate']:.4f} (cut {cell['host_cut']:+.1%} vs exact), "
+                    f"{cell['surrogates_loaded']} surrogates loaded",
                     file=sys.stderr,
                     flush=True,
                 )
         finally:
             llm.close()
+    minutes = (datetime.datetime.now() - started).total_seconds() / 60
+    for earlier in args.merge:
+        before = json.loads(earlier.read_text(encoding="utf-8"))
+        if before["model"] != model.name or any(b not in before["exact"] for b in budgets):
+            raise SystemExit(f"--merge {earlier}: not a run of {model.name} at {','.join(budgets)}")
+        for c in before["grid"]:
+            key = (c["budget"], float(c["weight"]), float(c["error"]))
+            cell = {k: v for k, v in c.items() if k not in ("budget", "weight", "error")}
+            cell.setdefault("chunks", before.get("chunks", 0))
+            if c["budget"] in budgets and cell["chunks"] > results.get(key, {}).get("chunks", -1):
+                results[key] = cell
+        for b in budgets:
+            exact.setdefault(b, before["exact"][b])
+        minutes += float(before.get("minutes", 0.0))
+    grid = [p for p in sorted({(w, e) for (_, w, e) in results}) if all((b, *p) in results for b in budgets)]
 
-    budgets = sorted({b for b, _, _ in results})
+    chunks = sorted({int(c["chunks"]) for c in results.values()})
     print(
-        f"calibration text, token by token, {args.chunks} chunks of 512; "
-        "change vs spice:exact / surrogate rate"
+        f"{model.name}: calibration text, token by token, {'/'.join(map(str, chunks))} chunks of 512, "
+        f"{len(grid)} pairs x {len(budgets)} budgets in {minutes:.1f} min (1 exact run per budget "
+        "and run besides); change vs spice:exact / surrogate rate / host cut vs spice:exact"
     )
-    print(f"{'weight':>7} {'error':>6} " + " ".join(f"{b:>20}" for b in budgets))
+    print(f"{'weight':>7} {'error':>6} {'chunks':>6} " + " ".join(f"{b:>28}" for b in budgets))
     for weight, error in grid:
-        cells = [
-            f"{results[(b, weight, error)][0]:+8.2%} / {results[(b, weight, error)][1]:.4f}" for b in budgets
-        ]
-        print(f"{weight:>7g} {error:>6g} " + " ".join(f"{c:>20}" for c in cells))
-    for level, bound in BOUNDS.items():
-        ok = [
-            (min(results[(b, w, e)][1] for b in budgets), w, e)
-            for w, e in grid
-            if all(results[(b, w, e)][0] <= args.margin * bound for b in budgets)
-        ]
-        if ok:
-            rate, w, e = max(ok)
+        cells = []
+        for b in budgets:
+            cell = results[(b, weight, error)]
+            cells.append(f"{cell['change']:+7.2%} / {cell['surrogate_rate']:.4f} / {cell['host_cut']:+6.1%}")
+        n = int(results[(budgets[0], weight, error)]["chunks"])
+        print(f"{weight:>7g} {error:>6g} {n:>6} " + " ".join(f"{c:>28}" for c in cells))
+    picks: dict[str, SurrogateThresholds] = {}
+    for level, bound in LEVEL_BOUNDS.items():
+        chosen = pick(results, budgets, grid, bound, args.margin)
+        if chosen is None:
             print(
-                f"{level}: surrogate_max_weight={w:g}, surrogate_max_error={e:g} "
-                f"(lowest surrogate rate {rate:.4f})"
+                f"{level}: no pair of the grid stays under {args.margin:g} x {bound:.0%} at every budget "
+                "with fewer host activations than spice:exact: lossless (substitutes nothing)"
             )
-        else:
-            print(f"{level}: no pair of the grid stays under {args.margin:g} x {bound:.0%} at every budget")
+            picks[level] = SurrogateThresholds(0.0, 0.0)
+            continue
+        w, e, cut = chosen
+        picks[level] = SurrogateThresholds(w, e)
+        verdict = "meets" if cut >= HOST_CUT_TARGET else "misses"
+        print(
+            f"{level}: surrogate_max_weight={w:g}, surrogate_max_error={e:g} (host cut at least {cut:+.1%}: "
+            f"{verdict} the {HOST_CUT_TARGET:.0%} target on calibration text)"
+        )
+    tuned_on = (
+        f"{corpus} calibration split, {'/'.join(map(str, chunks))} chunks of 512 token by token, budgets "
+        f"{','.join(budgets)}, margin {args.margin:g}, {len(grid)} (weight, error) pairs "
+        f"(weights {','.join(f'{w:g}' for w in _axes(results)[0])}; errors "
+        f"{','.join(f'{e:g}' for e in _axes(results)[1])}), "
+        f"{started.date().isoformat()} (scripts/tune-quality-levels.py)"
+    )
+    if args.json is not None:
+        doc = {
+            "model": model.name,
+            "tuned_on": tuned_on,
+            "minutes": minutes,
+            "chunks": args.chunks,
+            "exact": exact,
+            "grid": [{"budget": b, "weight": w, "error": e, **v} for (b, w, e), v in results.items()],
+            "picks": {k: dataclasses.asdict(v) for k, v in picks.items()},
+        }
+        args.json.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    if args.plot is not None:
+        plot(args.plot, results, budgets, f"{model.name}: calibration text, token by token", args.margin)
+    if args.write:
+        with_levels(sidecar, picks, tuned_on)
+        say(f"thresholds written to {sidecar}")
     return 0
 
 

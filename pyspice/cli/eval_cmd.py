@@ -352,6 +352,9 @@ def run_ppl(args: argparse.Namespace) -> int:
                     "tokens": result.tokens,
                     "chunks": result.chunks,
                     "surrogate_rate": stats["misses"]["surrogate"] / activations,
+                    # share of activations run as exact experts on the host (misses neither
+                    # on the device nor substituted): what a lossy level exists to cut
+                    "host_rate": stats["misses"]["host"] / activations,
                     "hit_rate": stats.get("hit_rate"),
                     "policy_fallbacks": stats.get("policy_fallbacks", 0),
                     "top1_agreement": result.top1_agreement,
@@ -368,9 +371,11 @@ def run_ppl(args: argparse.Namespace) -> int:
         llm.close()
         if reference is not None:
             reference.close()
-    base = rows[0]["ppl"]
+    base, base_host = rows[0]["ppl"], rows[0]["host_rate"]
     for row in rows:
         row["change_vs_first"] = row["ppl"] / base - 1.0
+        # the share of the first policy's host-executed activations this one does not run there
+        row["host_cut_vs_first"] = 1.0 - row["host_rate"] / base_host if base_host > 0 else 0.0
     if args.json:
         doc = {"policies": rows} if len(rows) > 1 else {k: v for k, v in rows[0].items() if v is not None}
         json.dump(doc, sys.stdout)
@@ -387,14 +392,17 @@ def run_ppl(args: argparse.Namespace) -> int:
         )
         print(
             f"{'policy':<16} {'ppl':>10} {'vs first':>9} {'top-1 same':>10} {'surrogate':>10} {'hit':>6} "
-            f"{'fallbacks':>9}"
+            f"{'host':>6} {'host cut':>9} {'fallbacks':>9}"
         )
         for r in rows:
             hit = f"{r['hit_rate']:.3f}" if r["hit_rate"] is not None else "-"
             print(
                 f"{r['policy']:<16} {r['ppl']:>10.4f} {r['change_vs_first']:>+8.2%} "
                 f"{r['agreement_vs_first']:>10.4f} {r['surrogate_rate']:>10.4f} {hit:>6} "
-                f"{r['policy_fallbacks']:>9}"
+                f"{r['host_rate']:>6.3f} {r['host_cut_vs_first']:>+8.1%} {r['policy_fallbacks']:>9}"
             )
-        print("(top-1 same: share of scored positions whose greedy next token is the first policy's)")
+        print(
+            "(top-1 same: share of scored positions whose greedy next token is the first policy's; host: "
+            "share of activations run exactly on the host; host cut: how many fewer than the first's)"
+        )
     return 0

@@ -5,10 +5,12 @@ what pyspice adds on the Python side of the one crossing (libspice calls the
 policy once per MoE layer through pyspice.runtime):
 
 - the device tier: sizing a budget, refusing one the machine cannot hold;
-- surrogates: loading a sidecar's, cut to a share of the budget;
+- surrogates: loading those of a sidecar a lossy level may use, cut to a share of
+  the budget;
 - the cost profile policies weigh copies with;
 - the policy lifecycle: each policy starts from an empty tier, gets its
-  PolicyContext at attach, and the surrogates its kind needs;
+  PolicyContext at attach, and the surrogates its kind needs; a lossy SPICE
+  level by name gets the thresholds tuned for the model (its sidecar's);
 - the stats record.
 """
 
@@ -40,7 +42,7 @@ from pyspice.engine.surrogates import (
 from pyspice.formats.routers import RouterReader
 from pyspice.formats.sidecar import Sidecar
 from pyspice.policy import Policy, PolicyContext, declared_rule, make_policy, policy_spec
-from pyspice.policy.base import attach_policy, is_lossless, policy_reads
+from pyspice.policy.base import attach_policy, is_lossless, policy_reads, surrogate_limit
 from pyspice.policy.predictor import DraftPredictor
 from pyspice.policy.profile import CostProfile
 from pyspice.runtime import (
@@ -94,7 +96,10 @@ class Engine:
         self._predictor: DraftPredictor | None = None
         self._errors: dict[int, npt.NDArray[np.float32] | None] = {}
         self._blas_limit: Any = None  # threadpoolctl's handle, held while it lasts
-        self._said_rank: int | None = None  # the surrogate rank cut, once said
+        self._said: set[str] = set()  # notes said once per engine
+        # (error limit, budget bytes) the loaded surrogates were chosen and cut for (limit
+        # None: all of them); None: not loaded by _sync_surrogates (none, or set_surrogates')
+        self._synced: tuple[float | None, int | None] | None = None
         self.planning = Planning()  # where the shipped SPICE policies plan (engine/planning.py)
         self.replay: RoutingReplay | None = None  # recorded expert ids the hook uses (timing only)
 
@@ -253,33 +258,49 @@ class Engine:
     # ---- surrogates ------------------------------------------------------------------
 
     def set_surrogates(self, source: SurrogateSource) -> SurrogateSet:
+        self._synced = None  # the caller's own: lossy policies keep them
         return load_surrogates(self.require_runtime(), source)
 
     def clear_surrogates(self) -> None:
+        self._synced = None
         self.require_runtime().clear_surrogates()
 
     def surrogates(self) -> SurrogateSet:
         return loaded_surrogates(self.require_runtime())
 
-    def _sync_surrogates(self, lossless: bool) -> None:
-        """A lossy policy gets the sidecar's surrogates; a lossless one leaves the
-        whole budget to experts (the surrogates would only take room)."""
+    def _sync_surrogates(self, lossless: bool, limit: float | None = None) -> None:
+        """A lossy policy gets the sidecar's surrogates within its error `limit` (the
+        only ones it may substitute; None: all), a lossless one leaves the whole budget
+        to experts (the surrogates would only take room). Surrogates loaded by
+        set_surrogates stay for any lossy policy."""
         if self.sidecar is None:
             return
-        loaded = self.require_runtime().n_surrogates() > 0
-        if lossless and loaded:
-            self.clear_surrogates()
-        elif not lossless and not loaded:
-            budget = self.device_params.budget_bytes if self.device_params is not None else None
-            source, rank = within_budget(self.sidecar, budget)
-            if rank is not None and self._said_rank is None:
-                self._said_rank = rank
-                print(
-                    f"pyspice: surrogates cut from rank {self.sidecar.data.lore_rank} to rank {rank} so "
-                    f"that they hold at most {SURROGATE_BUDGET_SHARE:.0%} of the device budget",
-                    file=sys.stderr,
-                )
-            self.set_surrogates(source)
+        runtime = self.require_runtime()
+        loaded = runtime.n_surrogates() > 0
+        if lossless:
+            if loaded:
+                self.clear_surrogates()
+            self._synced = None
+            return
+        budget = self.device_params.budget_bytes if self.device_params is not None else None
+        if self._synced == (limit, budget) or (loaded and self._synced is None):
+            return
+        source, rank = within_budget(self.sidecar, budget, limit)
+        if rank is not None:
+            which = "surrogates" if limit is None else f"surrogates within error <= {limit:g}"
+            self._note_once(
+                f"{which} cut from rank {self.sidecar.data.lore_rank} to rank {rank} so that they "
+                f"hold at most {SURROGATE_BUDGET_SHARE:.0%} of the device budget (the error limit "
+                "still reads the stored rank's errors)"
+            )
+        self._synced = None  # until they are in (a load over budget leaves none)
+        load_surrogates(runtime, source)
+        self._synced = (limit, budget)
+
+    def _note_once(self, message: str) -> None:
+        if message not in self._said:
+            self._said.add(message)
+            print(f"pyspice: {message}", file=sys.stderr)
 
     def _surrogate_errors(self, layer: int) -> npt.NDArray[np.float32] | None:
         if self.sidecar is None:
@@ -313,7 +334,8 @@ class Engine:
                     runtime.preload()  # `exact` means every expert resident (as far as the budget goes)
                 runtime.enable_exact(self.max_hook_tokens)
             else:
-                shipped = make_policy(policy)
+                levels = self.sidecar.levels if self.sidecar is not None else None
+                shipped = make_policy(policy, levels, self._note_once)
                 assert shipped is not None
                 rule = declared_rule(shipped)
                 if rule is not None or spec.kind == "rule":
@@ -339,7 +361,7 @@ class Engine:
         from its rule with no Python per call."""
         runtime = self.require_runtime()
         self._reset_device()
-        self._sync_surrogates(is_lossless(policy))
+        self._sync_surrogates(is_lossless(policy), surrogate_limit(policy))
         # a rule never consults the draft predictor: not building it saves its memory
         # (160 MiB for smolmoe's), which counts on edge mode's RAM-limited boxes
         attach_policy(policy, self.policy_context(with_predictor=False))
@@ -357,7 +379,7 @@ class Engine:
     def _enable(self, policy: Policy, lossless: bool, asynchronous: bool = False) -> None:
         runtime = self.require_runtime()
         self._reset_device()  # empty first: surrogates loaded next must find room
-        self._sync_surrogates(lossless)
+        self._sync_surrogates(lossless, surrogate_limit(policy))
         asynchronous = asynchronous and self.planning.resolved()
         if hasattr(policy, "plan_lag"):
             # its plans land this many layers late: it looks that much further ahead

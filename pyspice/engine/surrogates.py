@@ -3,6 +3,9 @@
 Surrogates are f16 host copies computed on the CPU (libspice has no device
 path for them); their bytes are charged to the device budget so that a lossy
 policy's experts and surrogates together stay within what the tier was given.
+A lossy level loads only the surrogates within its error limit (the only ones
+it may substitute): on the built-in models that is a few percent of them, and
+loading all of them took 15-23% of the tier's expert slots for nothing.
 """
 
 from __future__ import annotations
@@ -74,23 +77,59 @@ def loaded_surrogates(runtime: Runtime) -> SurrogateSet:
     return SurrogateSet(count=runtime.n_surrogates(), device_bytes=runtime.surrogate_bytes())
 
 
-def budget_rank(sidecar: Sidecar, budget_bytes: int) -> int | None:
-    """The rank that keeps the sidecar's surrogates within SURROGATE_BUDGET_SHARE of
-    `budget_bytes`, or None when they fit as stored."""
+class TrustedSurrogates:
+    """The surrogates of `source` whose held-out error in `sidecar` is at most `limit`:
+    the only ones a lossy level with that error limit may substitute, so the only ones
+    worth device bytes (the others would take slots from experts for nothing)."""
+
+    def __init__(self, source: SurrogateSource, sidecar: Sidecar, limit: float) -> None:
+        self.source = source
+        self.sidecar = sidecar
+        self.limit = float(limit)
+
+    def surrogate(self, layer: int, expert: int) -> tuple[float, F32, F32] | None:
+        if not trusted(self.sidecar, layer, expert, self.limit):
+            return None
+        return self.source.surrogate(layer, expert)
+
+
+def trusted(sidecar: Sidecar, layer: int, expert: int, limit: float | None) -> bool:
+    """Whether (layer, expert)'s surrogate is within `limit` (None: any fitted one)."""
+    if limit is None:
+        return True
+    s = sidecar.data.surrogates.get(layer)
+    return s is not None and 0 <= expert < s.error.shape[0] and bool(s.error[expert] <= limit)
+
+
+def budget_rank(sidecar: Sidecar, budget_bytes: int, limit: float | None = None) -> int | None:
+    """The rank that keeps the sidecar's surrogates (those within error `limit`; None:
+    all) within SURROGATE_BUDGET_SHARE of `budget_bytes`, or None when they fit as stored."""
     data = sidecar.data
-    count = sum(int((s.rank > 0).sum()) for s in data.surrogates.values())
     per_rank = 2 * data.n_embd * 2  # A row + B column, f16
+    count = stored = 0
+    for il, s in data.surrogates.items():
+        for e in np.flatnonzero(s.rank > 0).tolist():
+            if trusted(sidecar, il, e, limit):
+                count += 1
+                stored += int(s.rank[e]) * per_rank + 4  # and alpha
+    if limit is None:
+        stored = sidecar.surrogate_bytes()
     cap = SURROGATE_BUDGET_SHARE * budget_bytes
-    if count == 0 or sidecar.surrogate_bytes() <= cap:
+    if count == 0 or stored <= cap:
         return None
     return max(1, int(cap // (count * per_rank)))
 
 
-def within_budget(sidecar: Sidecar, budget_bytes: int | None) -> tuple[SurrogateSource, int | None]:
-    """The sidecar's surrogates for a tier of `budget_bytes` (None: no tier), and the
-    rank they were cut to (None: not cut)."""
-    rank = budget_rank(sidecar, budget_bytes) if budget_bytes is not None else None
-    return (sidecar, None) if rank is None else (TruncatedSurrogates(sidecar, rank), rank)
+def within_budget(
+    sidecar: Sidecar, budget_bytes: int | None, limit: float | None = None
+) -> tuple[SurrogateSource, int | None]:
+    """The sidecar's surrogates within error `limit` (None: all of them) for a tier of
+    `budget_bytes` (None: no tier), and the rank they were cut to (None: not cut)."""
+    rank = budget_rank(sidecar, budget_bytes, limit) if budget_bytes is not None else None
+    source: SurrogateSource = sidecar if rank is None else TruncatedSurrogates(sidecar, rank)
+    if limit is not None:
+        source = TrustedSurrogates(source, sidecar, limit)
+    return source, rank
 
 
 def surrogate_errors(sidecar: Sidecar, layer: int) -> F32 | None:

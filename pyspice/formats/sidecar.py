@@ -16,6 +16,15 @@ MoE layers, geometry, gating, draft and LoRE ranks. Tensors, per MoE layer l:
     spice.lore.{l}.error_shared / error_drop  f32   same for "shared expert alone" and "drop"
     spice.lore.{l}.count   [n_expert]         i32   calibration tokens routed to each expert
 
+Optional keys, absent from older sidecars (which load as before): the lossy
+quality levels' surrogate thresholds tuned for this model on its calibration
+split (scripts/tune-quality-levels.py --write), which `spice:balanced` and
+`spice:fast` use in place of the shared constants:
+
+    spice.levels.{balanced,fast}.max_weight  f64   gate weight below which a miss may be substituted
+    spice.levels.{balanced,fast}.max_error   f64   surrogate error at most which it is trusted
+    spice.levels.tuned_on                    str   how they were tuned (text, budgets, margin)
+
 The fingerprint identifies the target model without reading it whole: a hash
 of every tensor's name, shape and type plus 16 blocks of 64 KiB at fixed
 offsets spread over the file (and its size), so it takes milliseconds even
@@ -41,6 +50,7 @@ from pyspice.formats.model_info import ModelFileError, read_header
 from pyspice.formats.routers import RouterReader
 from pyspice.outputs import OutputPathError, atomic_output, check_output
 from pyspice.policy.predictor import DraftPredictor, Transition
+from pyspice.policy.spice.config import LEVEL_BOUNDS, SurrogateThresholds
 
 SIDECAR_VERSION = 1
 _SAMPLE_BLOCKS = 16
@@ -119,6 +129,17 @@ class SidecarData:
     transitions: dict[int, Transition] = field(default_factory=dict)
     surrogates: dict[int, LayerSurrogates] = field(default_factory=dict)
     extra: dict[str, str] = field(default_factory=dict)
+    # the lossy levels' thresholds tuned for this model ("spice:balanced" -> ...); empty
+    # in a sidecar that was never tuned (the levels then use the shared constants)
+    levels: dict[str, SurrogateThresholds] = field(default_factory=dict)
+    levels_tuned_on: str = ""  # how they were tuned, for the record
+
+
+def _level_key(level: str) -> str:
+    """spice.levels.<key>.*: a level's name without the `spice:` prefix."""
+    if level not in LEVEL_BOUNDS:
+        raise ValueError(f"{level!r} is not a lossy quality level ({', '.join(LEVEL_BOUNDS)})")
+    return level.removeprefix("spice:")
 
 
 def _gguf_architecture(path: Path) -> str | None:
@@ -171,6 +192,12 @@ def _write_sidecar_to(tmp: Path, data: SidecarData) -> None:
     w.add_bool("spice.has_shared", data.has_shared)
     for k, v in data.extra.items():
         w.add_string(f"spice.extra.{k}", v)
+    for level, limits in sorted(data.levels.items()):
+        key = _level_key(level)
+        w.add_float64(f"spice.levels.{key}.max_weight", float(limits.max_weight))
+        w.add_float64(f"spice.levels.{key}.max_error", float(limits.max_error))
+    if data.levels:
+        w.add_string("spice.levels.tuned_on", data.levels_tuned_on)
     for il, t in sorted(data.transitions.items()):
         w.add_tensor(f"spice.draft.{il}.u", np.ascontiguousarray(t.U, dtype=np.float16))
         w.add_tensor(f"spice.draft.{il}.v", np.ascontiguousarray(t.V, dtype=np.float16))
@@ -199,7 +226,9 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
     return f.contents()
 
 
-def read_sidecar(path: str | os.PathLike[str]) -> SidecarData:
+def read_sidecar(path: str | os.PathLike[str], *, tensors: bool = True) -> SidecarData:
+    """The sidecar at `path`; with tensors=False its keys only (what it was calibrated
+    on, the levels it carries: a tenth of the time), without transitions or surrogates."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"sidecar {p} does not exist (make one with `pyspice calibrate`)")
@@ -214,7 +243,7 @@ def read_sidecar(path: str | os.PathLike[str]) -> SidecarData:
             f"bad sidecar: {p} cannot be read ({type(exc).__name__}: {exc}); {_REMAKE}"
         ) from None
     try:
-        return _sidecar_data(reader, p)
+        return _sidecar_data(reader, p, tensors)
     except (KeyError, IndexError, TypeError, ValueError, OverflowError) as exc:
         if isinstance(exc, SidecarError):
             raise
@@ -224,7 +253,7 @@ def read_sidecar(path: str | os.PathLike[str]) -> SidecarData:
 _REMAKE = "remake it with `pyspice calibrate -m MODEL`"
 
 
-def _sidecar_data(reader: Any, p: Path) -> SidecarData:
+def _sidecar_data(reader: Any, p: Path, with_tensors: bool = True) -> SidecarData:
     if _field(reader, "general.architecture") != SIDECAR_ARCH:
         raise SidecarError(f"{p} is not a pyspice sidecar (no {SIDECAR_ARCH} architecture key)")
     version = int(_field(reader, "spice.version", 0))
@@ -257,8 +286,10 @@ def _sidecar_data(reader: Any, p: Path) -> SidecarData:
             for k in reader.fields
             if k.startswith("spice.extra.")
         },
+        levels=_levels(reader),
+        levels_tuned_on=str(_field(reader, "spice.levels.tuned_on", "")),
     )
-    for il in data.moe_layers:
+    for il in data.moe_layers if with_tensors else []:
         if f"spice.draft.{il}.u" in tensors:
             data.transitions[il] = Transition(
                 arr(f"spice.draft.{il}.u"),
@@ -280,6 +311,31 @@ def _sidecar_data(reader: Any, p: Path) -> SidecarData:
                 ),
             )
     return data
+
+
+def _levels(reader: Any) -> dict[str, SurrogateThresholds]:
+    """The tuned thresholds a sidecar carries (none in one written before they existed);
+    a level with only one of its two keys is corrupt."""
+    levels: dict[str, SurrogateThresholds] = {}
+    for level in LEVEL_BOUNDS:
+        key = _level_key(level)
+        weight = _field(reader, f"spice.levels.{key}.max_weight")
+        error = _field(reader, f"spice.levels.{key}.max_error")
+        if weight is None and error is None:
+            continue
+        if weight is None or error is None:
+            raise ValueError(f"{level} has only one of spice.levels.{key}.max_weight / max_error")
+        levels[level] = SurrogateThresholds(float(weight), float(error))
+    return levels
+
+
+def with_levels(path: str | os.PathLike[str], levels: dict[str, SurrogateThresholds], tuned_on: str) -> Path:
+    """Rewrite the sidecar at `path` with these tuned thresholds (replacing any it had),
+    everything else as it was; atomically, as write_sidecar."""
+    data = read_sidecar(path)
+    data.levels = dict(levels)
+    data.levels_tuned_on = tuned_on
+    return write_sidecar(path, data)
 
 
 def check_shapes(data: SidecarData, path: Path) -> None:
@@ -399,6 +455,11 @@ class Sidecar:
     @property
     def tokens(self) -> int:
         return self.data.tokens
+
+    @property
+    def levels(self) -> dict[str, SurrogateThresholds]:
+        """The lossy levels' thresholds tuned for this model (empty: never tuned)."""
+        return dict(self.data.levels)
 
     # ---- draft predictor ---------------------------------------------------------
 

@@ -14,12 +14,33 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from pyspice.formats.sidecar import read_sidecar, with_levels
 from pyspice.models.smolmoe_recipe import RECIPE_NAME, MoeShape
+from pyspice.policy.spice.config import SurrogateThresholds
 
 BENCH_NAME = "smolmoe-b"
+
+
+@dataclass(frozen=True)
+class TunedLevels:
+    """The lossy levels' surrogate thresholds tuned for a built-in model's own sidecar
+    (scripts/tune-quality-levels.py on its calibration split), and which calibration
+    that sidecar was (corpus, tokens, LoRE rank): a sidecar of that calibration gets
+    them written in (adopt_tuned_levels), one of another keeps the shared constants."""
+
+    corpus: str
+    tokens: int
+    lore_rank: int
+    balanced: SurrogateThresholds
+    fast: SurrogateThresholds
+    tuned_on: str
+
+    def levels(self) -> dict[str, SurrogateThresholds]:
+        return {"spice:balanced": self.balanced, "spice:fast": self.fast}
 
 
 @dataclass(frozen=True)
@@ -27,11 +48,34 @@ class BuiltinModel:
     name: str
     shape: MoeShape  # the shape `models derive` fits
     mixed_corpus: bool  # calibrated on the pinned mix (corpus_mix), not pydoc topics alone
+    tuned: TunedLevels | None = None  # its quality levels' thresholds (None: the shared ones)
 
+
+# scripts/tune-quality-levels.py on each model's calibration split (grids, times and the
+# judging on text of no calibration source: docs/results/quality-levels-per-model.md)
+_TUNED_ON = "calibration split, 3/6 chunks of 512 token by token, budgets 25%,50%, margin 0.6, 2026-12-01"
+SMOLMOE_LEVELS = TunedLevels(
+    corpus="pydoc_data.topics:calibration",
+    tokens=8192,
+    lore_rank=8,
+    balanced=SurrogateThresholds(max_weight=0.05, max_error=0.6),
+    fast=SurrogateThresholds(max_weight=0.05, max_error=0.7),
+    tuned_on=f"smolmoe {_TUNED_ON}, 16 (weight, error) pairs",
+)
+SMOLMOE_B_LEVELS = TunedLevels(
+    corpus="smolmoe-b mix:calibration",
+    tokens=8192,
+    lore_rank=8,
+    balanced=SurrogateThresholds(max_weight=0.05, max_error=0.5),
+    fast=SurrogateThresholds(max_weight=0.05, max_error=0.6),
+    tuned_on=f"smolmoe-b {_TUNED_ON}, 22 (weight, error) pairs",
+)
 
 BUILTIN: dict[str, BuiltinModel] = {
-    RECIPE_NAME: BuiltinModel(RECIPE_NAME, MoeShape(), mixed_corpus=False),
-    BENCH_NAME: BuiltinModel(BENCH_NAME, MoeShape(n_expert_used=4), mixed_corpus=True),
+    RECIPE_NAME: BuiltinModel(RECIPE_NAME, MoeShape(), mixed_corpus=False, tuned=SMOLMOE_LEVELS),
+    BENCH_NAME: BuiltinModel(
+        BENCH_NAME, MoeShape(n_expert_used=4), mixed_corpus=True, tuned=SMOLMOE_B_LEVELS
+    ),
 }
 MODEL_NAMES: tuple[str, ...] = tuple(BUILTIN)
 
@@ -51,3 +95,22 @@ def builtin_of(model: Path | None) -> str | None:
     """The built-in model `model` is a build of (by its file name), or None."""
     m = _BUILT_NAME.match(model.name) if model is not None else None
     return m.group("name") if m is not None and m.group("name") in BUILTIN else None
+
+
+def adopt_tuned_levels(model: Path, sidecar: Path, note: Callable[[str], None]) -> bool:
+    """Write the committed thresholds of the built-in model `model` is a build of into
+    its `sidecar` when the sidecar has none and is of the calibration they were tuned
+    for (a sidecar made on first use is); whether it wrote them. A sidecar tuned
+    already, or calibrated otherwise (`pyspice calibrate` with other settings), is left
+    as it is: thresholds belong with the surrogates they were tuned on."""
+    name = builtin_of(model)
+    tuned = BUILTIN[name].tuned if name is not None else None
+    if tuned is None or not sidecar.is_file():
+        return False
+    data = read_sidecar(sidecar, tensors=False)  # matched to the model already (ensure_sidecar)
+    calibration = (data.corpus, data.tokens, data.lore_rank)
+    if data.levels or calibration != (tuned.corpus, tuned.tokens, tuned.lore_rank):
+        return False
+    with_levels(sidecar, tuned.levels(), f"{tuned.tuned_on} (committed for {name}: pyspice.models.builtin)")
+    note(f"{sidecar.name}: wrote {name}'s tuned thresholds of spice:balanced and spice:fast into it")
+    return True

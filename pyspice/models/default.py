@@ -14,6 +14,7 @@ from typing import Any
 
 from pyspice.calibrate.run import ensure_sidecar
 from pyspice.formats.sidecar import default_sidecar_path
+from pyspice.models.builtin import adopt_tuned_levels
 from pyspice.models.smolmoe_build import build_smolmoe
 from pyspice.models.smolmoe_recipe import RECIPE_NAME
 
@@ -41,4 +42,6 @@ def prepare(model: Path, *, sidecar: bool, progress: bool = True, note: Note, **
             "surrogates SPICE runs with; a few minutes; --no-sidecar skips it)"
         )
     ensure_sidecar(model, progress=progress, **settings)
+    if not settings:  # the sidecar of the default calibration: the thresholds tuned for it
+        adopt_tuned_levels(model, out, note)
     return model

@@ -254,6 +254,14 @@ def is_lossless(policy: object) -> bool:
     return bool(getattr(policy, "lossless", True))
 
 
+def surrogate_limit(policy: object) -> float | None:
+    """`policy.surrogate_limit`: the held-out surrogate error above which a lossy policy
+    never substitutes, so the engine loads only the surrogates within it; None (also for
+    an object that does not say): every surrogate the sidecar has."""
+    limit = getattr(policy, "surrogate_limit", None)
+    return None if limit is None else float(limit)
+
+
 def policy_reads(policy: object) -> tuple[bool, bool]:
     """(probs, shared): whether `policy` reads HookCall.probs and HookCall.shared, by its
     `reads_probs` / `reads_shared` attributes (False for one that does not say)."""

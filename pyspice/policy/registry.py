@@ -10,7 +10,7 @@ Only names that run are listed, so `--help` never offers one that only says
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Literal
@@ -19,7 +19,12 @@ from pyspice.policy.base import Policy, PolicyBase
 from pyspice.policy.baselines import AdapMoE, HostOnly, LruCache, OnDemand, StaticLayers
 from pyspice.policy.rule import RulePolicy
 from pyspice.policy.spice import SpicePolicy
-from pyspice.policy.spice.config import ABLATION_DESCRIPTIONS
+from pyspice.policy.spice.config import (
+    ABLATION_DESCRIPTIONS,
+    QUALITY_LEVELS,
+    SurrogateThresholds,
+    level_config,
+)
 
 PolicyKind = Literal["stock", "native", "rule", "python"]
 
@@ -108,9 +113,18 @@ def split_planning(row: str) -> tuple[str, str | None, int]:
     raise ValueError(f"row {row!r}: after '@' comes sync, async or detK (K = 1..64 layers of lag)")
 
 
-def make_policy(name: str) -> Policy | RulePolicy | None:
-    """The policy object of a python or rule policy; None for stock and native ones."""
+def make_policy(
+    name: str,
+    levels: Mapping[str, SurrogateThresholds] | None = None,
+    note: Callable[[str], None] | None = None,
+) -> Policy | RulePolicy | None:
+    """The policy object of a python or rule policy; None for stock and native ones.
+    `levels`: the model's tuned surrogate thresholds (its sidecar's), which a lossy
+    SPICE level takes over the shared ones; where they are missing, `note` says so
+    (config.level_config)."""
     spec = policy_spec(name)
     if spec.kind not in ("python", "rule"):
         return None
+    if name in QUALITY_LEVELS and levels is not None:
+        return SpicePolicy(level_config(name, levels, note))
     return _FACTORIES[name]()

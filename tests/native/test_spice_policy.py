@@ -5,6 +5,7 @@ really prefetch: copies are issued ahead and turn into hits."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -35,32 +36,29 @@ def test_spice_exact_and_ablations_are_lossless(synth_model, arch: str, quant: s
         llm.close()
 
 
-def test_lossy_levels_load_surrogates_and_use_them(synth_model, tmp_path) -> None:
+@pytest.fixture(scope="module")
+def lossy_model(synth_model, tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny model and a sidecar calibrated for it (rank 2), made once for this module."""
     from pydoc_data.topics import topics
 
     from pyspice.cli.main import main
-    from pyspice.policy.spice import SpicePolicy, spice_config
 
     model = synth_model("qwen2moe", "tiny", "Q8_0")
-    text = tmp_path / "t.txt"
+    tmp = tmp_path_factory.mktemp("lossy")
+    text = tmp / "t.txt"
     # enough text that every expert gets held-out tokens (an expert's error is unknown without them,
     # and an unknown error is never substituted)
     text.write_text("".join(topics[k] for k in ("assert", "with", "for", "while", "if")), encoding="utf-8")
-    sidecar = tmp_path / "m.spice.gguf"
-    argv = [
-        "calibrate",
-        "-m",
-        str(model),
-        "-o",
-        str(sidecar),
-        "-f",
-        str(text),
-        "-c",
-        "128",
-        "--tokens",
-        "1024",
-    ]
-    assert main([*argv, "--rank", "2", "--draft-rank", "4"]) == 0
+    sidecar = tmp / "m.spice.gguf"
+    argv = ["calibrate", "-m", str(model), "-o", str(sidecar), "-f", str(text), "-c", "128"]
+    assert main([*argv, "--tokens", "1024", "--rank", "2", "--draft-rank", "4"]) == 0
+    return model, sidecar
+
+
+def test_lossy_levels_load_surrogates_and_use_them(lossy_model) -> None:
+    from pyspice.policy.spice import SpicePolicy, spice_config
+
+    model, sidecar = lossy_model
     llm = load(model, sidecar=str(sidecar))
     try:
         ref = greedy_run(llm, "stock", n_decode=N_DECODE)
@@ -78,5 +76,42 @@ def test_lossy_levels_load_surrogates_and_use_them(synth_model, tmp_path) -> Non
         exact = greedy_run(llm, "spice:exact", n_decode=N_DECODE)
         assert llm.spice_surrogates().count == 0
         assert np.array_equal(exact.logits, ref.logits) and exact.tokens == ref.tokens
+    finally:
+        llm.close()
+
+
+def test_a_level_runs_by_its_models_thresholds_and_loads_only_the_surrogates_it_trusts(
+    lossy_model, tmp_path, capfd
+) -> None:
+    """The thresholds tuned into a sidecar are what spice:balanced / spice:fast run by, and
+    the engine loads only the surrogates within the level's error limit; a sidecar without
+    them runs the shared constants, said once."""
+    from pyspice.formats.sidecar import Sidecar, with_levels
+    from pyspice.policy.spice import QUALITY_LEVELS, SurrogateThresholds
+
+    model, calibrated = lossy_model
+    sidecar = tmp_path / "tuned.spice.gguf"
+    sidecar.write_bytes(calibrated.read_bytes())
+    errors = np.concatenate([s.error for s in Sidecar.load(sidecar, model).data.surrogates.values()])
+    limit = float(np.nanmedian(errors))  # about half of them trusted
+    trusted = int(np.count_nonzero(errors <= limit))
+    assert 0 < trusted < errors.size
+    with_levels(sidecar, {"spice:fast": SurrogateThresholds(1.0, limit)}, "test")
+
+    llm = load(model, sidecar=str(sidecar))
+    try:
+        llm.set_device("50%", 8.0, 5.0)
+        capfd.readouterr()
+        lossy = greedy_run(llm, "spice:fast", n_decode=N_DECODE)
+        assert llm.spice_surrogates().count == trusted, (trusted, errors.size)
+        assert lossy.stats["misses"]["surrogate"] > 0 and lossy.stats["policy_fallbacks"] == 0
+        assert "shared" not in capfd.readouterr().err  # fast has its own thresholds
+        # balanced has none in this sidecar: the shared constants, said once, and its own subset
+        greedy_run(llm, "spice:balanced", n_decode=2)
+        greedy_run(llm, "spice:balanced", n_decode=2)
+        err = capfd.readouterr().err
+        assert err.count("spice:balanced: the sidecar has no surrogate thresholds tuned") == 1, err
+        shared = QUALITY_LEVELS["spice:balanced"].surrogate_max_error
+        assert llm.spice_surrogates().count == int(np.count_nonzero(errors <= shared))
     finally:
         llm.close()

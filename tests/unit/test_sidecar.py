@@ -105,3 +105,65 @@ def test_sidecar_for_another_model_is_refused(tmp_path: Path) -> None:
         Sidecar.load(path, b)
     with pytest.raises(FileNotFoundError, match="pyspice calibrate"):
         Sidecar.load(tmp_path / "none.gguf", a)
+
+
+def test_sidecar_round_trips_the_tuned_level_thresholds(tmp_path: Path) -> None:
+    from pyspice.formats.sidecar import read_sidecar, with_levels
+    from pyspice.policy.spice import SurrogateThresholds
+
+    model = tiny_model(tmp_path / "a.gguf", 0)
+    data = data_for(model)
+    data.levels = {"spice:balanced": SurrogateThresholds(0.05, 0.45)}
+    data.levels_tuned_on = "test text"
+    path = write_sidecar(tmp_path / "a.spice.gguf", data)
+    s = Sidecar.load(path, model)
+    assert s.levels == {"spice:balanced": SurrogateThresholds(0.05, 0.45)}  # f64: exactly
+    assert s.data.levels_tuned_on == "test text"
+    # rewritten with other thresholds, everything else stays as it was
+    with_levels(path, {"spice:fast": SurrogateThresholds(1.0, 0.7)}, "again")
+    again = read_sidecar(path)
+    assert again.levels == {"spice:fast": SurrogateThresholds(1.0, 0.7)} and again.levels_tuned_on == "again"
+    assert again.fingerprint == data.fingerprint and again.tokens == data.tokens
+    for il in (0, 1):
+        np.testing.assert_array_equal(again.surrogates[il].A, s.data.surrogates[il].A)
+        np.testing.assert_array_equal(again.surrogates[il].error, s.data.surrogates[il].error)
+    np.testing.assert_array_equal(again.transitions[0].U, s.data.transitions[0].U)
+
+
+def test_a_sidecar_without_level_thresholds_still_loads(tmp_path: Path) -> None:
+    # what every sidecar written before the thresholds existed is: no spice.levels.* keys
+    model = tiny_model(tmp_path / "a.gguf", 0)
+    path = write_sidecar(tmp_path / "a.spice.gguf", data_for(model))
+    from gguf import GGUFReader
+
+    assert not [k for k in GGUFReader(path).fields if k.startswith("spice.levels")]
+    s = Sidecar.load(path, model)
+    assert s.levels == {} and s.data.levels_tuned_on == ""
+
+
+def test_a_level_with_half_its_thresholds_is_refused(tmp_path: Path) -> None:
+    model = tiny_model(tmp_path / "a.gguf", 0)
+    data = data_for(model)
+    path = tmp_path / "a.spice.gguf"
+    write_sidecar(path, data)
+    # the same sidecar with only one of balanced's two keys
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    w = GGUFWriter(tmp_path / "b.spice.gguf", "spice-sidecar")
+    for key, f in reader.fields.items():
+        if key.startswith("spice.") and not isinstance(f.contents(), list):
+            value = f.contents()
+            if isinstance(value, str):
+                w.add_string(key, value)
+            elif isinstance(value, bool):
+                w.add_bool(key, value)
+            else:
+                w.add_uint32(key, int(value))
+    w.add_float64("spice.levels.balanced.max_weight", 0.05)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="only one of"):
+        Sidecar.load(tmp_path / "b.spice.gguf", None)

@@ -8,6 +8,7 @@ variant is the same `SpicePolicy` with a different `SpiceConfig`.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -53,17 +54,31 @@ class SpiceConfig:
         return replace(self, name=name)
 
 
-# Quality levels. The surrogate thresholds bound how much a level may change
-# the output: perplexity measured token by token within +1% (balanced) and +5%
-# (fast) of exact. They are chosen on the CALIBRATION split of the default
-# model's corpus (scripts/tune-quality-levels.py; smolmoe, sidecar rank 8 cut
-# to fit 25% of the device budget), using at most 0.6 of each bound at 25% and
-# 50% budgets, and judged on the held-out split (`pyspice eval ppl
-# --token-by-token --policies spice:exact,spice:balanced,spice:fast`). On
-# calibration text: error <= 0.55 costs +0.43% / +0.30% (25% / 50%), 0.6 already
-# +1.08% at 25%; error <= 0.7 costs +0.48% / +1.91%, 0.8 over +20%. The gate
-# weights of the misses that remain are all below 0.04 on smolmoe (flat top-12
-# of 32), so the weight limits cap rather than select there.
+@dataclass(frozen=True)
+class SurrogateThresholds:
+    """A lossy level's two surrogate thresholds, tuned for one model (its sidecar
+    carries them: pyspice.formats.sidecar, written by scripts/tune-quality-levels.py)."""
+
+    max_weight: float  # a miss whose gate weight is below this may be substituted ...
+    max_error: float  # ... if its surrogate's held-out relative error is at most this
+
+    def __post_init__(self) -> None:
+        for what, value in (("max_weight", self.max_weight), ("max_error", self.max_error)):
+            if not (value >= 0.0 and value < float("inf")):
+                raise ValueError(f"surrogate threshold {what} must be finite and >= 0, got {value!r}")
+
+
+# The lossy levels and the perplexity bound each keeps over spice:exact (token by token).
+LEVEL_BOUNDS: dict[str, float] = {"spice:balanced": 0.01, "spice:fast": 0.05}
+
+# Quality levels. A lossy level's surrogate thresholds belong with the surrogates
+# they trust, so each model's come from its sidecar (`spice.levels.*`, see
+# level_config): scripts/tune-quality-levels.py chooses them on the CALIBRATION
+# split of that model's corpus at 25% and 50% budgets, within 0.6 of the
+# level's bound on calibration text, and writes them there; they are judged on
+# text of no calibration source (docs/results/quality-levels-per-model.md).
+# The constants below are the fallback for a sidecar without tuned thresholds
+# (said once per level): smolmoe's first tuning, before per-model thresholds.
 QUALITY_LEVELS: dict[str, SpiceConfig] = {
     "spice:exact": SpiceConfig("spice:exact"),
     "spice:balanced": SpiceConfig("spice:balanced", surrogate_max_weight=0.05, surrogate_max_error=0.55),
@@ -88,6 +103,8 @@ ABLATION_DESCRIPTIONS = {
 
 
 def spice_config(name: str) -> SpiceConfig:
+    """A shipped variant by name, with the shared surrogate thresholds (see level_config
+    for a model's own)."""
     if name == "spice":
         return QUALITY_LEVELS[DEFAULT_LEVEL].with_name("spice")
     if name in QUALITY_LEVELS:
@@ -95,3 +112,27 @@ def spice_config(name: str) -> SpiceConfig:
     if name in ABLATIONS:
         return ABLATIONS[name]
     raise ValueError(f"unknown SPICE variant {name!r}")
+
+
+def level_config(
+    name: str,
+    tuned: Mapping[str, SurrogateThresholds] | None,
+    note: Callable[[str], None] | None = None,
+) -> SpiceConfig:
+    """The variant `name` with the model's own surrogate thresholds where it is a lossy
+    level and `tuned` (its sidecar's) has them; else the shared constants, with one
+    `note` saying so for a lossy level (None: a model without a sidecar, which has no
+    surrogates to substitute in the first place)."""
+    config = spice_config(name)
+    if name not in LEVEL_BOUNDS or tuned is None:
+        return config
+    own = tuned.get(name)
+    if own is None:
+        if note is not None:
+            note(
+                f"{name}: the sidecar has no surrogate thresholds tuned for this model; using the "
+                f"shared ones (gate weight < {config.surrogate_max_weight:g}, error <= "
+                f"{config.surrogate_max_error:g}; scripts/tune-quality-levels.py --write tunes them)"
+            )
+        return config
+    return replace(config, surrogate_max_weight=own.max_weight, surrogate_max_error=own.max_error)

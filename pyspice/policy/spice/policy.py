@@ -64,6 +64,12 @@ class SpicePolicy(PolicyBase):
         """Whether this variant never substitutes (the engine loads surrogates only if not)."""
         return self.config.lossless
 
+    @property
+    def surrogate_limit(self) -> float | None:
+        """The held-out surrogate error above which this variant never substitutes: the
+        engine loads only the surrogates within it (None: lossless, it loads none)."""
+        return None if self.config.lossless else self.config.surrogate_max_error
+
     def attach(self, ctx: PolicyContext) -> None:
         cfg = self.config
         self.ctx = ctx
@@ -97,8 +103,9 @@ class SpicePolicy(PolicyBase):
         errors = ctx.surrogate_error if ctx.surrogates_loaded else None
         if not cfg.lossless and errors is None:
             print(
-                f"pyspice: {self.name}: no surrogates loaded (give a sidecar with --sidecar, "
-                "or build one with `pyspice calibrate`): misses are fetched or run exactly on the host",
+                f"pyspice: {self.name}: no surrogates loaded (none within error <= "
+                f"{cfg.surrogate_max_error:g}, or no sidecar: give one with --sidecar, or build one with "
+                "`pyspice calibrate`): misses are fetched or run exactly on the host",
                 file=sys.stderr,
             )
         self.misses = MissHandler(cfg, self.cost, errors)
