@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.fuzz_launch import through_forking_shell
+
 pytest.importorskip("atheris", reason="atheris (the dev extra) runs the fuzz harnesses")
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,11 +37,9 @@ def test_the_differential_harness_finds_no_crash(tmp_path: Path) -> None:
     # and decodes a model): the smoke proves the path end to end; the 5 s hang limit is the
     # long runs' (fuzz/fuzz_gguf_differential.py), which hunt for hangs.
     env["PYSPICE_FUZZ_CHILD_TIMEOUT"] = env.get("PYSPICE_FUZZ_CHILD_TIMEOUT", "30")
-    # Through a shell that forks rather than execs: a process exec'd straight from pytest
-    # inherits pytest's peak RSS (ru_maxrss survives exec), which after the native tests is
-    # past the 1024 MiB limit libFuzzer checks from its first input.
-    argv = ["sh", "-c", '"$@"; exit $?', "sh", *argv]
-    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=SECONDS + 120, env=env)
+    done = subprocess.run(
+        through_forking_shell(argv), cwd=ROOT, capture_output=True, text=True, timeout=SECONDS + 120, env=env
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     assert not list(tmp_path.glob("crash-*")) and not list(tmp_path.glob("timeout-*"))
     # the last count line, printed at exit: the run really reached llama.cpp

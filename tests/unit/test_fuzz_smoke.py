@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.fuzz_launch import through_forking_shell
+
 pytest.importorskip("atheris", reason="atheris (the dev extra) runs the fuzz harnesses")
 
 ROOT = Path(__file__).resolve().parents[2]
-SECONDS = int(os.environ.get("PYSPICE_FUZZ_SECONDS", "0"))
-# off by default for now: alone (tests/unit) both harnesses pass in 10 s at ~60 MiB, but inside
-# the whole suite on a loaded machine the child reported 1.3 GiB RSS and exec/s 0 and was
-# stopped by -rss_limit_mb (2026-12-01, cause not yet found); PYSPICE_FUZZ_SECONDS=10 runs them
-pytestmark = pytest.mark.skipif(SECONDS <= 0, reason="set PYSPICE_FUZZ_SECONDS to run the fuzz harnesses")
+# 10 s each, as the issue asks of CI; PYSPICE_FUZZ_SECONDS=0 skips them (a quick local run)
+SECONDS = int(os.environ.get("PYSPICE_FUZZ_SECONDS", "10"))
+pytestmark = pytest.mark.skipif(SECONDS <= 0, reason="PYSPICE_FUZZ_SECONDS=0")
 
 
 @pytest.mark.parametrize(
@@ -30,8 +30,12 @@ def test_harness_finds_no_crash(tmp_path: Path, harness: str, corpus: str) -> No
     argv = [
         sys.executable, str(ROOT / "fuzz" / f"{harness}.py"), str(tmp_path),
         str(ROOT / "fuzz" / "corpus" / corpus), f"-max_total_time={SECONDS}", "-timeout=1",
-        "-rss_limit_mb=512", f"-artifact_prefix={tmp_path}/", "-print_final_stats=1",
+        "-rss_limit_mb=512", f"-artifact_prefix={tmp_path}/", "-print_final_stats=1", "-seed=1",
     ]  # fmt: skip
-    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=SECONDS + 60)
+    # the same mutations every run: the smoke proves the harness end to end; the long runs
+    # (docs/results/fuzzing.md) hunt
+    done = subprocess.run(
+        through_forking_shell(argv), cwd=ROOT, capture_output=True, text=True, timeout=SECONDS + 60
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert not list(tmp_path.glob("crash-*")) and not list(tmp_path.glob("timeout-*"))
