@@ -283,18 +283,7 @@ class Simulator:
     def make_tier(self) -> SimTier | None:
         if self.budget_bytes is None:
             return None
-        if self.costs.disk is not None:
-            return SimDiskTier(
-                n_expert=self.workload.n_expert,
-                expert_bytes=self.costs.expert_bytes,
-                budget_bytes=self.budget_bytes,
-                bandwidth_gbps=self.costs.bus_gbps,
-                latency_us=self.costs.bus_latency_us,
-                prefetch_queue_max=self.costs.prefetch_queue_max,
-                used_bytes=int(self.context_extra.get("reserved_bytes", 0)),
-                rules=self.costs.disk,
-            )
-        return SimTier(
+        common: dict[str, Any] = dict(
             n_expert=self.workload.n_expert,
             expert_bytes=self.costs.expert_bytes,
             budget_bytes=self.budget_bytes,
@@ -303,6 +292,9 @@ class Simulator:
             prefetch_queue_max=self.costs.prefetch_queue_max,
             used_bytes=int(self.context_extra.get("reserved_bytes", 0)),
         )
+        if self.costs.disk is not None:
+            return SimDiskTier(**common, rules=self.costs.disk)
+        return SimTier(**common)
 
     def run(
         self,

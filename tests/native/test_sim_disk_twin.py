@@ -12,7 +12,6 @@ are the runtime's, the budget and slot count the store's."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,6 +25,7 @@ from pyspice.sim.simulator import Costs, Simulator
 from pyspice.sim.workload import SimCall, SimStep, Workload
 
 from .golden import PROMPT, AllDevice, AllHost
+from .test_disk_tier import load_on_disk  # the experts left in the file, as the tier test loads them
 
 N_DECODE = 8
 
@@ -43,21 +43,6 @@ class Recorder(PolicyBase):
             SimCall(call.layer, np.array(call.ids, np.int32), np.array(call.weights, np.float32))
         )
         return Plan()
-
-
-def load_on_disk(path: Path, budget: str) -> Llama:
-    return Llama(
-        str(path),
-        policy="exact",
-        ram_budget=budget,
-        logits_all=True,  # the prompt's last layer sees every row, as the others do
-        verbose=False,
-        n_ctx=256,
-        n_batch=128,
-        n_ubatch=128,
-        n_threads=2,
-        n_threads_batch=2,
-    )
 
 
 def decode(llm: Llama, policy: Any) -> tuple[Any, Any]:
