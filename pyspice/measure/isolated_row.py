@@ -171,18 +171,21 @@ def load(spec: RowSpec) -> Any:
     if spec.policy == UPSTREAM:
         import llama_cpp
 
+        from pyspice.engine.llama_log import llama_load_reasons
+
         run = config.resolve()
-        return llama_cpp.Llama(
-            str(run.model),
-            n_ctx=run.n_ctx,
-            n_batch=run.n_batch,
-            n_ubatch=run.n_ubatch,
-            n_threads=run.threads,
-            n_threads_batch=run.threads,
-            n_gpu_layers=run.n_gpu_layers,
-            use_mmap=True,
-            verbose=False,
-        )
+        with llama_load_reasons(run.model):
+            return llama_cpp.Llama(
+                str(run.model),
+                n_ctx=run.n_ctx,
+                n_batch=run.n_batch,
+                n_ubatch=run.n_ubatch,
+                n_threads=run.threads,
+                n_threads_batch=run.threads,
+                n_gpu_layers=run.n_gpu_layers,
+                use_mmap=True,
+                verbose=False,
+            )
     from pyspice.api import Llama
 
     return Llama.from_config(config, note=lambda message: print(f"pyspice: {message}", file=sys.stderr))
