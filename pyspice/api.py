@@ -94,14 +94,13 @@ class Llama(llama_cpp.Llama):
         # inconsistent headers (expert counts) and hides its reason for refusing others
         read_header(model_path)
         check_ram_budget_settings(
-            ram_budget, device_budget=device_budget, policy=policy, max_hook_tokens=max_hook_tokens
+            ram_budget,
+            device_budget=device_budget,
+            policy=policy,
+            max_hook_tokens=max_hook_tokens,
+            use_mlock=bool(kwargs.get("use_mlock")),
         )
         self._spice_experts_on_disk = ram_budget is not None
-        if self._spice_experts_on_disk and kwargs.get("use_mlock"):
-            raise ValueError(
-                "with a RAM budget the routed experts stay in the file; use_mlock would lock every "
-                "mapped page: leave it off"
-            )
         # checked before loading: a sidecar made for another model fails in milliseconds
         self.spice_sidecar = (
             sidecar if isinstance(sidecar, Sidecar) or sidecar is None else load_sidecar(sidecar, model_path)
@@ -186,6 +185,8 @@ class Llama(llama_cpp.Llama):
             emulate_latency=run.emulate_latency,
             device_executor=run.device_executor,
             sidecar=run.loaded_sidecar or run.sidecar,
+            use_mmap=run.use_mmap,
+            use_mlock=run.use_mlock,
             verbose=False,
         )
         llm.spice_engine.planning = run.planning

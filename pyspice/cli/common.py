@@ -58,6 +58,20 @@ def add_context_args(p: argparse.ArgumentParser) -> None:
         "routed experts always stay on the host, where the device tier fetches them from",
     )
     p.add_argument(
+        "--no-mmap",
+        dest="use_mmap",
+        action="store_false",
+        help="read the weights into RAM instead of mapping the file (as llama.cpp's --no-mmap); "
+        "with --ram-budget the routed experts stay in the file either way",
+    )
+    p.add_argument(
+        "--mlock",
+        dest="use_mlock",
+        action="store_true",
+        help="lock the model's pages in RAM so the system cannot page them out (as llama.cpp's "
+        "--mlock); not with --ram-budget",
+    )
+    p.add_argument(
         "--policy",
         choices=policy_names(),
         default=None,
@@ -247,6 +261,8 @@ def run_config(
         planning=planning_of(args),
         device_executor=getattr(args, "device_executor", "auto"),
         replay_routing=getattr(args, "replay_routing", None),
+        use_mmap=getattr(args, "use_mmap", True),
+        use_mlock=getattr(args, "use_mlock", False),
     )
 
 

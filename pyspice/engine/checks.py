@@ -78,11 +78,13 @@ def check_ram_budget_settings(
     device_budget: object = None,
     policy: object = None,
     max_hook_tokens: int | None = 0,
+    use_mlock: bool = False,
 ) -> None:
     """Edge mode's rules, one function for every door (RunConfig, Llama, a policy
-    switch): one tier at a time (GPU + RAM + disk is a later step), and every
+    switch): one tier at a time (GPU + RAM + disk is a later step), every
     micro-batch through the hook, since upstream's path has no copy of the experts
-    in memory to read. Nothing to check without a RAM budget."""
+    in memory to read, and no mlock, which would pull the mapped experts into RAM.
+    Nothing to check without a RAM budget."""
     if ram_budget is None:
         return
     check_budget_value(ram_budget, "--ram-budget")
@@ -101,4 +103,9 @@ def check_ram_budget_settings(
         raise ValueError(
             "--ram-budget sends every micro-batch through the hook (the experts are not in memory "
             "for upstream's path): leave --max-hook-tokens at 0"
+        )
+    if use_mlock:
+        raise ValueError(
+            "--mlock (use_mlock) would lock every mapped page, the routed experts' too, and with "
+            "--ram-budget they stay in the file: leave --mlock off"
         )

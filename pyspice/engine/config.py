@@ -103,6 +103,8 @@ class RunConfig:
     planning: Planning = field(default_factory=Planning)  # where SPICE policies plan
     device_executor: str = "auto"  # how a computing device runs its experts: auto, pool, legacy
     replay_routing: Path | None = None  # a trace whose expert ids the hook uses (timing only)
+    use_mmap: bool = True  # llama.cpp maps the file (False: reads the weights into RAM, --no-mmap)
+    use_mlock: bool = False  # lock the model's pages in RAM (--mlock)
 
     def __post_init__(self) -> None:
         # every numeric setting checked here, before anything loads (engine/checks.py)
@@ -120,6 +122,7 @@ class RunConfig:
             device_budget=self.device_budget,
             policy=self.policy,
             max_hook_tokens=self.max_hook_tokens,
+            use_mlock=self.use_mlock,
         )
         check_bus(self.emulate_bandwidth, self.emulate_latency)
         check_executor(self.device_executor)
@@ -214,6 +217,8 @@ class RunConfig:
             device_executor=self.device_executor,
             loaded_sidecar=loaded,
             replay_routing=self.replay_routing,
+            use_mmap=self.use_mmap,
+            use_mlock=self.use_mlock,
         )
 
     def _max_hook_tokens(self, gpu: bool, budget: str | int | None, policy: str, note: Note) -> int:
@@ -285,3 +290,5 @@ class ResolvedRun:
     # the sidecar as resolve() loaded and checked it, so loading the model reads it once
     loaded_sidecar: Sidecar | None = field(default=None, compare=False, repr=False)
     replay_routing: Path | None = None
+    use_mmap: bool = True
+    use_mlock: bool = False

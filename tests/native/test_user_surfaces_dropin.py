@@ -93,3 +93,22 @@ def test_pyspice_options_are_keyword_arguments(model: Path) -> None:
         llm.close()
     with pytest.raises(ValueError, match="unknown policy"):
         pyspice.Llama(str(model), policy="no-such-policy", **SETTINGS)
+
+
+def test_no_mmap_reads_the_weights_and_gives_the_same_logits(model: Path) -> None:
+    """--no-mmap / RunConfig(use_mmap=False) reaches llama.cpp, and the weights read into
+    RAM compute what the mapped ones do."""
+    from pyspice.engine import RunConfig
+
+    logits = []
+    for use_mmap in (True, False):
+        config = RunConfig(model=model, policy="exact", threads=2, n_ctx=256, use_mmap=use_mmap)
+        llm = pyspice.Llama.from_config(config, logits_all=True, note=lambda _m: None)
+        try:
+            mode = llama_cpp.LLAMA_LOAD_MODE_MMAP if use_mmap else llama_cpp.LLAMA_LOAD_MODE_NONE
+            assert llm.model_params.load_mode == mode
+            llm.eval(llm.tokenize(b"The capital of France is"))
+            logits.append(np.array(llm.scores[: llm.n_tokens]))
+        finally:
+            llm.close()
+    assert np.array_equal(logits[0], logits[1])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from pyspice.cli.generate_cmd import _Utf8Stream
@@ -77,3 +79,26 @@ def test_utf8_stream_holds_partial_characters() -> None:
     assert s.feed(b"\xffok") == "\ufffdok"
     assert s.feed(euro[:2]) == ""
     assert s.flush() == "\ufffd"
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve", "bench", "eval"])
+def test_no_mmap_and_mlock_reach_the_run_config(command: str, tmp_path: Path) -> None:
+    """llama.cpp's --no-mmap and --mlock, on every command that loads a model."""
+    from pyspice.cli.common import run_config
+
+    model = tmp_path / "m.gguf"
+    argv = {"generate": ["-p", "hi"], "eval": ["ppl"]}.get(command, [])
+    sub = [command, *argv[:1]] if command == "eval" else [command]
+    rest = argv[1:] if command == "eval" else argv
+    args = build_parser().parse_args([*sub, "-m", str(model), *rest, "--no-mmap", "--mlock"])
+    config = run_config(args, model=model)
+    assert (config.use_mmap, config.use_mlock) == (False, True)
+    plain = run_config(build_parser().parse_args([*sub, "-m", str(model), *rest]), model=model)
+    assert (plain.use_mmap, plain.use_mlock) == (True, False)  # llama.cpp's defaults
+
+
+def test_mlock_with_a_ram_budget_is_refused_before_loading(tmp_path: Path) -> None:
+    from pyspice.engine import RunConfig
+
+    with pytest.raises(ValueError, match=r"--mlock .* with --ram-budget they stay in the file"):
+        RunConfig(model=tmp_path / "m.gguf", ram_budget="50%", use_mlock=True)
