@@ -152,12 +152,35 @@ def check_container(path: Path, header: RawHeader) -> None:
             qtype = GGMLQuantizationType(t.type_id)
         except ValueError:
             return  # read_header names the unknown type itself
+        if not _fits_ggml_element_count(t.shape):
+            raise ModelFileError(
+                f"{path} is corrupt: tensor {t.name} has shape {list(t.shape)}, whose dimensions "
+                f"above 1 multiply past what ggml can index (2**63); {_FIX}"
+            )
         block = GGML_QUANT_SIZES[qtype][0]
         if t.shape and t.shape[0] % block:
             raise ModelFileError(
                 f"{path} is corrupt: tensor {t.name} of type {qtype.name} has rows of {t.shape[0]} values, "
                 f"not a whole number of its {block}-value blocks; {_FIX}"
             )
+
+
+INT64_MAX = 2**63 - 1
+
+
+def _fits_ggml_element_count(shape: Sequence[int]) -> bool:
+    """ggml_new_tensor's check, as it makes each tensor: the dimensions above 1 multiply
+    to less than INT64_MAX. gguf.cpp's own check multiplies by a 0 and so passes
+    (2**61 + 16, 0, 4), which ggml_new_tensor then aborts on (the differential fuzzer)."""
+    if not shape:
+        return True
+    count = shape[0]
+    for d in shape[1:]:
+        if d > 1:
+            if not INT64_MAX // d > count:
+                return False
+            count *= d
+    return True
 
 
 def check_tensor_packing(path: Path, tensors: Sequence[_Tensor], alignment: int) -> None:
@@ -450,6 +473,22 @@ def check_rope_dimensions(path: Path, meta: Mapping[str, Any]) -> None:
         )
 
 
+def check_rope_parity(path: Path, meta: Mapping[str, Any]) -> None:
+    """The RoPE dimensions (rope.dimension_count, else the key head size) are even: ggml's
+    RoPE turns pairs (GGML_ASSERT(n_dims % 2 == 0), ggml-cpu ops.cpp), and a head size of 1
+    (a qwen2moe with head_count 32 over embedding_length 32, from the differential fuzzer)
+    tripped GGML_ASSERT(ggml_can_mul_mat(a, b)) as the context was made."""
+    arch = _arch(meta)
+    if arch == SIDECAR_ARCH:
+        return
+    k, _v, rope = _head_sizes(meta, arch)
+    if rope is not None and rope > 0 and rope % 2:
+        raise ModelFileError(
+            f"{path} is corrupt: {arch} turns {rope} RoPE dimensions (rope.dimension_count, else the key "
+            f"head size, here {k}), and RoPE turns them in pairs: an even number; {_FIX}"
+        )
+
+
 def check_uniform_layers(path: Path, meta: Mapping[str, Any]) -> None:
     """For the architectures of ROPE_IS_HEAD_SIZE and deepseek2, head_count, head_count_kv and
     expert_used_count, when given per layer, are one value. Their graphs size every layer
@@ -532,6 +571,7 @@ def validate_header(
     check_attention_temperature(path, meta)
     check_rope_scaling(path, meta)
     check_rope_dimensions(path, meta)
+    check_rope_parity(path, meta)
     check_uniform_layers(path, meta)
     check_mla_dimensions(path, meta)
     check_vocabulary(path, meta)

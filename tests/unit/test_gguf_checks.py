@@ -336,3 +336,28 @@ def test_a_wordpiece_vocabulary_with_byte_tokens_is_refused(tmp_path: Path) -> N
         read_header(bad)
     vocab["tokenizer.ggml.model"] = ("llama", STR)  # SentencePiece has them
     read_header(write_model(tmp_path / "spm.gguf", set_kv=vocab))
+
+
+@pytest.mark.parametrize(
+    ("set_kv", "rope"),
+    [
+        # ggml.c ggml_mul_mat: GGML_ASSERT(ggml_can_mul_mat(a, b)) as the context was made: head size 1
+        ({"qwen2moe.attention.head_count": (32, U32), "qwen2moe.attention.head_count_kv": (16, U32)}, 1),
+        # ggml-cpu ops.cpp: GGML_ASSERT(n_dims % 2 == 0)
+        ({"qwen2moe.attention.key_length": (15, U32), "qwen2moe.attention.value_length": (15, U32),
+          "qwen2moe.rope.dimension_count": (15, U32)}, 15),
+    ],
+    ids=["head-size-1", "odd-rope"],
+)  # fmt: skip
+def test_odd_rope_dimensions_are_refused(
+    tmp_path: Path, set_kv: dict[str, tuple[Any, ...]], rope: int
+) -> None:
+    bad = write_model(tmp_path / "bad.gguf", "qwen2moe", set_kv=set_kv)
+    with pytest.raises(ModelFileError, match=f"turns {rope} RoPE dimensions"):
+        read_header(bad)
+
+
+def test_deepseek2s_own_rope_dimensions_must_be_even_too(tmp_path: Path) -> None:
+    bad = write_model(tmp_path / "bad.gguf", set_kv={"deepseek2.rope.dimension_count": (7, U32)})
+    with pytest.raises(ModelFileError, match="turns 7 RoPE dimensions"):
+        read_header(bad)

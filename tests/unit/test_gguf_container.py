@@ -117,3 +117,16 @@ def test_a_row_that_is_not_whole_quant_blocks_is_refused(tmp_path: Path) -> None
     _set_tensor_field(path, "output.weight", "ne0", 48)  # the same number of whole blocks: the size holds
     with pytest.raises(ModelFileError, match="rows of 48 values, not a whole number of its 32-value blocks"):
         read_header(path)
+
+
+def test_dimensions_that_multiply_past_int64_around_a_zero_are_refused(tmp_path: Path) -> None:
+    """(2**61 + 16, 0, 4): gguf.cpp's overflow check multiplies by the 0 and passes it,
+    ggml_new_tensor skips the 0 and aborts (GGML_ASSERT(INT64_MAX / ne[i] > ...), found by
+    the differential fuzzer)."""
+    path = write_model(tmp_path / "m.gguf")
+    data = bytearray(path.read_bytes())
+    at = _tensor_entry(bytes(data), "blk.1.ffn_down_exps.weight")
+    struct.pack_into("<QQ", data, at + 4, 2**61 + 16, 0)
+    path.write_bytes(bytes(data))
+    with pytest.raises(ModelFileError, match=r"shape \[2305843009213693968, 0, 4\], whose dimensions"):
+        read_header(path)
