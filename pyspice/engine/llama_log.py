@@ -61,10 +61,13 @@ def llama_log_tap(on_line: Callable[[int, str], None], *, forward: bool = True) 
             on_line(last_level[0], text.decode("utf-8", errors="replace"))
         if not forward:
             return
-        if previous:
-            previous(level, text, previous_data)
-        else:  # llama.cpp's default: everything to stderr
-            sys.stderr.write(text.decode("utf-8", errors="replace"))
+        # nor may the callback before (llama-cpp-python's decodes strictly: a fuzzed tensor
+        # name that is not UTF-8 would raise there)
+        with contextlib.suppress(Exception):
+            if previous:
+                previous(level, text, previous_data)
+            else:  # llama.cpp's default: everything to stderr
+                sys.stderr.write(text.decode("utf-8", errors="replace"))
 
     llama_cpp.llama_log_set(tap, ctypes.c_void_p(0))
     try:
