@@ -489,6 +489,29 @@ def check_rope_parity(path: Path, meta: Mapping[str, Any]) -> None:
         )
 
 
+def check_kv_heads(path: Path, meta: Mapping[str, Any]) -> None:
+    """Each layer's head_count_kv is at least 1, at most its head_count, and divides it
+    (grouped-query attention shares each key/value head among whole groups). llama.cpp keeps
+    the key width head size x head_count_kv in 32 bits: head_count_kv 2**30 + 1 over heads
+    of 16 wrapped to 16, passed the tensor checks and tripped GGML_ASSERT(ggml_nelements(a)
+    == ne0*ne1*ne2) as the context was made (the differential fuzzer)."""
+    arch = _arch(meta)
+    if arch == SIDECAR_ARCH:
+        return
+    heads = _int_values(meta, f"{arch}.attention.head_count")
+    kv = _int_values(meta, f"{arch}.attention.head_count_kv")
+    if not heads or not kv:
+        return  # llama.cpp defaults head_count_kv to head_count; other rules see to head_count
+    for il in range(max(len(heads), len(kv))):
+        h = heads[il] if il < len(heads) else heads[-1]
+        k = kv[il] if il < len(kv) else kv[-1]
+        if h > 0 and not (1 <= k <= h and h % k == 0):
+            raise ModelFileError(
+                f"{path} is corrupt: {arch} layer {il} has head_count {h} and head_count_kv {k}; "
+                f"head_count_kv must be between 1 and head_count and divide it; {_FIX}"
+            )
+
+
 def check_uniform_layers(path: Path, meta: Mapping[str, Any]) -> None:
     """For the architectures of ROPE_IS_HEAD_SIZE and deepseek2, head_count, head_count_kv and
     expert_used_count, when given per layer, are one value. Their graphs size every layer
@@ -574,4 +597,5 @@ def validate_header(
     check_rope_parity(path, meta)
     check_uniform_layers(path, meta)
     check_mla_dimensions(path, meta)
+    check_kv_heads(path, meta)
     check_vocabulary(path, meta)

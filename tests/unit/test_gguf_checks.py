@@ -361,3 +361,14 @@ def test_deepseek2s_own_rope_dimensions_must_be_even_too(tmp_path: Path) -> None
     bad = write_model(tmp_path / "bad.gguf", set_kv={"deepseek2.rope.dimension_count": (7, U32)})
     with pytest.raises(ModelFileError, match="turns 7 RoPE dimensions"):
         read_header(bad)
+
+
+@pytest.mark.parametrize("kv", [2**30 + 1, 3, 0])
+def test_kv_heads_that_do_not_divide_the_heads_are_refused(tmp_path: Path, kv: int) -> None:
+    """2**30 + 1 key/value heads of 16 wrap llama.cpp's 32-bit key width to 16, pass its tensor
+    checks and trip GGML_ASSERT(ggml_nelements(a) == ne0*ne1*ne2) (the differential fuzzer)."""
+    bad = write_model(
+        tmp_path / "bad.gguf", "qwen2moe", set_kv={"qwen2moe.attention.head_count_kv": (kv, U32)}
+    )
+    with pytest.raises(ModelFileError, match=f"head_count 2 and head_count_kv {kv}; head_count_kv must be"):
+        read_header(bad)
