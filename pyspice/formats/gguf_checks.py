@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from pyspice.formats.gguf_header import ArraySummary, ModelFileError, RawHeader
+from pyspice.formats.gguf_header import ArraySummary, ModelFileError, RawHeader, tensor_nbytes
 
 # GGML_MAX_DIMS in ggml.h: a tensor of more dimensions cannot be represented
 MAX_DIMS = 4
@@ -188,14 +188,13 @@ def check_tensor_packing(path: Path, tensors: Sequence[_Tensor], alignment: int)
     the one before ends, padded to the file's alignment (checked, as the types, before)."""
     expected = 0
     for t in tensors:
-        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(t.type_id)]
         if t.offset != expected:
             raise ModelFileError(
                 f"{path} is corrupt: tensor {t.name}'s data is at offset {t.offset} of the data section, "
                 f"where the tensors before it end at {expected} (llama.cpp reads tensors packed in "
                 f"directory order); {_FIX}"
             )
-        nbytes = type_size * (t.shape[0] // block) * math.prod(t.shape[1:]) if all(t.shape) else 0
+        nbytes = tensor_nbytes(GGMLQuantizationType(t.type_id).name, t.shape)
         expected += (nbytes + alignment - 1) // alignment * alignment
 
 

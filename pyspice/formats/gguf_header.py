@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 GGUF_MAGIC = b"GGUF"
 
@@ -71,6 +71,16 @@ class RawHeader:
     metadata: list[KeyValue]
     tensors: list[TensorEntry]
     end: int  # where the header ends (the data section starts at the next alignment)
+
+
+def tensor_nbytes(type_name: str, shape: tuple[int, ...]) -> int:
+    """The bytes of a tensor of ggml type `type_name` and `shape` (ne[0] first) in the
+    data section, before the alignment pads it."""
+    block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    rows = 1
+    for n in shape[1:]:
+        rows *= n
+    return (shape[0] // block) * type_size * rows
 
 
 _U64 = struct.Struct("<Q")

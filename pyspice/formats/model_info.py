@@ -17,7 +17,7 @@ from typing import Any
 import gguf
 
 from pyspice.formats.gguf_checks import VOCAB_KEYS, check_container, validate_header
-from pyspice.formats.gguf_header import ArraySummary, parse_header
+from pyspice.formats.gguf_header import ArraySummary, parse_header, tensor_nbytes
 
 # ModelFileError is re-exported: it is the error callers of read_header catch
 from pyspice.formats.gguf_header import ModelFileError as ModelFileError
@@ -47,15 +47,6 @@ class GGUFHeader:
     data_offset: int
     metadata: dict[str, Any]
     tensors: list[TensorInfo]
-
-
-def tensor_nbytes(type_name: str, shape: tuple[int, ...]) -> int:
-    qtype = gguf.GGMLQuantizationType[type_name]
-    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    rows = 1
-    for n in shape[1:]:
-        rows *= n
-    return (shape[0] // block) * type_size * rows
 
 
 def read_header(path: Path | str) -> GGUFHeader:
