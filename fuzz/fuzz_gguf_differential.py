@@ -609,14 +609,11 @@ class _Gguf:
         has no size."""
         offsets, end = [], 0
         for t in self.tensors:
-            try:
-                block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(t.type_id)]
-            except (ValueError, KeyError):
-                return False
-            if not t.shape or t.shape[0] % block:
+            nbytes = _tensor_bytes(t)
+            if nbytes is None:
                 return False
             offsets.append(end)
-            end = _align_up(end + t.shape[0] // block * size * math.prod(t.shape[1:]), self.alignment())
+            end = _align_up(end + nbytes, self.alignment())
         for t, offset in zip(self.tensors, offsets, strict=True):
             t.offset = offset
         return True
@@ -625,15 +622,25 @@ class _Gguf:
         """The data section's size for every tensor to fit (-1: a shape or type no size fits)."""
         end = 0
         for t in self.tensors:
-            try:
-                block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(t.type_id)]
-            except (ValueError, KeyError):
+            nbytes = _tensor_bytes(t)
+            if nbytes is None:
                 return -1
-            rows = math.prod(t.shape[1:]) if len(t.shape) > 1 else 1
-            if not t.shape or t.shape[0] % block:
-                return -1
-            end = max(end, t.offset + t.shape[0] // block * size * rows)
+            end = max(end, t.offset + nbytes)
         return end
+
+
+def _tensor_bytes(t: _Tensor) -> int | None:
+    """A tensor's data bytes (the uninstrumented reader's tensor_nbytes); None where its
+    type is unknown or its rows are not whole blocks."""
+    try:
+        qtype = gguf.GGMLQuantizationType(t.type_id)
+        block = gguf.GGML_QUANT_SIZES[qtype][0]
+    except (ValueError, KeyError):
+        return None
+    if not t.shape or t.shape[0] % block:
+        return None
+    nbytes: int = _plain.tensor_nbytes(qtype.name, tuple(t.shape))
+    return nbytes
 
 
 def _align_up(n: int, a: int) -> int:
