@@ -169,23 +169,22 @@ def load(spec: RowSpec) -> Any:
     `upstream`, else pyspice.Llama of the row's RunConfig."""
     config = run_config(spec)
     if spec.policy == UPSTREAM:
-        import llama_cpp
-
-        from pyspice.engine.llama_log import llama_load_reasons
+        # lazy: llama_cpp loads libllama on import. PlainLlama is llama_cpp.Llama with
+        # llama.cpp's load reasons in its errors (no overrides given: nothing else differs)
+        from pyspice.engine.plain_llama import PlainLlama
 
         run = config.resolve()
-        with llama_load_reasons(run.model):
-            return llama_cpp.Llama(
-                str(run.model),
-                n_ctx=run.n_ctx,
-                n_batch=run.n_batch,
-                n_ubatch=run.n_ubatch,
-                n_threads=run.threads,
-                n_threads_batch=run.threads,
-                n_gpu_layers=run.n_gpu_layers,
-                use_mmap=True,
-                verbose=False,
-            )
+        return PlainLlama(
+            str(run.model),
+            n_ctx=run.n_ctx,
+            n_batch=run.n_batch,
+            n_ubatch=run.n_ubatch,
+            n_threads=run.threads,
+            n_threads_batch=run.threads,
+            n_gpu_layers=run.n_gpu_layers,
+            use_mmap=True,
+            verbose=False,
+        )
     from pyspice.api import Llama
 
     return Llama.from_config(config, note=lambda message: print(f"pyspice: {message}", file=sys.stderr))
