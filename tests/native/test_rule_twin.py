@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from pyspice.policy import ACTION_DEVICE, ACTION_HOST
 from pyspice.policy.rule import (
     KEEP_ALL,
+    KEEP_DECAYED,
     KEEP_LAYER_LRU,
     KEEP_LRU,
     KEEP_NONE,
@@ -33,7 +34,7 @@ N_EMBD = 6
 
 @st.composite
 def rules(draw: Any) -> Rule:
-    keep = draw(st.sampled_from([KEEP_ALL, KEEP_LRU, KEEP_LAYER_LRU, KEEP_NONE]))
+    keep = draw(st.sampled_from([KEEP_ALL, KEEP_LRU, KEEP_LAYER_LRU, KEEP_NONE, KEEP_DECAYED]))
     capacity = tuple(draw(st.integers(1, n)) if n else 0 for n in N_EXPERT)
     prefetch_next = draw(st.booleans())
     rng = np.random.default_rng(draw(st.integers(0, 2**16)))
@@ -55,6 +56,8 @@ def rules(draw: Any) -> Rule:
         resize_every=draw(st.sampled_from([0, 2, 3])),
         prefetch_next=prefetch_next,
         routers=routers if prefetch_next else None,
+        # 0.5 makes ties between counts (the rule's tie-break) as likely as orderings
+        decay=draw(st.sampled_from([0.5, 0.9, 0.99, 1.0])) if keep == KEEP_DECAYED else 0.0,
     )
 
 
