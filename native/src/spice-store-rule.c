@@ -110,6 +110,8 @@ int spice_store_set_rule(spice_store * s, const spice_rule * rule) {
     r->rule.routers = (const float * const *) r->routers;
     memset(r->misses, 0, (size_t) s->n_layers * sizeof(int32_t));
     memset(r->uses, 0, cells * sizeof(double));
+    /* fit_pool's cached candidates were ranked by the rule before: look again */
+    memset(s->layer_changed, 1, (size_t) s->n_layers);
     r->calls = 0;
     if (!ok) { /* back to the default rule, not half of this one */
         release_arrays(s);
