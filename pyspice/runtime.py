@@ -1119,6 +1119,7 @@ def _rule_to_c(ffi: Any, rule: Rule, n_expert: Sequence[int]) -> tuple[Any, tupl
     c.host_us, c.device_us, c.margin = rule.host_us, rule.device_us, rule.margin
     c.surrogate_weight = rule.surrogate_weight
     c.resize_every = rule.resize_every
+    c.decay = rule.decay
     keep: list[Any] = [c]
     if rule.surrogate_set is not None:
         table = np.zeros((n_layers, width), np.uint8)

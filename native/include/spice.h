@@ -223,7 +223,9 @@ SPICE_API int spice_plan_check(const spice_plan_limits * limits, const spice_pol
  *   absent                        -> host (HOST), demand fetch (FETCH), or a
  *                                    fetch when copy + device time beats the
  *                                    host by the margin (COST)
- * Room for demand fetches comes from `keep`; a layer in whole_layers fetches
+ * Room for demand fetches comes from `keep` (for KEEP_DECAYED: each call of a
+ * layer multiplies that layer's use counts by `decay`, then counts each expert
+ * it selects once more; the lowest count goes first); a layer in whole_layers fetches
  * all its absent experts at its call (and runs them on the device); with
  * prefetch_next the next MoE layer's router, applied to this call's input,
  * names experts to prefetch. The rule writes a plan like a policy's, which
@@ -238,7 +240,8 @@ typedef enum spice_keep_rule {
     SPICE_KEEP_ALL       = 0, /* nothing evicted: a fetch that does not fit runs on the host */
     SPICE_KEEP_LRU       = 1, /* one pooled cache: least recently selected out first */
     SPICE_KEEP_LAYER_LRU = 2, /* capacity[il] experts per layer, least recently selected out first */
-    SPICE_KEEP_NONE      = 3  /* keep nothing between calls: each evicts what earlier calls brought in */
+    SPICE_KEEP_NONE      = 3, /* keep nothing between calls: each evicts what earlier calls brought in */
+    SPICE_KEEP_DECAYED   = 4  /* one pooled cache: the lowest use count decayed by `decay` out first */
 } spice_keep_rule;
 
 typedef struct spice_rule spice_rule;
@@ -258,6 +261,7 @@ struct spice_rule {
     int32_t prefetch_next;         /* 1: prefetch the next MoE layer's router top-k (n_expert_used) */
     const float * const * routers; /* [n_layers] router weights [n_expert][n_embd] f32, NULL entries allowed */
     int32_t n_embd;                /* the routers' row width */
+    double  decay;                 /* KEEP_DECAYED: in (0, 1], per call of the layer */
 };
 
 /* ---- expert store -----------------------------------------------------------

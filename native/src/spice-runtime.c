@@ -824,7 +824,8 @@ void spice_runtime_take_plan_rule(spice_runtime * rt, const spice_policy_call * 
         rt->plan_rule = call->rule;
     } else {
         set_error(rt, "layer %d: the plan's rule is invalid (an action, miss or keep value out of range, "
-                      "LAYER_LRU without capacities, or prefetch_next without routers); the rule stays",
+                      "LAYER_LRU without capacities, DECAYED without a decay in (0, 1], or prefetch_next without "
+                      "routers); the rule stays",
                   call->il);
         rt->plan_rejections++;
     }
@@ -842,7 +843,7 @@ int spice_runtime_set_rule(spice_runtime * rt, const spice_rule * rule) {
     rt->plan_rule = NULL;
     if (status == SPICE_ERR_INVALID_ARG) {
         set_error(rt, "invalid rule: an action, miss or keep value out of range, LAYER_LRU without "
-                      "capacities, or prefetch_next without routers");
+                      "capacities, DECAYED without a decay in (0, 1], or prefetch_next without routers");
     }
     return status;
 }

@@ -53,9 +53,11 @@ typedef struct spice_store_rule {
     uint8_t * selected;      /* [max_expert] scratch: experts this call selects (never victims) */
     uint8_t * chosen;        /* [n_layers * max_expert] scratch: victims already listed */
     double * logits;         /* [max_expert] scratch */
-    int32_t * oldest;        /* [n_layers] KEEP_LRU: the layer's least recently selected evictable expert
+    int32_t * oldest;        /* [n_layers] KEEP_LRU (DECAYED): the layer's least recently selected (least
+                                used) evictable expert
                                 (-1: none) as of the last look, valid while layer_changed says so */
     uint8_t * predicted;     /* [max_expert] scratch */
+    double * uses;           /* [n_layers * max_expert] KEEP_DECAYED: decayed use counts, zero at set_rule */
 } spice_store_rule;
 
 struct spice_store {

@@ -23,7 +23,9 @@ int spice_store_rule_init(spice_store * s) {
     r->chosen = (uint8_t *) calloc(cells, 1);
     r->logits = (double *) calloc(width, sizeof(double));
     r->oldest = (int32_t *) calloc((size_t) s->n_layers, sizeof(int32_t));
-    return r->misses && r->incoming && r->selected && r->predicted && r->chosen && r->logits && r->oldest
+    r->uses = (double *) calloc(cells > 0 ? cells : 1, sizeof(double));
+    return r->misses && r->incoming && r->selected && r->predicted && r->chosen && r->logits && r->oldest &&
+                   r->uses
                ? SPICE_OK
                : SPICE_ERR_NO_MEMORY;
 }
@@ -52,6 +54,7 @@ void spice_store_rule_free(spice_store * s) {
     free(r->chosen);
     free(r->logits);
     free(r->oldest);
+    free(r->uses);
     memset(r, 0, sizeof(*r));
 }
 
@@ -73,7 +76,8 @@ int spice_store_set_rule(spice_store * s, const spice_rule * rule) {
     const spice_rule * in = rule != NULL ? rule : &plain;
     if ((in->resident_action != SPICE_ACTION_DEVICE && in->resident_action != SPICE_ACTION_HOST) ||
         in->miss < SPICE_MISS_HOST || in->miss > SPICE_MISS_COST || in->keep < SPICE_KEEP_ALL ||
-        in->keep > SPICE_KEEP_NONE || in->resize_every < 0 || (in->keep == SPICE_KEEP_LAYER_LRU && in->capacity == NULL) ||
+        in->keep > SPICE_KEEP_DECAYED || in->resize_every < 0 || (in->keep == SPICE_KEEP_LAYER_LRU && in->capacity == NULL) ||
+        (in->keep == SPICE_KEEP_DECAYED && !(in->decay > 0.0 && in->decay <= 1.0)) ||
         (in->prefetch_next && (in->routers == NULL || in->n_embd <= 0)) || !(in->surrogate_weight >= 0.0f)) {
         return SPICE_ERR_INVALID_ARG;
     }
@@ -105,6 +109,9 @@ int spice_store_set_rule(spice_store * s, const spice_rule * rule) {
     r->rule.capacity = r->capacity;
     r->rule.routers = (const float * const *) r->routers;
     memset(r->misses, 0, (size_t) s->n_layers * sizeof(int32_t));
+    memset(r->uses, 0, cells * sizeof(double));
+    /* fit_pool's cached candidates were ranked by the rule before: look again */
+    memset(s->layer_changed, 1, (size_t) s->n_layers);
     r->calls = 0;
     if (!ok) { /* back to the default rule, not half of this one */
         release_arrays(s);
@@ -175,31 +182,54 @@ static void fit_layer(spice_store * s, spice_policy_call * call, int32_t il, int
     }
 }
 
-/* Layer l's least recently selected evictable expert (ties: the lower id),
+/* Whether the pooled cache gives up cell a before cell b: it was selected
+ * less recently (KEEP_LRU), or its decayed use count is lower (KEEP_DECAYED). */
+static int goes_before(const spice_store * s, size_t a, size_t b) {
+    if (s->rule.rule.keep == SPICE_KEEP_DECAYED) {
+        return s->rule.uses[a] < s->rule.uses[b];
+    }
+    return s->last_use[a] < s->last_use[b];
+}
+
+/* KEEP_DECAYED: a call of layer il decays the layer's counts once and counts
+ * each expert it selects once more (in two roundings, as the twin's numpy). */
+static void note_uses(spice_store * s, int32_t il) {
+    spice_store_rule * r = &s->rule;
+    double * uses = r->uses + spice_store_cell(s, il, 0);
+    for (int32_t e = 0; e < s->n_expert[il]; ++e) {
+        uses[e] *= r->rule.decay;
+        if (r->selected[e]) {
+            uses[e] += 1.0;
+        }
+    }
+}
+
+/* Layer l's first evictable expert to go (goes_before; ties: the lower id),
  * not listed as a victim yet nor in `skip` (NULL: none); -1 when none. */
 static int32_t oldest_in_layer(const spice_store * s, int32_t l, const uint8_t * skip) {
     const spice_store_rule * r = &s->rule;
     const size_t base = spice_store_cell(s, l, 0);
-    const uint64_t * last_use = s->last_use + base;
     const int8_t * states = s->states + base;
     const uint8_t * chosen = r->chosen + base;
     int32_t best = -1;
     for (int32_t e = 0; e < s->n_expert[l]; ++e) {
         if ((states[e] == SPICE_RES_RESIDENT || states[e] == SPICE_RES_QUEUED) && !chosen[e] &&
-            (skip == NULL || !skip[e]) && (best < 0 || last_use[e] < last_use[best])) {
+            (skip == NULL || !skip[e]) && (best < 0 || goes_before(s, base + (size_t) e, base + (size_t) best))) {
             best = e;
         }
     }
     return best;
 }
 
-/* One pooled cache: least recently selected out first -- by (recency,
- * layer, expert), never an expert this call selects -- until `need` bytes
- * fit, at most as many victims as the smallest experts would take. Each
- * layer's oldest candidate is cached between calls (r->oldest) and looked
- * for again only where a state or a stamp changed (s->layer_changed), so a
- * call scans the layers it touched, not the whole table: this runs on the
- * hook's thread, on caches ggml's kernels have just emptied. */
+/* One pooled cache: least recently selected (KEEP_DECAYED: least used) out
+ * first -- by (goes_before, layer, expert), never an expert this call
+ * selects -- until `need` bytes fit, at most as many victims as the smallest
+ * experts would take. Each layer's first candidate is cached between calls
+ * (r->oldest) and looked for again only where a state or a stamp changed
+ * (s->layer_changed): a layer's decayed counts change only at its own call,
+ * which stamps it. So a call scans the layers it touched, not the whole
+ * table: this runs on the hook's thread, on caches ggml's kernels have just
+ * emptied. */
 static void fit_pool(spice_store * s, spice_policy_call * call, uint64_t need) {
     spice_store_rule * r = &s->rule;
     const uint64_t used = s->used_bytes;
@@ -228,8 +258,7 @@ static void fit_pool(spice_store * s, spice_policy_call * call, uint64_t need) {
         int32_t best_l = -1, best_e = -1;
         for (int32_t l = 0; l < s->n_layers; ++l) {
             const int32_t e = l == call->il ? own : r->oldest[l];
-            if (e >= 0 && (best_l < 0 || s->last_use[spice_store_cell(s, l, e)] <
-                                             s->last_use[spice_store_cell(s, best_l, best_e)])) {
+            if (e >= 0 && (best_l < 0 || goes_before(s, spice_store_cell(s, l, e), spice_store_cell(s, best_l, best_e)))) {
                 best_l = l;
                 best_e = e;
             }
@@ -483,6 +512,10 @@ int spice_store_rule_plan(spice_store * s, spice_policy_call * call) {
                     }
                 }
             }
+            break;
+        case SPICE_KEEP_DECAYED:
+            note_uses(s, il);
+            fit_pool(s, call, (uint64_t) n_incoming * s->expert_bytes[il]);
             break;
         case SPICE_KEEP_LRU:
             fit_pool(s, call, (uint64_t) n_incoming * s->expert_bytes[il]);

@@ -363,7 +363,7 @@ class Engine:
         self._reset_device()
         self._sync_surrogates(is_lossless(policy), surrogate_limit(policy))
         # a rule never consults the draft predictor: not building it saves its memory
-        # (160 MiB for smolmoe's), which counts on edge mode's RAM-limited boxes
+        # (8 MiB for smolmoe-b's), which counts on edge mode's RAM-limited boxes
         attach_policy(policy, self.policy_context(with_predictor=False))
         rule = declared_rule(policy)
         if self.device is not None and rule is not None:
@@ -380,7 +380,7 @@ class Engine:
         runtime = self.require_runtime()
         self._reset_device()  # empty first: surrogates loaded next must find room
         self._sync_surrogates(lossless, surrogate_limit(policy))
-        asynchronous = asynchronous and self.planning.resolved()
+        asynchronous = asynchronous and self.planning.resolved(self.experts_on_disk)
         if hasattr(policy, "plan_lag"):
             # its plans land this many layers late: it looks that much further ahead
             policy.plan_lag = self.planning.expected_lag() if asynchronous else 0  # type: ignore[attr-defined]

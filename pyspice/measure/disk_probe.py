@@ -72,9 +72,11 @@ def measure_disk(
             local = mmap.mmap(-1, chunk)
             offsets = _offsets(size, chunk, 1 << 16, np.random.default_rng(i + 1))
             for off in offsets:
+                # the read first: a thread started late on a busy machine, after
+                # `stop`, would otherwise read nothing (and a probe of all of them, 0 GB/s)
+                total[i] += os.preadv(fd, [local], off)
                 if time.perf_counter() >= stop:
                     break
-                total[i] += os.preadv(fd, [local], off)
 
         start = time.perf_counter()
         threads = [threading.Thread(target=reader, args=(i,)) for i in range(READER_THREADS)]

@@ -15,7 +15,9 @@ simulator from its twin (pyspice.sim.rule). Per activation, in order:
                                  when copy + device time beats the host by
                                  `margin` (COST)
 
-Room for demand fetches comes from `keep`; a layer in `whole_layers` fetches
+Room for demand fetches comes from `keep` (least recently selected out first,
+pooled or per layer; or, DECAYED, the lowest use count decayed by `decay` at
+every call of its layer: a frequency that forgets); a layer in `whole_layers` fetches
 all its absent experts at its call and runs on the device; with
 `prefetch_next` the next MoE layer's router, applied to the call's input,
 names experts to prefetch (within that layer's capacity).
@@ -41,6 +43,8 @@ KEEP_ALL = 0
 KEEP_LRU = 1
 KEEP_LAYER_LRU = 2
 KEEP_NONE = 3
+KEEP_DECAYED = 4
+KEEP_RULES = (KEEP_ALL, KEEP_LRU, KEEP_LAYER_LRU, KEEP_NONE, KEEP_DECAYED)
 
 
 @dataclass(frozen=True)
@@ -58,16 +62,19 @@ class Rule:
     resize_every: int = 0  # KEEP_LAYER_LRU: re-split capacities every this many calls (0: fixed)
     prefetch_next: bool = False
     routers: tuple[npt.NDArray[np.float32] | None, ...] | None = None  # per layer [n_expert, n_embd]
+    decay: float = 0.0  # KEEP_DECAYED: a call of a layer multiplies its use counts by this, in (0, 1]
 
     def __post_init__(self) -> None:
         if self.resident_action not in (ACTION_DEVICE, ACTION_HOST):
             raise ValueError(f"rule: resident_action must be device or host, not {self.resident_action}")
         if self.miss not in (MISS_HOST, MISS_FETCH, MISS_COST):
             raise ValueError(f"rule: unknown miss rule {self.miss}")
-        if self.keep not in (KEEP_ALL, KEEP_LRU, KEEP_LAYER_LRU, KEEP_NONE):
+        if self.keep not in KEEP_RULES:
             raise ValueError(f"rule: unknown keep rule {self.keep}")
         if self.keep == KEEP_LAYER_LRU and self.capacity is None:
             raise ValueError("rule: KEEP_LAYER_LRU needs a capacity per layer")
+        if self.keep == KEEP_DECAYED and not 0.0 < self.decay <= 1.0:
+            raise ValueError(f"rule: KEEP_DECAYED needs a decay in (0, 1], not {self.decay}")
         if self.prefetch_next and self.routers is None:
             raise ValueError("rule: prefetch_next needs the routers")
         if not self.surrogate_weight >= 0 or self.resize_every < 0:

@@ -118,7 +118,10 @@ def simulate_all(
                     us = (cfg.policy_us or {}).get(row)
                 if spec.kind != "python":
                     us = 0.0  # decided natively: no Python per call
-                model = AsyncModel(max_lag=0, deterministic_lag=lag) if how == "async" else None
+                # NAME alone plans where the engine would: asynchronously on the disk tier
+                # (Planning.resolved), else synchronously, as this machine measured
+                asynchronous = how == "async" or (how is None and costs.disk is not None)
+                model = AsyncModel(max_lag=0, deterministic_lag=lag) if asynchronous else None
                 result = sim.run(row, policy, policy_us=us, preload=name == "exact", asynchronous=model)
                 rows.append({**base, **result.record(), **({"note": note} if note else {})})
             scale = costs.layer_scale

@@ -21,7 +21,7 @@ from pyspice.policy.base import (
     RESIDENCY_RESIDENT,
     Plan,
 )
-from pyspice.policy.rule import KEEP_LAYER_LRU, KEEP_LRU, KEEP_NONE, MISS_COST, MISS_FETCH, Rule
+from pyspice.policy.rule import KEEP_DECAYED, KEEP_LAYER_LRU, KEEP_LRU, KEEP_NONE, MISS_COST, MISS_FETCH, Rule
 from pyspice.sim.tier import SimTier
 
 Key = tuple[int, int]
@@ -36,6 +36,14 @@ class RuleState:
     capacity: list[int] = field(default_factory=list)
     misses: list[int] = field(default_factory=list)
     calls: int = 0
+    uses: dict[int, npt.NDArray[np.float64]] = field(default_factory=dict)  # KEEP_DECAYED: per layer
+
+    def note_uses(self, layer: int, n_expert: int, selected: set[int]) -> None:
+        """KEEP_DECAYED: the layer's use counts decay once per call, then each expert
+        the call selects counts one more (spice_store_rule.uses)."""
+        counts = self.uses.setdefault(layer, np.zeros(n_expert, np.float64))
+        counts *= self.rule.decay
+        counts[sorted(selected)] += 1.0
 
     def __post_init__(self) -> None:
         self.capacity = list(self.rule.capacity) if self.rule.capacity is not None else [0] * self.n_layers
@@ -75,8 +83,21 @@ def _fit_layer(
         over -= 1
 
 
-def _fit_pool(tier: SimTier, layer: int, selected: set[int], need: int, chosen: list[Key]) -> None:
-    """One pooled cache: least recently selected out first until `need` bytes fit."""
+def _fit_pool(
+    tier: SimTier, state: RuleState, layer: int, selected: set[int], need: int, chosen: list[Key]
+) -> None:
+    """One pooled cache until `need` bytes fit: least recently selected out first, or
+    (KEEP_DECAYED) the lowest decayed use count; ties to the lower (layer, expert)."""
+    if state.rule.keep == KEEP_DECAYED:
+
+        def rank(key: Key) -> float:
+            counts = state.uses.get(key[0])
+            return float(counts[key[1]]) if counts is not None else 0.0
+    else:
+
+        def rank(key: Key) -> float:
+            return tier.last_use.get(key, 0)
+
     used = tier.used_bytes
     taken = set(chosen)
     while used + need > tier.budget_bytes:
@@ -85,7 +106,7 @@ def _fit_pool(tier: SimTier, layer: int, selected: set[int], need: int, chosen: 
             for e in range(tier.n_expert[il]):
                 if (il == layer and e in selected) or (il, e) in taken or not _evictable(tier, il, e):
                     continue
-                if victim is None or tier.last_use.get((il, e), 0) < tier.last_use.get(victim, 0):
+                if victim is None or rank((il, e)) < rank(victim):
                     victim = (il, e)
         if victim is None:
             return
@@ -188,8 +209,10 @@ def rule_plan(
             for e in range(tier.n_expert[il])
             if not (il == layer and e in selected) and _evictable(tier, il, e)
         ]
-    elif rule.keep == KEEP_LRU:
-        _fit_pool(tier, layer, selected, len(incoming) * tier.expert_bytes[layer], evict)
+    elif rule.keep in (KEEP_LRU, KEEP_DECAYED):
+        if rule.keep == KEEP_DECAYED:
+            state.note_uses(layer, n_expert, selected)
+        _fit_pool(tier, state, layer, selected, len(incoming) * tier.expert_bytes[layer], evict)
     elif rule.keep == KEEP_LAYER_LRU:
         state.calls += 1
         if rule.resize_every > 0 and state.calls % rule.resize_every == 0:

@@ -55,7 +55,8 @@ def test_lossless_policies_are_bit_identical_with_experts_on_disk(
     llm = load_on_disk(path, budget)
     try:
         assert llm.spice_device is not None and llm.spice_device.disk
-        for policy in ("exact", "lru", "ondemand", AllHost(), AllDevice()):
+        # spice:exact plans asynchronously here, its rule fetching and keeping every miss
+        for policy in ("exact", "lru", "ondemand", "spice:exact", AllHost(), AllDevice()):
             got = greedy_run(llm, policy, n_decode=N_DECODE)
             assert np.array_equal(got.logits, ref.logits), f"{policy} with experts on disk at {budget}"
             assert got.stats["disk_read_bytes"] > 0 or got.stats["hit_rate"] == 1.0
@@ -64,6 +65,24 @@ def test_lossless_policies_are_bit_identical_with_experts_on_disk(
         assert host.stats["disk_scratch_reads"] > 0
     finally:
         llm.close()
+
+
+def test_spice_keeps_the_misses_it_reads_when_planning_asynchronously(synth_model) -> None:
+    """On this tier a host action reads its expert anyway: asynchronous SPICE (the
+    default with --ram-budget) fetches every miss into the pool and keeps it by decayed
+    use, where synchronous SPICE reads misses into scratch and drops them. Same logits."""
+    from pyspice.engine.planning import Planning
+
+    llm = load_on_disk(synth_model("qwen2moe", "tiny", "Q8_0"), "25%")
+    try:
+        kept = greedy_run(llm, "spice:exact", n_decode=N_DECODE)
+        llm.spice_engine.set_planning(Planning(asynchronous=False))
+        dropped = greedy_run(llm, "spice:exact", n_decode=N_DECODE)
+    finally:
+        llm.close()
+    assert np.array_equal(kept.logits, dropped.logits)
+    assert kept.stats["misses"]["fetched"] > 0
+    assert kept.stats["disk_scratch_reads"] < dropped.stats["disk_scratch_reads"], (kept.stats, dropped.stats)
 
 
 def test_the_widened_reads_are_counted(synth_model) -> None:

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from pyspice.policy import ACTION_DEVICE, ACTION_HOST
 from pyspice.policy.rule import (
     KEEP_ALL,
+    KEEP_DECAYED,
     KEEP_LAYER_LRU,
     KEEP_LRU,
     KEEP_NONE,
@@ -33,7 +34,7 @@ N_EMBD = 6
 
 @st.composite
 def rules(draw: Any) -> Rule:
-    keep = draw(st.sampled_from([KEEP_ALL, KEEP_LRU, KEEP_LAYER_LRU, KEEP_NONE]))
+    keep = draw(st.sampled_from([KEEP_ALL, KEEP_LRU, KEEP_LAYER_LRU, KEEP_NONE, KEEP_DECAYED]))
     capacity = tuple(draw(st.integers(1, n)) if n else 0 for n in N_EXPERT)
     prefetch_next = draw(st.booleans())
     rng = np.random.default_rng(draw(st.integers(0, 2**16)))
@@ -55,6 +56,8 @@ def rules(draw: Any) -> Rule:
         resize_every=draw(st.sampled_from([0, 2, 3])),
         prefetch_next=prefetch_next,
         routers=routers if prefetch_next else None,
+        # 0.5 makes ties between counts (the rule's tie-break) as likely as orderings
+        decay=draw(st.sampled_from([0.5, 0.9, 0.99, 1.0])) if keep == KEEP_DECAYED else 0.0,
     )
 
 
@@ -81,10 +84,17 @@ def calls(draw: Any) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
     setup=st.lists(op, max_size=15),
     rule=rules(),
     sequence=st.lists(st.tuples(calls(), st.integers(0, 20_000)), min_size=1, max_size=6),
+    switch=st.none() | st.tuples(st.integers(1, 5), rules()),
 )
 def test_rule_and_sim_rule_agree(
-    budget_experts: int, setup: list[Any], rule: Rule, sequence: list[Any]
+    budget_experts: int,
+    setup: list[Any],
+    rule: Rule,
+    sequence: list[Any],
+    switch: tuple[int, Rule] | None,
 ) -> None:
+    """`switch`: (call, rule) installs another rule before that call, as a plan's
+    rule or a policy change does mid-run."""
     store, tier = make_pair(budget_experts * max(EXPERT_BYTES), 3)
     for name, arg in setup:
         run_op(store, tier, name, arg)
@@ -93,6 +103,11 @@ def test_rule_and_sim_rule_agree(
     store.set_rule(rule)
     state = RuleState(rule, len(N_EXPERT))
     for step, ((il, ids, weights, hidden), gap) in enumerate(sequence):
+        if switch is not None and step == switch[0]:
+            if switch[1].keep == KEEP_LAYER_LRU and switch[1].capacity is None:
+                return
+            store.set_rule(switch[1])
+            state = RuleState(switch[1], len(N_EXPERT))
         store.advance(gap)
         tier.now_ns += gap
         tier.poll()
@@ -132,5 +147,5 @@ def test_a_refused_wait_moves_no_queue() -> None:
     hidden = np.zeros((1, N_EMBD), np.float32)
     sequence = [((0, one.copy(), np.array([[0.64]], np.float32), hidden), 0)]
     test_rule_and_sim_rule_agree.hypothesis.inner_test(  # type: ignore[attr-defined]
-        budget_experts=1, setup=setup, rule=rule, sequence=sequence
+        budget_experts=1, setup=setup, rule=rule, sequence=sequence, switch=None
     )

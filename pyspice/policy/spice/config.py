@@ -41,6 +41,14 @@ class SpiceConfig:
     # --- misses ---
     miss_mode: MissMode = "cost"  # cost: fetch-or-host by the cost model; host: all host; fetch: all fetched
     fetch_margin: float = 0.2  # fetch only when it beats all-host by this fraction (paper section 4.3)
+    # where a host action reads its expert first (edge mode: the disk tier), `cost`
+    # fetches every miss into the pool instead of reading it into scratch and dropping
+    # it (fetching costs no more there), and room comes from the resident experts with
+    # the lowest use count decayed by this at each call of their layer: a frequency that
+    # forgets, which read 1.7-1.9x MIN's bytes in the simulator where recency read 2.1-2.7x
+    # (docs/results/edge-mode-sim.md; 0.99 was the best of 0.9/0.97/0.99/0.995 on
+    # calibration text)
+    retention_decay: float = 0.99
     # --- surrogates (lossy; 0 disables) ---
     surrogate_max_weight: float = 0.0  # a miss whose gate weight is below this may be substituted
     surrogate_max_error: float = 0.0  # ... if its surrogate's held-out relative error is below this

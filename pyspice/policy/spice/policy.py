@@ -33,7 +33,7 @@ import numpy.typing as npt
 
 from pyspice.policy.base import RESIDENCY_RESIDENT, HookCall, Plan, PolicyBase
 from pyspice.policy.context import PolicyContext, RoutePredictor
-from pyspice.policy.rule import MISS_COST, MISS_FETCH, MISS_HOST, Rule
+from pyspice.policy.rule import KEEP_ALL, KEEP_DECAYED, MISS_COST, MISS_FETCH, MISS_HOST, Rule
 from pyspice.policy.spice.config import SpiceConfig, spice_config
 from pyspice.policy.spice.cost import CostModel
 from pyspice.policy.spice.lookahead import (
@@ -58,6 +58,7 @@ class SpicePolicy(PolicyBase):
         # MoE layers between a call and the call its plan is applied at (0: the same call,
         # synchronous planning): set before attach, the look-ahead reaches that much further
         self.plan_lag = 0
+        self.retains = False  # set at attach: see there
 
     @property
     def lossless(self) -> bool:
@@ -74,6 +75,11 @@ class SpicePolicy(PolicyBase):
         cfg = self.config
         self.ctx = ctx
         self.cost = CostModel.from_context(ctx)
+        # on a tier where a host action reads its expert first, misses are fetched and
+        # kept by decayed use (asynchronous_rule), and a prefetch takes free room only: one
+        # that took room by evict_from evicted what retention keeps, for 60-90% more bytes
+        # read and 1-2% of TPOT in the simulator (docs/results/edge-mode-sim.md)
+        self.retains = cfg.miss_mode == "cost" and self.cost.host_reads
         k = max(1, ctx.n_expert_used)
         moe = ctx.moe_layers
         # a decode step plans at every `every`-th MoE layer, for at least the layers up to
@@ -120,7 +126,9 @@ class SpicePolicy(PolicyBase):
         prefetch in flight is waited for when that beats the host by the cost model;
         absent -> host (`host`), a demand fetch (`fetch`), or a fetch when copy and
         device beat the host by `fetch_margin` (`cost`); lossy levels substitute
-        low-weight misses of experts whose surrogate is within the error budget."""
+        low-weight misses of experts whose surrogate is within the error budget.
+        Where a host action reads its expert first (the disk tier), `cost` fetches
+        every miss and keeps it, evicting by decayed use (SpiceConfig.retention_decay)."""
         assert self.ctx is not None, "attach the policy first"
         cfg, ctx = self.config, self.ctx
         miss = {"host": MISS_HOST, "fetch": MISS_FETCH, "cost": MISS_COST}[cfg.miss_mode]
@@ -133,8 +141,11 @@ class SpicePolicy(PolicyBase):
                     good = np.asarray(errors)[: table.shape[1]] <= cfg.surrogate_max_error
                     table[il, : good.size] = good
             surrogate_set = table
+        retain = self.retains
         return Rule(
-            miss=miss,
+            miss=MISS_FETCH if retain else miss,
+            keep=KEEP_DECAYED if retain else KEEP_ALL,
+            decay=cfg.retention_decay if retain else 0.0,
             host_us=self.misses.host1,
             device_us=self.misses.dev1,
             margin=cfg.fetch_margin,
@@ -183,7 +194,7 @@ class SpicePolicy(PolicyBase):
             decision.fetch,
             prefetch.prefetch,
             prefetch.evict,
-            prefetch.evict_from,
+            () if self.retains else prefetch.evict_from,
             self.resume[layer],
         )
 
@@ -237,4 +248,5 @@ class SpicePolicy(PolicyBase):
             self.predictor, layer, call.hidden, self.ctx.n_expert_used, self.batch_depth[layer]
         )
         prefetch = self.planner.plan(layer, predictions, residency, decision.busy, cells)
-        return Plan(decision.actions, decision.fetch, prefetch.prefetch, prefetch.evict, prefetch.evict_from)
+        evict_from = () if self.retains else prefetch.evict_from
+        return Plan(decision.actions, decision.fetch, prefetch.prefetch, prefetch.evict, evict_from)

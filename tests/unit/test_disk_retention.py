@@ -1,0 +1,96 @@
+"""Retention on the disk tier (edge mode): where a host action reads its expert
+first, SPICE's rule fetches every miss into the RAM pool and keeps it, evicting the
+lowest decayed use count (KEEP_DECAYED), and plans asynchronously by default. The
+C rule is held to its twin by tests/native/test_rule_twin.py; these pin down the
+meaning of each piece."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from pyspice.engine.planning import Planning
+from pyspice.policy import make_policy
+from pyspice.policy.context import PolicyContext
+from pyspice.policy.rule import KEEP_ALL, KEEP_DECAYED, KEEP_LRU, MISS_COST, MISS_FETCH, Rule
+from pyspice.policy.spice import SpicePolicy
+from pyspice.sim import plan as sim_plan
+from pyspice.sim.rule import RuleState, rule_plan
+from pyspice.sim.tier import SimTier
+
+EXPERT_BYTES = 1000
+
+
+def test_a_decayed_rule_needs_a_decay_in_0_to_1() -> None:
+    for bad in (0.0, -0.5, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="decay"):
+            Rule(miss=MISS_FETCH, keep=KEEP_DECAYED, decay=bad)
+    assert Rule(miss=MISS_FETCH, keep=KEEP_DECAYED, decay=1.0).decay == 1.0
+
+
+def keep_by(keep: int) -> list[tuple[int, int]]:
+    """One layer, room for two experts: expert 0 is selected three times, then
+    expert 1 once, then expert 2 comes in. Which expert goes?"""
+    tier = SimTier((4,), (EXPERT_BYTES,), 2 * EXPERT_BYTES, bandwidth_gbps=1.0, latency_us=0.0)
+    state = RuleState(Rule(miss=MISS_FETCH, keep=keep, decay=0.9 if keep == KEEP_DECAYED else 0.0), 1)
+    victims: list[tuple[int, int]] = []
+    for e in (0, 0, 0, 1, 2):
+        ids = np.array([[e]], np.int32)
+        tier.now_ns += 10**9  # every copy has landed by the next call
+        tier.poll()
+        tier.begin_call(0, ids)
+        actions, plan = rule_plan(tier, state, 0, ids, np.ones((1, 1), np.float32))
+        victims += plan.evict
+        sim_plan.apply_plan(tier, 0, ids, actions.copy(), plan)
+    return victims
+
+
+def test_decayed_use_keeps_the_frequent_expert_where_recency_keeps_the_recent_one() -> None:
+    assert keep_by(KEEP_LRU) == [(0, 0)]
+    assert keep_by(KEEP_DECAYED) == [(0, 1)]
+
+
+def context(in_memory: bool) -> PolicyContext:
+    return PolicyContext(
+        n_layers=3,
+        n_expert=(8, 8, 8),
+        n_expert_used=2,
+        expert_bytes=(EXPERT_BYTES,) * 3,
+        budget_bytes=6 * EXPERT_BYTES,
+        surrogate_error=lambda il: None,
+        host_weights_in_memory=in_memory,
+    )
+
+
+def attached(name: str, ctx: PolicyContext) -> SpicePolicy:
+    policy = make_policy(name)
+    assert isinstance(policy, SpicePolicy)
+    policy.attach(ctx)
+    return policy
+
+
+def test_spice_retains_misses_only_where_a_host_action_reads() -> None:
+    on_disk = attached("spice:exact", context(in_memory=False)).asynchronous_rule()
+    assert (on_disk.miss, on_disk.keep, on_disk.decay) == (MISS_FETCH, KEEP_DECAYED, 0.99)
+    in_ram = attached("spice:exact", context(in_memory=True)).asynchronous_rule()
+    assert (in_ram.miss, in_ram.keep) == (MISS_COST, KEEP_ALL)
+    # an ablation that sends every miss to the host keeps its meaning on disk too
+    assert attached("abl-b", context(in_memory=False)).asynchronous_rule().keep == KEEP_ALL
+
+
+def test_a_retaining_policy_prefetches_into_free_room_only() -> None:
+    policy = attached("spice:exact", context(in_memory=False))
+    assert policy.retains
+    assert not attached("spice:exact", context(in_memory=True)).retains
+    # the decay is a setting of the variant
+    custom = SpicePolicy(replace(policy.config, retention_decay=0.9))
+    custom.attach(context(in_memory=False))
+    assert custom.asynchronous_rule().decay == 0.9
+
+
+def test_planning_defaults_to_asynchronous_with_experts_on_disk() -> None:
+    assert Planning().resolved(experts_on_disk=True)
+    assert not Planning(asynchronous=False).resolved(experts_on_disk=True)
+    assert Planning(asynchronous=True).resolved(experts_on_disk=False)
