@@ -170,12 +170,7 @@ class Llama(llama_cpp.Llama):
             str(run.model),
             policy="stock" if later else run.policy,
             max_hook_tokens=run.max_hook_tokens,
-            n_ctx=run.n_ctx,
-            n_batch=run.n_batch,
-            n_ubatch=run.n_ubatch,
-            n_threads=run.threads,
-            n_threads_batch=run.threads,
-            n_gpu_layers=run.n_gpu_layers,
+            **run.context_params(),
             logits_all=logits_all,
             seed=seed if seed is not None else 0xFFFFFFFF,
             # an automatic budget is sized after loading, from what the GPU has left

@@ -292,3 +292,16 @@ class ResolvedRun:
     replay_routing: Path | None = None
     use_mmap: bool = True
     use_mlock: bool = False
+
+    def context_params(self) -> dict[str, int]:
+        """llama.cpp's model and context sizes for this run, as keyword arguments of
+        llama_cpp.Llama: pyspice's rows and bench's `upstream` row take the same ones,
+        so a comparison runs both with equal threads and batches."""
+        return {
+            "n_ctx": self.n_ctx,
+            "n_batch": self.n_batch,
+            "n_ubatch": self.n_ubatch,
+            "n_threads": self.threads,
+            "n_threads_batch": self.threads,
+            "n_gpu_layers": self.n_gpu_layers,
+        }

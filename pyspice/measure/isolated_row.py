@@ -174,17 +174,7 @@ def load(spec: RowSpec) -> Any:
         from pyspice.engine.plain_llama import PlainLlama
 
         run = config.resolve()
-        return PlainLlama(
-            str(run.model),
-            n_ctx=run.n_ctx,
-            n_batch=run.n_batch,
-            n_ubatch=run.n_ubatch,
-            n_threads=run.threads,
-            n_threads_batch=run.threads,
-            n_gpu_layers=run.n_gpu_layers,
-            use_mmap=True,
-            verbose=False,
-        )
+        return PlainLlama(str(run.model), **run.context_params(), use_mmap=True, verbose=False)
     from pyspice.api import Llama
 
     return Llama.from_config(config, note=lambda message: print(f"pyspice: {message}", file=sys.stderr))
