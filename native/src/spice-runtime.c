@@ -816,6 +816,10 @@ uint64_t spice_runtime_plan_rejections(const spice_runtime * rt) {
     return rt ? rt->plan_rejections : 0;
 }
 
+/* what spice_store_set_rule refuses, for both ways a rule is installed */
+static const char RULE_PROBLEMS[] = "an action, miss or keep value out of range, LAYER_LRU without capacities, "
+                                    "DECAYED without a decay in (0, 1], or prefetch_next without routers";
+
 void spice_runtime_take_plan_rule(spice_runtime * rt, const spice_policy_call * call) {
     if (call->rule == NULL || (const void *) call->rule == rt->plan_rule || rt->store == NULL) {
         return;
@@ -823,10 +827,7 @@ void spice_runtime_take_plan_rule(spice_runtime * rt, const spice_policy_call * 
     if (spice_store_set_rule(rt->store, call->rule) == SPICE_OK) {
         rt->plan_rule = call->rule;
     } else {
-        set_error(rt, "layer %d: the plan's rule is invalid (an action, miss or keep value out of range, "
-                      "LAYER_LRU without capacities, DECAYED without a decay in (0, 1], or prefetch_next without "
-                      "routers); the rule stays",
-                  call->il);
+        set_error(rt, "layer %d: the plan's rule is invalid (%s); the rule stays", call->il, RULE_PROBLEMS);
         rt->plan_rejections++;
     }
 }
@@ -842,8 +843,7 @@ int spice_runtime_set_rule(spice_runtime * rt, const spice_rule * rule) {
     const int status = spice_store_set_rule(rt->store, rule);
     rt->plan_rule = NULL;
     if (status == SPICE_ERR_INVALID_ARG) {
-        set_error(rt, "invalid rule: an action, miss or keep value out of range, LAYER_LRU without "
-                      "capacities, DECAYED without a decay in (0, 1], or prefetch_next without routers");
+        set_error(rt, "invalid rule: %s", RULE_PROBLEMS);
     }
     return status;
 }
