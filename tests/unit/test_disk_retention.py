@@ -12,13 +12,14 @@ import numpy as np
 import pytest
 
 from pyspice.engine.planning import Planning
-from pyspice.policy import make_policy
 from pyspice.policy.context import PolicyContext
 from pyspice.policy.rule import KEEP_ALL, KEEP_DECAYED, KEEP_LRU, MISS_COST, MISS_FETCH, Rule
 from pyspice.policy.spice import SpicePolicy
 from pyspice.sim import plan as sim_plan
 from pyspice.sim.rule import RuleState, rule_plan
 from pyspice.sim.tier import SimTier
+
+from .test_spice_policy import attached
 
 EXPERT_BYTES = 1000
 
@@ -62,13 +63,6 @@ def context(in_memory: bool) -> PolicyContext:
         surrogate_error=lambda il: None,
         host_weights_in_memory=in_memory,
     )
-
-
-def attached(name: str, ctx: PolicyContext) -> SpicePolicy:
-    policy = make_policy(name)
-    assert isinstance(policy, SpicePolicy)
-    policy.attach(ctx)
-    return policy
 
 
 def test_spice_retains_misses_only_where_a_host_action_reads() -> None:
