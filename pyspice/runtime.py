@@ -1219,6 +1219,32 @@ def add_outcomes(actions: npt.ArrayLike, hit: npt.ArrayLike) -> Counters:
     return Counters(**{name: int(getattr(c, name)) for name in _COUNTER_FIELDS})
 
 
+def rule_router_logits(router: npt.ArrayLike, hidden: npt.ArrayLike) -> npt.NDArray[np.float64]:
+    """The logits the rule's next-layer prefetch ranks (spice_rule_router_logits):
+    router [n_expert, n_embd] in int8 and hidden rows [n, n_embd] in int16, each
+    with its own scale. Returns [n, n_expert] float64."""
+    n = _Native.get()
+    ffi, lib = n.ffi, n.lib
+    r = np.ascontiguousarray(router, dtype=np.float32)
+    h = np.ascontiguousarray(np.atleast_2d(hidden), dtype=np.float32)
+    if r.ndim != 2 or h.ndim != 2 or h.shape[1] != r.shape[1]:
+        raise ValueError(f"shapes: router {r.shape}, hidden {h.shape}")
+    out = np.zeros((h.shape[0], r.shape[0]), np.float64)
+    status = lib.spice_rule_router_logits(
+        r.shape[0],
+        r.shape[1],
+        ffi.from_buffer("float[]", r),
+        h.shape[0],
+        ffi.from_buffer("float[]", h),
+        ffi.from_buffer("double[]", out, require_writable=True),
+    )
+    if status != 0:
+        raise SpiceError(
+            status, f"spice_rule_router_logits: {ffi.string(lib.spice_status_string(status)).decode()}"
+        )
+    return out
+
+
 def surrogate_apply(
     a: npt.ArrayLike,
     b: npt.ArrayLike,

@@ -259,7 +259,9 @@ struct spice_rule {
     int32_t resize_every;          /* LAYER_LRU: every this many calls, capacities re-split by
                                       (misses + 1) x copy time per layer (0: fixed) */
     int32_t prefetch_next;         /* 1: prefetch the next MoE layer's router top-k (n_expert_used) */
-    const float * const * routers; /* [n_layers] router weights [n_expert][n_embd] f32, NULL entries allowed */
+    const float * const * routers; /* [n_layers] router weights [n_expert][n_embd] f32, NULL entries allowed;
+                                      the store keeps them in int16 (a scale per row) and scales each
+                                      input row to 15 bits: the top-k is of those exact integer logits */
     int32_t n_embd;                /* the routers' row width */
     double  decay;                 /* KEEP_DECAYED: in (0, 1], per call of the layer */
 };
@@ -446,6 +448,13 @@ SPICE_API int spice_store_set_rule(spice_store * store, const spice_rule * rule)
  * recency, and the call's ids, gate weights and input rows. Call it after
  * spice_store_begin_call, then apply it (spice_store_apply_plan). */
 SPICE_API int spice_store_rule_plan(spice_store * store, spice_policy_call * call);
+
+/* The logits prefetch_next ranks, on plain arrays, for tests: router
+ * [n_expert][n_embd] f32 taken to int16 with a scale per row, each of the
+ * n_rows hidden rows [n_embd] to 15 bits with its own, and
+ * logits[i][e] = (double) (exact integer dot) * router scale * row scale. */
+SPICE_API int spice_rule_router_logits(int32_t n_expert, int32_t n_embd, const float * router, int32_t n_rows,
+                                       const float * hidden, double * logits);
 
 /* Copy the first `size` bytes of resident expert (il, e)'s slot into dst
  * (host memory), whatever the device: tests check that copies move the right

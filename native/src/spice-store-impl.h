@@ -39,6 +39,20 @@ typedef struct spice_store_scratch {
     uint8_t * landed;  /* [n_slots] */
 } spice_store_scratch;
 
+/* A router as the rule keeps it: each row [n_embd] in int16 with its own
+ * scale (w ~ scale * q), half the f32 bytes. The next layer's router is read
+ * once per call on caches ggml's kernels have just emptied, so its bytes, not
+ * its arithmetic, are most of the rule's time (issue 19). Each hidden row is
+ * scaled to 15 bits the same way, so a logit is an exact integer sum times
+ * the two scales: every build, and the twin in numpy, get the same number
+ * (pyspice/sim/rule.py). Fewer bits lose experts: routers' rows have weights
+ * 40-200x their median, and int8 rows changed a quarter of some layers'
+ * top-4 on smolmoe-b (docs/results/hook-thread-rules.md). */
+typedef struct spice_router_q {
+    int16_t * q;   /* [n_expert][n_embd] */
+    float * scale; /* [n_expert] */
+} spice_router_q;
+
 /* The installed per-activation rule (spice_rule, with store-owned copies of
  * its arrays) and its running state. */
 typedef struct spice_store_rule {
@@ -46,7 +60,9 @@ typedef struct spice_store_rule {
     uint8_t * surrogate_set; /* [n_layers * max_expert] or NULL */
     uint8_t * whole_layers;  /* [n_layers] or NULL */
     int32_t * capacity;      /* [n_layers] (LAYER_LRU) or NULL */
-    float ** routers;        /* [n_layers] entries [n_expert][n_embd] or NULL; the array NULL without prefetch_next */
+    spice_router_q * routers; /* [n_layers] int16 copies of the routers (entries with q NULL: none); the
+                                array NULL without prefetch_next */
+    int16_t * hidden_q;       /* [n_embd] scratch: one hidden row in int16, with prefetch_next */
     int32_t * misses;        /* [n_layers] misses since the last resize */
     int64_t calls;           /* calls planned by the rule */
     uint8_t * incoming;      /* [max_expert] scratch: absent experts this call fetches */

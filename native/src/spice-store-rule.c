@@ -6,7 +6,11 @@
  * test_rule_twin.py holds the two equal). */
 #include "spice-store-impl.h"
 
+#include <float.h>
 #include <math.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 #include <stdlib.h>
 #include <string.h>
 
@@ -36,9 +40,12 @@ static void release_arrays(spice_store * s) {
     free(r->whole_layers);
     free(r->capacity);
     for (int32_t il = 0; r->routers != NULL && il < s->n_layers; ++il) {
-        free(r->routers[il]);
+        free(r->routers[il].q);
+        free(r->routers[il].scale);
     }
     free(r->routers);
+    free(r->hidden_q);
+    r->hidden_q = NULL;
     r->surrogate_set = r->whole_layers = NULL;
     r->capacity = NULL;
     r->routers = NULL;
@@ -56,6 +63,89 @@ void spice_store_rule_free(spice_store * s) {
     free(r->oldest);
     free(r->uses);
     memset(r, 0, sizeof(*r));
+}
+
+/* One row to integers: scale = max |x| / limit over the finite values,
+ * q = x * (1 / scale) in float, rounded to nearest even (adding and taking
+ * away 1.5 x 2^23 does that in the default rounding mode, with no libm
+ * call), clamped to +-limit; not finite counts as 0. A row of zeros has
+ * scale 0; a row whose scale is subnormal, q all 0. The twin
+ * (pyspice/sim/rule.py quantize_rows) must stay the same rule, operation
+ * for operation: the two are compared bit for bit (test_rule_twin.py). */
+#if defined(__SSE2__)
+/* |x| and whether x is finite, four lanes: SSE2 has no abs, so the sign bit
+ * is masked off and the rest compared as integers against +inf's bits. */
+static __m128 abs4(__m128 x) {
+    return _mm_and_ps(x, _mm_castsi128_ps(_mm_set1_epi32(0x7fffffff)));
+}
+
+static __m128 finite4(__m128 a) {
+    return _mm_castsi128_ps(_mm_cmplt_epi32(_mm_castps_si128(a), _mm_set1_epi32(0x7f800000)));
+}
+#endif
+
+static float quantize_row(const float * x, int32_t n, float limit, int16_t * q) {
+    float amax = 0.0f;
+    int32_t j = 0;
+#if defined(__SSE2__)
+    __m128 m = _mm_setzero_ps();
+    for (; j + 4 <= n; j += 4) { /* max is exact, so lanes then the tail give the scalar loop's result */
+        const __m128 a = abs4(_mm_loadu_ps(x + j));
+        m = _mm_max_ps(m, _mm_and_ps(a, finite4(a)));
+    }
+    float lanes[4];
+    _mm_storeu_ps(lanes, m);
+    for (int l = 0; l < 4; ++l) {
+        amax = lanes[l] > amax ? lanes[l] : amax;
+    }
+#endif
+    for (; j < n; ++j) {
+        const float a = fabsf(x[j]);
+        amax = a > amax && a <= FLT_MAX ? a : amax;
+    }
+    const float d = amax / limit;
+    const float inv = d >= FLT_MIN ? 1.0f / d : 0.0f; /* a subnormal scale: all zeros */
+    j = 0;
+#if defined(__SSE2__)
+    /* min_ps(v, lim) is `v < lim ? v : lim` and max_ps(v, -lim) `v > -lim ? v : -lim`
+     * to the bit, NaN included: the scalar loop's clamps */
+    const __m128 vinv = _mm_set1_ps(inv), lim = _mm_set1_ps(limit), nlim = _mm_set1_ps(-limit);
+    const __m128 round = _mm_set1_ps(12582912.0f);
+    for (; j + 8 <= n; j += 8) {
+        __m128i w[2];
+        for (int h = 0; h < 2; ++h) {
+            const __m128 xv = _mm_loadu_ps(x + j + 4 * h);
+            __m128 v = _mm_and_ps(_mm_mul_ps(xv, vinv), finite4(abs4(xv)));
+            v = _mm_max_ps(_mm_min_ps(v, lim), nlim);
+            w[h] = _mm_cvttps_epi32(_mm_sub_ps(_mm_add_ps(v, round), round));
+        }
+        _mm_storeu_si128((__m128i *) (q + j), _mm_packs_epi32(w[0], w[1]));
+    }
+#endif
+    for (; j < n; ++j) {
+        float v = fabsf(x[j]) <= FLT_MAX ? x[j] * inv : 0.0f;
+        v = v < limit ? v : limit;
+        v = v > -limit ? v : -limit;
+        q[j] = (int16_t) ((v + 12582912.0f) - 12582912.0f);
+    }
+    return d;
+}
+
+/* The rule's two integer widths: routers' rows in int16, hidden rows in 15
+ * bits, so that one pmaddwd pair (2 x 32767 x 16383) and two pairs added
+ * stay within int32. */
+#define SPICE_ROUTER_Q_LIMIT 32767.0f
+#define SPICE_HIDDEN_Q_LIMIT 16383.0f
+
+static int quantize_router(const float * w, int32_t n_expert, int32_t n_embd, spice_router_q * out) {
+    out->q = (int16_t *) malloc((size_t) n_expert * (size_t) n_embd * sizeof(int16_t));
+    out->scale = (float *) malloc((size_t) n_expert * sizeof(float));
+    const int ok = out->q != NULL && out->scale != NULL;
+    for (int32_t e = 0; ok && e < n_expert; ++e) {
+        out->scale[e] = quantize_row(w + (size_t) e * (size_t) n_embd, n_embd, SPICE_ROUTER_Q_LIMIT,
+                                     out->q + (size_t) e * (size_t) n_embd);
+    }
+    return ok;
 }
 
 static void * copy_of(const void * src, size_t bytes) {
@@ -96,18 +186,18 @@ int spice_store_set_rule(spice_store * s, const spice_rule * rule) {
         ok &= (r->capacity = (int32_t *) copy_of(in->capacity, (size_t) s->n_layers * sizeof(int32_t))) != NULL;
     }
     if (in->prefetch_next) {
-        ok &= (r->routers = (float **) calloc((size_t) s->n_layers, sizeof(float *))) != NULL;
+        ok &= (r->routers = (spice_router_q *) calloc((size_t) s->n_layers, sizeof(spice_router_q))) != NULL;
+        ok &= (r->hidden_q = (int16_t *) calloc((size_t) in->n_embd, sizeof(int16_t))) != NULL;
         for (int32_t il = 0; ok && il < s->n_layers; ++il) {
             if (in->routers[il] != NULL && s->n_expert[il] > 0) {
-                const size_t bytes = (size_t) s->n_expert[il] * (size_t) in->n_embd * sizeof(float);
-                ok &= (r->routers[il] = (float *) copy_of(in->routers[il], bytes)) != NULL;
+                ok &= quantize_router(in->routers[il], s->n_expert[il], in->n_embd, &r->routers[il]);
             }
         }
     }
     r->rule.surrogate_set = r->surrogate_set;
     r->rule.whole_layers = r->whole_layers;
     r->rule.capacity = r->capacity;
-    r->rule.routers = (const float * const *) r->routers;
+    r->rule.routers = NULL; /* the rule reads its int16 copies (r->routers), not the caller's */
     memset(r->misses, 0, (size_t) s->n_layers * sizeof(int32_t));
     memset(r->uses, 0, cells * sizeof(double));
     /* fit_pool's cached candidates were ranked by the rule before: look again */
@@ -319,84 +409,126 @@ static int32_t next_moe_layer(const spice_store * s, int32_t il) {
     return -1;
 }
 
-/* Four float lanes, in GCC/Clang's vector extension: plain C that every
- * target compiles to its vector registers (SSE2 on baseline x86-64). */
-typedef float spice_f32x4 __attribute__((vector_size(16)));
-
-static spice_f32x4 load4(const float * p) {
-    spice_f32x4 v;
-    memcpy(&v, p, sizeof(v));
-    return v;
-}
-
-/* Router logits of experts e0 .. e0 + n - 1 (n <= 4) for one row: per
- * expert eight running sums (lanes j mod 8) added up in double at the end
- * -- a different order from numpy's, which only a tie at the top-k edge
- * could show -- four experts at a time so that their chains of additions
- * overlap instead of each waiting on its own latency. A logit is the same
- * sum in the same order whatever n is. The hook runs on caches ggml's
- * kernels have just emptied, and one expert's row is too short a stream for
- * the hardware prefetcher to ramp up on: the loop prefetches the next four
- * rows (`next`, NULL: none) as it reads these, which halves the time of a
- * cold router (spice-rule-bench --cold). */
-static void prefetch_rows(const float * w, int32_t n_embd, int32_t n) {
-    for (int32_t x = 0; x < n; ++x) {
-        for (int32_t j = 0; j < n_embd; j += 16) { /* 16 floats: one 64-byte line */
-            __builtin_prefetch(w + (size_t) x * (size_t) n_embd + j);
-        }
+/* The hook runs on caches ggml's kernels have just emptied, and one expert's
+ * row is too short a stream for the hardware prefetcher to ramp up on: the
+ * plan asks for the router's first bytes as it starts, and dot4_i16 for the
+ * next rows as it reads these (spice-rule-bench --cold). */
+static void prefetch_bytes(const void * p, size_t n) {
+    for (size_t j = 0; j < n; j += 64) { /* one 64-byte line */
+        __builtin_prefetch((const char *) p + j);
     }
 }
 
-static void router_dots(const float * w, int32_t n_embd, const float * h, int32_t n, double * out,
-                        const float * next, int32_t n_next) {
-    spice_f32x4 lo[4] = { { 0 } }, hi[4] = { { 0 } };
-    const float * row[4];
-    for (int32_t x = 0; x < 4; ++x) {
-        row[x] = w + (size_t) (x < n ? x : 0) * (size_t) n_embd;
+#if defined(__SSE2__)
+/* the four int32 lanes of x added into two int64 pairs (SSE2 has no
+ * sign extension: the high halves are x's sign) */
+static void add_wide(__m128i x, __m128i * lo, __m128i * hi) {
+    const __m128i sign = _mm_srai_epi32(x, 31);
+    *lo = _mm_add_epi64(*lo, _mm_unpacklo_epi32(x, sign));
+    *hi = _mm_add_epi64(*hi, _mm_unpackhi_epi32(x, sign));
+}
+#endif
+
+/* out[x] = sum_j rows[x][j] * h[j] exactly, for x < 4 (the caller points
+ * unused rows at a real one); rows within SPICE_ROUTER_Q_LIMIT, h within
+ * SPICE_HIDDEN_Q_LIMIT. Four rows at a time share each load of h. SSE2
+ * (every x86-64): pmaddwd makes eight products into four int32 pair sums,
+ * two of which still fit int32, then int64; elsewhere plain C, which
+ * compilers vectorize. The same integers either way. `next` (NULL: none):
+ * the n_next rows after these, asked for as these are read. */
+static void dot4_i16(const int16_t * const rows[4], const int16_t * h, int32_t n, const int16_t * next,
+                     int32_t n_next, int64_t out[4]) {
+    for (int x = 0; x < 4; ++x) {
+        out[x] = 0;
     }
     int32_t j = 0;
-    for (; j + 8 <= n_embd; j += 8) {
-        if (next != NULL && j % 16 == 0) {
+#if defined(__SSE2__)
+    __m128i lo[4], hi[4];
+    for (int x = 0; x < 4; ++x) {
+        lo[x] = hi[x] = _mm_setzero_si128();
+    }
+    for (; j + 16 <= n; j += 16) {
+        if (next != NULL && j % 32 == 0) { /* 32 int16: one 64-byte line */
             for (int32_t x = 0; x < n_next; ++x) {
-                __builtin_prefetch(next + (size_t) x * (size_t) n_embd + j);
+                __builtin_prefetch(next + (size_t) x * (size_t) n + j);
             }
         }
-        const spice_f32x4 h_lo = load4(h + j), h_hi = load4(h + j + 4);
+        const __m128i h0 = _mm_loadu_si128((const __m128i *) (h + j));
+        const __m128i h1 = _mm_loadu_si128((const __m128i *) (h + j + 8));
+        for (int x = 0; x < 4; ++x) {
+            const __m128i p0 = _mm_madd_epi16(_mm_loadu_si128((const __m128i *) (rows[x] + j)), h0);
+            const __m128i p1 = _mm_madd_epi16(_mm_loadu_si128((const __m128i *) (rows[x] + j + 8)), h1);
+            add_wide(_mm_add_epi32(p0, p1), &lo[x], &hi[x]);
+        }
+    }
+    for (int x = 0; x < 4; ++x) {
+        int64_t lanes[4];
+        _mm_storeu_si128((__m128i *) lanes, lo[x]);
+        _mm_storeu_si128((__m128i *) (lanes + 2), hi[x]);
+        out[x] = lanes[0] + lanes[1] + lanes[2] + lanes[3];
+    }
+#else
+    (void) next;
+    (void) n_next;
+#endif
+    for (; j < n; ++j) {
+        for (int x = 0; x < 4; ++x) {
+            out[x] += (int64_t) rows[x][j] * h[j];
+        }
+    }
+}
+
+/* Router logits of every expert of a layer for one hidden row (already in
+ * int16 with scale h_scale): the exact integer dot times the row's and the
+ * hidden row's scales, in double, in that order (the twin's order). */
+static void router_logits(const spice_router_q * router, int32_t n_e, int32_t n_embd, const int16_t * h,
+                          float h_scale, double * out) {
+    for (int32_t e = 0; e < n_e; e += 4) {
+        const int32_t n = n_e - e < 4 ? n_e - e : 4, n_next = n_e - e - n < 4 ? n_e - e - n : 4;
+        const int16_t * rows[4];
         for (int32_t x = 0; x < 4; ++x) {
-            lo[x] += load4(row[x] + j) * h_lo;
-            hi[x] += load4(row[x] + j + 4) * h_hi;
+            rows[x] = router->q + (size_t) (e + (x < n ? x : 0)) * (size_t) n_embd;
+        }
+        int64_t dots[4];
+        dot4_i16(rows, h, n_embd, n_next > 0 ? router->q + (size_t) (e + n) * (size_t) n_embd : NULL, n_next,
+                    dots);
+        for (int32_t x = 0; x < n; ++x) {
+            out[e + x] = (double) dots[x] * (double) router->scale[e + x] * (double) h_scale;
         }
     }
-    for (int32_t x = 0; x < n; ++x) {
-        double acc = 0.0;
-        for (int q = 0; q < 4; ++q) {
-            acc += (double) lo[x][q];
-        }
-        for (int q = 0; q < 4; ++q) {
-            acc += (double) hi[x][q];
-        }
-        for (int32_t tail = j; tail < n_embd; ++tail) {
-            acc += (double) row[x][tail] * (double) h[tail];
-        }
-        out[x] = acc;
+}
+
+int spice_rule_router_logits(int32_t n_expert, int32_t n_embd, const float * router, int32_t n_rows,
+                             const float * hidden, double * logits) {
+    if (n_expert <= 0 || n_embd <= 0 || n_rows < 0 || router == NULL ||
+        (n_rows > 0 && (hidden == NULL || logits == NULL))) {
+        return SPICE_ERR_INVALID_ARG;
     }
+    spice_router_q q = { NULL, NULL };
+    int16_t * h = (int16_t *) malloc((size_t) n_embd * sizeof(int16_t));
+    const int ok = h != NULL && quantize_router(router, n_expert, n_embd, &q);
+    for (int32_t i = 0; ok && i < n_rows; ++i) {
+        const float h_scale = quantize_row(hidden + (size_t) i * (size_t) n_embd, n_embd, SPICE_HIDDEN_Q_LIMIT, h);
+        router_logits(&q, n_expert, n_embd, h, h_scale, logits + (size_t) i * (size_t) n_expert);
+    }
+    free(q.q);
+    free(q.scale);
+    free(h);
+    return ok ? SPICE_OK : SPICE_ERR_NO_MEMORY;
 }
 
 /* The experts the next layer's router picks for this call's rows (top
  * n_expert_used per row, ties to the lower id), into r->predicted. */
 static void predict_next(spice_store * s, const spice_policy_call * call, int32_t nxt) {
     spice_store_rule * r = &s->rule;
-    const float * router = r->routers[nxt];
+    const spice_router_q * router = &r->routers[nxt];
     const int32_t n_e = s->n_expert[nxt], n_embd = r->rule.n_embd;
     const int32_t k = call->n_expert_used < n_e ? call->n_expert_used : n_e;
     memset(r->predicted, 0, (size_t) n_e);
     for (int32_t t = 0; t < call->n_tokens; ++t) {
         const float * h = (const float *) ((const char *) call->inp + (size_t) t * call->inp_nb1);
-        for (int32_t e = 0; e < n_e; e += 4) {
-            const int32_t n = n_e - e < 4 ? n_e - e : 4, n_next = n_e - e - n < 4 ? n_e - e - n : 4;
-            router_dots(router + (size_t) e * (size_t) n_embd, n_embd, h, n, r->logits + e,
-                        n_next > 0 ? router + (size_t) (e + n) * (size_t) n_embd : NULL, n_next);
-        }
+        const float h_scale = quantize_row(h, n_embd, SPICE_HIDDEN_Q_LIMIT, r->hidden_q);
+        router_logits(router, n_e, n_embd, r->hidden_q, h_scale, r->logits);
         for (int32_t pick = 0; pick < k; ++pick) {
             int32_t best = -1;
             for (int32_t e = 0; e < n_e; ++e) {
@@ -451,8 +583,9 @@ int spice_store_rule_plan(spice_store * s, spice_policy_call * call) {
     memset(r->incoming, 0, (size_t) n_e);
     memset(r->selected, 0, (size_t) n_e); /* r->chosen is all zero: each plan clears what it set */
     const int32_t nxt = rule->prefetch_next ? next_moe_layer(s, il) : -1;
-    if (nxt >= 0 && r->routers[nxt] != NULL) { /* its first rows come in while the actions are decided */
-        prefetch_rows(r->routers[nxt], rule->n_embd, s->n_expert[nxt] < 4 ? s->n_expert[nxt] : 4);
+    if (nxt >= 0 && r->routers[nxt].q != NULL) { /* its first 8 KiB come in while the actions are decided */
+        const size_t bytes = (size_t) s->n_expert[nxt] * (size_t) rule->n_embd * sizeof(int16_t);
+        prefetch_bytes(r->routers[nxt].q, bytes < 8192 ? bytes : 8192);
     }
 
     int32_t absent_selected = 0;
@@ -531,7 +664,7 @@ int spice_store_rule_plan(spice_store * s, spice_policy_call * call) {
         default: break;
     }
 
-    if (nxt >= 0 && r->routers[nxt] != NULL) {
+    if (nxt >= 0 && r->routers[nxt].q != NULL) {
         predict_next(s, call, nxt);
         const int32_t limit = rule->keep == SPICE_KEEP_LAYER_LRU ? r->capacity[nxt] : s->n_expert[nxt];
         int32_t n_wanted = 0;

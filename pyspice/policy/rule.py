@@ -20,7 +20,11 @@ pooled or per layer; or, DECAYED, the lowest use count decayed by `decay` at
 every call of its layer: a frequency that forgets); a layer in `whole_layers` fetches
 all its absent experts at its call and runs on the device; with
 `prefetch_next` the next MoE layer's router, applied to the call's input,
-names experts to prefetch (within that layer's capacity).
+names experts to prefetch (within that layer's capacity). The engine keeps the
+routers in int16 with a scale per row and scales each input row to 15 bits
+(half the bytes it would read per call in float32, and the same logits on
+every build: pyspice.sim.rule.quantize_rows); a prefetch is a guess, and an
+expert whose logit is that close to the top-k edge is as good a guess.
 """
 
 from __future__ import annotations

@@ -37,6 +37,16 @@ class RuleState:
     misses: list[int] = field(default_factory=list)
     calls: int = 0
     uses: dict[int, npt.NDArray[np.float64]] = field(default_factory=dict)  # KEEP_DECAYED: per layer
+    routers_q: dict[int, tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]] = field(default_factory=dict)
+
+    def router(self, layer: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]] | None:
+        """Layer's router as the rule keeps it (int16 rows and their scales), made once."""
+        if layer not in self.routers_q:
+            weights = self.rule.routers[layer] if self.rule.routers is not None else None
+            if weights is None:
+                return None
+            self.routers_q[layer] = quantize_rows(weights, ROUTER_Q_LIMIT)
+        return self.routers_q[layer]
 
     def note_uses(self, layer: int, n_expert: int, selected: set[int]) -> None:
         """KEEP_DECAYED: the layer's use counts decay once per call, then each expert
@@ -129,9 +139,52 @@ def _next_moe_layer(tier: SimTier, layer: int) -> int | None:
     return next((il for il in range(layer + 1, tier.n_layers) if tier.n_expert[il]), None)
 
 
-def _predict(router: npt.NDArray[np.float32], hidden: npt.NDArray[np.float32], k: int) -> set[int]:
+_F32_MAX = np.float32(np.finfo(np.float32).max)
+_F32_TINY = np.float32(np.finfo(np.float32).tiny)  # FLT_MIN
+_ROUND = np.float32(12582912.0)  # 1.5 x 2^23: adding and taking it away rounds to nearest even
+ROUTER_Q_LIMIT = 32767.0  # SPICE_ROUTER_Q_LIMIT, spice-store-rule.c
+HIDDEN_Q_LIMIT = 16383.0  # SPICE_HIDDEN_Q_LIMIT
+
+
+def quantize_rows(x: npt.ArrayLike, limit: float) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
+    """Each row to integers as libspice's quantize_row does, operation for operation in
+    float32: scale = max |x| / limit over the finite values, q = x * (1 / scale)
+    rounded to nearest even and clamped to +-limit, not finite as 0 (a row whose
+    scale is subnormal, all 0). The rule keeps routers in int16 (ROUTER_Q_LIMIT)
+    and scales each hidden row to 15 bits (HIDDEN_Q_LIMIT), so a logit is an exact
+    integer sum times the two scales, the same in C and here."""
+    x = np.atleast_2d(np.asarray(x, np.float32))
+    lim = np.float32(limit)
+    a = np.abs(x)
+    finite = a <= _F32_MAX
+    amax = np.max(np.where(finite, a, np.float32(0)), axis=1, initial=np.float32(0))
+    d = (amax / lim).astype(np.float32)
+    inv = np.zeros_like(d)
+    np.divide(np.float32(1), d, out=inv, where=d >= _F32_TINY)  # a subnormal scale: all zeros
+    with np.errstate(invalid="ignore", over="ignore"):
+        v = np.where(finite, x * inv[:, None], np.float32(0)).astype(np.float32)
+        v = np.where(v < lim, v, lim)
+        v = np.where(v > -lim, v, -lim)
+        q = ((v + _ROUND) - _ROUND).astype(np.int64)
+    return q, d
+
+
+def router_logits(
+    router_q: tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]], hidden: npt.ArrayLike
+) -> npt.NDArray[np.float64]:
+    """[tokens, experts] logits of a router as the rule keeps it
+    (quantize_rows(router, ROUTER_Q_LIMIT))."""
+    q, scale = router_q
+    hq, h_scale = quantize_rows(hidden, HIDDEN_Q_LIMIT)
+    dots = (hq @ q.T).astype(np.float64)
+    return dots * scale.astype(np.float64)[None, :] * h_scale.astype(np.float64)[:, None]
+
+
+def _predict(
+    router_q: tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]], hidden: npt.NDArray[np.float32], k: int
+) -> set[int]:
     """Top-k experts per row of the next layer's router logits, ties to the lower id."""
-    logits = np.asarray(hidden, np.float64) @ np.asarray(router, np.float64).T
+    logits = router_logits(router_q, hidden)
     picked: set[int] = set()
     ids = np.arange(logits.shape[1])
     for row in logits:
@@ -221,7 +274,7 @@ def rule_plan(
         _fit_layer(tier, state, layer, len(incoming), selected, evict)
     prefetch: list[Key] = []
     nxt = _next_moe_layer(tier, layer) if rule.prefetch_next else None
-    router = rule.routers[nxt] if nxt is not None and rule.routers is not None else None
+    router = state.router(nxt) if nxt is not None else None
     if nxt is not None and router is not None and hidden is not None:
         predicted = _predict(router, hidden, min(ids.shape[1], tier.n_expert[nxt]))
         limit = state.capacity[nxt] if rule.keep == KEEP_LAYER_LRU else tier.n_expert[nxt]
