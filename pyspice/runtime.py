@@ -27,7 +27,7 @@ import numpy.typing as npt
 
 from pyspice.build_info import BuildInfo, load_build_info
 from pyspice.interrupts import SigintGuard
-from pyspice.policy.base import HookCall, HookInputError, Plan, Policy, policy_reads
+from pyspice.policy.base import HookCall, HookInputError, Plan, Policy, policy_reads, policy_reads_next_logits
 from pyspice.policy.rule import Rule
 from pyspice.stats import Counters
 
@@ -82,6 +82,10 @@ _UNREQUESTED = {
     4: (
         "HookCall.shared: policy {name!r} did not declare that it reads the shared-expert output, so the "
         "graph did not hand it to the hook; set `reads_shared = True` on the policy"
+    ),
+    6: (
+        "HookCall.next_logits: policy {name!r} did not declare that it reads the next layer's router "
+        "logits, so the graph did not compute them; set `reads_next_logits = True` on the policy"
     ),
 }
 
@@ -758,9 +762,16 @@ class Runtime:
         probs, shared = policy_reads(policy)
         if asynchronous is not None:
             probs, shared = probs or asynchronous.with_probs, shared or asynchronous.with_shared
-        self._unrequested = frozenset(i for i, wanted in ((1, probs), (4, shared)) if not wanted)
+        # the next layer's logits are the graph's, read where they are: on the hook's thread only
+        # (a snapshot for the planner carries none, so an asynchronous policy reads None)
+        nxt = policy_reads_next_logits(policy)
+        self._unrequested = frozenset(i for i, wanted in ((1, probs), (4, shared), (6, nxt)) if not wanted)
         if asynchronous is None:
-            flags = (lib.SPICE_HOOK_WANT_PROBS if probs else 0) | (lib.SPICE_HOOK_WANT_SHEXP if shared else 0)
+            flags = (
+                (lib.SPICE_HOOK_WANT_PROBS if probs else 0)
+                | (lib.SPICE_HOOK_WANT_SHEXP if shared else 0)
+                | (lib.SPICE_HOOK_WANT_NEXT_LOGITS if nxt else 0)
+            )
             status = lib.spice_runtime_enable_ex(self._rt, self._callback, ffi.NULL, max_tokens, flags)
             self._check(status, "enable")
         else:
@@ -802,9 +813,10 @@ class Runtime:
                 (call.weights, call.n_expert_used, call.weights_nb1),
                 (call.shexp, call.n_embd, call.shexp_nb1),
                 (call.residency, int(call.res_width), int(call.res_layers)),
+                (call.next_logits, int(call.n_expert_next), call.next_logits_nb1),
             )
             rows = int(call.n_tokens)
-            owned: list[tuple[np.ndarray, np.ndarray] | None] = [None] * 6
+            owned: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(fields)
             view = HookCall.lazy(
                 int(call.il),
                 rows,
@@ -824,7 +836,7 @@ class Runtime:
         owned: list[tuple[np.ndarray, np.ndarray] | None],
     ) -> np.ndarray | None:
         """Field i of a hook call (0 hidden, 1 probs, 2 ids, 3 weights, 4 shared,
-        5 residency) as a read-only array in memory Python owns, refilled from the
+        5 residency, 6 next_logits) as a read-only array in memory Python owns, refilled from the
         graph (or the store) at each first access in a call.
 
         Why a copy and not a view into the graph: a view outlives the buffers it

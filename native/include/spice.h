@@ -93,6 +93,10 @@ typedef struct spice_policy_call {
      * table for a synchronous call, the snapshot's own copy for an
      * asynchronous one (see spice_runtime_enable_async) */
     const int8_t  * residency; int32_t res_layers; int32_t res_width;
+    /* the next MoE layer's router logits on this call's input, computed in
+     * llama.cpp's graph (SPICE_HOOK_WANT_NEXT_LOGITS): [n_tokens][n_expert_next]
+     * for layer il_next, or NULL (il_next -1) */
+    const float   * next_logits; size_t next_logits_nb1; int32_t il_next; int32_t n_expert_next;
 
     /* plan, written by the policy; n_* say how many entries it wrote */
     int32_t * actions;  int32_t n_actions;  int32_t cap_actions;  /* n_tokens*n_expert_used, row-major */
@@ -510,11 +514,16 @@ SPICE_API int spice_runtime_enable(spice_runtime * rt, spice_policy_fn fn, void 
  * one packed tensor per layer), so a policy asks only for what it reads. */
 #define SPICE_HOOK_WANT_PROBS 1 /* spice_policy_call.probs: the router probabilities */
 #define SPICE_HOOK_WANT_SHEXP 2 /* spice_policy_call.shexp: the shared-expert output */
+#define SPICE_HOOK_WANT_NEXT_LOGITS 4 /* spice_policy_call.next_logits: the next layer's router on this
+                                         call's input, from the graph (on the GPU where it runs) */
 
 /* spice_runtime_enable with flags (SPICE_HOOK_WANT_*, others must be 0). The
  * runtime adds SPICE_HOOK_WANT_SHEXP by itself while surrogates are loaded:
  * the surrogate executor needs the shared-expert output (loading or clearing
- * surrogates re-registers the hook). A graph is built again when the flags
+ * surrogates re-registers the hook); and SPICE_HOOK_WANT_NEXT_LOGITS while the
+ * rule installed with spice_runtime_set_rule prefetches by the next layer's
+ * router (prefetch_next): the graph computes those logits, where the rule
+ * would otherwise read the whole router on the hook's thread. A graph is built again when the flags
  * change: llama.cpp never reuses one built with other flags. */
 SPICE_API int spice_runtime_enable_ex(spice_runtime * rt, spice_policy_fn fn, void * user_data,
                                       int32_t max_tokens, uint32_t flags);

@@ -22,6 +22,10 @@ void spice_hook_call_view(const struct llama_moe_hook_call * in, spice_hook_call
     out->weights = in->weights; out->weights_nb1 = in->weights_nb1;
     out->shexp = in->shexp;     out->shexp_nb1 = in->shexp != NULL ? in->shexp_nb1 : 0;
     out->out = in->out;         out->out_nb1 = in->out_nb1;
+    out->il_next = in->next_logits != NULL ? in->il_next : -1;
+    out->n_expert_next = in->next_logits != NULL ? in->n_expert_next : 0;
+    out->next_logits = in->next_logits;
+    out->next_logits_nb1 = in->next_logits != NULL ? in->next_logits_nb1 : 0;
 }
 
 int spice_hook_call_ids(spice_hook_call * call, const struct llama_moe_hook_call * in, spice_hook_ids * ids) {

@@ -1,7 +1,7 @@
 /* A hook call as the runtime's steps read it: llama.cpp's call (one packed
  * graph input per MoE layer -- hidden rows, gate weights, the selected ids
- * as floats, then the router probabilities and the shared-expert output when
- * the registration asked for them), unpacked, with the ids as int32 in a
+ * as floats, then the router probabilities, the shared-expert output and the
+ * next layer's router logits when the registration asked for them), unpacked, with the ids as int32 in a
  * buffer the runtime owns. */
 #ifndef SPICE_HOOK_CALL_H
 #define SPICE_HOOK_CALL_H
@@ -26,6 +26,9 @@ typedef struct spice_hook_call {
     const float   * weights; size_t weights_nb1; /* [n_tokens][n_expert_used] */
     const float   * shexp;   size_t shexp_nb1;   /* [n_tokens][n_embd] or NULL */
     float         * out;     size_t out_nb1;     /* [n_tokens][n_embd], written */
+    int32_t il_next;                             /* next_logits' layer, or -1 */
+    int32_t n_expert_next;
+    const float   * next_logits; size_t next_logits_nb1; /* [n_tokens][n_expert_next] or NULL */
 } spice_hook_call;
 
 /* The int32 ids of the call in progress (grown as calls need, never shrunk). */

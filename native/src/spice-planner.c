@@ -257,6 +257,7 @@ int spice_planner_post(spice_planner * p, spice_async_entry * e, uint64_t seq, c
         c->res_layers = call->res_layers;
         c->res_width = call->res_width;
     }
+    c->il_next = -1; /* the graph's next-layer logits stay with the hook's thread */
     c->actions = e->actions;       c->n_actions = n_pairs;  c->cap_actions = n_pairs;
     c->fetch = e->fetch;           c->cap_fetch = p->cap_fetch;
     c->prefetch = e->prefetch;     c->cap_prefetch = p->cap_pairs;

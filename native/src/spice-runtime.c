@@ -143,6 +143,8 @@ static void snapshot_call(spice_runtime * rt, const spice_hook_call * hc, spice_
     call->ids = hc->ids;         call->ids_nb1 = hc->ids_nb1;
     call->weights = hc->weights; call->weights_nb1 = hc->weights_nb1;
     call->shexp = hc->shexp;     call->shexp_nb1 = hc->shexp_nb1;
+    call->next_logits = hc->next_logits; call->next_logits_nb1 = hc->next_logits_nb1;
+    call->il_next = hc->il_next;         call->n_expert_next = hc->n_expert_next;
     call->actions = rt->plan.actions;   call->cap_actions = rt->plan.cap_actions;
     call->fetch = rt->plan.fetch;       call->cap_fetch = rt->plan.cap_fetch;
     call->prefetch = rt->plan.prefetch; call->cap_prefetch = rt->plan.cap_prefetch;
@@ -708,15 +710,18 @@ int spice_runtime_layer_info(const spice_runtime * rt, int32_t il, spice_layer_i
 }
 
 /* What the hook asks llama.cpp for: the registration's flags, plus the
- * shared-expert output while surrogates are loaded (alpha * shared). */
+ * shared-expert output while surrogates are loaded (alpha * shared), plus the
+ * next layer's router logits while the installed rule prefetches by them. */
 static uint32_t hook_flags_needed(const spice_runtime * rt) {
-    return rt->hook_flags | (rt->surrogates.n_loaded > 0 ? SPICE_HOOK_WANT_SHEXP : 0u);
+    return rt->hook_flags | (rt->surrogates.n_loaded > 0 ? SPICE_HOOK_WANT_SHEXP : 0u) |
+           (rt->store != NULL && spice_store_rule_prefetches_next(rt->store) ? SPICE_HOOK_WANT_NEXT_LOGITS : 0u);
 }
 
 static void register_hook(spice_runtime * rt) {
     const uint32_t flags = hook_flags_needed(rt);
     const uint32_t lflags = ((flags & SPICE_HOOK_WANT_PROBS) ? LLAMA_MOE_HOOK_WANT_PROBS : 0u) |
-                            ((flags & SPICE_HOOK_WANT_SHEXP) ? LLAMA_MOE_HOOK_WANT_SHEXP : 0u);
+                            ((flags & SPICE_HOOK_WANT_SHEXP) ? LLAMA_MOE_HOOK_WANT_SHEXP : 0u) |
+                            ((flags & SPICE_HOOK_WANT_NEXT_LOGITS) ? LLAMA_MOE_HOOK_WANT_NEXT_LOGITS : 0u);
     llama_set_moe_hook(rt->lctx, hook_entry, rt, rt->hook_max_tokens, lflags);
     rt->hook_flags_registered = flags;
 }
@@ -733,7 +738,8 @@ int spice_runtime_enable(spice_runtime * rt, spice_policy_fn fn, void * user_dat
 
 int spice_runtime_enable_ex(spice_runtime * rt, spice_policy_fn fn, void * user_data, int32_t max_tokens,
                             uint32_t flags) {
-    if (rt == NULL || max_tokens < 0 || (flags & ~(SPICE_HOOK_WANT_PROBS | SPICE_HOOK_WANT_SHEXP)) != 0) {
+    if (rt == NULL || max_tokens < 0 ||
+        (flags & ~(uint32_t) (SPICE_HOOK_WANT_PROBS | SPICE_HOOK_WANT_SHEXP | SPICE_HOOK_WANT_NEXT_LOGITS)) != 0) {
         return SPICE_ERR_INVALID_ARG;
     }
     spice_async_stop(rt); /* a synchronous policy from here on */
@@ -845,5 +851,6 @@ int spice_runtime_set_rule(spice_runtime * rt, const spice_rule * rule) {
     if (status == SPICE_ERR_INVALID_ARG) {
         set_error(rt, "invalid rule: %s", RULE_PROBLEMS);
     }
+    spice_runtime_update_hook(rt); /* a rule that prefetches by the next router wants its logits */
     return status;
 }

@@ -517,18 +517,37 @@ int spice_rule_router_logits(int32_t n_expert, int32_t n_embd, const float * rou
     return ok ? SPICE_OK : SPICE_ERR_NO_MEMORY;
 }
 
+int spice_store_rule_prefetches_next(const spice_store * s) {
+    return s->rule.rule.prefetch_next != 0;
+}
+
+/* Whether the call carries layer nxt's router logits from the graph. */
+static int has_next_logits(const spice_store * s, const spice_policy_call * call, int32_t nxt) {
+    return call->next_logits != NULL && call->il_next == nxt && call->n_expert_next == s->n_expert[nxt];
+}
+
 /* The experts the next layer's router picks for this call's rows (top
- * n_expert_used per row, ties to the lower id), into r->predicted. */
+ * n_expert_used per row, ties to the lower id), into r->predicted: from the
+ * logits the graph computed when the call carries them, else from the
+ * rule's int16 router. */
 static void predict_next(spice_store * s, const spice_policy_call * call, int32_t nxt) {
     spice_store_rule * r = &s->rule;
     const spice_router_q * router = &r->routers[nxt];
     const int32_t n_e = s->n_expert[nxt], n_embd = r->rule.n_embd;
     const int32_t k = call->n_expert_used < n_e ? call->n_expert_used : n_e;
+    const int graph = has_next_logits(s, call, nxt);
     memset(r->predicted, 0, (size_t) n_e);
     for (int32_t t = 0; t < call->n_tokens; ++t) {
-        const float * h = (const float *) ((const char *) call->inp + (size_t) t * call->inp_nb1);
-        const float h_scale = quantize_row(h, n_embd, SPICE_HIDDEN_Q_LIMIT, r->hidden_q);
-        router_logits(router, n_e, n_embd, r->hidden_q, h_scale, r->logits);
+        if (graph) {
+            const float * l = (const float *) ((const char *) call->next_logits + (size_t) t * call->next_logits_nb1);
+            for (int32_t e = 0; e < n_e; ++e) {
+                r->logits[e] = (double) l[e];
+            }
+        } else {
+            const float * h = (const float *) ((const char *) call->inp + (size_t) t * call->inp_nb1);
+            const float h_scale = quantize_row(h, n_embd, SPICE_HIDDEN_Q_LIMIT, r->hidden_q);
+            router_logits(router, n_e, n_embd, r->hidden_q, h_scale, r->logits);
+        }
         for (int32_t pick = 0; pick < k; ++pick) {
             int32_t best = -1;
             for (int32_t e = 0; e < n_e; ++e) {
@@ -583,7 +602,8 @@ int spice_store_rule_plan(spice_store * s, spice_policy_call * call) {
     memset(r->incoming, 0, (size_t) n_e);
     memset(r->selected, 0, (size_t) n_e); /* r->chosen is all zero: each plan clears what it set */
     const int32_t nxt = rule->prefetch_next ? next_moe_layer(s, il) : -1;
-    if (nxt >= 0 && r->routers[nxt].q != NULL) { /* its first 8 KiB come in while the actions are decided */
+    if (nxt >= 0 && r->routers[nxt].q != NULL && !has_next_logits(s, call, nxt)) {
+        /* its first 8 KiB come in while the actions are decided */
         const size_t bytes = (size_t) s->n_expert[nxt] * (size_t) rule->n_embd * sizeof(int16_t);
         prefetch_bytes(r->routers[nxt].q, bytes < 8192 ? bytes : 8192);
     }

@@ -20,6 +20,10 @@ int spice_store_bind(spice_store * store, int32_t il, const spice_store_source *
 /* The store takes ownership of dev. SPICE_ERR_STATE if it has one. */
 int spice_store_attach_device(spice_store * store, spice_device * dev);
 
+/* 1 when the installed rule prefetches by the next layer's router: the
+ * runtime then asks llama.cpp for those logits (SPICE_HOOK_WANT_NEXT_LOGITS). */
+int spice_store_rule_prefetches_next(const spice_store * store);
+
 /* The store's device (NULL: none attached) and clock. */
 spice_device * spice_store_device(spice_store * store);
 spice_clock * spice_store_clock(spice_store * store);

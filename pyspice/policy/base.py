@@ -41,6 +41,7 @@ ACTION_NAMES = {
 
 
 _UNSET: Any = object()
+_N_ARRAYS = 7  # HookCall's arrays, by index: hidden, probs, ids, weights, shared, residency, next_logits
 
 
 class HookInputError(RuntimeError):
@@ -59,9 +60,15 @@ class HookCall:
             (None: the architecture has no shared expert)
     residency [n_layers, max_expert] or None  RESIDENCY_* of every expert on the
             device tier when the call began (None: no device tier)
+    next_logits [n_tokens, n_expert of the next MoE layer] or None  that layer's
+            router logits on `hidden`, computed in llama.cpp's graph (on the GPU
+            where the model runs there): a one-layer look-ahead at the cost of a
+            few floats per token. None where there is no next MoE layer, under
+            asynchronous planning, and in the simulator
 
-    Under the engine, `probs` and `shared` exist only for a policy that declares
-    it reads them (`reads_probs = True`, `reads_shared = True`; see Policy): the
+    Under the engine, `probs`, `shared` and `next_logits` exist only for a policy
+    that declares it reads them (`reads_probs`, `reads_shared`,
+    `reads_next_logits` = True; see Policy): the
     graph hands the hook one packed input per layer, and on a GPU build each
     extra input is copied to the host at every layer. Reading one that was not
     declared raises HookInputError.
@@ -86,12 +93,13 @@ class HookCall:
         weights: npt.NDArray[np.float32],
         shared: npt.NDArray[np.float32] | None = None,
         residency: npt.NDArray[np.int8] | None = None,
+        next_logits: npt.NDArray[np.float32] | None = None,
     ) -> None:
         self.layer = layer
         self.n_tokens = int(ids.shape[0])
         self.n_expert_used = int(ids.shape[1])
         self.n_expert = int(probs.shape[1])
-        self._arrays: list[Any] = [hidden, probs, ids, weights, shared, residency]
+        self._arrays: list[Any] = [hidden, probs, ids, weights, shared, residency, next_logits]
         self._fetch: Callable[[int], Any] = self._arrays.__getitem__  # every array is set already
         self._live = True  # plain arrays: readable at any time
 
@@ -100,20 +108,20 @@ class HookCall:
         cls, layer: int, n_tokens: int, n_expert: int, n_expert_used: int, fetch: Callable[[int], Any]
     ) -> HookCall:
         """A call whose arrays come from fetch(i) (0 hidden, 1 probs, 2 ids, 3 weights, 4 shared,
-        5 residency) on first access."""
+        5 residency, 6 next_logits) on first access."""
         call = cls.__new__(cls)
         call.layer = layer
         call.n_tokens = n_tokens
         call.n_expert = n_expert
         call.n_expert_used = n_expert_used
-        call._arrays = [_UNSET] * 6
+        call._arrays = [_UNSET] * _N_ARRAYS
         call._fetch = fetch
         call._live = False  # readable only between open() and close()
         return call
 
     def open(self) -> None:
         """Start a call of a lazy HookCall: its arrays are refetched on first access."""
-        self._arrays = [_UNSET] * 6
+        self._arrays = [_UNSET] * _N_ARRAYS
         self._live = True
 
     def close(self) -> None:
@@ -154,6 +162,10 @@ class HookCall:
     @property
     def residency(self) -> npt.NDArray[np.int8] | None:
         return self._get(5)  # type: ignore[no-any-return]
+
+    @property
+    def next_logits(self) -> npt.NDArray[np.float32] | None:
+        return self._get(6)  # type: ignore[no-any-return]
 
 
 @dataclass
@@ -209,9 +221,10 @@ class Policy(Protocol):
               before its first call
     decide    the plan for one hook call
 
-    Optional attributes (False when absent): `reads_probs` and `reads_shared`
-    declare that decide reads HookCall.probs / HookCall.shared; only then does
-    the hook receive them (policy_reads).
+    Optional attributes (False when absent): `reads_probs`, `reads_shared` and
+    `reads_next_logits` declare that decide reads HookCall.probs /
+    HookCall.shared / HookCall.next_logits; only then does the hook receive
+    them (policy_reads, policy_reads_next_logits).
 
     Subclass PolicyBase for the defaults (lossless, nothing to attach). An
     object with only `name` and `decide` is accepted too (a user's policy
@@ -232,11 +245,12 @@ class Policy(Protocol):
 
 class PolicyBase:
     """The defaults of the Policy protocol: lossless, nothing to learn at attach, and
-    no optional inputs read (reads_probs, reads_shared)."""
+    no optional inputs read (reads_probs, reads_shared, reads_next_logits)."""
 
     name = "policy"
     reads_probs: bool = False
     reads_shared: bool = False
+    reads_next_logits: bool = False
 
     @property
     def lossless(self) -> bool:
@@ -266,6 +280,12 @@ def policy_reads(policy: object) -> tuple[bool, bool]:
     """(probs, shared): whether `policy` reads HookCall.probs and HookCall.shared, by its
     `reads_probs` / `reads_shared` attributes (False for one that does not say)."""
     return bool(getattr(policy, "reads_probs", False)), bool(getattr(policy, "reads_shared", False))
+
+
+def policy_reads_next_logits(policy: object) -> bool:
+    """Whether `policy` reads HookCall.next_logits (its `reads_next_logits`; False when
+    it does not say)."""
+    return bool(getattr(policy, "reads_next_logits", False))
 
 
 def attach_policy(policy: object, ctx: PolicyContext) -> None:

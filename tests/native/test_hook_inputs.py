@@ -26,7 +26,7 @@ import pytest
 from pyspice.policy import HookCall, HookInputError, Plan, policy_reads
 from pyspice.runtime import Runtime
 
-from .golden import load
+from .golden import greedy_run, load
 
 # one prompt batch and two decode steps of a policy that reads what argv[2] names
 SCHED_SCRIPT = textwrap.dedent(
@@ -214,7 +214,10 @@ class ReadsUndeclared:
         return Plan()
 
 
-@pytest.mark.parametrize("field,flag", [("probs", "reads_probs"), ("shared", "reads_shared")])
+@pytest.mark.parametrize(
+    "field,flag",
+    [("probs", "reads_probs"), ("shared", "reads_shared"), ("next_logits", "reads_next_logits")],
+)
 def test_reading_an_undeclared_input_is_a_clear_error(
     qwen: Path, field: str, flag: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -228,6 +231,72 @@ def test_reading_an_undeclared_input_is_a_clear_error(
         assert policy.errors and f"{flag} = True" in policy.errors[0] and "'undeclared'" in policy.errors[0]
         assert llm.spice_stats()["policy_fallbacks"] > 0  # each such call ran exactly instead
         assert f"{flag} = True" in capsys.readouterr().err  # warned once, with the fix
+    finally:
+        llm.close()
+
+
+class ReadsNext:
+    """Records each call's MoE input and the graph's next-layer router logits."""
+
+    name = "reads-next"
+    reads_next_logits = True
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, np.ndarray, np.ndarray | None]] = []
+
+    def decide(self, call: HookCall) -> Plan:
+        nxt = call.next_logits
+        self.seen.append((call.layer, np.array(call.hidden), None if nxt is None else np.array(nxt)))
+        return Plan()
+
+
+@pytest.mark.parametrize("arch", ["qwen2moe", "deepseek2"])
+def test_the_graph_hands_over_the_next_layers_router_logits(synth_model, arch: str) -> None:  # type: ignore[no-untyped-def]
+    """LLAMA_MOE_HOOK_WANT_NEXT_LOGITS (patch 0004): each MoE layer's call carries the
+    next MoE layer's router applied to its own input, computed in the graph; the last
+    MoE layer's carries none; the model's output does not change."""
+    from pyspice.formats.routers import RouterReader
+
+    path = synth_model(arch, "tiny", "Q8_0")
+    llm = load(path)
+    try:
+        ref = greedy_run(llm, "exact", n_decode=3)
+        policy = ReadsNext()
+        got = greedy_run(llm, policy, n_decode=3)
+        assert runtime_of(llm).hook_flags() == 4  # SPICE_HOOK_WANT_NEXT_LOGITS
+        assert np.array_equal(got.logits, ref.logits)  # an extra graph input only
+        moe = [i.il for i in llm.spice_layers() if i.is_moe]
+        routers = RouterReader(path)
+        checked = 0
+        for layer, hidden, logits in policy.seen:
+            nxt = next((m for m in moe if m > layer), None)
+            if nxt is None:
+                assert logits is None, f"layer {layer} is the last MoE layer"
+                continue
+            router = routers(nxt)
+            assert router is not None and logits is not None
+            want = hidden.astype(np.float64) @ router.astype(np.float64).T
+            assert logits.shape == want.shape
+            np.testing.assert_allclose(logits, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+            checked += 1
+        assert checked >= (len(moe) - 1) * 4  # the prompt and three steps at every layer with a next
+    finally:
+        llm.close()
+
+
+def test_a_rule_that_prefetches_by_the_next_router_asks_the_graph(qwen: Path) -> None:
+    """adapmoe's rule reads the graph's logits (2 us, not 8-10, on smolmoe-b); a rule
+    without prefetch_next does not ask for them, and a greedy run is the reference's."""
+    llm = load(qwen)
+    try:
+        ref = greedy_run(llm, "stock", n_decode=4)
+        llm.set_device("25%", 8.0, 5.0, manual_clock=True)
+        got = greedy_run(llm, "adapmoe", n_decode=4)
+        assert runtime_of(llm).hook_flags() == 4
+        assert np.array_equal(got.logits, ref.logits)
+        assert got.stats["prefetch_issued"] > 0
+        llm.set_policy("lru")
+        assert runtime_of(llm).hook_flags() == 0
     finally:
         llm.close()
 
