@@ -65,13 +65,6 @@ void spice_store_rule_free(spice_store * s) {
     memset(r, 0, sizeof(*r));
 }
 
-/* One row to integers: scale = max |x| / limit over the finite values,
- * q = x * (1 / scale) in float, rounded to nearest even (adding and taking
- * away 1.5 x 2^23 does that in the default rounding mode, with no libm
- * call), clamped to +-limit; not finite counts as 0. A row of zeros has
- * scale 0; a row whose scale is subnormal, q all 0. The twin
- * (pyspice/sim/rule.py quantize_rows) must stay the same rule, operation
- * for operation: the two are compared bit for bit (test_rule_twin.py). */
 #if defined(__SSE2__)
 /* |x| and whether x is finite, four lanes: SSE2 has no abs, so the sign bit
  * is masked off and the rest compared as integers against +inf's bits. */
@@ -84,6 +77,13 @@ static __m128 finite4(__m128 a) {
 }
 #endif
 
+/* One row to integers: scale = max |x| / limit over the finite values,
+ * q = x * (1 / scale) in float, rounded to nearest even (adding and taking
+ * away 1.5 x 2^23 does that in the default rounding mode, with no libm
+ * call), clamped to +-limit; not finite counts as 0. A row of zeros has
+ * scale 0; a row whose scale is subnormal, q all 0. The twin
+ * (pyspice/sim/rule.py quantize_rows) must stay the same rule, operation
+ * for operation: the two are compared bit for bit (test_rule_twin.py). */
 static float quantize_row(const float * x, int32_t n, float limit, int16_t * q) {
     float amax = 0.0f;
     int32_t j = 0;
