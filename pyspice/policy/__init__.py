@@ -24,6 +24,7 @@ from pyspice.policy.base import (
     Plan,
     Policy,
     policy_reads,
+    policy_reads_next_logits,
 )
 from pyspice.policy.context import PolicyContext
 from pyspice.policy.registry import NATIVE_POLICIES, PolicySpec, make_policy, policy_names, policy_spec
@@ -52,5 +53,6 @@ __all__ = [
     "make_policy",
     "policy_names",
     "policy_reads",
+    "policy_reads_next_logits",
     "policy_spec",
 ]
