@@ -1232,9 +1232,10 @@ def add_outcomes(actions: npt.ArrayLike, hit: npt.ArrayLike) -> Counters:
 
 
 def rule_router_logits(router: npt.ArrayLike, hidden: npt.ArrayLike) -> npt.NDArray[np.float64]:
-    """The logits the rule's next-layer prefetch ranks (spice_rule_router_logits):
-    router [n_expert, n_embd] in int8 and hidden rows [n, n_embd] in int16, each
-    with its own scale. Returns [n, n_expert] float64."""
+    """The logits the rule's next-layer prefetch ranks when a call carries none from
+    the graph (spice_rule_router_logits): router [n_expert, n_embd] in int16 and
+    hidden rows [n, n_embd] in 15 bits, each row with its own scale. Returns
+    [n, n_expert] float64."""
     n = _Native.get()
     ffi, lib = n.ffi, n.lib
     r = np.ascontiguousarray(router, dtype=np.float32)

@@ -490,8 +490,8 @@ static void router_logits(const spice_router_q * router, int32_t n_e, int32_t n_
             rows[x] = router->q + (size_t) (e + (x < n ? x : 0)) * (size_t) n_embd;
         }
         int64_t dots[4];
-        dot4_i16(rows, h, n_embd, n_next > 0 ? router->q + (size_t) (e + n) * (size_t) n_embd : NULL, n_next,
-                    dots);
+        const int16_t * next = n_next > 0 ? router->q + (size_t) (e + n) * (size_t) n_embd : NULL;
+        dot4_i16(rows, h, n_embd, next, n_next, dots);
         for (int32_t x = 0; x < n; ++x) {
             out[e + x] = (double) dots[x] * (double) router->scale[e + x] * (double) h_scale;
         }
