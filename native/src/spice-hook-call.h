@@ -1,8 +1,8 @@
 /* A hook call as the runtime's steps read it: llama.cpp's call (one packed
  * graph input per MoE layer -- hidden rows, gate weights, the selected ids
  * as floats, then the router probabilities, the shared-expert output and the
- * next layer's router logits when the registration asked for them), unpacked, with the ids as int32 in a
- * buffer the runtime owns. */
+ * next layer's router logits when the registration asked for them),
+ * unpacked, with the ids as int32 in a buffer the runtime owns. */
 #ifndef SPICE_HOOK_CALL_H
 #define SPICE_HOOK_CALL_H
 
