@@ -259,7 +259,9 @@ class Llama(llama_cpp.Llama):
         return self.spice_engine.automatic_budget()
 
     def spice_expert_bytes(self) -> int:
-        """Bytes of all routed experts (what a 100% device budget holds)."""
+        """Bytes of a tier holding every routed expert (what a 100% budget means): the
+        routed-expert bytes, or more where layers' experts differ in size (every slot
+        is as large as the largest expert)."""
         return self.spice_engine.expert_bytes()
 
     def spice_layers(self) -> list[LayerInfo]:

@@ -580,7 +580,7 @@ class Runtime:
         ffi, lib = self._n.ffi, self._n.lib
         cparams, _path = params.to_c(ffi) if params is not None else (ffi.NULL, None)
         status = lib.spice_runtime_set_store(self._rt, cparams)
-        if status == lib.SPICE_ERR_BUDGET:  # smaller than one expert, or than the loaded surrogates
+        if status == lib.SPICE_ERR_BUDGET:  # smaller than one slot, or than the loaded surrogates
             raise SpiceError(status, self.last_error())
         self._check(status, "set_device")
         self._residency = None
@@ -592,9 +592,9 @@ class Runtime:
         return store != self._n.ffi.NULL and bool(self._n.lib.spice_store_is_real(store))
 
     def slot_pool_bytes(self) -> int:
-        """Bytes of the device tier's slots: as many slots as the budget holds of the
-        smallest expert, each as large as the largest (what a CUDA tier allocates up
-        front); 0 without a tier."""
+        """Bytes of the device tier's slots: as many as the budget holds, each as large as
+        the largest expert (what a tier allocates up front; a pooled layout adds its
+        alignment and one zero slot); 0 without a tier."""
         lib = self._n.lib
         store = lib.spice_runtime_get_store(self._rt)
         if store == self._n.ffi.NULL:

@@ -1,12 +1,14 @@
 """Byte quantities on the command line: `2GiB`, `512MiB`, `1.5GB`, `123456`, or `25%`.
 
 Bytes are the canonical unit for the device budget (quant types make expert
-sizes differ); a percentage is a share of all routed-expert bytes.
+sizes differ); a percentage is a share of what holding every routed expert
+takes (`whole_tier_bytes`).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 _UNITS = {
@@ -23,18 +25,28 @@ _UNITS = {
 }
 
 
+def whole_tier_bytes(bytes_per_expert: Sequence[int], n_expert: Sequence[int]) -> int:
+    """Bytes of a tier holding every routed expert: one slot each, and every slot as
+    large as the largest expert (libspice lays slots out at one stride, so a model whose
+    layers mix quantization types wastes the difference). Where experts are all one
+    size this is the routed-expert bytes; it is what a 100% budget means."""
+    sizes = [int(b) for b, n in zip(bytes_per_expert, n_expert, strict=True) if n > 0]
+    return max(sizes, default=0) * sum(int(n) for n in n_expert if n > 0)
+
+
 @dataclass(frozen=True)
 class Budget:
-    """Either an absolute byte count or a share (0..1] of the routed-expert bytes."""
+    """Either an absolute byte count or a share (0..1] of a whole tier's bytes
+    (`whole_tier_bytes`: the routed-expert bytes where experts are all one size)."""
 
     bytes: int | None = None
     share: float | None = None
 
-    def resolve(self, expert_bytes_total: int) -> int:
+    def resolve(self, whole_tier: int) -> int:
         if self.bytes is not None:
             return self.bytes
         assert self.share is not None
-        return int(self.share * expert_bytes_total)
+        return int(self.share * whole_tier)
 
     def __str__(self) -> str:
         return f"{self.share:.0%}" if self.share is not None else format_bytes(self.bytes or 0)

@@ -358,16 +358,20 @@ typedef enum spice_priority {
 /* n_expert[il] routed experts of expert_bytes[il] bytes each per layer (0
  * experts: not an MoE layer), with a device of params->device_kind whose
  * slots hold the experts' bytes back to back (no host weights are bound, so
- * no bytes move: for tests and standalone use). Fails with SPICE_ERR_BUDGET
- * when not even the smallest expert fits, SPICE_ERR_UNSUPPORTED when this
- * build has no such device. */
+ * no bytes move: for tests and standalone use). Every slot is as large as
+ * the largest expert, and the budget bounds the slots' bytes: each expert
+ * held takes a slot's bytes of it, whatever its own size, so a model whose
+ * layers' experts differ in size holds budget / largest experts. Fails with
+ * SPICE_ERR_BUDGET when not even one slot fits, SPICE_ERR_UNSUPPORTED when
+ * this build has no such device. */
 SPICE_API int spice_store_create(const spice_store_params * params, int32_t n_layers,
                                  const int32_t * n_expert, const uint64_t * expert_bytes,
                                  spice_store ** out);
 SPICE_API void spice_store_free(spice_store * store);
 
-/* Slot records (the most experts the budget could hold), the largest
- * expert's bytes, free records, and bytes in use of the budget. */
+/* Slot records (the most experts the budget holds), a slot's bytes (the
+ * largest expert's), free records, and bytes in use of the budget (a slot's
+ * bytes per expert held or on its way, plus reserved bytes). */
 SPICE_API int32_t  spice_store_n_slots(const spice_store * store);
 SPICE_API uint64_t spice_store_slot_bytes(const spice_store * store);
 SPICE_API int32_t  spice_store_n_free(const spice_store * store);

@@ -86,8 +86,8 @@ struct spice_store {
     int8_t  *states;          /* [n_layers * max_expert] spice_residency, kept current by every operation */
     spice_store_source *sources; /* [n_layers]; base NULL = not bound (no bytes move) */
 
-    uint64_t slot_bytes;      /* the largest expert */
-    uint64_t used_bytes;      /* experts on the device or on their way, plus reserved bytes */
+    uint64_t slot_bytes;      /* the largest expert: every slot's size, and what each held expert takes of the budget */
+    uint64_t used_bytes;      /* slot_bytes per expert on the device or on its way, plus reserved bytes */
     uint64_t reserved_bytes;  /* non-expert data charged to the budget (spice_store_reserve) */
     int32_t  n_slots;         /* slot records: the most experts the budget can hold */
     spice_slot *slots;

@@ -313,8 +313,7 @@ static int32_t oldest_in_layer(const spice_store * s, int32_t l, const uint8_t *
 
 /* One pooled cache: least recently selected (KEEP_DECAYED: least used) out
  * first -- by (goes_before, layer, expert), never an expert this call
- * selects -- until `need` bytes fit, at most as many victims as the smallest
- * experts would take. Each layer's first candidate is cached between calls
+ * selects -- until `need` bytes fit, a slot's bytes per victim. Each layer's first candidate is cached between calls
  * (r->oldest) and looked for again only where a state or a stamp changed
  * (s->layer_changed): a layer's decayed counts change only at its own call,
  * which stamps it. So a call scans the layers it touched, not the whole
@@ -326,14 +325,8 @@ static void fit_pool(spice_store * s, spice_policy_call * call, uint64_t need) {
     if (used + need <= s->params.budget_bytes) {
         return;
     }
-    uint64_t min_bytes = UINT64_MAX;
-    for (int32_t il = 0; il < s->n_layers; ++il) {
-        if (s->n_expert[il] > 0 && s->expert_bytes[il] < min_bytes) {
-            min_bytes = s->expert_bytes[il];
-        }
-    }
     const uint64_t over = used + need - s->params.budget_bytes;
-    int64_t want = (int64_t) ((over + min_bytes - 1) / min_bytes);
+    int64_t want = (int64_t) ((over + s->slot_bytes - 1) / s->slot_bytes);
     want = want < s->n_slots ? want : s->n_slots;
     for (int32_t l = 0; l < s->n_layers; ++l) {
         if (l != call->il && s->layer_changed[l]) {
@@ -357,7 +350,7 @@ static void fit_pool(spice_store * s, spice_policy_call * call, uint64_t need) {
             return;
         }
         add_evict(call, r->chosen, s, best_l, best_e);
-        freed += s->expert_bytes[best_l];
+        freed += s->slot_bytes;
         if (best_l == call->il) {
             own = oldest_in_layer(s, best_l, r->selected);
         } else { /* the next oldest there; looked for again next call (chosen is this call's) */
@@ -393,7 +386,7 @@ static void resize(spice_store * s) {
             continue;
         }
         const double share = (double) s->params.budget_bytes * ((double) (r->misses[il] + 1) * copy_us(s, il)) / total;
-        double n = py_floordiv(share, (double) s->expert_bytes[il]);
+        double n = py_floordiv(share, (double) s->slot_bytes);
         n = n < (double) s->n_expert[il] ? n : (double) s->n_expert[il];
         r->capacity[il] = n > 1.0 ? (int32_t) n : 1;
         r->misses[il] = 0;
@@ -668,10 +661,10 @@ int spice_store_rule_plan(spice_store * s, spice_policy_call * call) {
             break;
         case SPICE_KEEP_DECAYED:
             note_uses(s, il);
-            fit_pool(s, call, (uint64_t) n_incoming * s->expert_bytes[il]);
+            fit_pool(s, call, (uint64_t) n_incoming * s->slot_bytes);
             break;
         case SPICE_KEEP_LRU:
-            fit_pool(s, call, (uint64_t) n_incoming * s->expert_bytes[il]);
+            fit_pool(s, call, (uint64_t) n_incoming * s->slot_bytes);
             break;
         case SPICE_KEEP_LAYER_LRU:
             r->calls++;

@@ -147,7 +147,7 @@ int spice_store_create_unattached(const spice_store_params * params, int32_t n_l
     s->n_layers = n_layers;
     s->call_il = -1;
     spice_clock_init(&s->clock, params->manual_clock);
-    uint64_t total_experts = 0, min_bytes = UINT64_MAX;
+    uint64_t total_experts = 0;
     for (int32_t il = 0; il < n_layers; ++il) {
         if (n_expert[il] < 0) {
             free(s);
@@ -159,17 +159,18 @@ int spice_store_create_unattached(const spice_store_params * params, int32_t n_l
         if (n_expert[il] > 0 && expert_bytes[il] > s->slot_bytes) {
             s->slot_bytes = expert_bytes[il];
         }
-        if (n_expert[il] > 0 && expert_bytes[il] < min_bytes) {
-            min_bytes = expert_bytes[il];
-        }
         total_experts += (uint64_t) n_expert[il];
     }
-    if (s->slot_bytes == 0 || params->budget_bytes < min_bytes) {
+    if (s->slot_bytes == 0 || params->budget_bytes < s->slot_bytes) {
         free(s);
         return SPICE_ERR_BUDGET;
     }
-    /* enough slot records for the budget filled with the smallest experts */
-    uint64_t n_slots = params->budget_bytes / min_bytes;
+    /* Slots are all the largest expert's size (a device lays them out at one
+     * stride), so the budget bounds slots, not the experts' own bytes:
+     * counting a smaller expert at its size would let the slots outgrow the
+     * budget on a model whose layers mix quantization types (by 19% on
+     * DeepSeek-V2-Lite Q4_K_M, whose down projections are Q5_0 or Q8_0). */
+    uint64_t n_slots = params->budget_bytes / s->slot_bytes;
     if (n_slots > total_experts) {
         n_slots = total_experts; /* a budget above the whole model holds all of it */
     }
@@ -393,11 +394,11 @@ int spice_store_request(spice_store * s, int32_t il, int32_t e, int32_t priority
     if (priority == SPICE_PRIORITY_PREFETCH && queued_prefetches(s) >= s->params.prefetch_queue_max) {
         return SPICE_ERR_STATE;
     }
-    if (s->n_free == 0 || s->used_bytes + s->expert_bytes[il] > s->params.budget_bytes) {
+    if (s->n_free == 0 || s->used_bytes + s->slot_bytes > s->params.budget_bytes) {
         return SPICE_ERR_BUDGET;
     }
     const int32_t slot_new = s->free_slots[--s->n_free];
-    s->used_bytes += s->expert_bytes[il];
+    s->used_bytes += s->slot_bytes;
     spice_copy * c = &s->copies[s->n_copies];
     memset(c, 0, sizeof(*c));
     c->il = il;
@@ -447,7 +448,7 @@ int spice_store_evict(spice_store * s, int32_t il, int32_t e) {
         }
         remove_copy(s, sl->copy);
     }
-    s->used_bytes -= s->expert_bytes[il];
+    s->used_bytes -= s->slot_bytes;
     *sl = (spice_slot) { -1, -1, 0, -1, 0 };
     s->free_slots[s->n_free++] = slot;
     *slot_ref(s, il, e) = -1;

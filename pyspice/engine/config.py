@@ -86,7 +86,7 @@ class RunConfig:
 
     model: Path
     policy: str | None = None  # a registry name (pyspice.policy.policy_names())
-    device_budget: str | int | None = None  # bytes, "2GiB" or "25%" of routed-expert bytes
+    device_budget: str | int | None = None  # bytes, "2GiB" or "25%" (units.whole_tier_bytes)
     ram_budget: str | int | None = None  # edge mode: experts stay in the file, a RAM slot pool this size
     emulate_bandwidth: float | None = None  # GB/s of an emulated device's bus
     emulate_latency: float | None = None  # us per copy on it

@@ -29,9 +29,9 @@ class DeviceTier:
 
     budget: str
     budget_bytes: int
-    holds: int  # experts of average size the budget holds
+    holds: int  # experts the budget holds: one slot each, as large as the largest expert
     experts: int
-    expert_bytes: int
+    expert_bytes: int  # a tier holding every expert (units.whole_tier_bytes): what 100% means
     bandwidth_gbps: float
     latency_us: float
     emulated: bool
@@ -42,15 +42,15 @@ class DeviceTier:
         if self.disk:
             return (
                 f"{self.device_name}: RAM budget {self.budget} = {format_bytes(self.budget_bytes)} of "
-                f"{format_bytes(self.expert_bytes)} routed-expert bytes, about {self.holds} of "
+                f"{format_bytes(self.expert_bytes)} for every routed expert, {self.holds} of "
                 f"{self.experts} experts; disk estimated at {self.bandwidth_gbps:g} GB/s + "
                 f"{self.latency_us:g} us per read"
             )
         kind = "emulated device" if self.emulated else (self.device_name or "device")
         return (
             f"{kind}: budget {self.budget} = {format_bytes(self.budget_bytes)} of "
-            f"{format_bytes(self.expert_bytes)} routed-expert bytes, "
-            f"about {self.holds} of {self.experts} experts"
+            f"{format_bytes(self.expert_bytes)} for every routed expert, "
+            f"{self.holds} of {self.experts} experts"
             + (
                 f", bus {self.bandwidth_gbps:g} GB/s + {self.latency_us:g} us per copy"
                 if self.emulated
@@ -61,7 +61,7 @@ class DeviceTier:
 
 def store_params(
     spec: Budget,
-    expert_bytes: int,
+    whole_tier: int,
     *,
     real: bool,
     bandwidth_gbps: float | None,
@@ -70,9 +70,9 @@ def store_params(
     executor: int = 0,
     exec_fault_after: int = 0,
 ) -> StoreParams:
-    """The store's parameters for a budget over `expert_bytes` routed-expert bytes,
+    """The store's parameters for a budget over `whole_tier` (units.whole_tier_bytes),
     after checking that the device (real) or this machine (emulated) can hold it."""
-    budget_bytes = spec.resolve(expert_bytes)
+    budget_bytes = spec.resolve(whole_tier)
     if real:
         check_real_budget(spec, budget_bytes)
         return StoreParams(
@@ -83,7 +83,7 @@ def store_params(
             executor=executor,
             exec_fault_after=exec_fault_after,
         )
-    check_emulated_budget(spec, budget_bytes, expert_bytes)
+    check_emulated_budget(spec, budget_bytes, whole_tier)
     return StoreParams(
         budget_bytes=budget_bytes,
         bandwidth_gbps=bandwidth_gbps if bandwidth_gbps is not None else DEFAULT_EMULATED_GBPS,
@@ -94,12 +94,12 @@ def store_params(
     )
 
 
-def automatic_budget(expert_bytes: int) -> int:
+def automatic_budget(whole_tier: int) -> int:
     """Bytes for a real device tier when none is given (DESIGN section 11): the
     GPU's free memory now, less the margin ggml's buffers need, and never more
     than all routed experts."""
     free, _ = device_memory(0)
-    return int(min(expert_bytes, REAL_DEVICE_MARGIN * free))
+    return int(min(whole_tier, REAL_DEVICE_MARGIN * free))
 
 
 def host_memory_available() -> int | None:
@@ -128,7 +128,7 @@ def check_real_budget(spec: Budget, budget_bytes: int) -> None:
         )
 
 
-def check_emulated_budget(spec: Budget, budget_bytes: int, expert_bytes_total: int) -> None:
+def check_emulated_budget(spec: Budget, budget_bytes: int, whole_tier: int) -> None:
     """The emulated device keeps its slots in host memory: a budget the machine
     cannot hold would end in swapping or the OOM killer mid-run, so refuse it now."""
     try:
@@ -141,7 +141,7 @@ def check_emulated_budget(spec: Budget, budget_bytes: int, expert_bytes_total: i
             f"{format_bytes(physical)} of memory, which holds the emulated device; give a smaller "
             "--device-budget (e.g. 25%)"
         )
-    need = min(budget_bytes, expert_bytes_total)  # a budget above the model holds all of it
+    need = min(budget_bytes, whole_tier)  # a budget above the model holds all of it
     free = host_memory_available()
     if free is not None and need > free:
         raise ValueError(

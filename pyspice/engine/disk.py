@@ -32,7 +32,7 @@ DEFAULT_DISK_LATENCY_US = 116.0
 
 def disk_store_params(
     spec: Budget,
-    expert_bytes: int,
+    whole_tier: int,
     model_path: Path,
     *,
     bandwidth_gbps: float | None = None,
@@ -41,10 +41,10 @@ def disk_store_params(
     io_fault_after: int = 0,
     manual_clock: bool = False,
 ) -> StoreParams:
-    """The store's parameters for a RAM budget over `expert_bytes` routed-expert
-    bytes read from `model_path`, after checking this machine can hold it."""
-    budget_bytes = spec.resolve(expert_bytes)
-    need = min(budget_bytes, expert_bytes)  # a budget above the model holds all of it
+    """The store's parameters for a RAM budget over `whole_tier` (units.whole_tier_bytes)
+    with experts read from `model_path`, after checking this machine can hold it."""
+    budget_bytes = spec.resolve(whole_tier)
+    need = min(budget_bytes, whole_tier)  # a budget above the model holds all of it
     free = host_memory_available()
     if free is not None and need > free:
         raise ValueError(

@@ -55,7 +55,7 @@ from pyspice.runtime import (
     native,
 )
 from pyspice.stats import StatsSnapshot, Timing, stats_record
-from pyspice.units import Budget, parse_budget
+from pyspice.units import Budget, parse_budget, whole_tier_bytes
 
 
 class Engine:
@@ -116,8 +116,10 @@ class Engine:
         return self.require_runtime().layers()
 
     def expert_bytes(self) -> int:
-        """Bytes of all routed experts (what a 100% device budget holds)."""
-        return sum(info.bytes_per_expert * info.n_expert for info in self.layers() if info.is_moe)
+        """Bytes of a tier holding every routed expert (what a 100% budget means): the
+        routed-expert bytes, or more where layers' experts differ in size (units.whole_tier_bytes)."""
+        moe = [info for info in self.layers() if info.is_moe]
+        return whole_tier_bytes([i.bytes_per_expert for i in moe], [i.n_expert for i in moe])
 
     # ---- device tier ----------------------------------------------------------------
 
@@ -216,7 +218,7 @@ class Engine:
         self.device = DeviceTier(
             budget=str(spec),
             budget_bytes=params.budget_bytes,
-            holds=min(n_experts, int(params.budget_bytes * n_experts / max(1, total))),
+            holds=min(n_experts, params.budget_bytes * n_experts // max(1, total)),
             experts=n_experts,
             expert_bytes=total,
             bandwidth_gbps=params.bandwidth_gbps,

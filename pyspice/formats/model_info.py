@@ -21,7 +21,7 @@ from pyspice.formats.gguf_header import ArraySummary, parse_header, tensor_nbyte
 
 # ModelFileError is re-exported: it is the error callers of read_header catch
 from pyspice.formats.gguf_header import ModelFileError as ModelFileError
-from pyspice.units import Budget, format_bytes
+from pyspice.units import Budget, format_bytes, whole_tier_bytes
 
 # arrays longer than this are summarized (tokenizer vocabularies), not decoded
 _MAX_ARRAY_ITEMS = 64
@@ -129,7 +129,7 @@ class BudgetFit:
 
     budget: str
     budget_bytes: int
-    holds: int  # experts of average size
+    holds: int  # experts: one slot each, as large as the largest expert
     experts: int
     n_cpu_moe: int  # llama.cpp --n-cpu-moe N: whole layers 0..N-1 keep experts on the host
     resident_layers: int
@@ -165,11 +165,20 @@ class ModelSummary:
     def n_routed_experts(self) -> int:
         return sum(self.experts_by_layer.values())
 
+    @property
+    def whole_tier_bytes(self) -> int:
+        """A tier holding every routed expert (units.whole_tier_bytes): what 100% means."""
+        layers = sorted(self.experts_by_layer)
+        return whole_tier_bytes(
+            [self.expert_bytes_by_layer[il] // max(1, self.experts_by_layer[il]) for il in layers],
+            [self.experts_by_layer[il] for il in layers],
+        )
+
     def fit(self, budget: Budget) -> BudgetFit:
-        total = self.expert_bytes
-        budget_bytes = budget.resolve(total)
+        whole = self.whole_tier_bytes
+        budget_bytes = budget.resolve(whole)
         experts = self.n_routed_experts
-        holds = min(experts, int(budget_bytes * experts / total)) if total else 0
+        holds = min(experts, budget_bytes * experts // whole) if whole else 0
         # llama.cpp's --n-cpu-moe N keeps the experts of layers 0..N-1 on the host: the
         # smallest N whose remaining layers fit is the split this budget corresponds to
         resident_bytes = 0
@@ -303,7 +312,7 @@ def format_summary(s: ModelSummary, fits: list[BudgetFit]) -> str:
     lines.append("device budget (pooled over layers):")
     for f in fits:
         lines.append(
-            f"  {f.budget:>10} = {format_bytes(f.budget_bytes):>11}: about {f.holds} of {f.experts} experts; "
+            f"  {f.budget:>10} = {format_bytes(f.budget_bytes):>11}: {f.holds} of {f.experts} experts; "
             f"llama.cpp --n-cpu-moe {f.n_cpu_moe} ({f.resident_layers} whole layers resident, "
             f"{format_bytes(f.resident_bytes)})"
         )
@@ -318,10 +327,10 @@ def format_ram_fits(s: ModelSummary, fits: list[BudgetFit]) -> str:
         "routed experts read from the file into a slot pool):"
     ]
     for f in fits:
-        left = max(0, s.expert_bytes - f.budget_bytes)
-        in_ram = s.non_expert_bytes + min(f.budget_bytes, s.expert_bytes)
+        left = s.expert_bytes * (f.experts - f.holds) // max(1, f.experts)  # of average size
+        in_ram = s.non_expert_bytes + min(f.budget_bytes, s.whole_tier_bytes)
         lines.append(
-            f"  {f.budget:>10} = {format_bytes(f.budget_bytes):>11}: about {f.holds} of {f.experts} experts "
+            f"  {f.budget:>10} = {format_bytes(f.budget_bytes):>11}: {f.holds} of {f.experts} experts "
             f"resident; weights in RAM {format_bytes(in_ram)}"
             f" (plus runtime buffers), {format_bytes(left)} of experts stay on disk"
         )

@@ -25,13 +25,6 @@ RESIDENCY_COPYING = 2  # copy in flight
 RESIDENCY_RESIDENT = 3
 
 
-def held_bytes(residency: npt.NDArray[np.int8], expert_bytes: npt.NDArray[np.int64]) -> int:
-    """Bytes the device tier holds or is fetching, from the residency table and
-    each layer's bytes per expert."""
-    held = np.count_nonzero(residency != RESIDENCY_ABSENT, axis=1)
-    return int(held @ expert_bytes[: residency.shape[0]])
-
-
 ACTION_NAMES = {
     ACTION_DEVICE: "device",
     ACTION_HOST: "host",

@@ -57,7 +57,7 @@ class StaticLayers(RulePolicyBase):
         budget = ctx.budget_bytes or 0
         chosen = []
         for il in ctx.moe_layers:
-            layer_bytes = ctx.n_expert[il] * ctx.expert_bytes[il]
+            layer_bytes = ctx.n_expert[il] * ctx.slot_bytes  # each expert takes a slot
             if layer_bytes > budget:
                 break
             budget -= layer_bytes
@@ -112,8 +112,7 @@ class AdapMoE(RulePolicyBase):
         layers = ctx.moe_layers
         per_layer = (ctx.budget_bytes or 0) / max(1, len(layers))
         capacity = tuple(
-            max(1, int(per_layer // ctx.expert_bytes[il])) if ctx.n_expert[il] else 0
-            for il in range(ctx.n_layers)
+            max(1, int(per_layer // ctx.slot_bytes)) if ctx.n_expert[il] else 0 for il in range(ctx.n_layers)
         )
         # read the routers now: a first call should not pay for opening the model file
         routers = tuple(ctx.router(il) if ctx.n_expert[il] else None for il in range(ctx.n_layers))

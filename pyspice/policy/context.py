@@ -82,6 +82,12 @@ class PolicyContext:
     def max_expert(self) -> int:
         return max(self.n_expert, default=0)
 
+    @property
+    def slot_bytes(self) -> int:
+        """A device slot's bytes: the largest expert's. Every expert held takes that much
+        of the budget, whatever its own size (spice_store_create)."""
+        return max((b for b, n in zip(self.expert_bytes, self.n_expert, strict=True) if n > 0), default=0)
+
     def next_moe_layer(self, layer: int) -> int | None:
         for il in range(layer + 1, self.n_layers):
             if self.n_expert[il] > 0:

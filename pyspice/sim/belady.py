@@ -131,14 +131,15 @@ def _min(
 
 
 def belady(workload: Workload, expert_bytes: Sequence[int], budget_bytes: int) -> list[BeladyResult]:
-    """MIN pooled and per layer over equal-size slots, plus the size-aware heuristic
-    when sizes differ. A slot is the smallest expert: no policy under the byte
-    budget can hold more experts than that, so the pooled count is a true lower
-    bound for demand-loading replacement."""
+    """MIN pooled and per layer over the tier's slots, plus the size-aware heuristic
+    when sizes differ. A slot is the largest expert, as libspice lays slots out, so
+    the pooled count is the fewest misses of any demand-loading replacement on the
+    same tier. The size-aware row counts the budget in the experts' own bytes: what
+    an allocator without fixed slots could reach (a heuristic, not a bound)."""
     calls = _requests(workload)
     moe = workload.moe_layers
     sizes = {il: int(expert_bytes[il]) for il in moe}
-    n_slots = budget_bytes // min(sizes.values())
+    n_slots = budget_bytes // max(sizes.values())
     ones = dict.fromkeys(moe, 1)
     results = []
     pooled = _min(calls, float(n_slots), ones, dict.fromkeys(moe, 0), sizes)
@@ -167,12 +168,12 @@ class BeladyOracle(PolicyBase):
             for key, _count in keys:
                 self.uses.setdefault(key, []).append(i)
         self.i = 0
-        self.expert_bytes: tuple[int, ...] = ()
+        self.slot_bytes = 0
         self.budget = 0
 
     def attach(self, ctx: PolicyContext) -> None:
         self.i = 0
-        self.expert_bytes = ctx.expert_bytes
+        self.slot_bytes = ctx.slot_bytes  # what each held expert takes of the budget
         # the tier charges loaded surrogates to its budget: counting them out keeps the
         # oracle from planning into bytes the tier then refuses (a refused demand fetch
         # runs on the host, which made the oracle's row a host run when a sidecar was given)
@@ -190,8 +191,8 @@ class BeladyOracle(PolicyBase):
         layer = call.layer
         needed = {int(e) for e in np.unique(call.ids)}
         held = np.argwhere(residency != RESIDENCY_ABSENT)
-        used = sum(self.expert_bytes[int(il)] for il, _ in held)
-        need = sum(self.expert_bytes[layer] for e in needed if residency[layer, e] == RESIDENCY_ABSENT)
+        used = len(held) * self.slot_bytes
+        need = sum(self.slot_bytes for e in needed if residency[layer, e] == RESIDENCY_ABSENT)
         candidates = sorted(
             (
                 (self._next_use((int(il), int(e))), (int(il), int(e)))
@@ -205,7 +206,7 @@ class BeladyOracle(PolicyBase):
             if used + need <= self.budget:
                 break
             evict.append(key)
-            used -= self.expert_bytes[key[0]]
+            used -= self.slot_bytes
         self.i += 1
         return Plan(actions=np.full(call.ids.shape, ACTION_DEVICE, np.int32), evict=evict)
 
@@ -227,8 +228,7 @@ class ReadBound:
     the model is looser than the tier (a miss may take the slot of an expert the
     same call uses; reads cost no time), so its optimum is a lower bound on any
     lossless policy's reads and bytes on the same trace and budget. Slots are as
-    libspice counts them (budget // the smallest expert), a further relaxation
-    where sizes differ.
+    libspice counts them (budget // the largest expert).
 
     - `reads` (and `misses`, `min_bytes`): MIN with bypass, which after each call
       keeps the `slots` experts needed soonest (Belady's farthest-next-use rule;

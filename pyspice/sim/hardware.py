@@ -383,7 +383,8 @@ def policy_profile(profile: HardwareProfile, costs: Costs) -> CostProfile | None
 
 
 def budget_bytes(spec: str, routed_bytes: int, target_routed: int | None = None) -> int:
-    """A --device-budget entry: a share ("25%") of the simulated routed-expert bytes, or
+    """A --device-budget entry: a share ("25%") of the simulated whole tier (every routed
+    expert in a slot as large as the largest; units.whole_tier_bytes), or
     bytes with a unit ("8GiB"), which for a target mean target bytes (taken as a share)."""
     budget = parse_budget(spec)
     if target_routed is not None and budget.share is None:

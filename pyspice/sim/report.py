@@ -24,6 +24,7 @@ from pyspice.sim.planner import AsyncModel
 from pyspice.sim.simulator import Simulator
 from pyspice.sim.targets import TargetModel
 from pyspice.sim.workload import Workload
+from pyspice.units import whole_tier_bytes
 
 SPEEDUP_BASE = "adapmoe"
 
@@ -85,7 +86,7 @@ def simulate_all(
             costs = target_costs(prof, cfg.target, workload)
             target_name = cfg.target.name
             target_routed = cfg.target.routed_bytes
-        routed = sum(b * n for b, n in zip(costs.expert_bytes, workload.n_expert, strict=True))
+        routed = whole_tier_bytes(costs.expert_bytes, workload.n_expert)  # what 100% means
         tier_extra = dict(extra)
         if costs.disk is not None:
             # as Engine.policy_context says it on the disk tier: a host action reads first
@@ -167,7 +168,7 @@ def _disk_bound(
     bound a lossless policy's disk reads are held to."""
     assert costs.disk is not None
     moe = [b for b, n in zip(costs.expert_bytes, workload.n_expert, strict=True) if n > 0]
-    slots = min(nbytes // min(moe), sum(workload.n_expert)) if moe else 0  # as libspice counts them
+    slots = min(nbytes // max(moe), sum(workload.n_expert)) if moe else 0  # as libspice counts them
     b = read_bound(workload, costs.disk.reads.bytes_of, slots)
     per_expert = max((costs.disk.reads.of(il, 0)[0] for il in workload.moe_layers), default=0)
     bypass = {

@@ -122,7 +122,7 @@ def _fit_pool(
             return
         chosen.append(victim)
         taken.add(victim)
-        used -= tier.expert_bytes[victim[0]]
+        used -= tier.slot_bytes
 
 
 def _resize(tier: SimTier, state: RuleState) -> None:
@@ -130,7 +130,7 @@ def _resize(tier: SimTier, state: RuleState) -> None:
     total = sum((state.misses[il] + 1) * _copy_us(tier, il) for il in moe)
     for il in moe:
         share = tier.budget_bytes * ((state.misses[il] + 1) * _copy_us(tier, il)) / total
-        n = min(share // tier.expert_bytes[il], tier.n_expert[il])
+        n = min(share // tier.slot_bytes, tier.n_expert[il])
         state.capacity[il] = int(n) if n > 1 else 1
         state.misses[il] = 0
 
@@ -265,7 +265,7 @@ def rule_plan(
     elif rule.keep in (KEEP_LRU, KEEP_DECAYED):
         if rule.keep == KEEP_DECAYED:
             state.note_uses(layer, n_expert, selected)
-        _fit_pool(tier, state, layer, selected, len(incoming) * tier.expert_bytes[layer], evict)
+        _fit_pool(tier, state, layer, selected, len(incoming) * tier.slot_bytes, evict)
     elif rule.keep == KEEP_LAYER_LRU:
         state.calls += 1
         if rule.resize_every > 0 and state.calls % rule.resize_every == 0:

@@ -21,6 +21,7 @@ import gguf
 
 from pyspice.formats.model_info import read_header
 from pyspice.models.synth import SHAPES, tensor_plan
+from pyspice.units import whole_tier_bytes
 
 _QK_K = 256
 _BASE = {
@@ -86,7 +87,8 @@ class TargetModel:
 
     @property
     def routed_bytes(self) -> int:
-        return sum(b * self.n_expert for b in self.expert_bytes)
+        """A tier holding every routed expert (units.whole_tier_bytes): what 100% means."""
+        return whole_tier_bytes(self.expert_bytes, [self.n_expert if b else 0 for b in self.expert_bytes])
 
     @property
     def resident_bytes(self) -> int:

@@ -103,17 +103,18 @@ class SimTier:
     call_layer: int = -1  # the hook call in progress (device operations count against it)
     bus_free_ns: int = 0  # the emulated bus: when the last started copy lands
     n_slots: int = 0  # slot records (set from the budget, as spice_store_create does)
+    slot_bytes: int = 0  # every slot's size and each held expert's charge: the largest expert
     _seq: int = 0
 
     def __post_init__(self) -> None:
         if not self.bandwidth_gbps > 0 or self.latency_us < 0:
             raise ValueError("bus bandwidth must be positive and latency non-negative")
         self.counters = [LayerCounters() for _ in self.n_expert]
+        moe = [b for n, b in zip(self.n_expert, self.expert_bytes, strict=True) if n > 0]
+        self.slot_bytes = max(moe, default=0)
         if not self.n_slots:
-            moe = [b for n, b in zip(self.n_expert, self.expert_bytes, strict=True) if n > 0]
-            smallest = min(moe, default=0)
             total = sum(self.n_expert)
-            self.n_slots = min(self.budget_bytes // smallest, total) if smallest else 0
+            self.n_slots = min(self.budget_bytes // self.slot_bytes, total) if self.slot_bytes else 0
 
     @property
     def n_layers(self) -> int:
@@ -225,9 +226,9 @@ class SimTier:
             return REFUSED_STATE
         nbytes = self.expert_bytes[layer]
         held = len(self.resident) + len(self.copies)
-        if held >= self.n_slots or self.used_bytes + nbytes > self.budget_bytes:
+        if held >= self.n_slots or self.used_bytes + self.slot_bytes > self.budget_bytes:
             return REFUSED_BUDGET
-        self.used_bytes += nbytes
+        self.used_bytes += self.slot_bytes
         self._seq += 1
         self.copies[key] = Copy(
             layer, expert, priority, priority == PRIORITY_PREFETCH, nbytes, issue_ns=now, seq=self._seq
@@ -260,7 +261,7 @@ class SimTier:
         self.resident.discard(key)
         self.from_prefetch.discard(key)
         self.filled.discard(key)
-        self.used_bytes -= self.expert_bytes[layer]
+        self.used_bytes -= self.slot_bytes
         return OK
 
     def begin_call(self, layer: int, ids: npt.ArrayLike) -> npt.NDArray[np.bool_]:

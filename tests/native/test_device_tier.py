@@ -62,3 +62,25 @@ def test_a_small_tier_degrades_to_the_host_exactly(synth_model) -> None:
         assert got.stats["misses"]["host"] > 0
     finally:
         llm.close()
+
+
+def test_slots_never_outgrow_the_budget_where_experts_differ_in_size(synth_model) -> None:
+    """Q5_K_M gives layers experts of different sizes. Every slot is as large as the
+    largest expert, so a budget holds budget // largest experts and the slots' bytes
+    stay within it (counting smaller experts at their own size let them outgrow it);
+    100% still holds every expert."""
+    llm = load(synth_model("deepseek2", "tiny", "Q5_K_M"))
+    try:
+        sizes = {info.bytes_per_expert for info in llm.spice_layers() if info.is_moe}
+        assert len(sizes) > 1, "the fixture no longer mixes expert sizes: pick a quant that does"
+        largest, runtime = max(sizes), llm.spice_engine.runtime
+        for budget in ("25%", "50%", "90%"):
+            tier = llm.set_device(budget, 8.0, 5.0, manual_clock=True)
+            assert tier.holds == tier.budget_bytes // largest
+            assert runtime.slot_pool_bytes() == tier.holds * largest <= tier.budget_bytes
+        tier = llm.set_device("100%", 8.0, 5.0, manual_clock=True)
+        assert tier.holds == tier.experts and tier.budget_bytes == tier.experts * largest
+        full = greedy_run(llm, "exact", n_decode=2)  # preloads the whole tier
+        assert full.stats["hit_rate"] == 1.0
+    finally:
+        llm.close()

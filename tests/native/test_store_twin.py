@@ -24,7 +24,7 @@ from pyspice.sim import plan as sim_plan
 from pyspice.sim.tier import PRIORITY_DEMAND, PRIORITY_PREFETCH, REFUSED_STATE, SimTier
 
 N_EXPERT = (5, 0, 4, 5)  # layer 1 is dense
-EXPERT_BYTES = (4096, 0, 8192, 6144)  # quant types differ: each expert is charged its own bytes
+EXPERT_BYTES = (4096, 0, 8192, 6144)  # quant types differ: each takes a slot of the largest
 MOE_LAYERS = [il for il, n in enumerate(N_EXPERT) if n]
 BANDWIDTH_GBPS = 1.0  # 1 byte per ns
 LATENCY_US = 0.5

@@ -8,6 +8,7 @@ from pyspice.policy import make_policy
 from pyspice.sim.belady import belady
 from pyspice.sim.simulator import Costs, Simulator
 from pyspice.sim.workload import Workload
+from pyspice.units import whole_tier_bytes
 
 
 def one_layer(seq: list[int], n_expert: int = 4) -> Workload:
@@ -64,8 +65,16 @@ def test_size_aware_variant_only_when_sizes_differ_and_is_labelled() -> None:
     ids = np.zeros((3, 2, 1), int)
     wl = Workload.from_arrays(2, [0, 1], 4, ids)
     assert [r.mode for r in belady(wl, (100, 100), 400)] == ["pooled", "per-layer"]
-    modes = [r.mode for r in belady(wl, (100, 150), 400)]
-    assert modes[-1] == "size-aware (heuristic)"
+    mixed = belady(wl, (100, 150), 400)
+    assert mixed[-1].mode == "size-aware (heuristic)"
+    # MIN runs on the tier's own slots: each as large as the largest expert
+    assert mixed[0].slots == 400 // 150
+
+
+def test_a_whole_tier_is_every_expert_in_a_slot_of_the_largest() -> None:
+    assert whole_tier_bytes((100, 0, 150), (4, 0, 4)) == 8 * 150
+    assert whole_tier_bytes((100, 100), (4, 4)) == 800  # one size: the routed-expert bytes
+    assert whole_tier_bytes((), ()) == 0
 
 
 def test_no_policy_misses_less_than_min() -> None:

@@ -231,15 +231,16 @@ def test_a_prefetch_takes_room_only_from_layers_listed_before_its_own() -> None:
 
 
 def test_a_prefetch_that_finds_no_room_drops_the_ones_after_it() -> None:
-    t = instant_tier((4, 4, 4), (100, 300, 100), 300)
+    t = instant_tier((4, 4, 4), (100, 300, 100), 600)  # two slots of 300 bytes
     hold(t, 0, 0)
     hold(t, 2, 3)
     ids = np.array([[3]], np.int32)
     host = np.array([[ACTION_HOST]], np.int32)
-    # the 300-byte layer-1 expert: evict_from frees layer 0's expert, which is not enough,
-    # and has nothing more; the small layer-2 prefetch after it (which would fit) is dropped
-    apply_plan(t, 2, ids, host, Plan(prefetch=[(1, 0), (2, 0)], evict_from=[0]))
-    assert held(t) == {(2, 3)}
+    # layer 0's prefetch may take room only from layers listed before layer 0 in
+    # evict_from (none): it finds no room, and the layer-2 prefetch after it, which
+    # could take layer 0's slot, is dropped with it
+    apply_plan(t, 1, ids, host, Plan(prefetch=[(0, 1), (2, 0)], evict_from=[0, 2]))
+    assert held(t) == {(0, 0), (2, 3)}
 
 
 def test_victims_come_from_the_listed_layers_in_order_across_prefetches() -> None:

@@ -86,7 +86,7 @@ class SpicePolicy(PolicyBase):
         # the next plan plus H_min beyond them: `every` + 1 layers' experts on the device at
         # once, so only as far apart as the budget holds that twice over (else every layer)
         every = max(1, cfg.plan_every) if cfg.deep else 1
-        slots = (ctx.budget_bytes or 0) // max(1, max(ctx.expert_bytes, default=1))
+        slots = (ctx.budget_bytes or 0) // max(1, ctx.slot_bytes)
         while every > 1 and slots < 2 * (every + 1) * k:
             every -= 1
         self.plan_every = every
