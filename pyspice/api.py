@@ -314,6 +314,7 @@ class Llama(llama_cpp.Llama):
         rt = self._spice_runtime
         if rt is not None:
             rt.take_interrupt()  # a request left from before this eval is stale: no decode ran
+            rt.sync_hook()  # graph inputs for a rule a plan installed during the last decode
         start = time.perf_counter()
         guard = SigintGuard(rt.request_abort if rt is not None else None)
         try:

@@ -786,6 +786,11 @@ class Runtime:
         libspice adds 2 while surrogates are loaded); 0 when it is not registered."""
         return int(self._n.lib.spice_runtime_hook_flags(self._rt))
 
+    def sync_hook(self) -> None:
+        """Between decodes: re-register the hook where the graph inputs the runtime needs
+        changed (a plan installed a rule during the last decode; spice_runtime_sync_hook)."""
+        self._n.lib.spice_runtime_sync_hook(self._rt)
+
     def is_async(self) -> bool:
         """Whether the policy plans on libspice's planner thread."""
         return bool(self._n.lib.spice_runtime_is_async(self._rt))

@@ -536,6 +536,14 @@ SPICE_API int spice_runtime_enable_ex(spice_runtime * rt, spice_policy_fn fn, vo
  * runtime added included); 0 when not registered. */
 SPICE_API uint32_t spice_runtime_hook_flags(const spice_runtime * rt);
 
+/* Between decodes, never inside one: registers the hook again where what the
+ * runtime needs from the graph changed since. A plan may install a rule while
+ * a decode runs (spice_policy_call.rule), when the graph cannot change: until
+ * this call, a rule that newly prefetches by the next router computes those
+ * logits itself (int16), and the graph goes on computing them for a rule that
+ * no longer does. pyspice calls it before every decode. */
+SPICE_API int spice_runtime_sync_hook(spice_runtime * rt);
+
 /* ---- asynchronous planning ---------------------------------------------------
  *
  * The policy callback runs on a planner thread owned by the runtime instead

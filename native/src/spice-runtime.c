@@ -222,7 +222,8 @@ static void decide_call(spice_runtime * rt, const spice_hook_call * hc, spice_po
     }
     if (use_plan) {
         rt->resume_il = call->resume_il;
-        spice_runtime_take_plan_rule(rt, call); /* for the calls the engine plans from now on */
+        spice_runtime_take_plan_rule(rt, call); /* for the calls the engine plans from now on; its
+                                                   graph inputs from the next decode (sync_hook) */
     } else {
         default_actions(rt, call, hc->n_tokens * hc->n_expert_used);
         /* nothing of a rejected plan may act: its lists are unchecked */
@@ -752,6 +753,14 @@ int spice_runtime_enable_ex(spice_runtime * rt, spice_policy_fn fn, void * user_
     rt->hook_max_tokens = max_tokens;
     llama_set_abort_callback(rt->lctx, abort_entry, rt);
     register_hook(rt);
+    return SPICE_OK;
+}
+
+int spice_runtime_sync_hook(spice_runtime * rt) {
+    if (rt == NULL) {
+        return SPICE_ERR_INVALID_ARG;
+    }
+    spice_runtime_update_hook(rt);
     return SPICE_OK;
 }
 

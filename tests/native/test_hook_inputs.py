@@ -23,7 +23,8 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from pyspice.policy import HookCall, HookInputError, Plan, policy_reads
+from pyspice.policy import HookCall, HookInputError, Plan, Rule, policy_reads
+from pyspice.policy.rule import KEEP_LRU, MISS_FETCH
 from pyspice.runtime import Runtime
 
 from .golden import greedy_run, load
@@ -297,6 +298,47 @@ def test_a_rule_that_prefetches_by_the_next_router_asks_the_graph(qwen: Path) ->
         assert got.stats["prefetch_issued"] > 0
         llm.set_policy("lru")
         assert runtime_of(llm).hook_flags() == 0
+    finally:
+        llm.close()
+
+
+class InstallsRules:
+    """A synchronous policy whose every plan installs a rule: one that prefetches by
+    the next layer's router while `next` is set, else one that does not."""
+
+    name = "installs-rules"
+
+    def __init__(self) -> None:
+        self.next = True
+        self.by_next: Rule | None = None
+        self.plain = Rule(miss=MISS_FETCH, keep=KEEP_LRU)
+
+    def attach(self, ctx: Any) -> None:
+        routers = tuple(ctx.router(il) if ctx.n_expert[il] else None for il in range(ctx.n_layers))
+        self.by_next = Rule(miss=MISS_FETCH, keep=KEEP_LRU, prefetch_next=True, routers=routers)
+
+    def decide(self, call: HookCall) -> Plan:
+        return Plan(rule=self.by_next if self.next else self.plain)
+
+
+def test_a_rule_a_plan_installs_gets_its_graph_inputs_from_the_next_decode(qwen: Path) -> None:
+    """The graph cannot change while it runs: the hook is registered again before the
+    next decode, asking for the next-layer logits a plan's rule prefetches by, and no
+    longer once a plan installs a rule that does not."""
+    llm = load(qwen)
+    try:
+        ref = greedy_run(llm, "stock", n_decode=4)
+        llm.set_device("25%", 8.0, 5.0, manual_clock=True)
+        policy = InstallsRules()
+        got = greedy_run(llm, policy, n_decode=4)
+        rt = runtime_of(llm)
+        assert rt.hook_flags() == 4  # SPICE_HOOK_WANT_NEXT_LOGITS, from the second decode on
+        assert np.array_equal(got.logits, ref.logits)
+        policy.next = False
+        llm.eval([5])  # its plans install the plain rule while it runs ...
+        assert rt.hook_flags() == 4
+        llm.eval([6])  # ... and the next decode's graph leaves the logits out
+        assert rt.hook_flags() == 0
     finally:
         llm.close()
 
