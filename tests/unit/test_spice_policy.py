@@ -479,3 +479,21 @@ def test_a_tight_budget_plans_at_every_layer() -> None:
     assert attached("spice:exact", context(budget_experts=19)).plan_every == 3
     assert attached("spice:exact", context(budget_experts=20)).plan_every == 4  # the default
     assert attached("abl-c", context(budget_experts=64)).plan_every == 1  # next layer only
+
+
+@pytest.mark.parametrize("lag", [0, 1, 2])
+def test_a_late_plan_queues_the_layers_it_still_reaches_first(lag: int) -> None:
+    """A plan applied `lag` MoE layers after its call reaches the layers within that
+    distance only after they ran: their prefetches (for the next token) queue last, so
+    a full queue holds the layers ahead instead (a prompt batch predicts nearly every
+    expert of every layer: at lag 3 it once filled the queue with passed layers, and
+    its hit rate fell from 0.82 to 0.07 on smolmoe-b at 50%)."""
+    from pyspice.policy.spice.lookahead import NO_CONFIDENCE, Predictions
+    from pyspice.policy.spice.planner import PrefetchPlanner
+
+    ctx = context(budget_experts=32)
+    planner = PrefetchPlanner(ctx, queue_max=4, lag=lag)
+    pred = Predictions(layers=[1, 2, 3], experts=[[0, 1], [2, 3], [4, 5]], confidence=NO_CONFIDENCE)
+    plan = planner.plan(0, pred, np.zeros((4, 8), np.int8), busy=[])
+    order = {0: [1, 2, 3], 1: [2, 3, 1], 2: [3, 1, 2]}[lag]  # nearest first, the passed ones last
+    assert [il for il, _ in plan.prefetch] == [il for il in order for _ in range(2)][:4]

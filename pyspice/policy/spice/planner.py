@@ -2,6 +2,11 @@
 
 - The union of the predicted sets goes to the low-priority queue, nearest
   layer first and most probable first within a layer, up to the queue bound.
+  A plan applied `lag` MoE layers after its call (asynchronous planning) comes
+  too late for the layers within that distance: their prefetches serve only
+  the next token's call of them, so they queue after every layer the plan
+  still reaches (a prompt batch, which predicts most experts of every layer,
+  would otherwise fill the queue with them).
 - Nothing resident or already on its way is queued again.
 - Queued prefetches gone stale (for a layer already passed, or no longer
   predicted for a layer inside the horizon) are cancelled: evicting a queued
@@ -52,9 +57,10 @@ class PrefetchPlanner:
     than the Python it would replace: experts are plain ints (layer * width + expert)
     and the residency table is read as one bytes object."""
 
-    def __init__(self, ctx: PolicyContext, queue_max: int = 64) -> None:
+    def __init__(self, ctx: PolicyContext, queue_max: int = 64, lag: int = 0) -> None:
         self.ctx = ctx
         self.queue_max = queue_max
+        self.lag = lag  # MoE layers from a call to where its plan is applied
         self.width = max(1, ctx.max_expert)  # an expert's int key: layer * width + expert
         moe = list(ctx.moe_layers)
         n_moe = max(1, len(moe))
@@ -137,9 +143,13 @@ class PrefetchPlanner:
         if not keep_resident:
             evict_from = evict_from[:beyond]
         room = self.queue_max - ((cells.count(RESIDENCY_QUEUED) if on_the_way else 0) - len(evict))
-        pairs: list[Key] = []  # nearest layer, most probable first
+        pairs: list[Key] = []  # nearest layer the plan still reaches, most probable first
         copies = 0
-        for il, experts in zip(layers, chosen, strict=True):
+        order = list(zip(layers, chosen, strict=True))
+        if self.lag > 0 and dist[layers[0]] <= self.lag:
+            lag = self.lag
+            order.sort(key=lambda pair: dist[pair[0]] <= lag)  # stable: the layers it lands too late for last
+        for il, experts in order:
             base, d = il * width, dist[il]
             for e in experts:
                 state = cells[base + e]

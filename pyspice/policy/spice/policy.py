@@ -105,7 +105,7 @@ class SpicePolicy(PolicyBase):
         if predictor is None:
             predictor = RouterLookahead(ctx, max(self.h_max.values(), default=1))
         self.predictor: RoutePredictor = Rollout(predictor)
-        self.planner = PrefetchPlanner(ctx)
+        self.planner = PrefetchPlanner(ctx, lag=lag)
         errors = ctx.surrogate_error if ctx.surrogates_loaded else None
         if not cfg.lossless and errors is None:
             print(
