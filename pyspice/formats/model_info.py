@@ -309,6 +309,11 @@ def format_summary(s: ModelSummary, fits: list[BudgetFit]) -> str:
     ]
     for g in s.groups:
         lines.append(f"  {'/'.join(g.types):<20} {g.layer_range():<14} {format_bytes(g.bytes_per_expert)}")
+    if s.whole_tier_bytes > s.expert_bytes:  # experts differ in size: every slot is the largest's
+        lines.append(
+            f"  a device slot holds any expert: {format_bytes(max(g.bytes_per_expert for g in s.groups))}, "
+            f"so holding them all takes {format_bytes(s.whole_tier_bytes)} (what 100% means)"
+        )
     lines.append("device budget (pooled over layers):")
     for f in fits:
         lines.append(

@@ -78,8 +78,12 @@ def test_summary_experts_sizes_and_budget_fit(tmp_path: Path) -> None:
     everything = s.fit(parse_budget("100%"))
     assert everything.n_cpu_moe == 0 and everything.holds == everything.experts == 4 * N_EXPERT
     assert s.fit(parse_budget("25%")).holds == N_EXPERT
+    # experts of two sizes: every slot is the larger one's, and a budget holds that many
+    assert s.whole_tier_bytes == 4 * N_EXPERT * f32_expert > s.expert_bytes
+    assert fit.holds == two_layers // f32_expert
     text = format_summary(s, [fit])
     assert "--n-cpu-moe 3" in text and "top-2" in text and "(1 dense)" in text
+    assert "a device slot holds any expert" in text
 
 
 def test_bad_files_are_one_clear_error(tmp_path: Path) -> None:
