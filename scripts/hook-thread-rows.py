@@ -1,0 +1,70 @@
+#!/usr/bin/env python3
+"""Issue 19's hook-thread table from rounds of `pyspice bench --json` at one budget.
+
+For each row: the hook thread's deciding time per decode call (median of the rounds,
+each round's listed), TPOT over `exact`'s in the same round, the decode hit rate, the
+asynchronous rows' lag and stale plans; then the accounting check: how much of the
+row's whole hook time over `exact`'s is neither deciding, nor the store's bookkeeping
+and copy work, nor waits for copies (the residual; 0 when the counters account for
+everything the hook thread does).
+
+    for r in 1 2 3; do
+      pyspice bench -m smolmoe-b --policies exact,lru,... --device-budget 25% \
+          -n 32 --repeat 2 -t 1 --json > r$r.json
+    done
+    scripts/hook-thread-rows.py r1.json r2.json r3.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+
+def load(paths: list[Path]) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text())["policies"] for p in paths]
+
+
+def residual(row: dict[str, Any], exact: dict[str, Any], n_moe: int) -> float:
+    """Hook time over exact's, less deciding, bookkeeping and copy waits (us per call)."""
+    waits = row["stall_ms_per_token"] * 1e3 / n_moe  # a decoded token makes n_moe calls
+    hook = row["per_call"]["hook_us"] - exact["per_call"]["hook_us"]
+    deciding = row["policy_us_per_decode_call"] - exact["policy_us_per_decode_call"]
+    store = row["per_call"]["store_us"] - exact["per_call"]["store_us"]
+    return float(hook - deciding - store - waits)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("rounds", type=Path, nargs="+", help="bench --json files, one per round, same budget")
+    ap.add_argument("--moe-layers", type=int, default=30, help="MoE layers per token (smolmoe-b: 30)")
+    args = ap.parse_args()
+    rounds = load(args.rounds)
+    names = [n for n in rounds[0] if all(n in r for r in rounds)]
+    med = statistics.median
+    print("| row | hook us (rounds) | TPOT / exact | decode hit | lag | stale | residual us (rounds) |")
+    print("|---|---|---|---|---|---|---|")
+    for name in names:
+        us = [r[name]["policy_us_per_decode_call"] for r in rounds]
+        ratio = [r[name]["tpot_ms"] / r["exact"]["tpot_ms"] for r in rounds]
+        hit = [r[name]["decode_hit_rate"] for r in rounds]
+        plans = [r[name].get("planning") or {} for r in rounds]
+        is_async = bool(plans[0].get("asynchronous"))
+        lag = f"{statistics.mean(p['lag_layers'] for p in plans):.2f}" if is_async else "-"
+        stale = str(sum(p["stale"] for p in plans)) if is_async else "-"
+        res = [residual(r[name], r["exact"], args.moe_layers) for r in rounds]
+        print(
+            f"| {name} | {med(us):.2f} ({', '.join(f'{u:.2f}' for u in us)}) | {med(ratio):.3f} | "
+            f"{med(hit):.3f} | {lag} | {stale} | {med(res):.1f} ({', '.join(f'{v:.1f}' for v in res)}) |"
+        )
+    different = [n for n in names if any(r[n].get("tokens") != r["exact"].get("tokens") for r in rounds)]
+    tpot = ", ".join(f"{r['exact']['tpot_ms']:.2f}" for r in rounds)
+    print(f"\nexact's TPOT ms per round: {tpot}")
+    print(f"rows whose tokens differ from exact's: {', '.join(different) or 'none'}")
+
+
+if __name__ == "__main__":
+    main()
