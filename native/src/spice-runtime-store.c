@@ -84,13 +84,10 @@ int spice_runtime_set_store(spice_runtime * rt, const spice_store_params * param
                      ? SPICE_ERR_INVALID_ARG
                      : spice_store_create_unattached(params, rt->n_layers, n_expert, bytes, &store);
     if (status == SPICE_ERR_BUDGET) {
-        uint64_t largest = 0;
-        for (int32_t il = 0; il < rt->n_layers; ++il) {
-            largest = n_expert[il] > 0 && bytes[il] > largest ? bytes[il] : largest;
-        }
         snprintf(rt->last_error, sizeof(rt->last_error),
                  "the device budget of %llu bytes is smaller than one slot (%llu bytes: the largest expert)",
-                 (unsigned long long) params->budget_bytes, (unsigned long long) largest);
+                 (unsigned long long) params->budget_bytes,
+                 (unsigned long long) spice_store_slot_bytes_for(rt->n_layers, n_expert, bytes));
     }
     if (status != SPICE_OK) {
         return status;

@@ -313,12 +313,12 @@ static int32_t oldest_in_layer(const spice_store * s, int32_t l, const uint8_t *
 
 /* One pooled cache: least recently selected (KEEP_DECAYED: least used) out
  * first -- by (goes_before, layer, expert), never an expert this call
- * selects -- until `need` bytes fit, a slot's bytes per victim. Each layer's first candidate is cached between calls
- * (r->oldest) and looked for again only where a state or a stamp changed
- * (s->layer_changed): a layer's decayed counts change only at its own call,
- * which stamps it. So a call scans the layers it touched, not the whole
- * table: this runs on the hook's thread, on caches ggml's kernels have just
- * emptied. */
+ * selects -- until `need` bytes fit, a slot's bytes per victim. Each
+ * layer's first candidate is cached between calls (r->oldest) and looked
+ * for again only where a state or a stamp changed (s->layer_changed): a
+ * layer's decayed counts change only at its own call, which stamps it. So a
+ * call scans the layers it touched, not the whole table: this runs on the
+ * hook's thread, on caches ggml's kernels have just emptied. */
 static void fit_pool(spice_store * s, spice_policy_call * call, uint64_t need) {
     spice_store_rule * r = &s->rule;
     const uint64_t used = s->used_bytes;

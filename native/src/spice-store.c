@@ -128,6 +128,16 @@ static int32_t queued_prefetches(const spice_store * s) {
 
 /* ---- life cycle --------------------------------------------------------------------- */
 
+uint64_t spice_store_slot_bytes_for(int32_t n_layers, const int32_t * n_expert, const uint64_t * expert_bytes) {
+    uint64_t largest = 0;
+    for (int32_t il = 0; il < n_layers; ++il) {
+        if (n_expert[il] > 0 && expert_bytes[il] > largest) {
+            largest = expert_bytes[il];
+        }
+    }
+    return largest;
+}
+
 int spice_store_create_unattached(const spice_store_params * params, int32_t n_layers, const int32_t * n_expert,
                                   const uint64_t * expert_bytes, spice_store ** out) {
     if (out == NULL || params == NULL || n_layers <= 0 || n_expert == NULL || expert_bytes == NULL ||
@@ -156,11 +166,9 @@ int spice_store_create_unattached(const spice_store_params * params, int32_t n_l
         if (n_expert[il] > s->max_expert) {
             s->max_expert = n_expert[il];
         }
-        if (n_expert[il] > 0 && expert_bytes[il] > s->slot_bytes) {
-            s->slot_bytes = expert_bytes[il];
-        }
         total_experts += (uint64_t) n_expert[il];
     }
+    s->slot_bytes = spice_store_slot_bytes_for(n_layers, n_expert, expert_bytes);
     if (s->slot_bytes == 0 || params->budget_bytes < s->slot_bytes) {
         free(s);
         return SPICE_ERR_BUDGET;

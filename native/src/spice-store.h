@@ -14,6 +14,11 @@
 int spice_store_create_unattached(const spice_store_params * params, int32_t n_layers, const int32_t * n_expert,
                                   const uint64_t * expert_bytes, spice_store ** out);
 
+/* A slot's bytes for these layers: the largest expert of an MoE layer (0:
+ * none). Every slot is this size and every expert held takes this much of
+ * the budget (spice_store_create in spice.h). */
+uint64_t spice_store_slot_bytes_for(int32_t n_layers, const int32_t * n_expert, const uint64_t * expert_bytes);
+
 /* Bind a layer's host weights and slot layout so copies move real bytes. */
 int spice_store_bind(spice_store * store, int32_t il, const spice_store_source * source);
 
