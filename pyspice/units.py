@@ -25,13 +25,18 @@ _UNITS = {
 }
 
 
+def slot_bytes(bytes_per_expert: Sequence[int], n_expert: Sequence[int]) -> int:
+    """A tier slot's bytes, per layer's expert size and count: the largest expert of a
+    layer with routed experts (0: none). libspice lays slots out at one stride, and every
+    expert held takes a slot of the budget (spice_store_slot_bytes_for)."""
+    return max((int(b) for b, n in zip(bytes_per_expert, n_expert, strict=True) if n > 0), default=0)
+
+
 def whole_tier_bytes(bytes_per_expert: Sequence[int], n_expert: Sequence[int]) -> int:
-    """Bytes of a tier holding every routed expert: one slot each, and every slot as
-    large as the largest expert (libspice lays slots out at one stride, so a model whose
-    layers mix quantization types wastes the difference). Where experts are all one
-    size this is the routed-expert bytes; it is what a 100% budget means."""
-    sizes = [int(b) for b, n in zip(bytes_per_expert, n_expert, strict=True) if n > 0]
-    return max(sizes, default=0) * sum(int(n) for n in n_expert if n > 0)
+    """Bytes of a tier holding every routed expert: one slot each (`slot_bytes`), so a
+    model whose layers mix quantization types wastes the difference. Where experts are
+    all one size this is the routed-expert bytes; it is what a 100% budget means."""
+    return slot_bytes(bytes_per_expert, n_expert) * sum(int(n) for n in n_expert if n > 0)
 
 
 @dataclass(frozen=True)

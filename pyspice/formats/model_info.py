@@ -22,6 +22,7 @@ from pyspice.formats.gguf_header import ArraySummary, parse_header, tensor_nbyte
 # ModelFileError is re-exported: it is the error callers of read_header catch
 from pyspice.formats.gguf_header import ModelFileError as ModelFileError
 from pyspice.units import Budget, format_bytes, whole_tier_bytes
+from pyspice.units import slot_bytes as slot_bytes_of
 
 # arrays longer than this are summarized (tokenizer vocabularies), not decoded
 _MAX_ARRAY_ITEMS = 64
@@ -165,14 +166,20 @@ class ModelSummary:
     def n_routed_experts(self) -> int:
         return sum(self.experts_by_layer.values())
 
+    def _sizes(self) -> tuple[list[int], list[int]]:
+        """Per group of layers: bytes per expert, and experts in its layers."""
+        experts = [sum(self.experts_by_layer.get(il, 0) for il in g.layers) for g in self.groups]
+        return [g.bytes_per_expert for g in self.groups], experts
+
+    @property
+    def slot_bytes(self) -> int:
+        """A tier slot's bytes: the largest expert (units.slot_bytes)."""
+        return slot_bytes_of(*self._sizes())
+
     @property
     def whole_tier_bytes(self) -> int:
         """A tier holding every routed expert (units.whole_tier_bytes): what 100% means."""
-        layers = sorted(self.experts_by_layer)
-        return whole_tier_bytes(
-            [self.expert_bytes_by_layer[il] // max(1, self.experts_by_layer[il]) for il in layers],
-            [self.experts_by_layer[il] for il in layers],
-        )
+        return whole_tier_bytes(*self._sizes())
 
     def fit(self, budget: Budget) -> BudgetFit:
         whole = self.whole_tier_bytes
@@ -311,7 +318,7 @@ def format_summary(s: ModelSummary, fits: list[BudgetFit]) -> str:
         lines.append(f"  {'/'.join(g.types):<20} {g.layer_range():<14} {format_bytes(g.bytes_per_expert)}")
     if s.whole_tier_bytes > s.expert_bytes:  # experts differ in size: every slot is the largest's
         lines.append(
-            f"  a device slot holds any expert: {format_bytes(max(g.bytes_per_expert for g in s.groups))}, "
+            f"  a device slot holds any expert: {format_bytes(s.slot_bytes)}, "
             f"so holding them all takes {format_bytes(s.whole_tier_bytes)} (what 100% means)"
         )
     lines.append("device budget (pooled over layers):")

@@ -16,6 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pyspice.policy.profile import CostProfile
+from pyspice.units import slot_bytes as slot_bytes_of
 
 F32 = npt.NDArray[np.float32]
 
@@ -86,7 +87,7 @@ class PolicyContext:
     def slot_bytes(self) -> int:
         """A device slot's bytes: the largest expert's. Every expert held takes that much
         of the budget, whatever its own size (spice_store_create)."""
-        return max((b for b, n in zip(self.expert_bytes, self.n_expert, strict=True) if n > 0), default=0)
+        return slot_bytes_of(self.expert_bytes, self.n_expert)
 
     def next_moe_layer(self, layer: int) -> int | None:
         for il in range(layer + 1, self.n_layers):

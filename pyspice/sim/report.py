@@ -24,7 +24,7 @@ from pyspice.sim.planner import AsyncModel
 from pyspice.sim.simulator import Simulator
 from pyspice.sim.targets import TargetModel
 from pyspice.sim.workload import Workload
-from pyspice.units import whole_tier_bytes
+from pyspice.units import slot_bytes, whole_tier_bytes
 
 SPEEDUP_BASE = "adapmoe"
 
@@ -167,8 +167,8 @@ def _disk_bound(
     its disk bytes per token are the least bytes of any schedule (min-cost flow), the
     bound a lossless policy's disk reads are held to."""
     assert costs.disk is not None
-    moe = [b for b, n in zip(costs.expert_bytes, workload.n_expert, strict=True) if n > 0]
-    slots = min(nbytes // max(moe), sum(workload.n_expert)) if moe else 0  # as libspice counts them
+    slot = slot_bytes(costs.expert_bytes, workload.n_expert)
+    slots = min(nbytes // slot, sum(workload.n_expert)) if slot else 0  # as libspice counts them
     b = read_bound(workload, costs.disk.reads.bytes_of, slots)
     per_expert = max((costs.disk.reads.of(il, 0)[0] for il in workload.moe_layers), default=0)
     bypass = {

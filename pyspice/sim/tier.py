@@ -36,6 +36,7 @@ from pyspice.policy.base import (
     RESIDENCY_QUEUED,
     RESIDENCY_RESIDENT,
 )
+from pyspice.units import slot_bytes as slot_bytes_of
 
 PRIORITY_PREFETCH = 0
 PRIORITY_DEMAND = 1
@@ -110,8 +111,7 @@ class SimTier:
         if not self.bandwidth_gbps > 0 or self.latency_us < 0:
             raise ValueError("bus bandwidth must be positive and latency non-negative")
         self.counters = [LayerCounters() for _ in self.n_expert]
-        moe = [b for n, b in zip(self.n_expert, self.expert_bytes, strict=True) if n > 0]
-        self.slot_bytes = max(moe, default=0)
+        self.slot_bytes = slot_bytes_of(self.expert_bytes, self.n_expert)
         if not self.n_slots:
             total = sum(self.n_expert)
             self.n_slots = min(self.budget_bytes // self.slot_bytes, total) if self.slot_bytes else 0
