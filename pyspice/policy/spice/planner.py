@@ -32,7 +32,7 @@ dropped with the ones after it.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -145,10 +145,10 @@ class PrefetchPlanner:
         room = self.queue_max - ((cells.count(RESIDENCY_QUEUED) if on_the_way else 0) - len(evict))
         pairs: list[Key] = []  # nearest layer the plan still reaches, most probable first
         copies = 0
-        order = list(zip(layers, chosen, strict=True))
-        if self.lag > 0 and dist[layers[0]] <= self.lag:
+        order: Iterable[tuple[int, list[int]]] = zip(layers, chosen, strict=True)
+        if self.lag > 0 and dist[layers[0]] <= self.lag:  # only then: planning runs on the hook's thread
             lag = self.lag
-            order.sort(key=lambda pair: dist[pair[0]] <= lag)  # stable: the layers it lands too late for last
+            order = sorted(order, key=lambda pair: dist[pair[0]] <= lag)  # stable: layers passed last
         for il, experts in order:
             base, d = il * width, dist[il]
             for e in experts:
