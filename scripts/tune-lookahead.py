@@ -139,15 +139,13 @@ def stat_row(stats: dict[str, Any]) -> dict[str, Any]:
 
 
 def planning_of(mode: str) -> Any:
-    from pyspice.engine.planning import Planning
+    """sync, async or detK, as bench rows write it after '@' (measure.bench.split_row)."""
+    from pyspice.measure.bench import split_row
 
-    if mode == "sync":
-        return Planning(asynchronous=False)
-    if mode == "async":
-        return Planning(asynchronous=True)
-    if mode.startswith("det") and mode[3:].isdigit():
-        return Planning(asynchronous=True, deterministic_lag=int(mode[3:]))
-    raise SystemExit(f"mode {mode!r}: sync, async or detK")
+    try:
+        return split_row(f"{LEVEL}@{mode}")[1]
+    except ValueError as err:
+        raise SystemExit(f"mode {mode!r}: {err}") from None
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
