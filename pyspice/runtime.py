@@ -420,12 +420,13 @@ class Store:
         status = self._n.lib.spice_store_rule_plan(self._s, call)
         if status != 0:
             raise SpiceError(status, f"spice_store_rule_plan({il}) failed")
-        _, actions, fetch, prefetch, evict, _ = keep
+        _, actions, fetch, prefetch, evict, evict_from = keep
         return Plan(
             actions=actions.reshape(ids32.shape).copy(),
             fetch=fetch[: call.n_fetch].tolist(),
             prefetch=[(int(a), int(b)) for a, b in prefetch[: call.n_prefetch].reshape(-1, 2)],
             evict=[(int(a), int(b)) for a, b in evict[: call.n_evict].reshape(-1, 2)],
+            evict_from=evict_from[: call.n_evict_from].tolist(),
         )
 
     def apply_plan(
@@ -1170,6 +1171,12 @@ def _rule_to_c(ffi: Any, rule: Rule, n_expert: Sequence[int]) -> tuple[Any, tupl
             keep.append(arr)
             routers[il] = ffi.from_buffer("float[]", arr)
         keep.append(routers)
+        if rule.next_layers is not None:
+            at = np.zeros(n_layers, np.uint8)
+            at[[il for il in rule.next_layers if 0 <= il < n_layers]] = 1
+            keep.append(at)
+            c.next_layers = ffi.from_buffer("uint8_t[]", at)
+        c.next_room = 1 if rule.next_room and n_embd else 0
         c.prefetch_next = 1 if n_embd else 0
         c.routers = ffi.cast("const float * const *", routers)
         c.n_embd = n_embd

@@ -232,7 +232,9 @@ SPICE_API int spice_plan_check(const spice_plan_limits * limits, const spice_pol
  * it selects once more; the lowest count goes first); a layer in whole_layers fetches
  * all its absent experts at its call (and runs them on the device); with
  * prefetch_next the next MoE layer's router, applied to this call's input,
- * names experts to prefetch. The rule writes a plan like a policy's, which
+ * names experts to prefetch (at the calls of next_layers; with next_room
+ * taking room from the layers that run again last, as a policy's evict_from
+ * would). The rule writes a plan like a policy's, which
  * the store then applies (spice_store_apply_plan). */
 typedef enum spice_miss_rule {
     SPICE_MISS_HOST  = 0, /* a miss runs on the host */
@@ -263,6 +265,10 @@ struct spice_rule {
     int32_t resize_every;          /* LAYER_LRU: every this many calls, capacities re-split by
                                       (misses + 1) x copy time per layer (0: fixed) */
     int32_t prefetch_next;         /* 1: prefetch the next MoE layer's router top-k (n_expert_used) */
+    const uint8_t * next_layers;   /* [n_layers] the layers whose calls prefetch_next (1) or NULL: every layer */
+    int32_t next_room;             /* 1: prefetch_next may take room from the layers that run again last
+                                      (evict_from: this call's layer, then the MoE layers before it, half of
+                                      them); 0: free room only (or a LAYER_LRU capacity) */
     const float * const * routers; /* [n_layers] router weights [n_expert][n_embd] f32, NULL entries allowed;
                                       the store keeps them in int16 (a scale per row) and scales each
                                       input row to 15 bits: the top-k is of those exact integer logits */

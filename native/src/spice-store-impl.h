@@ -59,6 +59,7 @@ typedef struct spice_store_rule {
     spice_rule rule;
     uint8_t * surrogate_set; /* [n_layers * max_expert] or NULL */
     uint8_t * whole_layers;  /* [n_layers] or NULL */
+    uint8_t * next_layers;   /* [n_layers] or NULL (prefetch_next at every layer) */
     int32_t * capacity;      /* [n_layers] (LAYER_LRU) or NULL */
     spice_router_q * routers; /* [n_layers] int16 copies of the routers (entries with q NULL: none); the
                                 array NULL without prefetch_next */

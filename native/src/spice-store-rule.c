@@ -38,6 +38,7 @@ static void release_arrays(spice_store * s) {
     spice_store_rule * r = &s->rule;
     free(r->surrogate_set);
     free(r->whole_layers);
+    free(r->next_layers);
     free(r->capacity);
     for (int32_t il = 0; r->routers != NULL && il < s->n_layers; ++il) {
         free(r->routers[il].q);
@@ -46,7 +47,7 @@ static void release_arrays(spice_store * s) {
     free(r->routers);
     free(r->hidden_q);
     r->hidden_q = NULL;
-    r->surrogate_set = r->whole_layers = NULL;
+    r->surrogate_set = r->whole_layers = r->next_layers = NULL;
     r->capacity = NULL;
     r->routers = NULL;
 }
@@ -168,7 +169,8 @@ int spice_store_set_rule(spice_store * s, const spice_rule * rule) {
         in->miss < SPICE_MISS_HOST || in->miss > SPICE_MISS_COST || in->keep < SPICE_KEEP_ALL ||
         in->keep > SPICE_KEEP_DECAYED || in->resize_every < 0 || (in->keep == SPICE_KEEP_LAYER_LRU && in->capacity == NULL) ||
         (in->keep == SPICE_KEEP_DECAYED && !(in->decay > 0.0 && in->decay <= 1.0)) ||
-        (in->prefetch_next && (in->routers == NULL || in->n_embd <= 0)) || !(in->surrogate_weight >= 0.0f)) {
+        (in->prefetch_next && (in->routers == NULL || in->n_embd <= 0)) ||
+        (in->next_room && (!in->prefetch_next || in->keep == SPICE_KEEP_LAYER_LRU)) || !(in->surrogate_weight >= 0.0f)) {
         return SPICE_ERR_INVALID_ARG;
     }
     release_arrays(s);
@@ -181,6 +183,9 @@ int spice_store_set_rule(spice_store * s, const spice_rule * rule) {
     }
     if (in->whole_layers != NULL) {
         ok &= (r->whole_layers = (uint8_t *) copy_of(in->whole_layers, (size_t) s->n_layers)) != NULL;
+    }
+    if (in->next_layers != NULL) {
+        ok &= (r->next_layers = (uint8_t *) copy_of(in->next_layers, (size_t) s->n_layers)) != NULL;
     }
     if (in->capacity != NULL) {
         ok &= (r->capacity = (int32_t *) copy_of(in->capacity, (size_t) s->n_layers * sizeof(int32_t))) != NULL;
@@ -196,6 +201,7 @@ int spice_store_set_rule(spice_store * s, const spice_rule * rule) {
     }
     r->rule.surrogate_set = r->surrogate_set;
     r->rule.whole_layers = r->whole_layers;
+    r->rule.next_layers = r->next_layers;
     r->rule.capacity = r->capacity;
     r->rule.routers = NULL; /* the rule reads its int16 copies (r->routers), not the caller's */
     memset(r->misses, 0, (size_t) s->n_layers * sizeof(int32_t));
@@ -579,6 +585,29 @@ static int32_t miss_action(spice_store * s, const spice_rule * rule, int32_t il,
     return remaining_us + rule->device_us < rule->host_us ? SPICE_ACTION_DEVICE : SPICE_ACTION_HOST;
 }
 
+/* next_room: the plan's evict_from is this layer, then the MoE layers before
+ * it (wrapping), half the MoE layers in all: those a decode step needs again
+ * last, as SPICE's planner lists them (pyspice/policy/spice/planner.py). The
+ * store takes each one's least recently selected expert that this call does
+ * not pin. */
+static void room_from_past_layers(const spice_store * s, spice_policy_call * call, int32_t il) {
+    int32_t n_moe = 0;
+    for (int32_t l = 0; l < s->n_layers; ++l) {
+        n_moe += s->n_expert[l] > 0;
+    }
+    const int32_t want = n_moe / 2 > 0 ? n_moe / 2 : 1;
+    call->n_evict_from = 0;
+    for (int32_t i = 0, l = il; i < s->n_layers && call->n_evict_from < want; ++i, l = l > 0 ? l - 1 : s->n_layers - 1) {
+        if (s->n_expert[l] > 0) {
+            int32_t * at = list_slot(call->evict_from, &call->n_evict_from, call->cap_evict_from, 1);
+            if (at == NULL) {
+                break;
+            }
+            *at = l;
+        }
+    }
+}
+
 /* ---- the plan ---------------------------------------------------------------- */
 
 int spice_store_rule_plan(spice_store * s, spice_policy_call * call) {
@@ -594,7 +623,8 @@ int spice_store_rule_plan(spice_store * s, spice_policy_call * call) {
     call->n_actions = call->n_tokens * n_used;
     memset(r->incoming, 0, (size_t) n_e);
     memset(r->selected, 0, (size_t) n_e); /* r->chosen is all zero: each plan clears what it set */
-    const int32_t nxt = rule->prefetch_next ? next_moe_layer(s, il) : -1;
+    const int32_t nxt =
+        rule->prefetch_next && (r->next_layers == NULL || r->next_layers[il]) ? next_moe_layer(s, il) : -1;
     if (nxt >= 0 && r->routers[nxt].q != NULL && !has_next_logits(s, call, nxt)) {
         /* its first 8 KiB come in while the actions are decided */
         const size_t bytes = (size_t) s->n_expert[nxt] * (size_t) rule->n_embd * sizeof(int16_t);
@@ -696,6 +726,9 @@ int spice_store_rule_plan(spice_store * s, spice_policy_call * call) {
                 at[0] = nxt;
                 at[1] = wanted[i];
             }
+        }
+        if (n_wanted > 0 && rule->next_room) {
+            room_from_past_layers(s, call, il);
         }
     }
     for (int32_t i = 0; i + 1 < call->n_evict; i += 2) { /* add_evict marked exactly these */

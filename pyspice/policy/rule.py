@@ -20,7 +20,10 @@ pooled or per layer; or, DECAYED, the lowest use count decayed by `decay` at
 every call of its layer: a frequency that forgets); a layer in `whole_layers` fetches
 all its absent experts at its call and runs on the device; with
 `prefetch_next` the next MoE layer's router, applied to the call's input,
-names experts to prefetch (within that layer's capacity). The engine keeps the
+names experts to prefetch (within that layer's capacity; only at the calls of
+`next_layers` where given; with `next_room` taking room from the layers that
+run again last -- this call's, then the MoE layers before it, half of them --
+as a policy's Plan.evict_from would). The engine keeps the
 routers in int16 with a scale per row and scales each input row to 15 bits
 (half the bytes it would read per call in float32, and the same logits on
 every build: pyspice.sim.rule.quantize_rows); a prefetch is a guess, and an
@@ -65,6 +68,8 @@ class Rule:
     capacity: tuple[int, ...] | None = None  # KEEP_LAYER_LRU: experts per layer
     resize_every: int = 0  # KEEP_LAYER_LRU: re-split capacities every this many calls (0: fixed)
     prefetch_next: bool = False
+    next_layers: tuple[int, ...] | None = None  # the layers whose calls prefetch_next (None: every layer)
+    next_room: bool = False  # prefetch_next may evict from the layers that run again last
     routers: tuple[npt.NDArray[np.float32] | None, ...] | None = None  # per layer [n_expert, n_embd]
     decay: float = 0.0  # KEEP_DECAYED: a call of a layer multiplies its use counts by this, in (0, 1]
 
@@ -81,6 +86,8 @@ class Rule:
             raise ValueError(f"rule: KEEP_DECAYED needs a decay in (0, 1], not {self.decay}")
         if self.prefetch_next and self.routers is None:
             raise ValueError("rule: prefetch_next needs the routers")
+        if self.next_room and (not self.prefetch_next or self.keep == KEEP_LAYER_LRU):
+            raise ValueError("rule: next_room needs prefetch_next (LAYER_LRU makes room by its capacities)")
         if not self.surrogate_weight >= 0 or self.resize_every < 0:
             raise ValueError("rule: surrogate_weight and resize_every must be non-negative")
 

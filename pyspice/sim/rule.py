@@ -273,7 +273,9 @@ def rule_plan(
         state.misses[layer] += absent_selected
         _fit_layer(tier, state, layer, len(incoming), selected, evict)
     prefetch: list[Key] = []
-    nxt = _next_moe_layer(tier, layer) if rule.prefetch_next else None
+    evict_from: list[int] = []
+    at_layer = rule.next_layers is None or layer in rule.next_layers
+    nxt = _next_moe_layer(tier, layer) if rule.prefetch_next and at_layer else None
     router = state.router(nxt) if nxt is not None else None
     if nxt is not None and router is not None and hidden is not None:
         predicted = _predict(router, hidden, min(ids.shape[1], tier.n_expert[nxt]))
@@ -282,4 +284,16 @@ def rule_plan(
         if wanted and rule.keep == KEEP_LAYER_LRU:
             _fit_layer(tier, state, nxt, len(wanted), predicted, evict)
         prefetch = [(nxt, e) for e in wanted]
-    return actions, Plan(actions=actions, fetch=fetch, prefetch=prefetch, evict=evict)
+        if wanted and rule.next_room:
+            evict_from = _past_layers(tier, layer)
+    return actions, Plan(actions=actions, fetch=fetch, prefetch=prefetch, evict=evict, evict_from=evict_from)
+
+
+def _past_layers(tier: SimTier, layer: int) -> list[int]:
+    """next_room's evict_from: `layer`, then the MoE layers before it (wrapping), half
+    the MoE layers in all (room_from_past_layers in spice-store-rule.c)."""
+    moe = [il for il in range(tier.n_layers) if tier.n_expert[il] > 0]
+    want = max(1, len(moe) // 2)
+    order = [il for il in range(layer, -1, -1) if tier.n_expert[il] > 0]
+    order += [il for il in range(tier.n_layers - 1, layer, -1) if tier.n_expert[il] > 0]
+    return order[:want]

@@ -30,6 +30,7 @@ from pyspice.sim.rule import RuleState, rule_plan
 from .test_store_twin import EXPERT_BYTES, MOE_LAYERS, N_EXPERT, assert_same, make_pair, op, run_op
 
 N_EMBD = 6
+next_layers = st.none() | st.sets(st.sampled_from(MOE_LAYERS)).map(tuple)
 
 
 @st.composite
@@ -56,6 +57,8 @@ def rules(draw: Any) -> Rule:
         resize_every=draw(st.sampled_from([0, 2, 3])),
         prefetch_next=prefetch_next,
         routers=routers if prefetch_next else None,
+        next_layers=draw(next_layers) if prefetch_next else None,
+        next_room=prefetch_next and keep != KEEP_LAYER_LRU and draw(st.booleans()),
         # 0.5 makes ties between counts (the rule's tie-break) as likely as orderings
         decay=draw(st.sampled_from([0.5, 0.9, 0.99, 1.0])) if keep == KEEP_DECAYED else 0.0,
     )
@@ -121,8 +124,15 @@ def test_rule_and_sim_rule_agree(
         assert c_plan.fetch == py_plan.fetch, where
         assert c_plan.prefetch == py_plan.prefetch, where
         assert c_plan.evict == py_plan.evict, where
+        assert list(c_plan.evict_from) == list(py_plan.evict_from), where
         done = store.apply_plan(
-            il, ids, actions, fetch=c_plan.fetch, prefetch=c_plan.prefetch, evict=c_plan.evict
+            il,
+            ids,
+            actions,
+            fetch=c_plan.fetch,
+            prefetch=c_plan.prefetch,
+            evict=c_plan.evict,
+            evict_from=c_plan.evict_from,
         )
         twin = sim_plan.apply_plan(tier, il, ids, actions.copy(), py_plan)
         assert (done == twin.actions).all(), where

@@ -38,6 +38,11 @@ class SpiceConfig:
     # apart as the device budget holds (plan_every + 1) layers' top-k twice over;
     # plan_every=1 plans (and rolls out) at every hook call, the letter of Algorithm 1
     plan_every: int = 4
+    # planning asynchronously, a plan lands a call or more after the call it was made at,
+    # too late for the next layer: at each planning layer the engine's rule then prefetches
+    # that layer's experts itself, by the next router on this call's input (from the graph),
+    # taking room from the layers that run again last, as the planner's own plans do
+    rule_next: bool = True
     # --- misses ---
     miss_mode: MissMode = "cost"  # cost: fetch-or-host by the cost model; host: all host; fetch: all fetched
     fetch_margin: float = 0.2  # fetch only when it beats all-host by this fraction (paper section 4.3)

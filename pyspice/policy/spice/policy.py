@@ -142,6 +142,14 @@ class SpicePolicy(PolicyBase):
                     table[il, : good.size] = good
             surrogate_set = table
         retain = self.retains
+        # the next layer, which a lagged plan reaches too late, prefetched by the engine at
+        # each planning layer (SpiceConfig.rule_next); not where the rule retains by use
+        routers: tuple[npt.NDArray[np.float32] | None, ...] | None = None
+        if cfg.rule_next and cfg.prefetch and not retain and self.plan_lag > 0:
+            routers = tuple(ctx.router(il) if ctx.n_expert[il] else None for il in range(ctx.n_layers))
+            if not any(r is not None for r in routers):
+                routers = None
+        planning = tuple(il for il in ctx.moe_layers if self.plans[il])
         return Rule(
             miss=MISS_FETCH if retain else miss,
             keep=KEEP_DECAYED if retain else KEEP_ALL,
@@ -151,6 +159,10 @@ class SpicePolicy(PolicyBase):
             margin=cfg.fetch_margin,
             surrogate_weight=cfg.surrogate_max_weight if surrogate_set is not None else 0.0,
             surrogate_set=surrogate_set,
+            prefetch_next=routers is not None,
+            routers=routers,
+            next_layers=planning if routers is not None else None,
+            next_room=routers is not None,
         )
 
     def plan_horizon(self) -> int:

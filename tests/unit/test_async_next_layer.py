@@ -1,0 +1,114 @@
+"""Planning asynchronously, SPICE's plans land a call or more late, too late for the
+next layer; at each planning layer the engine's rule prefetches that layer's experts
+itself, by the next router on the call's input, taking room from the layers that run
+again last (SpiceConfig.rule_next). The C rule is held to its twin, used here, by
+tests/native/test_rule_twin.py."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from pyspice.policy.base import RESIDENCY_ABSENT, RESIDENCY_RESIDENT
+from pyspice.policy.context import PolicyContext
+from pyspice.policy.rule import KEEP_LAYER_LRU, Rule
+from pyspice.policy.spice import SpicePolicy
+from pyspice.sim import plan as sim_plan
+from pyspice.sim.rule import RuleState, rule_plan
+from pyspice.sim.tier import SimTier
+
+from .test_spice_policy import attached
+
+EXPERT_BYTES = 1000
+N_LAYERS, N_EXPERT, N_EMBD = 8, 8, 4
+
+
+def router(il: int) -> np.ndarray:
+    """Layer il's router picks experts il and il + 1 for the input e_0."""
+    w = np.zeros((N_EXPERT, N_EMBD), np.float32)
+    w[il % N_EXPERT, 0] = 2.0
+    w[(il + 1) % N_EXPERT, 0] = 1.0
+    return w
+
+
+def context(in_memory: bool = True, budget_experts: int = 24) -> PolicyContext:
+    return PolicyContext(
+        n_layers=N_LAYERS,
+        n_expert=(N_EXPERT,) * N_LAYERS,
+        n_expert_used=2,
+        expert_bytes=(EXPERT_BYTES,) * N_LAYERS,
+        budget_bytes=budget_experts * EXPERT_BYTES,
+        surrogate_error=lambda il: None,
+        host_weights_in_memory=in_memory,
+        router=router,
+    )
+
+
+def with_lag(name: str, lag: int, ctx: PolicyContext, **config: object) -> SpicePolicy:
+    policy = attached(name, ctx)
+    policy = SpicePolicy(replace(policy.config, **config))  # type: ignore[arg-type]
+    policy.plan_lag = lag  # as the engine sets it before attach
+    policy.attach(ctx)
+    return policy
+
+
+def test_a_lagged_plan_leaves_the_next_layer_to_the_rule_at_planning_layers_only() -> None:
+    policy = with_lag("spice:exact", 1, context())
+    rule = policy.asynchronous_rule()
+    planning = tuple(il for il in range(N_LAYERS) if policy.plans[il])
+    assert rule.prefetch_next and rule.next_room
+    assert rule.next_layers == planning
+    assert 0 < len(planning) < N_LAYERS  # plan_every 4: the layers in between are the plan's
+    assert rule.routers is not None and (rule.routers[3] == router(3)).all()
+
+
+@pytest.mark.parametrize(
+    "why, lag, in_memory, config",
+    [
+        ("synchronous: the plan itself reaches the next layer", 0, True, {}),
+        ("switched off", 1, True, {"rule_next": False}),
+        ("no speculative copies at all", 1, True, {"prefetch": False}),
+        ("the disk tier's rule retains by use and prefetches into free room only", 1, False, {}),
+    ],
+)
+def test_the_rule_leaves_prefetching_to_the_plans(why: str, lag: int, in_memory: bool, config: dict) -> None:
+    rule = with_lag("spice:exact", lag, context(in_memory), **config).asynchronous_rule()
+    assert not rule.prefetch_next and rule.next_layers is None and not rule.next_room, why
+
+
+def test_next_room_needs_prefetch_next_and_no_capacities() -> None:
+    with pytest.raises(ValueError, match="next_room"):
+        Rule(next_room=True)
+    with pytest.raises(ValueError, match="next_room"):
+        Rule(keep=KEEP_LAYER_LRU, capacity=(1,), prefetch_next=True, routers=(router(0),), next_room=True)
+
+
+def test_the_rules_prefetch_takes_room_from_the_layers_just_run() -> None:
+    """A full tier of 4 slots: layers 1, 2 (just run) and 6, 7 (coming) hold one
+    expert each. The rule at layer 2 prefetches layer 3's top-2 (3 and 4), taking
+    room from layer 2, then layer 1, never from the layers to come."""
+    rule = Rule(
+        prefetch_next=True,
+        routers=tuple(router(il) for il in range(N_LAYERS)),
+        next_layers=(2,),
+        next_room=True,
+    )
+    tier = SimTier((N_EXPERT,) * N_LAYERS, (EXPERT_BYTES,) * N_LAYERS, 4 * EXPERT_BYTES, 1.0, 0.0)
+    state = RuleState(rule, N_LAYERS)
+    for il in (7, 6, 1, 2):
+        tier.request(il, 5, 1)
+    tier.now_ns += 10**9
+    tier.poll()
+    hidden = np.eye(1, N_EMBD, dtype=np.float32)
+    for il, expect_prefetch in ((1, []), (2, [(3, 3), (3, 4)])):
+        ids = np.array([[0, 1]], np.int32)
+        tier.begin_call(il, ids)
+        actions, plan = rule_plan(tier, state, il, ids, np.ones((1, 2), np.float32), hidden)
+        assert plan.prefetch == expect_prefetch, f"layer {il}: {plan.prefetch}"
+        sim_plan.apply_plan(tier, il, ids, actions.copy(), plan)
+    assert plan.evict_from == [2, 1, 0, 7]  # half the MoE layers, the one just run first
+    assert tier.state(3, 3) != RESIDENCY_ABSENT and tier.state(3, 4) != RESIDENCY_ABSENT  # on their way
+    assert tier.state(2, 5) == RESIDENCY_ABSENT and tier.state(1, 5) == RESIDENCY_ABSENT
+    assert tier.state(6, 5) == RESIDENCY_RESIDENT and tier.state(7, 5) == RESIDENCY_RESIDENT
