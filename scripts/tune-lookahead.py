@@ -273,6 +273,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
     from pyspice.sim.simulator import Simulator
     from pyspice.sim.targets import load_target
     from pyspice.sim.workload import from_trace
+    from pyspice.units import whole_tier_bytes
 
     model, _corpus = model_and_corpus(args.model)
     sidecar = Sidecar.load(args.sidecar or default_sidecar_path(model), model)
@@ -294,7 +295,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
             else:
                 prof, target = load_profile(pname), load_target(tname)
                 costs = target_costs(prof, target, workload)
-            routed = sum(b * n for b, n in zip(costs.expert_bytes, workload.n_expert, strict=True))
+            routed = whole_tier_bytes(costs.expert_bytes, workload.n_expert)  # 100%, as in `pyspice sim`
             for budget in names(args.budgets):
                 nbytes = budget_bytes(budget, routed, target.routed_bytes if target else None)
                 sim = Simulator(
