@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""`pyspice bench` with one SPICE level's constants replaced, for A/B runs of a constant
-before it is changed in pyspice/policy/spice/config.py.
+"""A `pyspice` command (bench, sim, eval) with one SPICE level's constants replaced,
+for A/B runs of a constant before it is changed in pyspice/policy/spice/config.py.
 
-    scripts/bench-spice-config.py plan_every=1,rule_next=0 -- -m smolmoe-b \\
+    scripts/with-spice-config.py plan_every=1,rule_next=0 -- bench -m smolmoe-b \\
         --policies spice:exact@sync,spice:exact@async --device-budget 25% -n 32 -t 1
 
 The fields are SpiceConfig's (booleans as 0/1); `--level` picks the level (default
-spice:exact). Everything after `--` goes to `pyspice bench` unchanged.
+spice:exact). Everything after `--` is the pyspice command line, unchanged.
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ def parse_fields(text: str) -> dict[str, object]:
         name, sep, value = item.partition("=")
         if not sep or name not in hints or name == "name":
             known = ", ".join(f for f in hints if f != "name")
-            raise SystemExit(f"bench-spice-config: {item!r} is not FIELD=VALUE of SpiceConfig ({known})")
+            raise SystemExit(f"with-spice-config: {item!r} is not FIELD=VALUE of SpiceConfig ({known})")
         kind = hints[name]
         if typing.get_origin(kind) is typing.Literal:  # e.g. miss_mode
             choices = typing.get_args(kind)
             if value not in choices:
-                raise SystemExit(f"bench-spice-config: {name} is one of {choices}, not {value!r}")
+                raise SystemExit(f"with-spice-config: {name} is one of {choices}, not {value!r}")
             out[name] = value
         else:
             out[name] = value not in ("0", "false", "False") if kind is bool else kind(value)
@@ -44,13 +44,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("fields", help="FIELD=VALUE[,FIELD=VALUE...] of SpiceConfig")
     ap.add_argument("--level", default="spice:exact", choices=sorted(config.QUALITY_LEVELS))
-    ap.add_argument("bench", nargs=argparse.REMAINDER, help="-- then pyspice bench's arguments")
+    ap.add_argument("command", nargs=argparse.REMAINDER, help="-- then a pyspice command line")
     args = ap.parse_args()
-    bench = args.bench[1:] if args.bench[:1] == ["--"] else args.bench
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
     shipped = config.QUALITY_LEVELS[args.level]
     config.QUALITY_LEVELS[args.level] = dataclasses.replace(shipped, **parse_fields(args.fields))
-    print(f"bench-spice-config: {args.level} with {args.fields}", file=sys.stderr)
-    return pyspice_main(["bench", *bench])
+    print(f"with-spice-config: {args.level} with {args.fields}", file=sys.stderr)
+    return pyspice_main(command)
 
 
 if __name__ == "__main__":
