@@ -65,16 +65,25 @@ def test_a_lagged_plan_leaves_the_next_layer_to_the_rule_at_planning_layers_only
 
 
 @pytest.mark.parametrize(
-    "why, lag, in_memory, config",
+    "why, lag, ctx, config",
     [
-        ("synchronous: the plan itself reaches the next layer", 0, True, {}),
-        ("switched off", 1, True, {"rule_next": False}),
-        ("no speculative copies at all", 1, True, {"prefetch": False}),
-        ("the disk tier's rule retains by use and prefetches into free room only", 1, False, {}),
+        ("synchronous: the plan itself reaches the next layer", 0, context(), {}),
+        ("switched off", 1, context(), {"rule_next": False}),
+        ("no speculative copies at all", 1, context(), {"prefetch": False}),
+        ("the disk tier's rule retains by use and prefetches into free room only", 1, context(False), {}),
+        # 2 experts of 1000 bytes at 1 MB/s: 2 ms of bus against a nominal layer's compute
+        (
+            "a guess one layer ahead would land after the layer",
+            1,
+            replace(context(), tier_bus=(0.001, 0.0)),
+            {},
+        ),
     ],
 )
-def test_the_rule_leaves_prefetching_to_the_plans(why: str, lag: int, in_memory: bool, config: dict) -> None:
-    rule = with_lag("spice:exact", lag, context(in_memory), **config).asynchronous_rule()
+def test_the_rule_leaves_prefetching_to_the_plans(
+    why: str, lag: int, ctx: PolicyContext, config: dict
+) -> None:
+    rule = with_lag("spice:exact", lag, ctx, **config).asynchronous_rule()
     assert not rule.prefetch_next and rule.next_layers is None and not rule.next_room, why
 
 
