@@ -24,10 +24,18 @@ from pyspice.policy.rule import (
     MISS_HOST,
     Rule,
 )
-from pyspice.sim import plan as sim_plan
 from pyspice.sim.rule import RuleState, rule_plan
 
-from .test_store_twin import EXPERT_BYTES, MOE_LAYERS, N_EXPERT, assert_same, make_pair, op, run_op
+from .test_store_twin import (
+    EXPERT_BYTES,
+    MOE_LAYERS,
+    N_EXPERT,
+    apply_both,
+    assert_same,
+    make_pair,
+    op,
+    run_op,
+)
 
 N_EMBD = 6
 next_layers = st.none() | st.sets(st.sampled_from(MOE_LAYERS)).map(tuple)
@@ -125,17 +133,7 @@ def test_rule_and_sim_rule_agree(
         assert c_plan.prefetch == py_plan.prefetch, where
         assert c_plan.evict == py_plan.evict, where
         assert list(c_plan.evict_from) == list(py_plan.evict_from), where
-        done = store.apply_plan(
-            il,
-            ids,
-            actions,
-            fetch=c_plan.fetch,
-            prefetch=c_plan.prefetch,
-            evict=c_plan.evict,
-            evict_from=c_plan.evict_from,
-        )
-        twin = sim_plan.apply_plan(tier, il, ids, actions.copy(), py_plan)
-        assert (done == twin.actions).all(), where
+        apply_both(store, tier, il, ids, actions, py_plan)  # the plans are equal (above)
         assert_same(store, tier, where)
 
 

@@ -115,6 +115,23 @@ op = st.one_of(
 )
 
 
+def apply_both(
+    store: Store, tier: SimTier, il: int, ids: np.ndarray, actions: np.ndarray, plan: Plan
+) -> None:
+    """One plan applied by libspice's store and by its twin: the actions carried out agree."""
+    done = store.apply_plan(
+        il,
+        ids,
+        actions,
+        fetch=plan.fetch,
+        prefetch=plan.prefetch,
+        evict=plan.evict,
+        evict_from=plan.evict_from,
+    )
+    twin = sim_plan.apply_plan(tier, il, ids, np.array(actions), plan)
+    assert (done == twin.actions).all(), f"actions after the plan: {done} vs {twin.actions}"
+
+
 def run_op(store: Store, tier: SimTier, name: str, arg: Any) -> None:
     if name == "advance":
         store.advance(arg)
@@ -127,17 +144,7 @@ def run_op(store: Store, tier: SimTier, name: str, arg: Any) -> None:
         il, ids, actions, plan = arg
         hit = store.begin_call(il, ids)
         assert (hit == tier.begin_call(il, ids)).all()
-        done = store.apply_plan(
-            il,
-            ids,
-            actions,
-            fetch=plan.fetch,
-            prefetch=plan.prefetch,
-            evict=plan.evict,
-            evict_from=plan.evict_from,
-        )
-        twin = sim_plan.apply_plan(tier, il, ids, actions.copy(), plan)
-        assert (done == twin.actions).all(), f"actions after the plan: {done} vs {twin.actions}"
+        apply_both(store, tier, il, ids, actions, plan)
     else:
         il, e = arg
         if name in ("demand", "prefetch"):
