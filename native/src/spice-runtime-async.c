@@ -3,9 +3,14 @@
  *
  * Per hook call of the policy's, on the hook's thread: collect the plans due
  * (deterministic: the one posted `lag` calls ago, waiting for it; else every
- * finished one, dropping those older than max_lag), then post this call's
- * snapshot unless the policy decided it in advance; the rule plans the call
- * and the collected lists join its plan. What the hook's thread spends on
+ * finished one, dropping those older than max_lag); the rule plans the call
+ * and the collected lists join its plan; once the store has applied it, the
+ * call's snapshot is posted unless the policy decided the call in advance
+ * (its residency then shows this call's copies and evictions: from a
+ * snapshot taken before them, the plan asked for the same copies again and
+ * planned around room already taken -- in the simulator on target-sized
+ * experts, 0.006-0.046 of hit rate and up to 7% of TPOT; see
+ * docs/results/async-planning-smolmoe.md). What the hook's thread spends on
  * this is deciding time (policy_ns); the planner's own is planner_ns. */
 #include "spice-runtime-internal.h"
 #include "spice-clock.h"
@@ -16,6 +21,7 @@
 
 void spice_async_stop(spice_runtime * rt) {
     spice_planner_stop(&rt->planner);
+    rt->async_post = NULL; /* the ring is gone with the planner */
     rt->n_async_prefetch = rt->n_async_evict = rt->n_async_evict_from = 0;
 }
 
@@ -145,13 +151,27 @@ int spice_async_before(spice_runtime * rt, spice_policy_call * call) {
         if (e == NULL || replaced) {
             c->async_skipped++;
         }
-        if (e != NULL && spice_planner_post(p, e, seq, call, call->actions) == SPICE_OK) {
-            c->async_posted++;
-        }
+        rt->async_post = e; /* filled after the plan is applied (spice_async_post) */
+        rt->async_post_seq = seq;
         c->policy_calls++;
     }
     c->policy_ns += spice_monotonic_ns() - t0 - waited;
     return quiet;
+}
+
+void spice_async_post(spice_runtime * rt, const spice_policy_call * call) {
+    spice_async_entry * e = rt->async_post;
+    if (e == NULL) {
+        return;
+    }
+    rt->async_post = NULL;
+    spice_counters * c = &rt->counters[call->il];
+    const uint64_t t0 = spice_monotonic_ns();
+    /* call->residency is the store's own table: as of this call's plan, applied */
+    if (spice_planner_post(&rt->planner, e, rt->async_post_seq, call, call->actions) == SPICE_OK) {
+        c->async_posted++;
+    }
+    c->policy_ns += spice_monotonic_ns() - t0;
 }
 
 void spice_async_merge(spice_runtime * rt, spice_policy_call * call) {

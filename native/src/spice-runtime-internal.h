@@ -110,6 +110,9 @@ struct spice_runtime {
     uint64_t * layer_seq; /* [n_layers]: call_seq of each layer's latest call */
     spice_plan_buffers async_lists; /* prefetch, evict, evict_from of the plans collected at this call */
     int32_t n_async_prefetch, n_async_evict, n_async_evict_from;
+    spice_async_entry * async_post; /* the entry this call's snapshot goes into once its plan is
+                                       applied (spice_async_post), or NULL */
+    uint64_t async_post_seq;
     const void * plan_rule;   /* the last rule a plan installed (its address), or NULL */
 
     spice_routing_replay replay; /* routing replay; ids NULL: the router's ids */
@@ -128,10 +131,17 @@ void spice_runtime_take_plan_rule(spice_runtime * rt, const spice_policy_call * 
 
 /* Asynchronous planning, at a hook call of the policy's (after the snapshot,
  * before the rule plans it): collect the plans due (validated; their lists
- * kept for spice_async_merge, their resume_il taken when still ahead), then
- * post this call's snapshot unless the policy answered it in advance.
+ * kept for spice_async_merge, their resume_il taken when still ahead), then,
+ * unless the policy answered this call in advance, take a planner entry for
+ * its snapshot, which spice_async_post fills once the call's plan is applied.
  * Returns 1 when the call is quiet (resume_il), else 0. */
 int spice_async_before(spice_runtime * rt, spice_policy_call * call);
+
+/* After the call's plan is applied, before its experts run: post its snapshot,
+ * with the residency as it now stands -- the copies and evictions this call
+ * just made included, so the planner neither asks for them again nor plans
+ * around room already taken -- and the actions as carried out. */
+void spice_async_post(spice_runtime * rt, const spice_policy_call * call);
 
 /* Append the collected plans' lists to the call's plan (after the rule's). */
 void spice_async_merge(spice_runtime * rt, spice_policy_call * call);

@@ -492,6 +492,7 @@ static void plan_call(spice_runtime * rt, const spice_hook_call * hc) {
     drop_bad_ids(rt, hc, &call);
     rt->call_computes = device_computes(rt, hc);
     apply_call(rt, hc, &call);
+    spice_async_post(rt, &call); /* asynchronous: the snapshot, residency as the plan left it */
     spice_counters * c = &rt->counters[hc->il];
     c->hook_calls++;
     spice_counters_add_outcomes(c, call.actions, rt->plan.hit, n_pairs);

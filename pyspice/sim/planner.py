@@ -2,7 +2,7 @@
 spice-runtime-async.c and spice-planner.c; spice_runtime_enable_async).
 
 The simulator's twin of the mechanism: each call the policy would be asked
-posts its snapshot; the planner decides snapshots one at a time, oldest first,
+posts its snapshot once the call's plan is applied; the planner decides snapshots one at a time, oldest first,
 on its own timeline (a decision takes what the policy's decide took here);
 a finished plan is applied at a later call by the hook: in deterministic mode
 the plan of call c exactly at call c + lag (the hook waits for it), otherwise
@@ -83,6 +83,7 @@ class PlannerModel:
     lag_calls: int = 0
     fallbacks: int = 0
     planner_us: float = 0.0
+    _posting: bool = False  # the call collected for last posts its snapshot
 
     def _run_until(self, now_ns: int, until: _Entry | None = None) -> None:
         """Start (decide) queued entries whose turn comes by now_ns; with `until`,
@@ -126,12 +127,13 @@ class PlannerModel:
     def mean_lag(self) -> float:
         return self.lag_calls / self.applied if self.applied else 0.0
 
-    def call(self, call: HookCall, now_ns: int) -> Collected:
-        """A hook call begins at now_ns (after its snapshot): collect the plans due,
-        post this call unless it is quiet. Returns what the plans add to its plan."""
+    def call(self, layer: int, n_tokens: int, now_ns: int) -> Collected:
+        """A hook call of `layer` begins at now_ns: collect the plans due. Returns what
+        they add to its plan, and whether the call is quiet; a call that is not posts
+        its snapshot once its plan is applied (post)."""
         self.seq += 1
         seq = self.seq
-        self.layer_seq[call.layer] = seq
+        self.layer_seq[layer] = seq
         got = Collected()
         lag = self.model.deterministic_lag
         if lag:
@@ -145,7 +147,7 @@ class PlannerModel:
             self._run_until(now_ns)
             for e in [e for e in self.queue if e.done_ns is not None and e.done_ns <= now_ns]:
                 self._take(e, seq, got)
-        got.quiet = self.resume_layer >= 0 and call.n_tokens == 1 and call.layer != self.resume_layer
+        got.quiet = self.resume_layer >= 0 and n_tokens == 1 and layer != self.resume_layer
         if not got.quiet:
             self.resume_layer = -1
             if not lag and len(self.queue) >= RING:
@@ -153,7 +155,13 @@ class PlannerModel:
                 if waiting:
                     self.queue.remove(waiting[-1])  # the newest not started: replaced
                 self.skipped += 1
-            if lag or len(self.queue) < RING:
-                self.queue.append(_Entry(seq, now_ns + got.wait_ns, call))
-                self.posted += 1
+            self._posting = lag > 0 or len(self.queue) < RING
         return got
+
+    def post(self, call: HookCall, now_ns: int) -> None:
+        """The snapshot of the call `call` just collected for, once the store has applied
+        its plan (its residency as that plan left it: spice_async_post)."""
+        if self._posting:
+            self._posting = False
+            self.queue.append(_Entry(self.seq, now_ns, call))
+            self.posted += 1

@@ -524,7 +524,7 @@ class Simulator:
                 # asynchronous: the snapshot goes to the planner, the rule plans this call, and
                 # the lists of the plans due join it (the hook waits only in deterministic mode)
                 assert self._plan_rule is not None
-                got = planner.call(self._hook_call(call, residency), t)
+                got = planner.call(il, n_tokens, t)
                 if got.rule is not None and got.rule is not self._plan_rule.rule:  # take_plan_rule
                     self._plan_rule = RuleState(got.rule, self.workload.n_layers)
                 t += got.wait_ns
@@ -567,11 +567,13 @@ class Simulator:
             if tier is not None:
                 tier.now_ns = t
                 t, actions = self._apply(tier, il, ids, actions, plan, t, tally)
-                if isinstance(tier, SimDiskTier):
-                    tier.now_ns = t
-                    wait = tier.read_for_host(il, scratch_experts(ids, actions, self.workload.n_expert[il]))
-                    t += wait
-                    tally.part("disk reads for host actions", wait)
+            if planner is not None:  # the snapshot, residency as this call's plan left it
+                planner.post(self._hook_call(call, tier.states() if tier is not None else None), t)
+            if isinstance(tier, SimDiskTier):
+                tier.now_ns = t
+                wait = tier.read_for_host(il, scratch_experts(ids, actions, self.workload.n_expert[il]))
+                t += wait
+                tally.part("disk reads for host actions", wait)
             tally.outcomes = tally.outcomes + count_outcomes(actions, hit)
             is_dev, is_host = actions == ACTION_DEVICE, actions == ACTION_HOST
             dev = _us(

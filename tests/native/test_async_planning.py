@@ -126,10 +126,10 @@ def test_deterministic_mode_applies_the_plan_of_call_c_at_call_c_plus_k(model: A
         runtime.disable()
         assert not runtime.is_async()
         for c, (il, e) in enumerate(policy.targets):
-            # snapshot of call c+K is taken as that call begins, before its plan is applied
+            # the snapshot of call c+K is posted once that call's plan, call c's, is applied
             states = [int(seen[il, e]) for seen in policy.seen]
-            assert all(s == RESIDENCY_ABSENT for s in states[: c + lag + 1]), (c, states)
-            assert states[c + lag + 1] != RESIDENCY_ABSENT, (c, states)
+            assert all(s == RESIDENCY_ABSENT for s in states[: c + lag]), (c, states)
+            assert states[c + lag] != RESIDENCY_ABSENT, (c, states)
         stats = llm.spice_stats()["planning"]
         assert stats["applied"] > 0 and stats["stale"] == 0 and stats["skipped"] == 0
         assert stats["lag_layers"] == lag

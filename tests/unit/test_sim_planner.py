@@ -80,8 +80,8 @@ def test_deterministic_mode_applies_each_plan_exactly_k_calls_later() -> None:
         policy = Targets(n_targets=6)
         sim = Simulator(workload(), costs(), budget_bytes=10**9)
         result = sim.run("t", policy, asynchronous=AsyncModel(deterministic_lag=lag))
-        # planned at call c, applied at call c + lag after its snapshot: seen from c + lag + 1
-        assert first_seen(policy) == [c + lag + 1 for c in range(6)]
+        # planned at call c, applied at call c + lag, whose snapshot is posted after that
+        assert first_seen(policy) == [c + lag for c in range(6)]
         assert result.plan_lag_layers == lag and result.plans_stale == 0
 
 
