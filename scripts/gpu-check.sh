@@ -8,7 +8,8 @@
 #   exec.json         executor microbenchmark: pool vs legacy, 1/2/4/6 experts, 1 and 8 tokens
 #   exec-nographs.json  the same with GGML_CUDA_DISABLE_GRAPHS=1 (does capture matter?)
 #   sched.txt         the hooked layers' split inputs (GGML_SCHED_DEBUG=2), stock vs hook
-#   bench-decode.json decode bench on a real-shape DeepSeek-V2-Lite: pool vs legacy at 25%, pool at 50%
+#   bench-decode.json decode bench on a real-shape DeepSeek-V2-Lite: pool vs legacy at 25%, pool at 50%;
+#                     then spice:exact sync vs async at plan_every 4 and 1 (25%)
 #   bench-prefill.json  512-token prompts: upstream's path above 32 tokens vs every batch through the hook
 #   trace.bin         the decode trace, for `pyspice sim --profile h200` back here
 #   verify.txt        the CUDA row-by-row checks (tests/native/test_cuda_device.py)
@@ -103,4 +104,12 @@ done 2>&1 | grep -E '^\{"' >"$O/bench-prefill.json"
 
 # ---- 7. a trace for `pyspice sim --profile h200` back here ----
 step trace 60 $BENCH -m $M -n 32 --repeat 1 --device-budget 25% --policies lru --trace "$O/trace.bin"
+
+# ---- 8. SPICE planning on and off the hook's thread, and asynchronous at every layer: the
+# simulator says plan_every 1 beats 4 when planning is asynchronous (async-planning-smolmoe.md);
+# last, so a slow run loses only this; appended to bench-decode.json ----
+for every in 4 1; do
+    step "planning-every$every" 70 $PY scripts/with-spice-config.py plan_every=$every -- bench -ngl 99 -t 15 \
+        -m $M -n 32 --repeat 2 --device-budget 25% $REPLAY --policies stock,spice:exact@sync,spice:exact@async --json
+done 2>&1 | grep -E '^\{"' >>"$O/bench-decode.json"
 say "done"
