@@ -114,14 +114,13 @@ class AdapMoE(RulePolicyBase):
         capacity = tuple(
             max(1, int(per_layer // ctx.slot_bytes)) if ctx.n_expert[il] else 0 for il in range(ctx.n_layers)
         )
-        # read the routers now: a first call should not pay for opening the model file
-        routers = tuple(ctx.router(il) if ctx.n_expert[il] else None for il in range(ctx.n_layers))
+        routers = ctx.rule_routers()
         self._rule = Rule(
             miss=MISS_FETCH,
             keep=KEEP_LAYER_LRU,
             capacity=capacity,
             resize_every=self.resize_every,
-            prefetch_next=any(r is not None for r in routers),
+            prefetch_next=routers is not None,
             routers=routers,
         )
 

@@ -89,6 +89,13 @@ class PolicyContext:
         of the budget, whatever its own size (spice_store_create)."""
         return slot_bytes_of(self.expert_bytes, self.n_expert)
 
+    def rule_routers(self) -> tuple[F32 | None, ...] | None:
+        """Every layer's router as a Rule's `routers` takes them (None for a dense layer
+        or one the model lacks), read now so no hook call pays for opening the model
+        file; None when no layer has one."""
+        routers = tuple(self.router(il) if n > 0 else None for il, n in enumerate(self.n_expert))
+        return routers if any(r is not None for r in routers) else None
+
     def next_moe_layer(self, layer: int) -> int | None:
         for il in range(layer + 1, self.n_layers):
             if self.n_expert[il] > 0:

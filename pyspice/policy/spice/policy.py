@@ -146,11 +146,7 @@ class SpicePolicy(PolicyBase):
         # the next layer, which a lagged plan reaches too late, prefetched by the engine at
         # each planning layer (SpiceConfig.rule_next); not where the rule retains by use
         planning = self._rule_next_layers() if not retain and self.plan_lag > 0 else ()
-        routers: tuple[npt.NDArray[np.float32] | None, ...] | None = None
-        if planning:
-            routers = tuple(ctx.router(il) if ctx.n_expert[il] else None for il in range(ctx.n_layers))
-            if not any(r is not None for r in routers):
-                routers = None
+        routers = ctx.rule_routers() if planning else None
         return Rule(
             miss=MISS_FETCH if retain else miss,
             keep=KEEP_DECAYED if retain else KEEP_ALL,
