@@ -83,7 +83,7 @@ class PlannerModel:
     lag_calls: int = 0
     fallbacks: int = 0
     planner_us: float = 0.0
-    _posting: bool = False  # the call collected for last posts its snapshot
+    posting: bool = False  # the call collected for last posts its snapshot (post)
 
     def _run_until(self, now_ns: int, until: _Entry | None = None) -> None:
         """Start (decide) queued entries whose turn comes by now_ns; with `until`,
@@ -155,13 +155,13 @@ class PlannerModel:
                 if waiting:
                     self.queue.remove(waiting[-1])  # the newest not started: replaced
                 self.skipped += 1
-            self._posting = lag > 0 or len(self.queue) < RING
+            self.posting = lag > 0 or len(self.queue) < RING
         return got
 
     def post(self, call: HookCall, now_ns: int) -> None:
         """The snapshot of the call `call` just collected for, once the store has applied
         its plan (its residency as that plan left it: spice_async_post)."""
-        if self._posting:
-            self._posting = False
+        if self.posting:
+            self.posting = False
             self.queue.append(_Entry(self.seq, now_ns, call))
             self.posted += 1

@@ -567,7 +567,7 @@ class Simulator:
             if tier is not None:
                 tier.now_ns = t
                 t, actions = self._apply(tier, il, ids, actions, plan, t, tally)
-            if planner is not None:  # the snapshot, residency as this call's plan left it
+            if planner is not None and planner.posting:  # the snapshot, residency as the plan left it
                 planner.post(self._hook_call(call, tier.states() if tier is not None else None), t)
             if isinstance(tier, SimDiskTier):
                 tier.now_ns = t
