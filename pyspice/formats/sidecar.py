@@ -261,12 +261,15 @@ def _sidecar_data(reader: Any, p: Path, with_tensors: bool = True) -> SidecarDat
         raise SidecarError(f"sidecar {p} has format version {version}; this pyspice reads {SIDECAR_VERSION}")
     tensors = {t.name: t for t in reader.tensors}
 
-    def arr(name: str, dtype: type = np.float32) -> Any:
+    def stored(name: str) -> Any:
+        """The tensor as the file holds it: a read-only view of the reader's mapping."""
         t = tensors.get(name)
         if t is None:
             raise SidecarError(f"bad sidecar: {p} has no tensor {name}; {_REMAKE}")
-        shape = tuple(int(x) for x in reversed(t.shape))
-        return np.array(t.data, copy=True).reshape(shape).astype(dtype)
+        return np.asarray(t.data).reshape(tuple(int(x) for x in reversed(t.shape)))
+
+    def arr(name: str, dtype: type = np.float32) -> Any:
+        return np.array(stored(name), dtype=dtype)  # a copy of its own
 
     data = SidecarData(
         model=str(_field(reader, "spice.model", "")),
@@ -289,18 +292,24 @@ def _sidecar_data(reader: Any, p: Path, with_tensors: bool = True) -> SidecarDat
         levels=_levels(reader),
         levels_tuned_on=str(_field(reader, "spice.levels.tuned_on", "")),
     )
+    # The weight matrices stay views of the mapping in their stored type (f16), not float32
+    # copies: their pages are the page cache's, read in when used and reclaimable under
+    # memory pressure, so what a policy never reads costs it no memory (a lossless policy
+    # reads no surrogate, a rule no transition: 50 MiB of float32 on smolmoe-b, which
+    # tipped edge mode's rows under a memory limit into thrashing). Sidecar.surrogate and
+    # DraftPredictor convert what they use.
     for il in data.moe_layers if with_tensors else []:
         if f"spice.draft.{il}.u" in tensors:
             data.transitions[il] = Transition(
-                arr(f"spice.draft.{il}.u"),
-                arr(f"spice.draft.{il}.v"),
+                stored(f"spice.draft.{il}.u"),
+                stored(f"spice.draft.{il}.v"),
                 arr(f"spice.draft.{il}.bias"),
                 float(arr(f"spice.draft.{il}.scale")[0]),
             )
         if f"spice.lore.{il}.a" in tensors:
             data.surrogates[il] = LayerSurrogates(
-                A=arr(f"spice.lore.{il}.a"),
-                B=arr(f"spice.lore.{il}.b"),
+                A=stored(f"spice.lore.{il}.a"),
+                B=stored(f"spice.lore.{il}.b"),
                 alpha=arr(f"spice.lore.{il}.alpha"),
                 rank=arr(f"spice.lore.{il}.rank", np.int32),
                 error=arr(f"spice.lore.{il}.error"),

@@ -97,10 +97,9 @@ class DraftPredictor:
         self.gating = gating
         self.max_depth = max(1, int(max_depth))
         self.routers: dict[int, F32] = {il: _f32(routers[il]) for il in self.moe_layers}
-        self.transitions: dict[int, Transition] = {
-            il: Transition(_f32(t.U), _f32(t.V), _f32(t.bias), float(t.scale))
-            for il, t in transitions.items()
-        }
+        # kept as given (a sidecar's are f16 views of its file): they are needed only to
+        # compose the maps below, which convert them a layer at a time
+        self.transitions: dict[int, Transition] = dict(transitions)
         self._next: dict[int, int] = {
             a: b for a, b in zip(self.moe_layers, self.moe_layers[1:], strict=False) if a in self.transitions
         }

@@ -95,6 +95,53 @@ def test_sidecar_round_trip(tmp_path: Path) -> None:
     assert [m for m, _ in p.rollout(0, np.ones(D, dtype=np.float32), 3)] == [1]
 
 
+def test_loading_copies_no_weight_matrix(tmp_path: Path) -> None:
+    """The surrogates and transitions stay in the file's mapping until a policy reads them:
+    a lossless policy never does, and on an edge box their float32 copies (50 MiB for
+    smolmoe-b) pushed every row under the memory limit into thrashing its own weights."""
+    import tracemalloc
+
+    model = tiny_model(tmp_path / "a.gguf", 0)
+    data = data_for(model)
+    big = 256  # experts: the matrices dwarf everything else the sidecar holds
+    rng = np.random.default_rng(0)
+    data.surrogates = {
+        il: LayerSurrogates(
+            A=rng.standard_normal((big, R, 256)).astype(np.float32),
+            B=rng.standard_normal((big, 256, R)).astype(np.float32),
+            alpha=np.ones(big, np.float32),
+            rank=np.full(big, R, np.int32),
+            error=np.full(big, 0.5, np.float32),
+            error_shared=np.ones(big, np.float32),
+            error_drop=np.ones(big, np.float32),
+        )
+        for il in (0, 1)
+    }
+    data.n_embd, data.n_expert = 256, big
+    data.transitions = {
+        0: Transition(
+            rng.standard_normal((256, 32)).astype(np.float32),
+            rng.standard_normal((32, 256)).astype(np.float32),
+            np.zeros(256, np.float32),
+            0.5,
+        )
+    }
+    path = write_sidecar(tmp_path / "a.spice.gguf", data)
+    matrices = sum(s.A.nbytes + s.B.nbytes for s in data.surrogates.values()) // 2  # as f16
+    tracemalloc.start()
+    try:
+        s = Sidecar.load(path, model)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < matrices / 2, f"loading allocated {peak} bytes for {matrices} bytes of stored matrices"
+    got = s.data.surrogates[0].A
+    assert got.dtype == np.float16 and not got.flags.writeable  # the file's bytes, read-only
+    _, A, B = s.surrogate(1, 5)  # type: ignore[misc]
+    assert A.dtype == np.float32 and B.dtype == np.float32
+    np.testing.assert_allclose(A, data.surrogates[1].A[5], rtol=1e-2, atol=1e-2)
+
+
 def test_sidecar_for_another_model_is_refused(tmp_path: Path) -> None:
     a = tiny_model(tmp_path / "a.gguf", 0)
     b = tiny_model(tmp_path / "b.gguf", 1)  # same names and shapes, other weights
