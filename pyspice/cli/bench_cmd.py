@@ -91,12 +91,14 @@ def register(sub: Any) -> None:
     )
     p.add_argument(
         "--memory-limit",
-        type=numbers.byte_size("the RAM every row may use"),
+        type=bench_limited.parse_memory_limit,
         default=None,
-        metavar="BYTES",
+        metavar="BYTES|rule",
         help="run every row in its own process and memory cgroup with this limit (2GiB, 512MiB), the "
         "model dropped from the page cache before each; rows NAME or NAME@ram=BUDGET; cold and warm "
-        "start, bytes read per token, cgroup peak, peak RSS, OOM kills (needs root and cgroup v1 or v2)",
+        "start, bytes read per token, cgroup peak, peak RSS, OOM kills (needs root and cgroup v1 or v2). "
+        "'rule': the cgroup peak of exact@ram=1%% (run first, as the rows run) plus half the "
+        "routed-expert bytes, printed",
     )
     p.set_defaults(func=run)
 

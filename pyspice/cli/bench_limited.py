@@ -8,6 +8,13 @@ own, `NAME@ram=BUDGET` (e.g. `exact@ram=50%`, `spice:exact@ram=2GiB`), passed
 to the row's RunConfig as `ram_budget`. A --ram-budget given to the whole
 command reaches every pyspice row through the same RunConfig; `upstream`
 never has one.
+
+`--memory-limit rule` takes the limit edge mode is judged at (issue 21): the
+cgroup peak of `exact` at the smallest RAM budget, run first as the other rows
+run (same sidecar, prompt and threads) under no effective limit, plus half the
+routed-expert bytes. Measuring that row apart invites a mismatch (one run took
+it without the sidecar the rows then loaded, and every row thrashed), and the
+peak moves between runs with what the page cache already holds.
 """
 
 from __future__ import annotations
@@ -17,14 +24,17 @@ import dataclasses
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from pyspice.cli.common import resolve_model, run_config
+from pyspice.cli.numbers import byte_size
 from pyspice.engine.config import RunConfig
+from pyspice.formats.model_info import inspect_model
 from pyspice.formats.sidecar import default_sidecar_path
 from pyspice.measure.bench import DEFAULT_PROMPT, fit_prompt, stderr_progress
 from pyspice.measure.isolated_row import UPSTREAM, RowSpec, config_fields
-from pyspice.measure.limited_bench import run_limited_bench, tokenize
+from pyspice.measure.limited_bench import RowOutcome, run_limited_bench, tokenize
 from pyspice.measure.limited_report import format_limited_table, limited_document, limited_plot
 from pyspice.measure.memlimit import system_layout
 from pyspice.measure.upstream_rows import UPSTREAM_CPU_EXPS, UPSTREAM_NCMOE
@@ -32,6 +42,8 @@ from pyspice.policy import policy_spec
 from pyspice.units import format_bytes
 
 RAM_KEY = "@ram="
+RULE = "rule"  # --memory-limit rule: exact's minimum + half the routed-expert bytes
+RULE_MIN_BUDGET = "1%"  # "exact at its minimum": the smallest RAM budget a row takes as a share
 GPU_ROWS = (UPSTREAM_NCMOE, UPSTREAM_CPU_EXPS)
 
 
@@ -71,6 +83,35 @@ def parse_rows(text: str) -> list[Row]:
     if len({r.name for r in rows}) != len(rows):
         raise ValueError(f"--policies names a row twice: {text}")
     return rows
+
+
+def parse_memory_limit(text: str) -> int | str:
+    """--memory-limit: bytes with a unit (2GiB, 512MiB), or `rule`."""
+    if text.strip().lower() == RULE:
+        return RULE
+    return byte_size("or 'rule': exact's minimum plus half the routed-expert bytes")(text)
+
+
+def physical_memory() -> int:
+    return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+
+
+def rule_limit(
+    spec: RowSpec, whole_tier: int, measure: Callable[[RowSpec, int], RowOutcome]
+) -> tuple[int, RowOutcome]:
+    """The limit by the rule, from `spec` (exact at RULE_MIN_BUDGET) run by `measure`
+    under the machine's whole memory: its cgroup peak + half of `whole_tier`, rounded up
+    to a MiB. A row that does not end well cannot set a limit: an error saying so."""
+    outcome = measure(spec, physical_memory())
+    if outcome.status != "ok" or not outcome.cgroup_peak:
+        raise RuntimeError(
+            f"--memory-limit {RULE}: the {spec.row} row that sets the limit ended {outcome.status}"
+            + (f" ({outcome.message})" if outcome.message else "")
+            + "; give the limit in bytes instead"
+        )
+    mib = 1 << 20
+    limit = -(-(outcome.cgroup_peak + whole_tier // 2) // mib) * mib
+    return limit, outcome
 
 
 def row_config(args: argparse.Namespace, row: Row, threads: int) -> RunConfig:
@@ -114,16 +155,43 @@ def run(args: argparse.Namespace) -> int:
     ]
     sidecar = args.sidecar or default_sidecar_path(model)
     files = [model] + ([sidecar] if sidecar.is_file() else [])
+    limit = args.memory_limit
+    rule: dict[str, int] = {}
+    if limit == RULE:
+        floor = Row(f"exact{RAM_KEY}{RULE_MIN_BUDGET}", "exact", RULE_MIN_BUDGET)
+        floor_spec = RowSpec(
+            floor.name,
+            floor.policy,
+            config_fields(row_config(args, floor, threads)),
+            list(prompt),
+            args.n_predict,
+            args.repeat,
+        )
+        whole = inspect_model(model).whole_tier_bytes
+        stderr_progress(f"the limit by the rule: first {floor.name}, whose cgroup peak sets it")
+
+        def measure(spec: RowSpec, roomy: int) -> RowOutcome:
+            return run_limited_bench([spec], layout, roomy, files, stderr_progress)[0]
+
+        limit, outcome = rule_limit(floor_spec, whole, measure)
+        assert outcome.cgroup_peak is not None
+        rule = {"cgroup_peak": outcome.cgroup_peak, "routed_bytes": whole}
+        stderr_progress(
+            f"memory limit {format_bytes(limit)}: {floor.name}'s cgroup peak "
+            f"{format_bytes(outcome.cgroup_peak)} + half of {format_bytes(whole)} of routed experts "
+            "(rounded up to a MiB)"
+        )
     stderr_progress(
         f"{model.name}: {len(prompt)} prompt tokens, {args.n_predict} decoded, 1 cold + {args.repeat - 1} "
-        f"warm runs per row, {threads} threads, memory limit {format_bytes(args.memory_limit)} "
+        f"warm runs per row, {threads} threads, memory limit {format_bytes(limit)} "
         f"(cgroup v{layout.version} under {layout.parent})"
     )
-    outcomes = run_limited_bench(specs, layout, args.memory_limit, files, stderr_progress)
+    outcomes = run_limited_bench(specs, layout, limit, files, stderr_progress)
     if args.json:
         header = {
             "model": str(model),
-            "memory_limit": args.memory_limit,
+            "memory_limit": limit,
+            **({"memory_limit_rule": {"row": f"exact{RAM_KEY}{RULE_MIN_BUDGET}", **rule}} if rule else {}),
             "cgroup_version": layout.version,
             "prompt_tokens": len(prompt),
             "n_predict": args.n_predict,
@@ -133,10 +201,10 @@ def run(args: argparse.Namespace) -> int:
         json.dump(limited_document(outcomes, baseline, header), sys.stdout)
         sys.stdout.write("\n")
     else:
-        print(format_limited_table(outcomes, baseline, args.memory_limit, layout.version))
+        print(format_limited_table(outcomes, baseline, limit, layout.version))
     if args.plot:
         title = (
-            f"{model.name}: memory limit {format_bytes(args.memory_limit)}, {len(prompt)}-token prompt, "
+            f"{model.name}: memory limit {format_bytes(limit)}, {len(prompt)}-token prompt, "
             f"{args.n_predict} decoded (warm runs)"
         )
         limited_plot(outcomes, baseline, args.plot, title)

@@ -76,3 +76,14 @@ def test_a_row_that_fails_fails_the_bench_with_its_reason(smolmoe: Path) -> None
     row = doc["rows"]["lru"]
     assert row["status"] == "error" and "--device-budget" in row["message"]
     assert "bench: row lru failed" in err
+
+
+def test_the_rule_limit_is_measured_first_and_printed(smolmoe: Path) -> None:
+    rc, doc, err = _bench(smolmoe, "exact@ram=50%", "rule")
+    assert rc == 0, err[-2000:]
+    rule = doc["memory_limit_rule"]
+    assert rule["row"] == "exact@ram=1%" and rule["cgroup_peak"] > 0 and rule["routed_bytes"] > 0
+    mib = 2**20
+    assert doc["memory_limit"] == -(-(rule["cgroup_peak"] + rule["routed_bytes"] // 2) // mib) * mib
+    assert doc["rows"]["exact@ram=50%"]["cgroup_limit"] == doc["memory_limit"]
+    assert "memory limit" in err and "half of" in err

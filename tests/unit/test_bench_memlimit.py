@@ -136,6 +136,28 @@ def test_memory_limit_takes_sizes_not_shares() -> None:
         build_parser().parse_args(["bench", "--memory-limit", "50%"])
 
 
+def test_memory_limit_rule_is_exacts_minimum_plus_half_the_routed_experts() -> None:
+    assert build_parser().parse_args(["bench", "--memory-limit", "rule"]).memory_limit == bench_limited.RULE
+    assert bench_limited.parse_memory_limit(" Rule ") == bench_limited.RULE
+    spec = RowSpec("exact@ram=1%", "exact", {}, [1, 2], 2, 2)
+    seen: list[tuple[str, int]] = []
+
+    def measure(row: RowSpec, limit: int) -> RowOutcome:
+        seen.append((row.row, limit))
+        return RowOutcome(row, cgroup_peak=200 * 2**20 + 5)
+
+    limit, outcome = bench_limited.rule_limit(spec, 54 * 2**20, measure)
+    # 200 MiB + 5 bytes + 27 MiB, up to the next MiB
+    assert limit == 228 * 2**20 and outcome.cgroup_peak == 200 * 2**20 + 5
+    assert seen == [("exact@ram=1%", bench_limited.physical_memory())]
+
+    def oom(row: RowSpec, limit: int) -> RowOutcome:
+        return RowOutcome(row, status="oom-killed", message="the kernel killed it")
+
+    with pytest.raises(RuntimeError, match=r"exact@ram=1% row that sets the limit ended oom-killed"):
+        bench_limited.rule_limit(spec, 54 * 2**20, oom)
+
+
 def test_rows() -> None:
     rows = bench_limited.parse_rows("upstream, stock,exact")
     assert [(r.name, r.policy, r.ram_budget) for r in rows] == [
