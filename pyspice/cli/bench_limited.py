@@ -114,6 +114,18 @@ def rule_limit(
     return limit, outcome
 
 
+def rule_warning(outcome: RowOutcome) -> str | None:
+    """Why the floor row's peak may be low: model pages the drop could not evict (another
+    process has them mapped) were never charged to its cgroup."""
+    if outcome.cached_before <= 0:
+        return None
+    return (
+        f"warning: {format_bytes(outcome.cached_before)} of the model stayed in the page cache after "
+        "the drop (another process has it mapped), so the floor row was not charged for them and "
+        "this limit is low: take the rule on an otherwise idle machine"
+    )
+
+
 def row_config(args: argparse.Namespace, row: Row, threads: int) -> RunConfig:
     if row.policy == UPSTREAM:  # plain llama.cpp from its mmap: no tier of any kind
         args = argparse.Namespace(**{**vars(args), "ram_budget": None, "device_budget": None})
@@ -175,12 +187,19 @@ def run(args: argparse.Namespace) -> int:
 
         limit, outcome = rule_limit(floor_spec, whole, measure)
         assert outcome.cgroup_peak is not None
-        rule = {"cgroup_peak": outcome.cgroup_peak, "routed_bytes": whole}
+        rule = {
+            "cgroup_peak": outcome.cgroup_peak,
+            "routed_bytes": whole,
+            "cached_after_drop": outcome.cached_before,
+        }
         stderr_progress(
             f"memory limit {format_bytes(limit)}: {floor.name}'s cgroup peak "
             f"{format_bytes(outcome.cgroup_peak)} + half of {format_bytes(whole)} of routed experts "
             "(rounded up to a MiB)"
         )
+        warning = rule_warning(outcome)
+        if warning:
+            stderr_progress(warning)
     stderr_progress(
         f"{model.name}: {len(prompt)} prompt tokens, {args.n_predict} decoded, 1 cold + {args.repeat - 1} "
         f"warm runs per row, {threads} threads, memory limit {format_bytes(limit)} "

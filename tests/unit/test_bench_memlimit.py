@@ -156,6 +156,10 @@ def test_memory_limit_rule_is_exacts_minimum_plus_half_the_routed_experts() -> N
 
     with pytest.raises(RuntimeError, match=r"exact@ram=1% row that sets the limit ended oom-killed"):
         bench_limited.rule_limit(spec, 54 * 2**20, oom)
+    # model pages another process kept cached were never charged to the floor row
+    assert bench_limited.rule_warning(outcome) is None
+    held = RowOutcome(spec, cgroup_peak=113 * 2**20, cached_before=126 * 2**20)
+    assert "126.00 MiB of the model stayed in the page cache" in (bench_limited.rule_warning(held) or "")
 
 
 def test_rows() -> None:
