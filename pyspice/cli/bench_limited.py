@@ -154,40 +154,28 @@ def run(args: argparse.Namespace) -> int:
     if len(prompt) + args.n_predict > args.ctx_size:
         raise ValueError(f"prompt ({len(prompt)} tokens) + -n {args.n_predict} exceed -c {args.ctx_size}")
     threads = args.threads or max(1, os.cpu_count() or 1)
-    specs = [
-        RowSpec(
-            row.name,
-            row.policy,
-            config_fields(row_config(args, row, threads)),
-            list(prompt),
-            args.n_predict,
-            args.repeat,
-        )
-        for row in rows
-    ]
+
+    def spec_of(row: Row) -> RowSpec:
+        config = config_fields(row_config(args, row, threads))
+        return RowSpec(row.name, row.policy, config, list(prompt), args.n_predict, args.repeat)
+
+    specs = [spec_of(row) for row in rows]
     sidecar = args.sidecar or default_sidecar_path(model)
     files = [model] + ([sidecar] if sidecar.is_file() else [])
     limit = args.memory_limit
-    rule: dict[str, int] = {}
+    rule: dict[str, int | str] = {}
     if limit == RULE:
         floor = Row(f"exact{RAM_KEY}{RULE_MIN_BUDGET}", "exact", RULE_MIN_BUDGET)
-        floor_spec = RowSpec(
-            floor.name,
-            floor.policy,
-            config_fields(row_config(args, floor, threads)),
-            list(prompt),
-            args.n_predict,
-            args.repeat,
-        )
         whole = inspect_model(model).whole_tier_bytes
         stderr_progress(f"the limit by the rule: first {floor.name}, whose cgroup peak sets it")
 
         def measure(spec: RowSpec, roomy: int) -> RowOutcome:
             return run_limited_bench([spec], layout, roomy, files, stderr_progress)[0]
 
-        limit, outcome = rule_limit(floor_spec, whole, measure)
+        limit, outcome = rule_limit(spec_of(floor), whole, measure)
         assert outcome.cgroup_peak is not None
         rule = {
+            "row": floor.name,
             "cgroup_peak": outcome.cgroup_peak,
             "routed_bytes": whole,
             "cached_after_drop": outcome.cached_before,
@@ -210,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
         header = {
             "model": str(model),
             "memory_limit": limit,
-            **({"memory_limit_rule": {"row": f"exact{RAM_KEY}{RULE_MIN_BUDGET}", **rule}} if rule else {}),
+            **({"memory_limit_rule": rule} if rule else {}),
             "cgroup_version": layout.version,
             "prompt_tokens": len(prompt),
             "n_predict": args.n_predict,
