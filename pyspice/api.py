@@ -26,6 +26,7 @@ import llama_cpp
 
 from pyspice.engine import DeviceTier, Engine, ResolvedRun, RunConfig, SurrogateSet
 from pyspice.engine.checks import check_ram_budget_settings
+from pyspice.engine.config import check_sidecar_weights
 from pyspice.engine.disk import LLAMA_LAZY_MODE_EXPERTS
 from pyspice.engine.llama_log import llama_load_reasons
 from pyspice.engine.plain_llama import PlainLlama, TensorBuftOverride, override_array
@@ -105,6 +106,8 @@ class Llama(llama_cpp.Llama):
         self.spice_sidecar = (
             sidecar if isinstance(sidecar, Sidecar) or sidecar is None else load_sidecar(sidecar, model_path)
         )
+        if self.spice_sidecar is not None and isinstance(policy, str):
+            check_sidecar_weights(self.spice_sidecar, policy)
         # the buffer type must outlive the model: the instance holds it until it is collected
         self._spice_buft = ExpertBufferType()
         self._spice_overrides = _expert_overrides(self._spice_buft)

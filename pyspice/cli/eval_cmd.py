@@ -260,10 +260,7 @@ def _substitute_ppl(
         run("exact")
         n_embd = sidecar.data.n_embd
         available = [
-            (il, e)
-            for il in layers
-            for e in range(sidecar.data.n_expert)
-            if sidecar.surrogate(il, e) is not None
+            (il, e) for il in layers for e in range(sidecar.data.n_expert) if sidecar.has_surrogate(il, e)
         ]
         for r in ranks:
             policy = SubstitutePolicy(resident, "surrogate", available)

@@ -250,6 +250,7 @@ class RunConfig:
             return None
         try:
             loaded = Sidecar.load(beside, self.model)
+            check_sidecar_weights(loaded, policy)
         except (ValueError, OSError) as exc:  # ModelFileError, SidecarDataError, mismatch
             if uses_sidecar(policy):
                 raise ValueError(
@@ -259,6 +260,14 @@ class RunConfig:
             return None
         note(f"using the model's calibration sidecar {beside}")
         return loaded
+
+
+def check_sidecar_weights(sidecar: Sidecar, policy: str) -> None:
+    """Check now the parts of the sidecar `policy` reads (the draft transitions; a
+    lossy level's surrogates too), so that a corrupt one fails before the model
+    loads; the parts it never reads stay unread (Sidecar.check_weights)."""
+    if uses_sidecar(policy):
+        sidecar.check_weights(surrogates=not policy_spec(policy).lossless)
 
 
 def uses_sidecar(policy: str) -> bool:

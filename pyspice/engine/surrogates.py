@@ -139,6 +139,6 @@ def surrogate_errors(sidecar: Sidecar, layer: int) -> F32 | None:
         return None
     errors = np.nan_to_num(np.asarray(listed, dtype=np.float32), nan=np.inf)
     for e in range(errors.shape[0]):  # no surrogate: never a candidate
-        if sidecar.surrogate(layer, e) is None:
+        if not sidecar.has_surrogate(layer, e):
             errors[e] = np.inf
     return errors

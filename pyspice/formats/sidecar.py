@@ -376,32 +376,27 @@ def check_shapes(data: SidecarData, path: Path) -> None:
             )
 
 
-def check_finite(data: SidecarData, path: Path) -> None:
-    """Refuse NaN or infinite weights: a surrogate of NaNs turns every activation it
-    replaces into NaN logits (greedy decoding then emits token 0 forever) and a NaN
-    transition poisons every prediction, silently. The error tables may hold NaN by
-    design ("no held-out tokens"), so only the weights are checked."""
-    weights: list[tuple[str, npt.NDArray[Any]]] = []
+def _refuse_non_finite(path: Path, name: str, values: npt.NDArray[Any]) -> None:
+    bad = int(np.count_nonzero(~np.isfinite(values)))
+    if bad:
+        raise SidecarDataError(
+            f"sidecar {path} is corrupt: tensor {name} holds {bad} NaN or infinite values; "
+            "remake it with `pyspice calibrate -m MODEL`"
+        )
+
+
+def check_finite_vectors(data: SidecarData, path: Path) -> None:
+    """Refuse NaN or infinite weights among the small tensors, which loading copies:
+    a surrogate's NaN alpha turns every activation it replaces into NaN logits
+    (greedy decoding then emits token 0 forever), a NaN bias poisons every
+    prediction, silently. The error tables may hold NaN by design ("no held-out
+    tokens"), so only the weights are checked. The matrices are checked where they
+    are first read (Sidecar.check_weights)."""
     for il, t in sorted(data.transitions.items()):
-        weights += [
-            (f"spice.draft.{il}.u", t.U),
-            (f"spice.draft.{il}.v", t.V),
-            (f"spice.draft.{il}.bias", t.bias),
-        ]
-        weights.append((f"spice.draft.{il}.scale", np.array([t.scale])))
+        _refuse_non_finite(path, f"spice.draft.{il}.bias", t.bias)
+        _refuse_non_finite(path, f"spice.draft.{il}.scale", np.array([t.scale]))
     for il, s in sorted(data.surrogates.items()):
-        weights += [
-            (f"spice.lore.{il}.a", s.A),
-            (f"spice.lore.{il}.b", s.B),
-            (f"spice.lore.{il}.alpha", s.alpha),
-        ]
-    for name, values in weights:
-        bad = int(np.count_nonzero(~np.isfinite(values)))
-        if bad:
-            raise SidecarDataError(
-                f"sidecar {path} is corrupt: tensor {name} holds {bad} NaN or infinite values; "
-                "remake it with `pyspice calibrate -m MODEL`"
-            )
+        _refuse_non_finite(path, f"spice.lore.{il}.alpha", s.alpha)
 
 
 class TruncatedSurrogates:
@@ -429,18 +424,27 @@ class Sidecar:
 
     `Sidecar.load(path, model_path)` refuses a sidecar made for another model;
     model_path=None skips the check (and `predictor()` then needs routers).
+
+    Loading reads no weight matrix: the draft transitions and the surrogates stay
+    in the file's mapping until a policy reads them, and each part is checked for
+    NaN or infinite values then, once (`check_weights`; the predictor and the
+    surrogates check their own part). A policy that reads none of them -- every
+    baseline, `spice:exact`'s surrogates -- costs no memory for them: on smolmoe-b
+    the finiteness check alone paged in the whole 26 MiB file, which raised the
+    floor that edge mode's memory limit is taken from.
     """
 
     def __init__(self, data: SidecarData, path: Path, model_path: Path | None) -> None:
         self.data = data
         self.path = path
         self.model_path = model_path
+        self._checked: set[str] = set()  # the parts check_weights has read: "draft", "lore.<il>"
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], model_path: str | os.PathLike[str] | None) -> Sidecar:
         data = read_sidecar(path)
         check_shapes(data, Path(path))
-        check_finite(data, Path(path))
+        check_finite_vectors(data, Path(path))
         mp = Path(model_path) if model_path is not None else None
         if mp is not None:
             fp = fingerprint(mp)
@@ -470,6 +474,34 @@ class Sidecar:
         """The lossy levels' thresholds tuned for this model (empty: never tuned)."""
         return dict(self.data.levels)
 
+    # ---- weights, checked when first read ------------------------------------------
+
+    def check_weights(self, *, draft: bool = True, surrogates: bool = True) -> None:
+        """Refuse NaN or infinite values in the draft transitions and/or every layer's
+        surrogates now (SidecarDataError naming the tensor), rather than when a policy
+        first reads them: a run that will read them fails before its model loads."""
+        if draft:
+            self._check_draft()
+        for il in self.data.surrogates if surrogates else []:
+            self._check_lore(il)
+
+    def _check_draft(self) -> None:
+        if "draft" in self._checked:
+            return
+        for il, t in sorted(self.data.transitions.items()):
+            _refuse_non_finite(self.path, f"spice.draft.{il}.u", t.U)
+            _refuse_non_finite(self.path, f"spice.draft.{il}.v", t.V)
+        self._checked.add("draft")
+
+    def _check_lore(self, layer: int) -> None:
+        key = f"lore.{layer}"
+        s = self.data.surrogates.get(layer)
+        if key in self._checked or s is None:
+            return
+        _refuse_non_finite(self.path, f"spice.lore.{layer}.a", s.A)
+        _refuse_non_finite(self.path, f"spice.lore.{layer}.b", s.B)
+        self._checked.add(key)
+
     # ---- draft predictor ---------------------------------------------------------
 
     def predictor(self, routers: Any = None) -> DraftPredictor:
@@ -480,6 +512,7 @@ class Sidecar:
                 raise ValueError("the sidecar was loaded without its model: pass routers= to predictor()")
 
             routers = RouterReader(self.model_path)
+        self._check_draft()
         get = routers if callable(routers) else routers.__getitem__
         table = {}
         for il in self.data.moe_layers:
@@ -496,14 +529,21 @@ class Sidecar:
         s = self.data.surrogates.get(layer)
         return None if s is None or s.count is None else s.count
 
-    def surrogate(self, layer: int, expert: int) -> tuple[float, F32, F32] | None:
-        """(alpha, A [r, n_embd], B [n_embd, r]) in float32, or None where none was fitted."""
+    def has_surrogate(self, layer: int, expert: int) -> bool:
+        """Whether a surrogate was fitted for this expert (its rank and alpha only: no
+        weight is read)."""
         s = self.data.surrogates.get(layer)
         if s is None or not 0 <= expert < s.rank.shape[0]:
+            return False
+        return int(s.rank[expert]) > 0 or float(s.alpha[expert]) != 0.0
+
+    def surrogate(self, layer: int, expert: int) -> tuple[float, F32, F32] | None:
+        """(alpha, A [r, n_embd], B [n_embd, r]) in float32, or None where none was fitted."""
+        if not self.has_surrogate(layer, expert):
             return None
+        self._check_lore(layer)
+        s = self.data.surrogates[layer]
         r = int(s.rank[expert])
-        if r <= 0 and float(s.alpha[expert]) == 0.0:
-            return None
         A = np.ascontiguousarray(s.A[expert, :r], dtype=np.float32)
         B = np.ascontiguousarray(s.B[expert, :, :r], dtype=np.float32)
         return float(s.alpha[expert]), A, B
