@@ -25,6 +25,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from typing import Any
 from pathlib import Path
 
 from pyspice.cli.common import resolve_model, run_config
@@ -39,7 +40,7 @@ from pyspice.measure.limited_report import format_limited_table, limited_documen
 from pyspice.measure.memlimit import system_layout
 from pyspice.measure.upstream_rows import UPSTREAM_CPU_EXPS, UPSTREAM_NCMOE
 from pyspice.policy import policy_spec
-from pyspice.units import format_bytes
+from pyspice.units import format_bytes, parse_budget
 
 RAM_KEY = "@ram="
 RULE = "rule"  # --memory-limit rule: exact's minimum + half the routed-expert bytes
@@ -126,6 +127,38 @@ def rule_warning(outcome: RowOutcome) -> str | None:
     )
 
 
+RSS_SLACK = 0.05  # issue 21: peak RSS at most the RAM budget + the floor's overhead, +5%
+
+
+def rss_bounds(
+    rows: list[Row], outcomes: list[RowOutcome], floor: RowOutcome, whole_tier: int
+) -> dict[str, dict[str, int | bool]]:
+    """Each pyspice row's peak RSS against the bound the rule implies: its RAM budget
+    plus the overhead of the floor row (its peak RSS less its own budget), +5%. Rows
+    without a RAM budget (upstream, a device tier) have no such bound."""
+    overhead = floor.vm_hwm - parse_budget(RULE_MIN_BUDGET).resolve(whole_tier)
+    bounds: dict[str, dict[str, int | bool]] = {}
+    for row, outcome in zip(rows, outcomes, strict=True):
+        if row.ram_budget is None or not outcome.vm_hwm:
+            continue
+        bound = int((parse_budget(row.ram_budget).resolve(whole_tier) + overhead) * (1 + RSS_SLACK))
+        bounds[row.name] = {"vm_hwm": outcome.vm_hwm, "bound": bound, "met": outcome.vm_hwm <= bound}
+    return bounds
+
+
+def format_rss_bounds(bounds: dict[str, dict[str, int | bool]], floor: RowOutcome, name: str) -> str:
+    lines = [
+        f"peak RSS against RAM budget + {name}'s overhead (its peak RSS {format_bytes(floor.vm_hwm)} "
+        f"less its budget), +{RSS_SLACK:.0%}:"
+    ]
+    for row, b in bounds.items():
+        verdict = "met" if b["met"] else f"over by {format_bytes(int(b['vm_hwm']) - int(b['bound']))}"
+        lines.append(
+            f"  {row}: {format_bytes(int(b['vm_hwm']))} against {format_bytes(int(b['bound']))}: {verdict}"
+        )
+    return "\n".join(lines)
+
+
 def row_config(args: argparse.Namespace, row: Row, threads: int) -> RunConfig:
     if row.policy == UPSTREAM:  # plain llama.cpp from its mmap: no tier of any kind
         args = argparse.Namespace(**{**vars(args), "ram_budget": None, "device_budget": None})
@@ -163,7 +196,8 @@ def run(args: argparse.Namespace) -> int:
     sidecar = args.sidecar or default_sidecar_path(model)
     files = [model] + ([sidecar] if sidecar.is_file() else [])
     limit = args.memory_limit
-    rule: dict[str, int | str] = {}
+    rule: dict[str, Any] = {}
+    floor_outcome: RowOutcome | None = None
     if limit == RULE:
         floor = Row(f"exact{RAM_KEY}{RULE_MIN_BUDGET}", "exact", RULE_MIN_BUDGET)
         whole = inspect_model(model).whole_tier_bytes
@@ -174,9 +208,11 @@ def run(args: argparse.Namespace) -> int:
 
         limit, outcome = rule_limit(spec_of(floor), whole, measure)
         assert outcome.cgroup_peak is not None
+        floor_outcome = outcome
         rule = {
             "row": floor.name,
             "cgroup_peak": outcome.cgroup_peak,
+            "vm_hwm": outcome.vm_hwm,
             "routed_bytes": whole,
             "cached_after_drop": outcome.cached_before,
         }
@@ -194,6 +230,11 @@ def run(args: argparse.Namespace) -> int:
         f"(cgroup v{layout.version} under {layout.parent})"
     )
     outcomes = run_limited_bench(specs, layout, limit, files, stderr_progress)
+    if floor_outcome is not None:
+        bounds = rss_bounds(rows, outcomes, floor_outcome, int(rule["routed_bytes"]))
+        rule["rss_bounds"] = bounds
+        if bounds:
+            stderr_progress(format_rss_bounds(bounds, floor_outcome, str(rule["row"])))
     if args.json:
         header = {
             "model": str(model),

@@ -87,3 +87,7 @@ def test_the_rule_limit_is_measured_first_and_printed(smolmoe: Path) -> None:
     assert doc["memory_limit"] == -(-(rule["cgroup_peak"] + rule["routed_bytes"] // 2) // mib) * mib
     assert doc["rows"]["exact@ram=50%"]["cgroup_limit"] == doc["memory_limit"]
     assert "memory limit" in err and "half of" in err
+    # the row's peak RSS is judged against its budget + the floor row's overhead, +5%
+    bound = rule["rss_bounds"]["exact@ram=50%"]
+    assert bound["vm_hwm"] == doc["rows"]["exact@ram=50%"]["vm_hwm"] and rule["vm_hwm"] > 0
+    assert bound["bound"] > rule["vm_hwm"] and "peak RSS against RAM budget" in err

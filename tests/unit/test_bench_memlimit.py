@@ -162,6 +162,25 @@ def test_memory_limit_rule_is_exacts_minimum_plus_half_the_routed_experts() -> N
     assert "126.00 MiB of the model stayed in the page cache" in (bench_limited.rule_warning(held) or "")
 
 
+def test_rss_bound_is_the_budget_plus_the_floors_overhead_plus_five_percent() -> None:
+    mib = 2**20
+    whole = 100 * mib  # the floor's 1% budget is 1 MiB of it
+    floor = RowOutcome(RowSpec("exact@ram=1%", "exact", {}, [1], 2, 2), vm_hwm=201 * mib)
+    rows = bench_limited.parse_rows("upstream,exact@ram=50%,spice:exact@ram=25%")
+    outcomes = [
+        RowOutcome(RowSpec(r.name, r.policy, {}, [1], 2, 2), vm_hwm=hwm * mib)
+        for r, hwm in zip(rows, (300, 262, 237), strict=True)
+    ]
+    bounds = bench_limited.rss_bounds(rows, outcomes, floor, whole)
+    assert "upstream" not in bounds  # no RAM budget, no bound
+    assert bounds["exact@ram=50%"] == {"vm_hwm": 262 * mib, "bound": int(250 * mib * 1.05), "met": True}
+    assert bounds["spice:exact@ram=25%"]["bound"] == int(225 * mib * 1.05)
+    assert bounds["spice:exact@ram=25%"]["met"] is False
+    text = bench_limited.format_rss_bounds(bounds, floor, "exact@ram=1%")
+    assert "exact@ram=50%: 262.00 MiB against 262.50 MiB: met" in text
+    assert "spice:exact@ram=25%: 237.00 MiB against 236.25 MiB: over by 768.00 KiB" in text
+
+
 def test_rows() -> None:
     rows = bench_limited.parse_rows("upstream, stock,exact")
     assert [(r.name, r.policy, r.ram_budget) for r in rows] == [
