@@ -25,8 +25,8 @@ import json
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 from pyspice.cli.common import resolve_model, run_config
 from pyspice.cli.numbers import byte_size
