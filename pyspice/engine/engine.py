@@ -297,6 +297,7 @@ class Engine:
             )
         self._synced = None  # until they are in (a load over budget leaves none)
         load_surrogates(runtime, source)
+        self.sidecar.release_pages()  # the runtime holds its own copies now
         self._synced = (limit, budget)
 
     def _note_once(self, message: str) -> None:

@@ -133,6 +133,8 @@ class SidecarData:
     # in a sidecar that was never tuned (the levels then use the shared constants)
     levels: dict[str, SurrogateThresholds] = field(default_factory=dict)
     levels_tuned_on: str = ""  # how they were tuned, for the record
+    # the file mapping the matrices are views of (read_sidecar's; None for data made in memory)
+    mapping: Any = field(default=None, repr=False, compare=False)
 
 
 def _level_key(level: str) -> str:
@@ -291,6 +293,7 @@ def _sidecar_data(reader: Any, p: Path, with_tensors: bool = True) -> SidecarDat
         },
         levels=_levels(reader),
         levels_tuned_on=str(_field(reader, "spice.levels.tuned_on", "")),
+        mapping=reader.data,
     )
     # The weight matrices stay views of the mapping in their stored type (f16), not float32
     # copies: their pages are the page cache's, read in when used and reclaimable under
@@ -453,7 +456,19 @@ class Sidecar:
                     f"sidecar {Path(path).name} was made for model {data.model} ({data.fingerprint}), "
                     f"not for {mp.name} ({fp}); run `pyspice calibrate -m {mp}` to make one for it"
                 )
-        return cls(data, Path(path), mp)
+        loaded = cls(data, Path(path), mp)
+        loaded.release_pages()  # parsing the header and copying the small tensors touched them
+        return loaded
+
+    def release_pages(self) -> None:
+        """Drop the sidecar's pages from this process's resident set (MADV_DONTNEED over
+        its read-only mapping) once what needed them is done: the header parsed at load,
+        the transitions the predictor composed, the surrogates copied into the runtime.
+        They stop counting against its RSS (6-10 MiB of a SPICE row's on smolmoe-b, which
+        edge mode's memory limit judges); a later read faults them back in."""
+        mm = getattr(self.data.mapping, "_mmap", None)  # numpy.memmap keeps its mmap.mmap here
+        if isinstance(mm, mmap.mmap) and hasattr(mmap, "MADV_DONTNEED"):
+            mm.madvise(mmap.MADV_DONTNEED)
 
     # ---- metadata ---------------------------------------------------------------
 
@@ -520,7 +535,9 @@ class Sidecar:
             if w is None:
                 raise ValueError(f"the target model has no router for MoE layer {il}")
             table[il] = w
-        return DraftPredictor(self.data.moe_layers, table, self.data.transitions, self.data.gating)
+        predictor = DraftPredictor(self.data.moe_layers, table, self.data.transitions, self.data.gating)
+        self.release_pages()  # the composed maps are the predictor's own
+        return predictor
 
     # ---- surrogates ----------------------------------------------------------------
 
