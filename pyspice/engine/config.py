@@ -25,6 +25,7 @@ from pyspice.engine.checks import (
     check_threads,
     warn_threads_above_cores,
 )
+from pyspice.engine.host_memory import memory_advice, memory_for_this_process
 from pyspice.engine.planning import Planning
 from pyspice.formats.model_info import inspect_model
 from pyspice.formats.sidecar import Sidecar, default_sidecar_path
@@ -189,6 +190,16 @@ class RunConfig:
             if budget is not None:
                 note("--device-budget ignored: a dense model has no experts to place")
                 budget = None
+        if summary.is_moe:
+            advice = memory_advice(
+                self.model.name,
+                summary.file_size,
+                summary.expert_bytes,
+                memory_for_this_process(),
+                self.ram_budget is not None,
+            )
+            if advice:
+                note(advice)
         sidecar = self.sidecar if self.use_sidecar else None
         loaded: Sidecar | None = None
         if sidecar is None and self.use_sidecar and policy != "stock":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from pyspice.engine.host_memory import host_memory_available
 from pyspice.runtime import DEVICE_CUDA, StoreParams, device_memory
 from pyspice.units import Budget, format_bytes
 
@@ -100,21 +101,6 @@ def automatic_budget(whole_tier: int) -> int:
     than all routed experts."""
     free, _ = device_memory(0)
     return int(min(whole_tier, REAL_DEVICE_MARGIN * free))
-
-
-def host_memory_available() -> int | None:
-    """Bytes the kernel says can be allocated without swapping (None: unknown)."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-    except (ValueError, OSError):
-        return None
 
 
 def check_real_budget(spec: Budget, budget_bytes: int) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pyspice.engine.device import host_memory_available
+from pyspice.engine.host_memory import host_memory_available
 from pyspice.runtime import DEVICE_DISK, StoreParams
 from pyspice.units import Budget, format_bytes
 

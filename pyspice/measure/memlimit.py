@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pyspice.engine.host_memory import mount_entries, own_cgroup_path
+
 FIX = (
     "run as root on a machine with the cgroup memory controller (cgroup v1 with a 'memory' hierarchy "
     "mounted, or v2 with 'memory' in cgroup.subtree_control), or leave --memory-limit out"
@@ -39,29 +41,6 @@ class CgroupLayout:
     parent: Path
 
 
-def _mount_entries(mounts: str) -> list[tuple[str, str, list[str]]]:
-    entries = []
-    for line in mounts.splitlines():
-        fields = line.split()
-        if len(fields) >= 4:
-            entries.append((fields[1], fields[2], fields[3].split(",")))
-    return entries
-
-
-def _own_path(self_cgroup: str, version: int) -> str:
-    """This process's cgroup path in the v1 memory hierarchy or the v2 one (/proc/self/cgroup)."""
-    for line in self_cgroup.splitlines():
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        hier, controllers, path = parts
-        if version == 2 and hier == "0" and controllers == "":
-            return path
-        if version == 1 and "memory" in controllers.split(","):
-            return path
-    return "/"
-
-
 def _words(path: Path) -> list[str]:
     try:
         return path.read_text().split()
@@ -73,13 +52,13 @@ def find_layout(mounts: str, self_cgroup: str) -> CgroupLayout:
     """The place for rows' memory cgroups, from /proc/mounts and /proc/self/cgroup text;
     CgroupError (naming the fix) where there is none this process can write to."""
     reasons = []
-    for mount, fstype, opts in _mount_entries(mounts):
+    for mount, fstype, opts in mount_entries(mounts):
         if fstype == "cgroup2":
             root = Path(mount)
             if "memory" not in _words(root / "cgroup.controllers"):
                 reasons.append(f"cgroup v2 at {mount} has no memory controller")
                 continue
-            own = root / _own_path(self_cgroup, 2).lstrip("/")
+            own = root / own_cgroup_path(self_cgroup, 2).lstrip("/")
             for parent in (own, root):
                 if "memory" in _words(parent / "cgroup.subtree_control"):
                     return _writable(CgroupLayout(2, parent))
@@ -87,7 +66,7 @@ def find_layout(mounts: str, self_cgroup: str) -> CgroupLayout:
                 f"cgroup v2 at {mount}: 'memory' is not in cgroup.subtree_control of {own} or {root}"
             )
         elif fstype == "cgroup" and "memory" in opts:
-            parent = Path(mount) / _own_path(self_cgroup, 1).lstrip("/")
+            parent = Path(mount) / own_cgroup_path(self_cgroup, 1).lstrip("/")
             if not parent.is_dir():
                 reasons.append(f"this process's memory cgroup {parent} does not exist")
                 continue
