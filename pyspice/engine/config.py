@@ -108,6 +108,11 @@ class RunConfig:
     use_mlock: bool = False  # lock the model's pages in RAM (--mlock)
 
     def __post_init__(self) -> None:
+        # paths given as strings (Python callers) become Paths, as the CLI makes them
+        for name in ("model", "sidecar", "replay_routing"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                object.__setattr__(self, name, Path(value))
         # every numeric setting checked here, before anything loads (engine/checks.py)
         check_threads(self.threads)
         check_at_least("-c/--ctx-size", self.n_ctx, 1)

@@ -466,9 +466,27 @@ class Sidecar:
         the transitions the predictor composed, the surrogates copied into the runtime.
         They stop counting against its RSS (6-10 MiB of a SPICE row's on smolmoe-b, which
         edge mode's memory limit judges); a later read faults them back in."""
-        mm = getattr(self.data.mapping, "_mmap", None)  # numpy.memmap keeps its mmap.mmap here
-        if isinstance(mm, mmap.mmap) and hasattr(mmap, "MADV_DONTNEED"):
+        mm = self._mmap()
+        if mm is not None:
             mm.madvise(mmap.MADV_DONTNEED)
+
+    def release_views(self, *views: npt.NDArray[Any]) -> None:
+        """release_pages for the pages under these views of the mapping only (whole pages:
+        a neighbour's share of a boundary page faults back in when read)."""
+        mm = self._mmap()
+        if mm is None:
+            return
+        base = int(self.data.mapping.ctypes.data)
+        for view in views:
+            start = int(view.ctypes.data) - base
+            if start < 0 or start + view.nbytes > len(mm):
+                continue  # not a view of this mapping (a copy)
+            first = start - start % mmap.PAGESIZE
+            mm.madvise(mmap.MADV_DONTNEED, first, start + view.nbytes - first)
+
+    def _mmap(self) -> mmap.mmap | None:
+        mm = getattr(self.data.mapping, "_mmap", None)  # numpy.memmap keeps its mmap.mmap here
+        return mm if isinstance(mm, mmap.mmap) and hasattr(mmap, "MADV_DONTNEED") else None
 
     # ---- metadata ---------------------------------------------------------------
 
@@ -535,7 +553,13 @@ class Sidecar:
             if w is None:
                 raise ValueError(f"the target model has no router for MoE layer {il}")
             table[il] = w
-        predictor = DraftPredictor(self.data.moe_layers, table, self.data.transitions, self.data.gating)
+        predictor = DraftPredictor(
+            self.data.moe_layers,
+            table,
+            self.data.transitions,
+            self.data.gating,
+            release=lambda t: self.release_views(t.U, t.V),  # a layer's pages once composed
+        )
         self.release_pages()  # the composed maps are the predictor's own
         return predictor
 

@@ -24,7 +24,7 @@ Pure numpy: no native imports (the simulator uses the same object).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,6 +81,8 @@ class DraftPredictor:
     transitions: layer -> Transition from that MoE layer's input to the next
         MoE layer's input (the last MoE layer has none).
     max_depth: the deepest rollout prepared (deeper requests are cut there).
+    release: called with each transition once its maps are composed (a sidecar drops
+        its pages from the resident set there, so the peak holds one layer's, not all).
     """
 
     def __init__(
@@ -90,6 +92,7 @@ class DraftPredictor:
         transitions: Mapping[int, Transition],
         gating: str = "softmax",
         max_depth: int = 4,
+        release: Callable[[Transition], None] | None = None,
     ) -> None:
         if gating not in GATINGS:
             raise ValueError(f"unknown gating {gating!r}; choose one of {GATINGS}")
@@ -123,6 +126,8 @@ class DraftPredictor:
             for G_next, g_next in prev:  # W_{..} T_{m..} composed once more with T_l
                 maps.append((t.scale * G_next + (G_next @ U) @ V, G_next @ c + g_next))
             composite[il] = maps
+            if release is not None:
+                release(t)
             reach = [m]
             while len(reach) < len(maps):
                 nxt = self._next.get(reach[-1])

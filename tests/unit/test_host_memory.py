@@ -75,5 +75,5 @@ def test_resolve_says_it_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(host_memory, "host_memory_available", lambda: 1024)  # far less than the file
     monkeypatch.setattr(host_memory, "cgroup_memory_limit", lambda mounts, own: None)
     notes: list[str] = []
-    RunConfig(model, policy="exact", use_sidecar=False).resolve(notes.append)
+    RunConfig(str(model), policy="exact", use_sidecar=False).resolve(notes.append)  # a str path too
     assert sum("more than the 1.00 KiB of memory" in n for n in notes) == 1, notes
