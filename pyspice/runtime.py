@@ -805,7 +805,7 @@ class Runtime:
     def _hook_call(self, call: Any) -> HookCall:
         """The HookCall of this call, opened: one read of the call's head, then the cached
         HookCall of the same layer, sizes and buffers (its arrays are allocated on first
-        access and kept), or a new one."""
+        access and kept), or a new one (kept only for calls of few tokens)."""
         head = self._buffer(call, self._call_head)[:]
         view = self._calls.get(head)
         if view is None:
@@ -830,7 +830,8 @@ class Runtime:
                 int(call.n_expert_used),
                 lambda i: self._field(fields, rows, i, owned),
             )
-            self._calls[head] = view
+            if rows <= _MAX_CACHED_ROWS:
+                self._calls[head] = view
         view.open()
         return view
 
@@ -1042,6 +1043,11 @@ _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _POLICY_OK, _POLICY_FAILED, _POLICY_ABORT = 0, 1, 2
 _MAX_CACHED_RULES = 80  # above the deepest plan ring (deterministic lag 64 + 2)
 _MAX_CACHED_CALLS = 512  # HookCalls kept by _hook_call (a model has at most a few hundred layers)
+# ... of calls of at most this many tokens: decode steps, which the cache is for. A prompt
+# batch's buffers (its hidden rows: 295 KB a layer for 128 tokens of smolmoe-b) kept per
+# layer were 8.7 MiB of an edge-mode SPICE row's peak RSS, to save an allocation per layer
+# per prompt batch, against that layer's compute over the whole batch
+_MAX_CACHED_ROWS = 8
 
 
 def _write_actions(ffi: Any, call: Any, actions: Any, want: tuple[int, int]) -> None:
