@@ -70,6 +70,7 @@ _COUNTER_FIELDS = (
     "async_lag_calls",
     "async_wait_ns",
     "planner_ns",
+    "exec_ns",
 )
 
 

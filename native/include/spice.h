@@ -185,6 +185,8 @@ typedef struct spice_counters {
     uint64_t async_lag_calls; /* sum over applied plans of the hook calls from snapshot to application */
     uint64_t async_wait_ns;   /* time the hook waited for the planner (deterministic mode) */
     uint64_t planner_ns;      /* the planner thread's time in the policy for the plans collected */
+    uint64_t exec_ns;         /* inside hook calls, thread 0 from the end of planning (and any device
+                               * launch) to return: running the experts, surrogates included */
 } spice_counters;
 
 /* Add each activation's outcome (DESIGN section 11) to c: n actions with,

@@ -542,6 +542,7 @@ static void hook_entry(const struct llama_moe_hook_call * lc, void * user_data) 
     if (hc->ith == 0 && rt->device_launch_due) {
         launch_device_work(rt, hc); /* the other threads start the host's misses meanwhile */
     }
+    const uint64_t t_exec = hc->ith == 0 ? spice_monotonic_ns() : 0;
     if (rt->host.job.layer == NULL) {
         for (int32_t t = hc->ith; t < hc->n_tokens; t += hc->nth) {
             memset((char *) hc->out + (size_t) t * hc->out_nb1, 0, (size_t) hc->n_embd * sizeof(float));
@@ -564,6 +565,7 @@ static void hook_entry(const struct llama_moe_hook_call * lc, void * user_data) 
         rt->hook_end_ns = spice_monotonic_ns();
         rt->hook_end_il = hc->il;
         rt->counters[hc->il].hook_ns += rt->hook_end_ns - t_entry;
+        rt->counters[hc->il].exec_ns += rt->hook_end_ns - t_exec;
     }
 }
 
