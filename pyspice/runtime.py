@@ -71,6 +71,7 @@ _COUNTER_FIELDS = (
     "async_wait_ns",
     "planner_ns",
     "exec_ns",
+    "call_ns",
 )
 
 

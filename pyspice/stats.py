@@ -59,6 +59,7 @@ class Counters:
     async_wait_ns: int = 0  # the hook waiting for the planner (deterministic mode)
     planner_ns: int = 0  # the planner thread's time in the policy
     exec_ns: int = 0  # inside hook calls: running the experts (thread 0, after planning)
+    call_ns: int = 0  # inside hook calls: reading it, checking ids, booking, preparing the executors
 
     def add(self, other: Counters) -> None:
         for f in fields(self):
@@ -144,6 +145,7 @@ def _per_call_record(c: Counters) -> dict[str, float]:
     return {
         "hook_us": _ratio(c.hook_ns / 1e3, n),
         "exec_us": _ratio(c.exec_ns / 1e3, n),
+        "call_us": _ratio(c.call_ns / 1e3, n),
         "gap_us": _ratio(c.gap_ns / 1e3, n),
         "store_us": _ratio(c.store_ns / 1e3, n),
         "polls": _ratio(c.store_polls, n),

@@ -187,6 +187,9 @@ typedef struct spice_counters {
     uint64_t planner_ns;      /* the planner thread's time in the policy for the plans collected */
     uint64_t exec_ns;         /* inside hook calls, thread 0 from the end of planning (and any device
                                * launch) to return: running the experts, surrogates included */
+    uint64_t call_ns;         /* inside hook calls, thread 0's steps that every policy's calls take
+                               * alike: reading the call, checking its ids, booking its outcomes,
+                               * preparing the executors (not deciding, not the store) */
 } spice_counters;
 
 /* Add each activation's outcome (DESIGN section 11) to c: n actions with,
