@@ -34,14 +34,14 @@ def load(paths: list[Path]) -> list[dict[str, Any]]:
     return [json.loads(p.read_text())["policies"] for p in paths]
 
 
-def residual(row: dict[str, Any], exact: dict[str, Any], n_moe: int, less_exec: bool = False) -> float:
+def residual(row: dict[str, Any], exact: dict[str, Any], n_moe: int, less_named: bool = False) -> float:
     """Hook time over exact's, less deciding, bookkeeping and copy waits (us per call);
-    with less_exec, each row's expert execution and shared per-call steps taken out of its
+    with less_named, each row's expert execution and shared per-call steps taken out of its
     hook time first."""
     waits = row["stall_ms_per_token"] * 1e3 / n_moe  # a decoded token makes n_moe calls
 
     def hook_us(r: dict[str, Any]) -> float:
-        named = r["per_call"].get("exec_us", 0.0) + r["per_call"].get("call_us", 0.0) if less_exec else 0.0
+        named = r["per_call"].get("exec_us", 0.0) + r["per_call"].get("call_us", 0.0) if less_named else 0.0
         return float(r["per_call"]["hook_us"] - named)
 
     hook = hook_us(row) - hook_us(exact)
@@ -72,7 +72,7 @@ def main() -> None:
         lag = f"{statistics.mean(p['lag_layers'] for p in plans):.2f}" if is_async else "-"
         stale = str(sum(p["stale"] for p in plans)) if is_async else "-"
         res = [residual(r[name], r["exact"], args.moe_layers) for r in rounds]
-        rex = [residual(r[name], r["exact"], args.moe_layers, less_exec=True) for r in rounds]
+        rex = [residual(r[name], r["exact"], args.moe_layers, less_named=True) for r in rounds]
         print(
             f"| {name} | {med(us):.2f} ({', '.join(f'{u:.2f}' for u in us)}) | {med(ratio):.3f} | "
             f"{med(hit):.3f} | {lag} | {stale} | {med(res):.1f} ({', '.join(f'{v:.1f}' for v in res)}) | "
