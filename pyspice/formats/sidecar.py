@@ -244,6 +244,7 @@ def read_sidecar(path: str | os.PathLike[str], *, tensors: bool = True) -> Sidec
         raise ValueError(
             f"bad sidecar: {p} cannot be read ({type(exc).__name__}: {exc}); {_REMAKE}"
         ) from None
+    _read_at_random(reader.data)
     try:
         return _sidecar_data(reader, p, tensors)
     except (KeyError, IndexError, TypeError, ValueError, OverflowError) as exc:
@@ -253,6 +254,18 @@ def read_sidecar(path: str | os.PathLike[str], *, tensors: bool = True) -> Sidec
 
 
 _REMAKE = "remake it with `pyspice calibrate -m MODEL`"
+
+
+def _read_at_random(mapping: Any) -> None:
+    """No read-ahead on the sidecar's mapping (MADV_RANDOM). Loading touches a few small
+    tensors between the large ones, and the kernel's read-ahead around each of those
+    faults read the whole file into the page cache: 25 MiB on smolmoe-b where a lossless
+    policy reads none of it, charged to the process's memory cgroup, which is what edge
+    mode's memory limit is taken from. A policy that reads a matrix still gets it in
+    one sequential pass over its pages."""
+    mm = getattr(mapping, "_mmap", None)  # numpy.memmap keeps its mmap.mmap here
+    if isinstance(mm, mmap.mmap) and hasattr(mmap, "MADV_RANDOM"):
+        mm.madvise(mmap.MADV_RANDOM)
 
 
 def _sidecar_data(reader: Any, p: Path, with_tensors: bool = True) -> SidecarData:
@@ -462,13 +475,18 @@ class Sidecar:
 
     def release_pages(self) -> None:
         """Drop the sidecar's pages from this process's resident set (MADV_DONTNEED over
-        its read-only mapping) once what needed them is done: the header parsed at load,
+        its read-only mapping) and from the page cache (POSIX_FADV_DONTNEED: pages no
+        other process maps) once what needed them is done: the header parsed at load,
         the transitions the predictor composed, the surrogates copied into the runtime.
-        They stop counting against its RSS (6-10 MiB of a SPICE row's on smolmoe-b, which
-        edge mode's memory limit judges); a later read faults them back in."""
+        They stop counting against its RSS (6-10 MiB of a SPICE row's on smolmoe-b) and
+        against its memory cgroup, which edge mode's memory limit is taken from and
+        judged by (the clean pages would be reclaimed under pressure, but reclaim takes
+        the model's pages too, and a cgroup's peak counts them); a later read faults
+        them back in from the file."""
         mm = self._mmap()
         if mm is not None:
             mm.madvise(mmap.MADV_DONTNEED)
+            self._drop_cached(0, len(mm))
 
     def release_views(self, *views: npt.NDArray[Any]) -> None:
         """release_pages for the pages under these views of the mapping only (whole pages:
@@ -483,6 +501,23 @@ class Sidecar:
                 continue  # not a view of this mapping (a copy)
             first = start - start % mmap.PAGESIZE
             mm.madvise(mmap.MADV_DONTNEED, first, start + view.nbytes - first)
+            self._drop_cached(first, start + view.nbytes - first)
+
+    def _drop_cached(self, offset: int, length: int) -> None:
+        """POSIX_FADV_DONTNEED over [offset, offset + length) of the file (the mapping
+        starts at its first byte). Advice only: where it cannot be given, nothing is lost."""
+        if not hasattr(os, "posix_fadvise"):
+            return
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError:
+            return  # replaced or removed since load: the pages are no longer this file's
+        try:
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
     def _mmap(self) -> mmap.mmap | None:
         mm = getattr(self.data.mapping, "_mmap", None)  # numpy.memmap keeps its mmap.mmap here

@@ -95,12 +95,9 @@ def test_sidecar_round_trip(tmp_path: Path) -> None:
     assert [m for m, _ in p.rollout(0, np.ones(D, dtype=np.float32), 3)] == [1]
 
 
-def test_loading_copies_no_weight_matrix(tmp_path: Path) -> None:
-    """The surrogates and transitions stay in the file's mapping until a policy reads them:
-    a lossless policy never does, and on an edge box their float32 copies (50 MiB for
-    smolmoe-b) pushed every row under the memory limit into thrashing its own weights."""
-    import tracemalloc
-
+def big_sidecar(tmp_path: Path) -> tuple[Path, Path, SidecarData, int]:
+    """(model, sidecar, its data, bytes of its stored matrices): a sidecar whose weight
+    matrices dwarf everything else it holds."""
     model = tiny_model(tmp_path / "a.gguf", 0)
     data = data_for(model)
     big = 256  # experts: the matrices dwarf everything else the sidecar holds
@@ -128,6 +125,16 @@ def test_loading_copies_no_weight_matrix(tmp_path: Path) -> None:
     }
     path = write_sidecar(tmp_path / "a.spice.gguf", data)
     matrices = sum(s.A.nbytes + s.B.nbytes for s in data.surrogates.values()) // 2  # as f16
+    return model, path, data, matrices
+
+
+def test_loading_copies_no_weight_matrix(tmp_path: Path) -> None:
+    """The surrogates and transitions stay in the file's mapping until a policy reads them:
+    a lossless policy never does, and on an edge box their float32 copies (50 MiB for
+    smolmoe-b) pushed every row under the memory limit into thrashing its own weights."""
+    import tracemalloc
+
+    model, path, data, matrices = big_sidecar(tmp_path)
     tracemalloc.start()
     try:
         s = Sidecar.load(path, model)
@@ -162,6 +169,28 @@ def _resident_bytes(path: Path) -> int:
         elif inside and fields[0] == "Rss:":
             total += int(fields[1]) * 1024
     return total
+
+
+def test_loading_leaves_the_file_out_of_the_page_cache(tmp_path: Path) -> None:
+    """Loading reads no matrix into the page cache either (no read-ahead around the small
+    tensors it copies), and release_pages drops what a policy read: the cache counts in
+    a memory cgroup's usage, which edge mode's memory limit is taken from (the kernel's
+    read-ahead pulled all 25 MiB of smolmoe-b's sidecar into a lossless row's cgroup)."""
+    from pyspice.measure.pagecache import drop, resident_bytes
+
+    model, path, _, matrices = big_sidecar(tmp_path)
+    drop(path)
+    if resident_bytes(path) > 0:
+        pytest.skip("this file system keeps files in memory (tmpfs): no page cache to leave")
+    s = Sidecar.load(path, model)
+    assert resident_bytes(path) < matrices / 8
+    s.check_weights()  # reads every matrix
+    assert resident_bytes(path) >= matrices
+    layer = s.data.surrogates[0]
+    s.release_views(layer.A, layer.B)
+    assert matrices / 3 < resident_bytes(path) < matrices * 2 / 3
+    s.release_pages()
+    assert resident_bytes(path) < matrices / 8
 
 
 def test_sidecar_for_another_model_is_refused(tmp_path: Path) -> None:
