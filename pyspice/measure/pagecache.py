@@ -46,8 +46,9 @@ def _libc() -> ctypes.CDLL:
     return libc
 
 
-def resident_bytes(path: Path) -> int:
-    """Bytes of `path` in the page cache now (mincore over a mapping that touches nothing)."""
+def resident_bytes(path: Path, start: int = 0, end: int | None = None) -> int:
+    """Bytes of `path` (of [start, end) of it, in whole pages) in the page cache now
+    (mincore over a mapping that touches nothing)."""
     size = path.stat().st_size
     if size == 0:
         return 0
@@ -62,7 +63,9 @@ def resident_bytes(path: Path) -> int:
             vec = (ctypes.c_ubyte * ((size + page - 1) // page))()
             if libc.mincore(addr, size, vec) != 0:
                 raise OSError(ctypes.get_errno(), f"mincore of {path} failed")
-            return min(size, int((np.frombuffer(memoryview(vec).cast("B"), dtype=np.uint8) & 1).sum()) * page)
+            pages = np.frombuffer(memoryview(vec).cast("B"), dtype=np.uint8) & 1
+            first, last = start // page, (size if end is None else min(end, size) + page - 1) // page
+            return min(size, int(pages[first:last].sum()) * page)
         finally:
             libc.munmap(addr, size)
     finally:

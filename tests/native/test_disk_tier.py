@@ -179,3 +179,44 @@ def test_rss_after_load_excludes_the_experts(builtin_model) -> None:
     in_ram = _rss_after_load(path, policy="exact", use_mmap=False)
     on_disk = _rss_after_load(path, policy="exact", ram_budget="1%")
     assert in_ram["VmRSS"] - on_disk["VmRSS"] >= 0.9 * expert_bytes, (in_ram, on_disk, expert_bytes)
+
+
+_CACHE_PROBE = """
+import json, sys
+from pathlib import Path
+from pyspice.api import Llama
+from pyspice.formats.model_info import read_header
+from pyspice.measure.pagecache import drop, resident_bytes
+path = Path(sys.argv[1])
+header = read_header(path)
+def ranges(pick):
+    base = header.data_offset
+    return [(base + t.offset, base + t.offset + t.nbytes) for t in header.tensors if pick(t.name)]
+groups = {"token_embd": ranges(lambda n: n == "token_embd.weight"), "experts": ranges(lambda n: "_exps" in n)}
+def cached():
+    return {k: sum(resident_bytes(path, a, b) for a, b in r) for k, r in groups.items()}
+drop(path)
+before = cached()
+llm = Llama(str(path), verbose=False, n_ctx=128, n_threads=1, policy="exact", ram_budget="1%")
+llm.eval(llm.tokenize(b"The quick brown fox jumps over the lazy dog."))
+sizes = {k: sum(b - a for a, b in r) for k, r in groups.items()}
+print(json.dumps({"before": before, "after": cached(), "bytes": sizes}))
+"""
+
+
+def test_edge_mode_reads_only_the_token_embeddings_rows_it_looks_up(builtin_model) -> None:
+    """With the experts on disk the token embeddings are a lazy tensor (patch 0006): a
+    batch reads its tokens' rows, not the tensor; and prefetching the other weights
+    whole (patch 0005) leaves no page fault to read a window around itself into the
+    lazy tensors. Page cache counted by mincore in a process of its own: on a disk
+    with read_ahead_kb 8192 both had pulled most of them into the cache (25 of 28
+    MiB of token embeddings, 4 MiB of experts on smolmoe-b)."""
+    path = builtin_model("smolmoe")
+    probe = [sys.executable, "-c", _CACHE_PROBE, str(path)]
+    out = subprocess.run(probe, check=True, capture_output=True, text=True, timeout=300)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    if any(got["before"].values()):
+        pytest.skip(f"another process keeps the model's pages in the page cache: {got['before']}")
+    assert got["bytes"]["token_embd"] > 0, "the model has no token_embd.weight"
+    assert got["after"]["token_embd"] < 0.25 * got["bytes"]["token_embd"], got
+    assert got["after"]["experts"] < 0.05 * got["bytes"]["experts"], got
