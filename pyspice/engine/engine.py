@@ -27,6 +27,7 @@ from pyspice.engine.blas_threads import limit_blas_threads
 from pyspice.engine.checks import check_budget_value, check_bus, check_executor, check_ram_budget_settings
 from pyspice.engine.device import DeviceTier, automatic_budget, store_params
 from pyspice.engine.disk import disk_store_params
+from pyspice.engine.host_memory import release_free_heap
 from pyspice.engine.planning import Planning
 from pyspice.engine.profile import profile_for_tier, saved_disk, saved_profile
 from pyspice.engine.replay import RoutingReplay, load_routing_replay
@@ -316,6 +317,12 @@ class Engine:
 
     def set_policy(self, policy: str | Policy, max_hook_tokens: int | None = None) -> None:
         """Switch policy without reloading (bench runs every policy on one model)."""
+        try:
+            self._set_policy(policy, max_hook_tokens)
+        finally:
+            release_free_heap()  # what setting it up freed (the predictor's float64 maps)
+
+    def _set_policy(self, policy: str | Policy, max_hook_tokens: int | None) -> None:
         if max_hook_tokens is not None:
             self.max_hook_tokens = max_hook_tokens
         if isinstance(policy, str):

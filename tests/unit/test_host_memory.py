@@ -9,7 +9,7 @@ import pytest
 
 from pyspice.engine import host_memory
 from pyspice.engine.config import RunConfig
-from pyspice.engine.host_memory import cgroup_memory_limit, memory_advice
+from pyspice.engine.host_memory import cgroup_memory_limit, memory_advice, release_free_heap
 from tests.unit.test_inspect_header import write_moe
 
 MiB = 1 << 20
@@ -77,3 +77,38 @@ def test_resolve_says_it_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     notes: list[str] = []
     RunConfig(str(model), policy="exact", use_sidecar=False).resolve(notes.append)  # a str path too
     assert sum("more than the 1.00 KiB of memory" in n for n in notes) == 1, notes
+
+
+def _rss_anon() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    pytest.skip("no RssAnon in /proc/self/status")
+
+
+def test_release_free_heap_returns_freed_blocks_to_the_system() -> None:
+    """Blocks below malloc's mmap threshold come from its heap and stay resident when
+    freed: 64 MiB of 64 KiB blocks, all freed but the last (which keeps the heap's top
+    from shrinking on its own), leave the resident set only on release_free_heap."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None)
+        libc.malloc_trim  # noqa: B018 -- glibc only
+    except (OSError, AttributeError):
+        pytest.skip("not glibc: nothing to trim")
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    block, n = 64 << 10, 1024
+    blocks = [libc.malloc(block) for _ in range(n)]
+    assert all(blocks)
+    for b in blocks:
+        ctypes.memset(b, 1, block)
+    for b in blocks[:-1]:
+        libc.free(b)
+    before = _rss_anon()
+    release_free_heap()
+    after = _rss_anon()
+    libc.free(blocks[-1])
+    assert before - after > (n * block) // 2, (before, after)
