@@ -445,6 +445,10 @@ class Engine:
             return None
         if self._predictor is None:
             self._predictor = self.sidecar.predictor(self._routers)
+            if self._routers is not None:
+                # its maps hold what a rollout needs: the routers go (read again if asked for)
+                self._predictor.drop_routers(self._routers)
+                self._routers.release()
         return self._predictor
 
     # ---- routing replay ---------------------------------------------------------------

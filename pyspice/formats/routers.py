@@ -25,6 +25,10 @@ class RouterReader:
         self._tensors: dict[str, TensorInfo] | None = None
         self._cache: dict[int, npt.NDArray[np.float32] | None] = {}
 
+    def release(self) -> None:
+        """Forget the routers read so far (a later request reads them again)."""
+        self._cache.clear()
+
     def __call__(self, layer: int) -> npt.NDArray[np.float32] | None:
         if layer not in self._cache:
             self._cache[layer] = self._load(layer)

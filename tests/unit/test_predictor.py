@@ -109,3 +109,32 @@ def test_rollout_with_confidence_matches_rollout() -> None:
         assert m == m2
         np.testing.assert_array_equal(probs, probs2)
         assert conf == pytest.approx(DraftPredictor.confidence(probs, 3), rel=1e-5)
+
+
+def test_dropping_the_routers_keeps_every_rollout_and_reads_them_again_when_asked() -> None:
+    """Once composed, rollouts need only the maps: drop_routers lets the routers go
+    (edge mode's memory) and the baseline, which applies them, reads from the source."""
+    rng = np.random.default_rng(7)
+    p = _predictor(rng)
+    kept = dict(p.routers)
+    h = rng.standard_normal(16).astype(np.float32)
+    rollout = p.rollout(0, h, 3)
+    baseline = p.baseline(0, h, 2)
+    reads: list[int] = []
+
+    def source(layer: int) -> np.ndarray | None:
+        reads.append(layer)
+        return kept.get(layer)
+
+    p.drop_routers(source)
+    assert (p.n_expert, p.n_embd) == (8, 16)
+    for (m, a), (m2, b) in zip(p.rollout(0, h, 3), rollout, strict=True):
+        assert m == m2
+        np.testing.assert_array_equal(a, b)
+    assert reads == []  # a rollout reads none
+    for (m, a), (m2, b) in zip(p.baseline(0, h, 2), baseline, strict=True):
+        assert m == m2
+        np.testing.assert_array_equal(a, b)
+    assert reads == [1, 3]
+    with pytest.raises(KeyError):
+        p.routers[2]  # not a MoE layer of this predictor
