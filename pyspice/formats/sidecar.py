@@ -263,9 +263,15 @@ def _read_at_random(mapping: Any) -> None:
     policy reads none of it, charged to the process's memory cgroup, which is what edge
     mode's memory limit is taken from. A policy that reads a matrix still gets it in
     one sequential pass over its pages."""
-    mm = getattr(mapping, "_mmap", None)  # numpy.memmap keeps its mmap.mmap here
-    if isinstance(mm, mmap.mmap) and hasattr(mmap, "MADV_RANDOM"):
+    mm = _mmap_of(mapping)
+    if mm is not None and hasattr(mmap, "MADV_RANDOM"):
         mm.madvise(mmap.MADV_RANDOM)
+
+
+def _mmap_of(mapping: Any) -> mmap.mmap | None:
+    """The mmap.mmap under a numpy.memmap (which keeps it as `_mmap`), if any."""
+    mm = getattr(mapping, "_mmap", None)
+    return mm if isinstance(mm, mmap.mmap) else None
 
 
 def _sidecar_data(reader: Any, p: Path, with_tensors: bool = True) -> SidecarData:
@@ -486,7 +492,7 @@ class Sidecar:
         mm = self._mmap()
         if mm is not None:
             mm.madvise(mmap.MADV_DONTNEED)
-            self._drop_cached(0, len(mm))
+            self._drop_cached([(0, len(mm))])
 
     def release_views(self, *views: npt.NDArray[Any]) -> None:
         """release_pages for the pages under these views of the mapping only (whole pages:
@@ -495,33 +501,35 @@ class Sidecar:
         if mm is None:
             return
         base = int(self.data.mapping.ctypes.data)
+        ranges: list[tuple[int, int]] = []
         for view in views:
             start = int(view.ctypes.data) - base
             if start < 0 or start + view.nbytes > len(mm):
                 continue  # not a view of this mapping (a copy)
             first = start - start % mmap.PAGESIZE
             mm.madvise(mmap.MADV_DONTNEED, first, start + view.nbytes - first)
-            self._drop_cached(first, start + view.nbytes - first)
+            ranges.append((first, start + view.nbytes - first))
+        self._drop_cached(ranges)
 
-    def _drop_cached(self, offset: int, length: int) -> None:
-        """POSIX_FADV_DONTNEED over [offset, offset + length) of the file (the mapping
-        starts at its first byte). Advice only: where it cannot be given, nothing is lost."""
-        if not hasattr(os, "posix_fadvise"):
+    def _drop_cached(self, ranges: list[tuple[int, int]]) -> None:
+        """POSIX_FADV_DONTNEED over each (offset, length) of the file (the mapping starts
+        at its first byte). Advice only: where it cannot be given, nothing is lost."""
+        if not ranges or not hasattr(os, "posix_fadvise"):
             return
         try:
             fd = os.open(self.path, os.O_RDONLY)
         except OSError:
             return  # replaced or removed since load: the pages are no longer this file's
         try:
-            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+            for offset, length in ranges:
+                os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
         except OSError:
             pass
         finally:
             os.close(fd)
 
     def _mmap(self) -> mmap.mmap | None:
-        mm = getattr(self.data.mapping, "_mmap", None)  # numpy.memmap keeps its mmap.mmap here
-        return mm if isinstance(mm, mmap.mmap) and hasattr(mmap, "MADV_DONTNEED") else None
+        return _mmap_of(self.data.mapping) if hasattr(mmap, "MADV_DONTNEED") else None
 
     # ---- metadata ---------------------------------------------------------------
 
