@@ -8,7 +8,7 @@ trace recorder and the baselines (rules already) keep their paths.
 
 from __future__ import annotations
 
-import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pyspice.runtime import AsyncParams
@@ -44,27 +44,35 @@ class Planning:
                 f"--plan-lag must be 0 (free-running) or 1..64 layers, got {self.deterministic_lag}"
             )
 
-    def resolved(self, experts_on_disk: bool = False) -> bool:
+    def resolved(self, experts_on_disk: bool = False, say: Callable[[str], None] | None = None) -> bool:
         """Whether to plan asynchronously (deterministic mode implies it). With the
         routed experts on disk (--ram-budget) the default is asynchronous: only the
         engine's rule, which runs every call there, keeps the misses it reads
         (SpiceConfig.retention_decay); planning synchronously reads them into scratch
-        and drops them, for 1.9-2.4x the bytes in the simulator."""
+        and drops them, for 1.9-2.4x the bytes in the simulator.
+
+        A default taken is told through `say` (the engine's say-once notes), so the
+        user learns which one ran and how to choose; nothing is said otherwise."""
         if self.deterministic_lag > 0:
             return True
         if self.asynchronous is not None:
             return self.asynchronous
         if experts_on_disk:
-            if not _said_disk:
-                _said_disk.append(True)
-                print(
-                    "pyspice: with --ram-budget, SPICE policies plan on a planner thread "
+            if say is not None:
+                say(
+                    "with --ram-budget, SPICE policies plan on a planner thread "
                     "(asynchronous), whose rule keeps the experts a miss reads "
-                    "(--planning sync to choose)",
-                    file=sys.stderr,
+                    "(--planning sync to choose)"
                 )
             return True
-        return default_asynchronous()
+        if say is not None:
+            how = (
+                "on a planner thread (asynchronous)"
+                if ASYNC_BY_DEFAULT
+                else "on the hook's thread (synchronous)"
+            )
+            say(f"SPICE policies plan {how} by default here, as measured (--planning sync|async to choose)")
+        return ASYNC_BY_DEFAULT
 
     def expected_lag(self) -> int:
         """MoE layers from a call to its plan's use: the deterministic lag, else the one
@@ -78,22 +86,3 @@ class Planning:
             with_probs=with_probs,
             with_shared=with_shared,
         )
-
-
-_said: list[bool] = []
-_said_disk: list[bool] = []
-
-
-def default_asynchronous() -> bool:
-    """The machine's default, said once per process."""
-    if not _said:
-        _said.append(True)
-        how = (
-            "on a planner thread (asynchronous)" if ASYNC_BY_DEFAULT else "on the hook's thread (synchronous)"
-        )
-        print(
-            f"pyspice: SPICE policies plan {how} by default here, as measured "
-            "(--planning sync|async to choose)",
-            file=sys.stderr,
-        )
-    return ASYNC_BY_DEFAULT
