@@ -143,6 +143,7 @@ class Llama(llama_cpp.Llama):
             max_hook_tokens=max_hook_tokens,
             attach_error=attach_error,
             device_executor=device_executor,
+            decode_threads=self.n_threads,
         )
         if device_budget is not None:
             self.set_device(device_budget, emulate_bandwidth, emulate_latency)

@@ -72,6 +72,7 @@ _COUNTER_FIELDS = (
     "planner_ns",
     "exec_ns",
     "call_ns",
+    "async_wakes",
 )
 
 
@@ -224,12 +225,16 @@ class AsyncParams:
                        exactly at call c + deterministic_lag, the hook waiting for it
     with_probs         snapshots carry the router probabilities (HookCall.probs)
     with_shared        snapshots carry the shared-expert output (HookCall.shared)
+    idle_poll          an idle planner polls a while before it parks (no wake-up
+                       on the hook's thread in a steady decode): only where it
+                       has a core of its own, else polling takes the graph's time
     """
 
     max_lag: int = 4
     deterministic_lag: int = 0
     with_probs: bool = False
     with_shared: bool = False
+    idle_poll: bool = False
 
     def __post_init__(self) -> None:
         if self.max_lag < 1:
@@ -247,6 +252,7 @@ class AsyncParams:
         p.lag = max(1, self.deterministic_lag)
         p.with_probs = int(self.with_probs)
         p.with_shexp = int(self.with_shared)
+        p.idle_poll = int(self.idle_poll)
         return p
 
 

@@ -60,6 +60,7 @@ class Counters:
     planner_ns: int = 0  # the planner thread's time in the policy
     exec_ns: int = 0  # inside hook calls: running the experts (thread 0, after planning)
     call_ns: int = 0  # inside hook calls: reading it, checking ids, booking, preparing the executors
+    async_wakes: int = 0  # posts that woke a parked planner (a futex wake on the hook's thread)
 
     def add(self, other: Counters) -> None:
         for f in fields(self):
@@ -131,6 +132,7 @@ def _planning_record(c: Counters) -> dict[str, Any]:
         "skipped": c.async_skipped,
         "applied": c.async_applied,
         "stale": c.async_stale,
+        "wakes": c.async_wakes,
         "lag_layers": _ratio(c.async_lag_calls, c.async_applied),
         "wait_us_per_call": _ratio(c.async_wait_ns / 1e3, c.hook_calls),
         "planner_us_per_plan": _ratio(c.planner_ns / 1e3, c.async_applied + c.async_stale),

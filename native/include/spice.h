@@ -190,6 +190,8 @@ typedef struct spice_counters {
     uint64_t call_ns;         /* inside hook calls, thread 0's steps that every policy's calls take
                                * alike: reading the call, checking its ids, booking its outcomes,
                                * preparing the executors (not deciding, not the store) */
+    uint64_t async_wakes;     /* snapshots whose post woke a parked planner thread (a futex wake
+                               * on the hook's thread; see spice_async_params.idle_poll) */
 } spice_counters;
 
 /* Add each activation's outcome (DESIGN section 11) to c: n actions with,
@@ -584,6 +586,11 @@ typedef struct spice_async_params {
     int32_t lag;           /* deterministic mode's lag in hook calls (>= 1) */
     int32_t with_probs;    /* 1: snapshots carry the router probabilities (else probs is NULL) */
     int32_t with_shexp;    /* 1: snapshots carry the shared-expert output (else shexp is NULL) */
+    int32_t idle_poll;     /* 1: an idle planner polls for the next snapshot a while (a 50 us spin,
+                            * then short sleeps up to 5 ms) before it parks, so a steady decode
+                            * never wakes it -- for a planner with a core of its own; 0: it parks
+                            * at once and each post after an idle spell wakes it (async_wakes) --
+                            * where the graph's threads take every core, polling takes their time */
 } spice_async_params;
 
 /* Register the hook with a policy callback called on the runtime's planner

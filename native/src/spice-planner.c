@@ -9,10 +9,15 @@
 /* How an idle planner waits for the next snapshot. Parked on the condition
  * variable, it costs the hook's thread a futex wake at the next post --
  * microseconds in a VM, and the woken planner may preempt the hook's thread
- * on a shared core -- so it first busy-waits a little, then sleeps in short
- * steps, and parks only after a while with no work. Decode posts every few
- * layers, well inside that while, so a steady decode never makes the hook's
- * thread wake anyone. */
+ * on a shared core. With params.idle_poll it first busy-waits a little, then
+ * sleeps in short steps, and parks only after a while with no work: decode
+ * posts every few layers, well inside that while, so a steady decode never
+ * makes the hook's thread wake anyone. That is for a planner with a core of
+ * its own. Where the graph's threads take every core, the polling (a spin,
+ * then a wake-up every few tens of microseconds) takes their time instead:
+ * on 2 cores at -t 2, edge mode's spice:exact decoded at 25.9 ms/token
+ * polling and 21.1 parked at once (lru: 23.4 / 21.3), so without idle_poll
+ * the planner parks as soon as it has nothing to do. */
 #define SPICE_PLANNER_SPIN_NS 50000ull   /* busy-wait this long: a post usually follows soon */
 #define SPICE_PLANNER_IDLE_NS 5000000ull /* then short sleeps up to this long, then park */
 
@@ -55,7 +60,7 @@ static void * planner_main(void * arg) {
             }
         }
         if (next == NULL) {
-            if (!waited) {
+            if (!waited && p->params.idle_poll) {
                 pthread_mutex_unlock(&p->mu);
                 idle_wait(p);
                 pthread_mutex_lock(&p->mu);
@@ -208,7 +213,8 @@ static int copy_rows(void ** dst, size_t * cap, const void * src, size_t nb1, in
 }
 
 int spice_planner_post(spice_planner * p, spice_async_entry * e, uint64_t seq, const spice_policy_call * call,
-                       const int32_t * default_actions) {
+                       const int32_t * default_actions, int * woke) {
+    *woke = 0;
     const int32_t n = call->n_tokens, n_pairs = call->n_tokens * call->n_expert_used;
     const size_t res_bytes = (size_t) call->res_layers * (size_t) call->res_width;
     int status = copy_rows((void **) &e->inp, &e->cap_inp, call->inp, call->inp_nb1, n, call->n_embd);
@@ -273,6 +279,7 @@ int spice_planner_post(spice_planner * p, spice_async_entry * e, uint64_t seq, c
     atomic_fetch_add(&p->queued, 1);
     if (p->sleeping) { /* a polling planner sees `queued`: no wake, no syscall on the hook's thread */
         pthread_cond_signal(&p->work);
+        *woke = 1;
     }
     pthread_mutex_unlock(&p->mu);
     return SPICE_OK;

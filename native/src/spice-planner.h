@@ -74,10 +74,12 @@ void spice_planner_stop(spice_planner * p);
 spice_async_entry * spice_planner_acquire(spice_planner * p, int * replaced);
 
 /* Copy the call (its input arrays, residency table of res_layers x res_width)
- * into the entry, with the default actions, and hand it to the planner.
- * SPICE_ERR_NO_MEMORY (the entry is freed again) when its arrays cannot grow. */
+ * into the entry, with the default actions, and hand it to the planner;
+ * *woke = 1 where the planner was parked and had to be woken (a futex wake on
+ * the caller's thread). SPICE_ERR_NO_MEMORY (the entry is freed again) when
+ * its arrays cannot grow. */
 int spice_planner_post(spice_planner * p, spice_async_entry * e, uint64_t seq, const spice_policy_call * call,
-                       const int32_t * default_actions);
+                       const int32_t * default_actions, int * woke);
 
 /* The oldest planned entry, now the caller's (HELD), or NULL. */
 spice_async_entry * spice_planner_take_done(spice_planner * p);

@@ -28,7 +28,8 @@ void spice_async_stop(spice_runtime * rt) {
 int spice_runtime_enable_async(spice_runtime * rt, spice_policy_fn fn, void * user_data, int32_t max_tokens,
                                const spice_async_params * params) {
     if (rt == NULL || fn == NULL || params == NULL || max_tokens < 0 || params->max_lag < 1 ||
-        (params->deterministic && (params->lag < 1 || params->lag > 64))) {
+        (params->deterministic && (params->lag < 1 || params->lag > 64)) ||
+        (params->idle_poll != 0 && params->idle_poll != 1)) {
         return SPICE_ERR_INVALID_ARG;
     }
     if (rt->store == NULL) {
@@ -168,8 +169,10 @@ void spice_async_post(spice_runtime * rt, const spice_policy_call * call) {
     spice_counters * c = &rt->counters[call->il];
     const uint64_t t0 = spice_monotonic_ns();
     /* call->residency is the store's own table: as of this call's plan, applied */
-    if (spice_planner_post(&rt->planner, e, rt->async_post_seq, call, call->actions) == SPICE_OK) {
+    int woke = 0;
+    if (spice_planner_post(&rt->planner, e, rt->async_post_seq, call, call->actions, &woke) == SPICE_OK) {
         c->async_posted++;
+        c->async_wakes += (uint64_t) woke;
     }
     c->policy_ns += spice_monotonic_ns() - t0;
 }

@@ -28,7 +28,7 @@ from pyspice.engine.checks import check_budget_value, check_bus, check_executor,
 from pyspice.engine.device import DeviceTier, automatic_budget, store_params
 from pyspice.engine.disk import disk_store_params
 from pyspice.engine.host_memory import release_free_heap
-from pyspice.engine.planning import Planning
+from pyspice.engine.planning import Planning, planner_may_poll
 from pyspice.engine.profile import profile_for_tier, saved_disk, saved_profile
 from pyspice.engine.replay import RoutingReplay, load_routing_replay
 from pyspice.engine.surrogates import (
@@ -78,9 +78,13 @@ class Engine:
         max_hook_tokens: int = 0,
         attach_error: IncompatibleModelError | None = None,
         device_executor: str = "auto",
+        decode_threads: int | None = None,
     ) -> None:
         check_executor(device_executor)
         self.runtime = runtime
+        # ggml's threads in a decode step (None: unknown, taken as every core): whether an
+        # asynchronous planner has a core of its own to poll on (planning.planner_may_poll)
+        self.decode_threads = decode_threads
         self.device_executor = device_executor  # set_device's default (spice_executor by name)
         self.attach_error = attach_error
         self.model_path = model_path
@@ -404,7 +408,12 @@ class Engine:
             runtime.set_rule(policy.asynchronous_rule())  # type: ignore[attr-defined]
             horizon = int(policy.plan_horizon()) if callable(getattr(policy, "plan_horizon", None)) else 1  # type: ignore[attr-defined]
             probs, shared = policy_reads(policy)
-            params = self.planning.params(horizon, with_probs=probs, with_shared=shared)
+            params = self.planning.params(
+                horizon,
+                with_probs=probs,
+                with_shared=shared,
+                idle_poll=planner_may_poll(self.decode_threads),
+            )
             runtime.enable_policy(policy, self.max_hook_tokens, asynchronous=params)
         else:
             runtime.enable_policy(policy, self.max_hook_tokens)

@@ -8,6 +8,7 @@ trace recorder and the baselines (rules already) keep their paths.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -79,10 +80,31 @@ class Planning:
         measured free-running (1.0-1.1 on smolmoe, docs in the issue 19 note)."""
         return self.deterministic_lag if self.deterministic_lag > 0 else 1
 
-    def params(self, horizon: int, with_probs: bool = False, with_shared: bool = False) -> AsyncParams:
+    def params(
+        self, horizon: int, with_probs: bool = False, with_shared: bool = False, idle_poll: bool = False
+    ) -> AsyncParams:
         return AsyncParams(
             max_lag=self.max_lag if self.max_lag is not None else max(1, horizon),
             deterministic_lag=self.deterministic_lag,
             with_probs=with_probs,
             with_shared=with_shared,
+            idle_poll=idle_poll,
         )
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask, which a cpuset or
+    taskset narrows), not every core the machine has."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def planner_may_poll(decode_threads: int | None) -> bool:
+    """Whether an idle planner thread may poll for the next snapshot (AsyncParams.idle_poll):
+    only with a core of its own, i.e. fewer decode threads than usable cores. ggml's
+    threads spin between ops; a planner polling beside them on a full machine takes
+    their time (edge mode, 2 cores, -t 2: spice:exact 25.9 ms/token polling, 21.1
+    parked at once), where parking costs the hook's thread one futex wake per post."""
+    return decode_threads is not None and decode_threads < usable_cores()

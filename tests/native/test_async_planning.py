@@ -137,6 +137,29 @@ def test_deterministic_mode_applies_the_plan_of_call_c_at_call_c_plus_k(model: A
         llm.close()
 
 
+def test_an_idle_planner_parks_at_once_unless_it_may_poll(model: Any, reference: Any) -> None:
+    """AsyncParams.idle_poll: a planner without a core of its own parks as soon as it has
+    nothing to do, so a post after an idle spell wakes it (counted); one allowed to poll
+    sees posts that come within its polling time (5 ms) without being woken."""
+    llm = load(model)
+    try:
+        runtime = _fresh_tier(llm)
+        for idle_poll in (False, True):
+            runtime.enable_policy(Targets(n_targets=0), asynchronous=AsyncParams(idle_poll=idle_poll))  # type: ignore[arg-type]
+            # 2 ms between tokens: far longer than a plan, well within the polling time
+            tokens = _decode(llm, N_DECODE, pause_s=0.002)
+            planning = llm.spice_stats()["planning"]
+            assert tokens == reference.tokens[:N_DECODE]
+            assert planning["posted"] > N_DECODE, planning
+            if idle_poll:  # at most the first post (after the prompt's load) wakes it
+                assert planning["wakes"] <= max(2, planning["posted"] // 4), planning
+            else:  # each token's first post found it parked
+                assert N_DECODE <= planning["wakes"] <= planning["posted"], planning
+        runtime.disable()
+    finally:
+        llm.close()
+
+
 def test_deterministic_spice_is_lossless_and_repeats_run_to_run(model: Any, reference: Any) -> None:
     llm = load(model)
     try:

@@ -88,15 +88,3 @@ def test_planning_defaults_to_asynchronous_with_experts_on_disk() -> None:
     assert Planning().resolved(experts_on_disk=True)
     assert not Planning(asynchronous=False).resolved(experts_on_disk=True)
     assert Planning(asynchronous=True).resolved(experts_on_disk=False)
-
-
-def test_planning_tells_the_default_it_takes_and_only_then() -> None:
-    said: list[str] = []
-    assert Planning().resolved(experts_on_disk=True, say=said.append)
-    assert len(said) == 1 and "--ram-budget" in said[0] and "--planning sync" in said[0]
-    Planning().resolved(experts_on_disk=False, say=said.append)
-    assert len(said) == 2 and "by default here" in said[1]
-    # a choice the user made is not a default: nothing to tell
-    Planning(asynchronous=False).resolved(experts_on_disk=True, say=said.append)
-    Planning(deterministic_lag=2).resolved(say=said.append)
-    assert len(said) == 2

@@ -1,0 +1,43 @@
+"""Where SPICE policies plan (pyspice.engine.planning): which default a run takes and
+how it is told, and whether an asynchronous planner may poll while idle."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from pyspice.engine import planning as planning_module
+from pyspice.engine.planning import Planning
+
+
+def test_planning_tells_the_default_it_takes_and_only_then() -> None:
+    said: list[str] = []
+    assert Planning().resolved(experts_on_disk=True, say=said.append)
+    assert len(said) == 1 and "--ram-budget" in said[0] and "--planning sync" in said[0]
+    Planning().resolved(experts_on_disk=False, say=said.append)
+    assert len(said) == 2 and "by default here" in said[1]
+    # a choice the user made is not a default: nothing to tell
+    Planning(asynchronous=False).resolved(experts_on_disk=True, say=said.append)
+    Planning(deterministic_lag=2).resolved(say=said.append)
+    assert len(said) == 2
+
+
+def test_the_planner_polls_only_with_a_core_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(planning_module, "usable_cores", lambda: 4)
+    assert planning_module.planner_may_poll(3)
+    assert not planning_module.planner_may_poll(4)  # the decode takes every core
+    assert not planning_module.planner_may_poll(None)  # unknown: taken as every core
+    assert Planning().params(2, idle_poll=True).idle_poll
+    assert not Planning().params(2).idle_poll
+
+
+def test_usable_cores_counts_the_affinity_mask() -> None:
+    # a process pinned to one core has one core to use, however many the machine has
+    code = (
+        "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+        "from pyspice.engine.planning import usable_cores; print(usable_cores())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    assert out.stdout.strip() == "1"
