@@ -21,8 +21,9 @@ from pyspice.runtime import AsyncParams
 #     spice:exact 18.7 vs 13.9, spice:balanced 23.3 vs 14.5, spice:fast 19.8 vs 13.8
 # -- the second graph thread is worth more than the planner's core. Asynchronous at
 # -t 2 (the planner sharing the graph's cores) is no faster either (14.4 vs 13.9 for
-# spice:exact). So synchronous by default here; a machine with cores to spare may
-# measure otherwise (--planning async).
+# spice:exact; since the planner parks when the decode takes every core, 11.4 vs 11.4 on
+# smolmoe-b: equal, docs/results/async-planning-smolmoe.md). So synchronous by default
+# here; a machine with cores to spare may measure otherwise (--planning async).
 ASYNC_BY_DEFAULT = False
 
 
