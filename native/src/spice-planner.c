@@ -15,9 +15,10 @@
  * makes the hook's thread wake anyone. That is for a planner with a core of
  * its own. Where the graph's threads take every core, the polling (a spin,
  * then a wake-up every few tens of microseconds) takes their time instead:
- * on 2 cores at -t 2, edge mode's spice:exact decoded at 25.9 ms/token
- * polling and 21.1 parked at once (lru: 23.4 / 21.3), so without idle_poll
- * the planner parks as soon as it has nothing to do. */
+ * on 2 cores at -t 2, spice:exact decoded at 14.1 ms/token polling and 11.4
+ * parked at once on the emulated tier, 26.5 and 22.8 in edge mode
+ * (docs/results/async-planning-smolmoe.md), so without idle_poll the planner
+ * parks as soon as it has nothing to do. */
 #define SPICE_PLANNER_SPIN_NS 50000ull   /* busy-wait this long: a post usually follows soon */
 #define SPICE_PLANNER_IDLE_NS 5000000ull /* then short sleeps up to this long, then park */
 

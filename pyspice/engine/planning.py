@@ -106,6 +106,7 @@ def planner_may_poll(decode_threads: int | None) -> bool:
     """Whether an idle planner thread may poll for the next snapshot (AsyncParams.idle_poll):
     only with a core of its own, i.e. fewer decode threads than usable cores. ggml's
     threads spin between ops; a planner polling beside them on a full machine takes
-    their time (edge mode, 2 cores, -t 2: spice:exact 25.9 ms/token polling, 21.1
-    parked at once), where parking costs the hook's thread one futex wake per post."""
+    their time (2 cores, -t 2: spice:exact 14.1 ms/token polling, 11.4 parked at once
+    on the emulated tier, 26.5 and 22.8 in edge mode), where parking costs the hook's
+    thread one futex wake per post."""
     return decode_threads is not None and decode_threads < usable_cores()
