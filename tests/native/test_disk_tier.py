@@ -209,9 +209,10 @@ def test_edge_mode_reads_only_the_token_embeddings_rows_it_looks_up(builtin_mode
     batch reads its tokens' rows, not the tensor; and prefetching the other weights
     whole (patch 0005) in a mapping without read-ahead (patch 0007) leaves no page
     fault and no read-ahead marker to read a window into the lazy tensors (before
-    0007 about one run in ten read 44 MiB of experts during its eval). Page cache counted by mincore in a process of its own: on a disk
-    with read_ahead_kb 8192 both had pulled most of them into the cache (25 of 28
-    MiB of token embeddings, 4 MiB of experts on smolmoe-b)."""
+    0007 about one run in ten read 44 MiB of experts during its eval). Page cache
+    counted by mincore in a process of its own: on a disk with read_ahead_kb 8192
+    both had pulled most of them into the cache (25 of 28 MiB of token embeddings,
+    4 MiB of experts on smolmoe-b)."""
     path = builtin_model("smolmoe")
     probe = [sys.executable, "-c", _CACHE_PROBE, str(path)]
     out = subprocess.run(probe, check=True, capture_output=True, text=True, timeout=300)
