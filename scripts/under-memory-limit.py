@@ -2,10 +2,12 @@
 """Run one command inside a memory cgroup of its own, as `bench --memory-limit`
 runs each row, and say how it fared: cgroup peak, times it hit the limit, OOM kills.
 
-For measurements other than bench's under the same limit, e.g. the lossy levels'
-perplexity under edge mode's rule limit (issue 21):
+For measurements other than bench's under a memory limit, e.g. the lossy levels'
+perplexity in edge mode (issue 21; eval ppl holds every position's logits, ~190 MiB
+more than a decode, so its limit is the rule applied to the eval process itself:
+docs/results/edge-mode-smolmoe.md, session 36):
 
-    scripts/under-memory-limit.py 228MiB --drop ~/.cache/pyspice/models/X.gguf -- \\
+    .venv/bin/python scripts/under-memory-limit.py 433MiB --drop ~/.cache/pyspice/models/X.gguf -- \\
         .venv/bin/python -m pyspice eval ppl -m smolmoe-b -f text.txt --token-by-token ...
 
 --drop FILE (repeatable) drops each file's pages from the page cache first, so the
