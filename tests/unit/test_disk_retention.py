@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from pyspice.engine.planning import Planning
+from pyspice.policy.base import RESIDENCY_RESIDENT
 from pyspice.policy.context import PolicyContext
 from pyspice.policy.rule import KEEP_ALL, KEEP_DECAYED, KEEP_LRU, MISS_COST, MISS_FETCH, Rule
 from pyspice.policy.spice import SpicePolicy
@@ -19,7 +20,7 @@ from pyspice.sim import plan as sim_plan
 from pyspice.sim.rule import RuleState, rule_plan
 from pyspice.sim.tier import SimTier
 
-from .test_spice_policy import attached
+from .test_spice_policy import N_EMBD, attached, hook_call
 
 EXPERT_BYTES = 1000
 
@@ -88,3 +89,25 @@ def test_planning_defaults_to_asynchronous_with_experts_on_disk() -> None:
     assert Planning().resolved(experts_on_disk=True)
     assert not Planning(asynchronous=False).resolved(experts_on_disk=True)
     assert Planning(asynchronous=True).resolved(experts_on_disk=False)
+
+
+def test_a_retaining_policy_does_not_look_ahead_into_a_full_pool() -> None:
+    """Where retention keeps the pool full and a prefetch may take free room only, a
+    look-ahead could only be dropped: a planning call with every slot taken returns
+    no prefetch and lets the engine answer the rest of the token (resume_layer)."""
+    rng = np.random.default_rng(0)
+    routers = {il: rng.standard_normal((8, N_EMBD)).astype(np.float32) for il in range(3)}
+    policy = attached("spice:exact", replace(context(in_memory=False), router=routers.get))
+    assert policy.retains and policy.n_slots == 6
+    empty = np.zeros((3, 8), np.int8)
+    with_room = policy.decide(hook_call(0, [[0, 1]], [[0.5, 0.5]], empty, 8))
+    assert with_room.prefetch  # free room: the look-ahead's experts are prefetched
+    full = empty.copy()
+    full[2, :6] = RESIDENCY_RESIDENT  # the tier's 6 slots, all held
+    plan = policy.decide(hook_call(0, [[0, 1]], [[0.5, 0.5]], full, 8))
+    assert not plan.prefetch
+    assert plan.resume_layer == policy.token_resume == 0  # the next token's first planning layer
+    # where a host action does not read (RAM or a device), the pool is no reason to stop
+    in_ram = attached("spice:exact", replace(context(in_memory=True), router=routers.get))
+    plan = in_ram.decide(hook_call(0, [[0, 1]], [[0.5, 0.5]], full, 8))
+    assert plan.prefetch and plan.evict_from  # room is taken from the layers needed last
