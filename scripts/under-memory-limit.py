@@ -29,9 +29,6 @@ from pyspice.measure.memlimit import CgroupError, MemoryCgroup, system_layout
 from pyspice.measure.pagecache import drop
 from pyspice.units import format_bytes
 
-# the child joins its cgroup before it runs anything: $0 is cgroup.procs
-_JOIN = 'echo $$ > "$0" && exec "$@"'
-
 
 def main(argv: list[str]) -> int:
     if "--" not in argv:
@@ -58,7 +55,7 @@ def main(argv: list[str]) -> int:
         print(f"under-memory-limit: {exc}", file=sys.stderr)
         return 2
     try:
-        rc = subprocess.call(["/bin/sh", "-c", _JOIN, str(cgroup.procs_file), *command])
+        rc = subprocess.call(cgroup.command_inside(command))
         peak = cgroup.peak()
         print(
             f"under-memory-limit: limit {format_bytes(cgroup.limit)}, "

@@ -23,9 +23,6 @@ from pyspice.measure.isolated_row import RowSpec
 from pyspice.measure.memlimit import CgroupLayout, MemoryCgroup
 from pyspice.measure.pagecache import drop, resident_bytes
 
-# the child joins its cgroup before it runs anything: $0 is cgroup.procs
-_JOIN = 'echo $$ > "$0" && exec "$@"'
-
 
 @dataclass
 class RowOutcome:
@@ -80,15 +77,7 @@ def run_row(spec: RowSpec, cgroup: MemoryCgroup) -> RowOutcome:
     """Start the row's child inside `cgroup`, read its reports until it ends, classify."""
     outcome = RowOutcome(spec, cgroup_limit=cgroup.limit)
     read_fd, write_fd = os.pipe()
-    cmd = [
-        "/bin/sh",
-        "-c",
-        _JOIN,
-        str(cgroup.procs_file),
-        sys.executable,
-        "-m",
-        "pyspice.measure.isolated_row",
-    ]
+    cmd = cgroup.command_inside([sys.executable, "-m", "pyspice.measure.isolated_row"])
     try:
         proc = subprocess.Popen(
             [*cmd, str(write_fd)],

@@ -29,6 +29,10 @@ FIX = (
 )
 
 
+# the shell of command_inside: $0 is cgroup.procs, "$@" the command
+_JOIN = 'echo $$ > "$0" && exec "$@"'
+
+
 class CgroupError(RuntimeError):
     """No memory cgroup can be made or used here; the message names the fix."""
 
@@ -141,6 +145,12 @@ class MemoryCgroup:
     def procs_file(self) -> Path:
         """Write a process id here to move that process into this cgroup."""
         return self.path / "cgroup.procs"
+
+    def command_inside(self, argv: list[str]) -> list[str]:
+        """`argv` as a command that joins this cgroup before it runs anything: a shell
+        writes its own pid to cgroup.procs, then execs argv (so every page the command
+        touches is charged here, from its first)."""
+        return ["/bin/sh", "-c", _JOIN, str(self.procs_file), *argv]
 
     def read_limit(self) -> int:
         """The limit as the kernel holds it (v1 rounds down to whole pages)."""
