@@ -587,8 +587,10 @@ typedef struct spice_async_params {
     int32_t with_probs;    /* 1: snapshots carry the router probabilities (else probs is NULL) */
     int32_t with_shexp;    /* 1: snapshots carry the shared-expert output (else shexp is NULL) */
     int32_t idle_poll;     /* 1: an idle planner polls for the next snapshot a while (a 50 us spin,
-                            * then short sleeps up to 5 ms) before it parks, so a steady decode
-                            * never wakes it -- for a planner with a core of its own; 0: it parks
+                            * then short sleeps up to twice the longest recent gap between
+                            * snapshots, within 5 .. 250 ms) before it parks, so a steady decode,
+                            * token ends included, never wakes it -- for a planner with a core
+                            * of its own; 0: it parks
                             * at once and each post after an idle spell wakes it (async_wakes) --
                             * where the graph's threads take every core, polling takes their time */
 } spice_async_params;

@@ -10,17 +10,29 @@
  * variable, it costs the hook's thread a futex wake at the next post --
  * microseconds in a VM, and the woken planner may preempt the hook's thread
  * on a shared core. With params.idle_poll it first busy-waits a little, then
- * sleeps in short steps, and parks only after a while with no work: decode
- * posts every few layers, well inside that while, so a steady decode never
- * makes the hook's thread wake anyone. That is for a planner with a core of
- * its own. Where the graph's threads take every core, the polling (a spin,
- * then a wake-up every few tens of microseconds) takes their time instead:
- * on 2 cores at -t 2, spice:exact decoded at 14.1 ms/token polling and 11.4
- * parked at once on the emulated tier, 26.5 and 22.8 in edge mode
- * (docs/results/async-planning-smolmoe.md), so without idle_poll the planner
- * parks as soon as it has nothing to do. */
-#define SPICE_PLANNER_SPIN_NS 50000ull   /* busy-wait this long: a post usually follows soon */
-#define SPICE_PLANNER_IDLE_NS 5000000ull /* then short sleeps up to this long, then park */
+ * sleeps in short steps, and parks only after a while with no work, so a
+ * steady decode never makes the hook's thread wake anyone. That is for a
+ * planner with a core of its own. Where the graph's threads take every core,
+ * the polling (a spin, then a wake-up every few tens of microseconds) takes
+ * their time instead: on 2 cores at -t 2, spice:exact decoded at 14.1
+ * ms/token polling and 11.4 parked at once on the emulated tier, 26.5 and
+ * 22.8 in edge mode (docs/results/async-planning-smolmoe.md), so without
+ * idle_poll the planner parks as soon as it has nothing to do.
+ *
+ * How long "a while" is follows the decode: the longest gap between posts
+ * is the one across a token's end (the output layer and sampling), 5-10 ms
+ * for smolmoe-b at -t 1 and more for a large vocabulary on a slow host.
+ * A fixed 5 ms parked the planner there about once per token, and that
+ * token's first post paid a futex wake: 2-3 us on average over the posts at
+ * plan_every 4 (session 37). So the planner polls for twice the longest gap
+ * it waited through in the last one to two seconds (two one-second
+ * windows), within 5 ms .. 250 ms: a pause in the decode (a user reading)
+ * keeps it polling for at most a quarter second, and only for the next two
+ * seconds. */
+#define SPICE_PLANNER_SPIN_NS 50000ull         /* busy-wait this long: a post usually follows soon */
+#define SPICE_PLANNER_IDLE_MIN_NS 5000000ull   /* then short sleeps for at least this long, then park */
+#define SPICE_PLANNER_IDLE_MAX_NS 250000000ull /* ... and for at most this long */
+#define SPICE_PLANNER_WINDOW_NS 1000000000ull  /* the gaps remembered: this window and the last */
 
 static void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -28,15 +40,32 @@ static void cpu_relax(void) {
 #endif
 }
 
-/* Unlocked: until an entry is queued, stop is asked, or the idle time runs out. */
-static void idle_wait(spice_planner * p) {
-    const uint64_t t0 = spice_monotonic_ns();
+void spice_idle_budget_init(spice_idle_budget * b, uint64_t now_ns) {
+    memset(b, 0, sizeof(*b));
+    b->budget_ns = SPICE_PLANNER_IDLE_MIN_NS;
+    b->window_start_ns = now_ns;
+}
+
+void spice_idle_budget_note(spice_idle_budget * b, uint64_t now_ns, uint64_t gap_ns) {
+    if (now_ns - b->window_start_ns > SPICE_PLANNER_WINDOW_NS) {
+        b->prev_max_ns = b->cur_max_ns;
+        b->cur_max_ns = 0;
+        b->window_start_ns = now_ns;
+    }
+    b->cur_max_ns = gap_ns > b->cur_max_ns ? gap_ns : b->cur_max_ns;
+    const uint64_t longest = b->cur_max_ns > b->prev_max_ns ? b->cur_max_ns : b->prev_max_ns;
+    const uint64_t want = longest < SPICE_PLANNER_IDLE_MAX_NS / 2 ? 2 * longest : SPICE_PLANNER_IDLE_MAX_NS;
+    b->budget_ns = want > SPICE_PLANNER_IDLE_MIN_NS ? want : SPICE_PLANNER_IDLE_MIN_NS;
+}
+
+/* Unlocked: until an entry is queued, stop is asked, or the idle budget since t0 runs out. */
+static void idle_wait(spice_planner * p, uint64_t t0) {
     for (;;) {
         if (atomic_load(&p->queued) > 0 || atomic_load(&p->stopping)) {
             return;
         }
         const uint64_t idle = spice_monotonic_ns() - t0;
-        if (idle > SPICE_PLANNER_IDLE_NS) {
+        if (idle > p->idle.budget_ns) {
             return;
         }
         if (idle < SPICE_PLANNER_SPIN_NS) {
@@ -50,7 +79,8 @@ static void idle_wait(spice_planner * p) {
 
 static void * planner_main(void * arg) {
     spice_planner * p = (spice_planner *) arg;
-    int waited = 0; /* idle_wait ran since the last entry: park next time */
+    int waited = 0;          /* idle_wait ran since the last entry: park next time */
+    uint64_t idle_since = 0; /* when the planner last ran out of work, 0 while it has some */
     pthread_mutex_lock(&p->mu);
     while (!p->stop) {
         spice_async_entry * next = NULL;
@@ -61,9 +91,12 @@ static void * planner_main(void * arg) {
             }
         }
         if (next == NULL) {
+            if (idle_since == 0) {
+                idle_since = spice_monotonic_ns();
+            }
             if (!waited && p->params.idle_poll) {
                 pthread_mutex_unlock(&p->mu);
-                idle_wait(p);
+                idle_wait(p, idle_since);
                 pthread_mutex_lock(&p->mu);
                 waited = 1;
             } else {
@@ -75,6 +108,11 @@ static void * planner_main(void * arg) {
             continue;
         }
         waited = 0;
+        if (idle_since != 0) {
+            const uint64_t now = spice_monotonic_ns();
+            spice_idle_budget_note(&p->idle, now, now - idle_since);
+            idle_since = 0;
+        }
         next->state = SPICE_ENTRY_PLANNING;
         atomic_fetch_sub(&p->queued, 1);
         pthread_mutex_unlock(&p->mu);
@@ -113,6 +151,7 @@ int spice_planner_start(spice_planner * p, spice_policy_fn fn, void * user_data,
     atomic_init(&p->queued, 0);
     atomic_init(&p->stopping, 0);
     p->params = *params;
+    spice_idle_budget_init(&p->idle, spice_monotonic_ns());
     p->fn = fn;
     p->user_data = user_data;
     p->cap_fetch = cap_fetch;
@@ -280,6 +319,7 @@ int spice_planner_post(spice_planner * p, spice_async_entry * e, uint64_t seq, c
     atomic_fetch_add(&p->queued, 1);
     if (p->sleeping) { /* a polling planner sees `queued`: no wake, no syscall on the hook's thread */
         pthread_cond_signal(&p->work);
+        p->sleeping = 0; /* one wake is enough: posts until it runs must not signal again */
         *woke = 1;
     }
     pthread_mutex_unlock(&p->mu);

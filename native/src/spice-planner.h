@@ -42,6 +42,21 @@ typedef struct spice_async_entry {
     uint64_t plan_ns; /* the planner's time in the policy */
 } spice_async_entry;
 
+/* How long an idle planner polls before it parks (params.idle_poll): twice
+ * the longest gap between snapshots it waited through in this window and
+ * the last (one second each), within 5 ms .. 250 ms. */
+typedef struct spice_idle_budget {
+    uint64_t budget_ns;
+    uint64_t window_start_ns;
+    uint64_t cur_max_ns;  /* the longest gap in this window */
+    uint64_t prev_max_ns; /* ... in the one before */
+} spice_idle_budget;
+
+void spice_idle_budget_init(spice_idle_budget * b, uint64_t now_ns);
+
+/* A snapshot came after the planner waited gap_ns for it. */
+void spice_idle_budget_note(spice_idle_budget * b, uint64_t now_ns, uint64_t gap_ns);
+
 typedef struct spice_planner {
     int running;
     spice_async_params params;
@@ -55,6 +70,7 @@ typedef struct spice_planner {
     int sleeping;          /* the planner is parked on `work`: a post must signal it */
     atomic_int queued;     /* entries QUEUED, read by an idle planner without the mutex */
     atomic_int stopping;   /* stop, as the idle planner reads it */
+    spice_idle_budget idle; /* how long an idle planner polls before it parks (planner thread only) */
     spice_async_entry * ring;
     int32_t n_ring;
     /* list capacities of every plan: the runtime's */

@@ -160,6 +160,26 @@ def test_an_idle_planner_parks_at_once_unless_it_may_poll(model: Any, reference:
         llm.close()
 
 
+def test_a_polling_planner_learns_the_gap_at_each_token_end(model: Any, reference: Any) -> None:
+    """A polling planner polls for twice the longest recent gap between snapshots, not a
+    fixed 5 ms: where a token's end (here a 12 ms pause) takes longer than that, only the
+    first such gap parks it, and later tokens' first posts find it polling. With a fixed
+    5 ms every token's first post woke it."""
+    llm = load(model)
+    try:
+        runtime = _fresh_tier(llm)
+        runtime.enable_policy(Targets(n_targets=0), asynchronous=AsyncParams(idle_poll=True))  # type: ignore[arg-type]
+        tokens = _decode(llm, N_DECODE, pause_s=0.012)
+        planning = llm.spice_stats()["planning"]
+        runtime.disable()
+        assert tokens == reference.tokens[:N_DECODE]
+        assert planning["posted"] > N_DECODE, planning
+        # the prompt's load and the first 12 ms gap may each find it parked
+        assert planning["wakes"] <= 3, planning
+    finally:
+        llm.close()
+
+
 def test_deterministic_spice_is_lossless_and_repeats_run_to_run(model: Any, reference: Any) -> None:
     llm = load(model)
     try:
