@@ -14,6 +14,13 @@ the record has per_call call_us (the steps every policy's calls take alike: read
 the call, checking ids, booking, preparing the executors), that is taken out too,
 so what is left is hook time that no counter names.
 
+Every figure is of the decode calls alone where the record has `per_call_decode`
+(bench since session 37). Older records only have `per_call`, averaged over every
+call, prompt batches included, against deciding time of decode calls alone: an
+asynchronous row's prompt batch copies every row of its snapshot, which showed as
+2-3 us per call of "residual" that was no decode call's (the script says when it
+falls back to `per_call`).
+
     for r in 1 2 3; do
       pyspice bench -m smolmoe-b --policies exact,lru,... --device-budget 25% \
           -n 32 --repeat 2 -t 1 --json > r$r.json
@@ -41,13 +48,19 @@ def residual(row: dict[str, Any], exact: dict[str, Any], n_moe: int, less_named:
     waits = row["stall_ms_per_token"] * 1e3 / n_moe  # a decoded token makes n_moe calls
 
     def hook_us(r: dict[str, Any]) -> float:
-        named = r["per_call"].get("exec_us", 0.0) + r["per_call"].get("call_us", 0.0) if less_named else 0.0
-        return float(r["per_call"]["hook_us"] - named)
+        pc = per_call(r)
+        named = pc.get("exec_us", 0.0) + pc.get("call_us", 0.0) if less_named else 0.0
+        return float(pc["hook_us"] - named)
 
     hook = hook_us(row) - hook_us(exact)
     deciding = row["policy_us_per_decode_call"] - exact["policy_us_per_decode_call"]
-    store = row["per_call"]["store_us"] - exact["per_call"]["store_us"]
+    store = per_call(row)["store_us"] - per_call(exact)["store_us"]
     return float(hook - deciding - store - waits)
+
+
+def per_call(row: dict[str, Any]) -> dict[str, float]:
+    """The row's per-call figures of decode calls alone, where the record has them."""
+    return dict(row.get("per_call_decode") or row["per_call"])
 
 
 def main() -> None:
@@ -82,6 +95,10 @@ def main() -> None:
     tpot = ", ".join(f"{r['exact']['tpot_ms']:.2f}" for r in rounds)
     print(f"\nexact's TPOT ms per round: {tpot}")
     print(f"rows whose tokens differ from exact's: {', '.join(different) or 'none'}")
+    if any("per_call_decode" not in r[n] for r in rounds for n in names):
+        print("per-call figures: every call's, prompt batches included (records before per_call_decode)")
+    else:
+        print("per-call figures: decode calls alone (per_call_decode)")
 
 
 if __name__ == "__main__":

@@ -154,6 +154,7 @@ def run_one(
         tokens.append(greedy_next(llm))
     stats = llm.spice_stats()
     stats["policy_us_per_decode_call"] = _decode_share(stats, prompt)
+    stats["per_call_decode"] = decode_per_call(stats, prompt)
     stats["decode_hit_rate"] = decode_hit_rate(stats, prompt)
     return float(stats["prefill_tps"]), float(stats["tpot_ms"]), tokens, stats
 
@@ -168,6 +169,20 @@ def _decode_share(total: dict[str, Any], prompt: dict[str, Any]) -> float:
         - prompt["policy_us_per_call"] * prompt["hook_calls"]
     )
     return spent / calls if calls > 0 else 0.0
+
+
+def decode_per_call(total: dict[str, Any], prompt: dict[str, Any]) -> dict[str, float]:
+    """The per_call record of the decode hook calls alone (the whole run's less the
+    prompt's). A prompt batch's call costs many decode calls' worth (asynchronous
+    planning copies every row of its snapshot), so per_call, averaged over every call,
+    is not comparable with policy_us_per_decode_call: issue 19's accounting check
+    (scripts/hook-thread-rows.py) compares these."""
+    calls = total["hook_calls"] - prompt["hook_calls"]
+    n_all, n_prompt = total["hook_calls"], prompt["hook_calls"]
+    return {
+        key: (value * n_all - prompt["per_call"][key] * n_prompt) / calls if calls > 0 else 0.0
+        for key, value in total["per_call"].items()
+    }
 
 
 def decode_hit_rate(total: dict[str, Any], prompt: dict[str, Any]) -> float:

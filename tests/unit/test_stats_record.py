@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from pyspice.stats import STATS_KEYS, Counters, StatsSnapshot, Timing, stats_record
 
 
@@ -54,3 +56,15 @@ def test_bench_decode_hit_rate_leaves_the_prompt_out() -> None:
     total = {"activations": 520, "hit_rate": (10 + 90) / 520}  # then 120 decode activations, 90 hits
     assert decode_hit_rate(total, prompt) == 0.75
     assert decode_hit_rate(prompt, prompt) == 0.0  # nothing decoded
+
+
+def test_bench_per_call_of_decode_calls_leaves_the_prompt_batch_out() -> None:
+    """One prompt call of 100 us hook time and four decode calls of 2 us: every call's
+    average is 21.6 us, the decode calls' 2 us."""
+    from pyspice.measure.bench import decode_per_call
+
+    prompt = {"hook_calls": 1, "per_call": {"hook_us": 100.0, "exec_us": 90.0}}
+    total = {"hook_calls": 5, "per_call": {"hook_us": (100.0 + 4 * 2.0) / 5, "exec_us": (90.0 + 4 * 1.5) / 5}}
+    got = decode_per_call(total, prompt)
+    assert got == pytest.approx({"hook_us": 2.0, "exec_us": 1.5})
+    assert decode_per_call(prompt, prompt) == {"hook_us": 0.0, "exec_us": 0.0}  # nothing decoded
