@@ -120,11 +120,14 @@ static void * planner_main(void * arg) {
         const uint64_t t0 = spice_monotonic_ns();
         const int rc = p->fn(&next->call, p->user_data);
         const uint64_t spent = spice_monotonic_ns() - t0;
+        next->valid = rc == SPICE_POLICY_OK &&
+                      spice_plan_check(&p->limits, &next->call, next->err, sizeof(next->err)) == SPICE_OK;
         pthread_mutex_lock(&p->mu);
         next->rc = rc;
         next->plan_ns = spent;
         next->state = SPICE_ENTRY_DONE;
-        pthread_cond_broadcast(&p->done);
+        atomic_fetch_add(&p->done, 1);
+        pthread_cond_broadcast(&p->planned);
     }
     pthread_mutex_unlock(&p->mu);
     return NULL;
@@ -145,10 +148,43 @@ static void entry_free(spice_async_entry * e) {
     memset(e, 0, sizeof(*e));
 }
 
+static void limits_free(spice_planner * p) {
+    free(p->limit_n_expert);
+    free(p->limit_has_surrogate);
+    p->limit_n_expert = NULL;
+    p->limit_has_surrogate = NULL;
+    memset(&p->limits, 0, sizeof(p->limits));
+}
+
+static int limits_copy(spice_planner * p, const spice_plan_limits * src) {
+    const size_t n = (size_t) (src->n_layers > 0 ? src->n_layers : 0);
+    const size_t cells = n * (size_t) (src->max_expert > 0 ? src->max_expert : 0);
+    p->limit_n_expert = (int32_t *) malloc((n > 0 ? n : 1) * sizeof(int32_t));
+    if (src->has_surrogate != NULL) {
+        p->limit_has_surrogate = (uint8_t *) malloc(cells > 0 ? cells : 1);
+    }
+    if (p->limit_n_expert == NULL || (src->has_surrogate != NULL && p->limit_has_surrogate == NULL)) {
+        limits_free(p);
+        return SPICE_ERR_NO_MEMORY;
+    }
+    if (n > 0) {
+        memcpy(p->limit_n_expert, src->n_expert, n * sizeof(int32_t));
+    }
+    if (p->limit_has_surrogate != NULL && cells > 0) {
+        memcpy(p->limit_has_surrogate, src->has_surrogate, cells);
+    }
+    p->limits.n_layers = src->n_layers;
+    p->limits.max_expert = src->max_expert;
+    p->limits.n_expert = p->limit_n_expert;
+    p->limits.has_surrogate = p->limit_has_surrogate;
+    return SPICE_OK;
+}
+
 int spice_planner_start(spice_planner * p, spice_policy_fn fn, void * user_data, const spice_async_params * params,
-                        int32_t cap_fetch, int32_t cap_pairs, int32_t cap_layers) {
+                        int32_t cap_fetch, int32_t cap_pairs, int32_t cap_layers, const spice_plan_limits * limits) {
     memset(p, 0, sizeof(*p));
     atomic_init(&p->queued, 0);
+    atomic_init(&p->done, 0);
     atomic_init(&p->stopping, 0);
     p->params = *params;
     spice_idle_budget_init(&p->idle, spice_monotonic_ns());
@@ -161,17 +197,20 @@ int spice_planner_start(spice_planner * p, spice_policy_fn fn, void * user_data,
      * one planned, one planning, one queued, one being posted */
     p->n_ring = params->deterministic ? params->lag + 2 : 4;
     p->ring = (spice_async_entry *) calloc((size_t) p->n_ring, sizeof(spice_async_entry));
-    if (p->ring == NULL) {
+    if (p->ring == NULL || limits_copy(p, limits) != SPICE_OK) {
+        free(p->ring);
+        memset(p, 0, sizeof(*p));
         return SPICE_ERR_NO_MEMORY;
     }
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->work, NULL);
-    pthread_cond_init(&p->done, NULL);
+    pthread_cond_init(&p->planned, NULL);
     if (pthread_create(&p->thread, NULL, planner_main, p) != 0) {
-        pthread_cond_destroy(&p->done);
+        pthread_cond_destroy(&p->planned);
         pthread_cond_destroy(&p->work);
         pthread_mutex_destroy(&p->mu);
         free(p->ring);
+        limits_free(p);
         memset(p, 0, sizeof(*p));
         return SPICE_ERR_NO_MEMORY;
     }
@@ -193,7 +232,8 @@ void spice_planner_stop(spice_planner * p) {
         entry_free(&p->ring[i]);
     }
     free(p->ring);
-    pthread_cond_destroy(&p->done);
+    limits_free(p);
+    pthread_cond_destroy(&p->planned);
     pthread_cond_destroy(&p->work);
     pthread_mutex_destroy(&p->mu);
     memset(p, 0, sizeof(*p));
@@ -327,6 +367,9 @@ int spice_planner_post(spice_planner * p, spice_async_entry * e, uint64_t seq, c
 }
 
 spice_async_entry * spice_planner_take_done(spice_planner * p) {
+    if (atomic_load(&p->done) == 0) { /* most calls: nothing finished, no lock taken */
+        return NULL;
+    }
     spice_async_entry * got = NULL;
     pthread_mutex_lock(&p->mu);
     for (int32_t i = 0; i < p->n_ring; ++i) {
@@ -337,6 +380,7 @@ spice_async_entry * spice_planner_take_done(spice_planner * p) {
     }
     if (got != NULL) {
         got->state = SPICE_ENTRY_HELD;
+        atomic_fetch_sub(&p->done, 1);
     }
     pthread_mutex_unlock(&p->mu);
     return got;
@@ -352,10 +396,11 @@ spice_async_entry * spice_planner_wait(spice_planner * p, uint64_t seq) {
         }
     }
     while (got != NULL && got->state != SPICE_ENTRY_DONE) {
-        pthread_cond_wait(&p->done, &p->mu);
+        pthread_cond_wait(&p->planned, &p->mu);
     }
     if (got != NULL) {
         got->state = SPICE_ENTRY_HELD;
+        atomic_fetch_sub(&p->done, 1);
     }
     pthread_mutex_unlock(&p->mu);
     return got;

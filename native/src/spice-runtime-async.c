@@ -54,8 +54,10 @@ int spice_runtime_enable_async(spice_runtime * rt, spice_policy_fn fn, void * us
                            (params->with_shexp ? SPICE_HOOK_WANT_SHEXP : 0u);
     int status = spice_runtime_enable_ex(rt, fn, user_data, max_tokens, flags);
     if (status == SPICE_OK) {
+        const spice_plan_limits limits = { rt->n_layers, rt->n_expert_of, rt->max_n_expert,
+                                           rt->surrogates.n_loaded > 0 ? rt->surrogate_mask : NULL };
         status = spice_planner_start(&rt->planner, fn, user_data, params, rt->max_n_expert, pairs_all,
-                                     rt->n_layers);
+                                     rt->n_layers, &limits);
         if (status != SPICE_OK) {
             spice_runtime_disable(rt);
             snprintf(rt->last_error, sizeof(rt->last_error), "could not start the planner thread");
@@ -93,9 +95,8 @@ static void take_plan(spice_runtime * rt, spice_async_entry * e, uint64_t seq, s
     } else if (!rt->planner.params.deterministic && age > (uint64_t) rt->planner.params.max_lag) {
         c->async_stale++;
     } else {
-        char err[sizeof(rt->last_error)];
-        if (spice_plan_validate(rt, plan, err, sizeof(err)) != SPICE_OK) {
-            memcpy(rt->last_error, err, sizeof(err));
+        if (!e->valid) { /* checked on the planner thread (spice-planner.h) */
+            snprintf(rt->last_error, sizeof(rt->last_error), "%s", e->err);
             rt->plan_rejections++;
             c->policy_fallbacks++;
         } else {

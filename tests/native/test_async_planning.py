@@ -258,6 +258,38 @@ def test_a_policy_raising_on_the_planner_thread_falls_back_to_the_rule_warned_on
         llm.close()
 
 
+class OutOfRange:
+    """Asks for a copy of an expert the layer does not have."""
+
+    name = "out-of-range"
+
+    def decide(self, call: HookCall) -> Plan:
+        return Plan(prefetch=[(call.layer, 10_000)])
+
+
+def test_an_invalid_plan_is_checked_on_the_planner_thread_and_dropped_named(
+    model: Any, reference: Any, capfd: Any
+) -> None:
+    """The planner thread checks each plan (spice_plan_check); the hook's thread drops an
+    invalid one, counts it, and the warning names the problem as a synchronous
+    rejection's does."""
+    llm = load(model)
+    try:
+        runtime = _fresh_tier(llm)
+        runtime.enable_policy(OutOfRange(), asynchronous=AsyncParams(deterministic_lag=1))  # type: ignore[arg-type]
+        tokens = _decode(llm, N_DECODE)
+        runtime.report_rejections()
+        assert tokens == reference.tokens
+        stats = llm.spice_stats()
+        assert stats["policy_fallbacks"] > 1 and stats["planning"]["applied"] == 0
+        assert stats["prefetch_issued"] == 0
+        err = capfd.readouterr().err
+        assert err.count("a plan was rejected") == 1, err
+        assert "names expert 10000" in err, err
+    finally:
+        llm.close()
+
+
 def test_disable_and_close_join_the_planner_mid_plan(model: Any) -> None:
     llm = load(model)
     runtime = _fresh_tier(llm)
