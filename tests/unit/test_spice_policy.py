@@ -479,6 +479,9 @@ def test_a_tight_budget_plans_at_every_layer() -> None:
     assert attached("spice:exact", context(budget_experts=19)).plan_every == 3
     assert attached("spice:exact", context(budget_experts=20)).plan_every == 4  # the default
     assert attached("abl-c", context(budget_experts=64)).plan_every == 1  # next layer only
+    # surrogates' reserved bytes are not slots: 20 experts' budget less 1 reserved holds 19
+    reserved = replace(context(budget_experts=20), reserved_bytes=EXPERT_BYTES)
+    assert attached("spice:exact", reserved).plan_every == 3
 
 
 @pytest.mark.parametrize("lag", [0, 1, 2])

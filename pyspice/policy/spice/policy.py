@@ -87,8 +87,10 @@ class SpicePolicy(PolicyBase):
         # the next plan plus H_min beyond them: `every` + 1 layers' experts on the device at
         # once, so only as far apart as the budget holds that twice over (else every layer)
         every = max(1, cfg.plan_every) if cfg.deep else 1
-        slots = (ctx.budget_bytes or 0) // max(1, ctx.slot_bytes)
-        while every > 1 and slots < 2 * (every + 1) * k:
+        # the experts the tier holds at once: its slots, less what the surrogates reserve
+        room = (ctx.budget_bytes or 0) - ctx.reserved_bytes
+        self.n_slots = max(0, room) // max(1, ctx.slot_bytes)
+        while every > 1 and self.n_slots < 2 * (every + 1) * k:
             every -= 1
         self.plan_every = every
         # a prompt batch plans at every layer: H_min of eq. 4 itself
@@ -119,11 +121,8 @@ class SpicePolicy(PolicyBase):
         self.resume = self._resume_layers(moe)
         self.n_prefetch = max(1, math.ceil(cfg.prefetch_share * k))
         self.k = ctx.n_expert_used
-        # the experts the tier holds at once (its slots, less the surrogates' share), and
         # where a decode step that has nothing to plan may let the engine answer every call
         # up to (the next token's first planning layer; -1 where some layer decides misses)
-        room = (ctx.budget_bytes or 0) - ctx.reserved_bytes
-        self.n_slots = max(0, room) // max(1, ctx.slot_bytes)
         firsts = [il for il in moe if self.plans[il]]
         self.token_resume = firsts[0] if firsts and all(self.misses.default_step[il] for il in moe) else -1
 
