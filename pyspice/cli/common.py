@@ -125,8 +125,8 @@ def add_context_args(p: argparse.ArgumentParser) -> None:
         choices=("auto", "sync", "async"),
         default="auto",
         help="where spice:* and abl-* policies plan: on the hook's thread (sync), or on a planner "
-        "thread while each call runs by the policy's rule (async); auto: this machine's measured "
-        "default, said once",
+        "thread while each call runs by the policy's rule (async); auto: async where the decode's "
+        "threads leave the planner a core (or the experts are on disk), else sync; said once",
     )
     p.add_argument(
         "--plan-lag",

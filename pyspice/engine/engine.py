@@ -394,7 +394,9 @@ class Engine:
         runtime = self.require_runtime()
         self._reset_device()  # empty first: surrogates loaded next must find room
         self._sync_surrogates(lossless, surrogate_limit(policy))
-        asynchronous = asynchronous and self.planning.resolved(self.experts_on_disk, say=self._note_once)
+        asynchronous = asynchronous and self.planning.resolved(
+            self.experts_on_disk, say=self._note_once, decode_threads=self.decode_threads
+        )
         if hasattr(policy, "plan_lag"):
             # its plans land this many layers late: it looks that much further ahead
             policy.plan_lag = self.planning.expected_lag() if asynchronous else 0  # type: ignore[attr-defined]

@@ -14,17 +14,17 @@ from dataclasses import dataclass
 
 from pyspice.runtime import AsyncParams
 
-# Issue 19 item 4, measured on the 2-core development machine (smolmoe, 50% emulated
-# tier, 128-token prompt, 32 decoded, median of 3; `pyspice bench --policies
-# spice:exact@sync,spice:exact@async,... -t 2` and `-t 1`): planning on its own core
-# (asynchronous at -t 1) against inline (synchronous at -t 2), TPOT ms:
-#     spice:exact 18.7 vs 13.9, spice:balanced 23.3 vs 14.5, spice:fast 19.8 vs 13.8
-# -- the second graph thread is worth more than the planner's core. Asynchronous at
-# -t 2 (the planner sharing the graph's cores) is no faster either (14.4 vs 13.9 for
-# spice:exact; since the planner parks when the decode takes every core, 11.4 vs 11.4 on
-# smolmoe-b: equal, docs/results/async-planning-smolmoe.md). So synchronous by default
-# here; a machine with cores to spare may measure otherwise (--planning async).
-ASYNC_BY_DEFAULT = False
+# Issue 19 item 4, measured on the 2-core development machine. Where the decode takes
+# every core, planning inline beats giving the planner a core of its own: asynchronous
+# at -t 1 against synchronous at -t 2 (smolmoe, 50% emulated tier, TPOT ms) spice:exact
+# 18.7 vs 13.9, spice:balanced 23.3 vs 14.5, spice:fast 19.8 vs 13.8 -- the second graph
+# thread is worth more -- and asynchronous at -t 2 (the planner sharing the graph's
+# cores, parked when idle) only equals synchronous (11.4 vs 11.4 on smolmoe-b). Where the
+# decode leaves a core free, the planner runs there at no cost to the graph and the hook
+# thread stops waiting for Python: at -t 1, smolmoe-b, emulated 25% and 50%, 3 rounds of
+# 2 repeats (session 37), asynchronous decoded in 0.91-0.95x synchronous's TPOT for every
+# SPICE level. So the default follows the run: asynchronous when the decode's threads are
+# fewer than the cores this process may use, synchronous when they take every core.
 
 
 @dataclass(frozen=True)
@@ -46,12 +46,20 @@ class Planning:
                 f"--plan-lag must be 0 (free-running) or 1..64 layers, got {self.deterministic_lag}"
             )
 
-    def resolved(self, experts_on_disk: bool = False, say: Callable[[str], None] | None = None) -> bool:
+    def resolved(
+        self,
+        experts_on_disk: bool = False,
+        say: Callable[[str], None] | None = None,
+        decode_threads: int | None = None,
+    ) -> bool:
         """Whether to plan asynchronously (deterministic mode implies it). With the
         routed experts on disk (--ram-budget) the default is asynchronous: only the
         engine's rule, which runs every call there, keeps the misses it reads
         (SpiceConfig.retention_decay); planning synchronously reads them into scratch
-        and drops them, for 1.9-2.4x the bytes in the simulator.
+        and drops them, for 1.9-2.4x the bytes in the simulator. Otherwise it is
+        asynchronous where the decode's threads leave the planner a core of its own
+        (planner_may_poll; None: taken as every core), else synchronous (measured: the
+        comment above).
 
         A default taken is told through `say` (the engine's say-once notes), so the
         user learns which one ran and how to choose; nothing is said otherwise."""
@@ -67,14 +75,16 @@ class Planning:
                     "(--planning sync to choose)"
                 )
             return True
+        spare_core = planner_may_poll(decode_threads)
         if say is not None:
             how = (
-                "on a planner thread (asynchronous)"
-                if ASYNC_BY_DEFAULT
-                else "on the hook's thread (synchronous)"
+                f"on a planner thread (asynchronous): {decode_threads} decode "
+                f"{'thread leaves' if decode_threads == 1 else 'threads leave'} it a core"
+                if spare_core
+                else "on the hook's thread (synchronous): the decode's threads take every core"
             )
-            say(f"SPICE policies plan {how} by default here, as measured (--planning sync|async to choose)")
-        return ASYNC_BY_DEFAULT
+            say(f"SPICE policies plan {how} (--planning sync|async to choose)")
+        return spare_core
 
     def expected_lag(self) -> int:
         """MoE layers from a call to its plan's use: the deterministic lag, else the one

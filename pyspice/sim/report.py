@@ -120,7 +120,8 @@ def simulate_all(
                 if spec.kind != "python":
                     us = 0.0  # decided natively: no Python per call
                 # NAME alone plans where the engine would: asynchronously on the disk tier
-                # (Planning.resolved), else synchronously, as this machine measured
+                # (Planning.resolved), else synchronously, as the engine does where the
+                # decode takes every core (a simulated target has no thread count)
                 asynchronous = how == "async" or (how is None and costs.disk is not None)
                 model = AsyncModel(max_lag=0, deterministic_lag=lag) if asynchronous else None
                 result = sim.run(row, policy, policy_us=us, preload=name == "exact", asynchronous=model)

@@ -16,8 +16,8 @@ def test_planning_tells_the_default_it_takes_and_only_then() -> None:
     said: list[str] = []
     assert Planning().resolved(experts_on_disk=True, say=said.append)
     assert len(said) == 1 and "--ram-budget" in said[0] and "--planning sync" in said[0]
-    Planning().resolved(experts_on_disk=False, say=said.append)
-    assert len(said) == 2 and "by default here" in said[1]
+    assert not Planning().resolved(experts_on_disk=False, say=said.append)
+    assert len(said) == 2 and "synchronous" in said[1] and "--planning sync|async" in said[1]
     # a choice the user made is not a default: nothing to tell
     Planning(asynchronous=False).resolved(experts_on_disk=True, say=said.append)
     Planning(deterministic_lag=2).resolved(say=said.append)
@@ -41,3 +41,16 @@ def test_usable_cores_counts_the_affinity_mask() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     assert out.stdout.strip() == "1"
+
+
+def test_the_default_plans_asynchronously_where_the_decode_leaves_a_core(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(planning_module, "usable_cores", lambda: 4)
+    said: list[str] = []
+    assert Planning().resolved(say=said.append, decode_threads=3)
+    assert "asynchronous" in said[0] and "3 decode threads leave it a core" in said[0]
+    assert not Planning().resolved(say=said.append, decode_threads=4)
+    assert "synchronous" in said[1] and "take every core" in said[1]
+    assert not Planning().resolved(decode_threads=None)  # unknown: taken as every core
+    assert not Planning(asynchronous=False).resolved(decode_threads=1)  # the user's choice
