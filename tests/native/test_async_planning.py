@@ -238,24 +238,31 @@ def test_stale_plans_are_dropped_and_counted(model: Any, reference: Any) -> None
         llm.close()
 
 
-def test_a_policy_raising_on_the_planner_thread_falls_back_to_the_rule_warned_once(
-    model: Any, reference: Any, capfd: Any
-) -> None:
+def _decode_planning_badly(model: Any, reference: Any, capfd: Any, policy: Any) -> tuple[dict[str, Any], str]:
+    """Decode with `policy` planning on the planner thread, none of whose plans is used:
+    the tokens stay the reference's and every call falls back to the rule. Returns the
+    stats and what was printed."""
     llm = load(model)
     try:
         runtime = _fresh_tier(llm)
-        runtime.enable_policy(Raises(), asynchronous=AsyncParams(deterministic_lag=1))  # type: ignore[arg-type]
+        runtime.enable_policy(policy, asynchronous=AsyncParams(deterministic_lag=1))
         tokens = _decode(llm, N_DECODE)
         runtime.report_rejections()
         assert tokens == reference.tokens
         stats = llm.spice_stats()
         assert stats["policy_fallbacks"] > 1 and stats["planning"]["applied"] == 0
-        err = capfd.readouterr().err
-        assert err.count("planner bug") == 1, err
-        assert "the calls run by the policy's rule" in err
-        assert "a plan was rejected" not in err  # one warning, not two
+        return stats, capfd.readouterr().err
     finally:
         llm.close()
+
+
+def test_a_policy_raising_on_the_planner_thread_falls_back_to_the_rule_warned_once(
+    model: Any, reference: Any, capfd: Any
+) -> None:
+    _, err = _decode_planning_badly(model, reference, capfd, Raises())
+    assert err.count("planner bug") == 1, err
+    assert "the calls run by the policy's rule" in err
+    assert "a plan was rejected" not in err  # one warning, not two
 
 
 class OutOfRange:
@@ -273,21 +280,10 @@ def test_an_invalid_plan_is_checked_on_the_planner_thread_and_dropped_named(
     """The planner thread checks each plan (spice_plan_check); the hook's thread drops an
     invalid one, counts it, and the warning names the problem as a synchronous
     rejection's does."""
-    llm = load(model)
-    try:
-        runtime = _fresh_tier(llm)
-        runtime.enable_policy(OutOfRange(), asynchronous=AsyncParams(deterministic_lag=1))  # type: ignore[arg-type]
-        tokens = _decode(llm, N_DECODE)
-        runtime.report_rejections()
-        assert tokens == reference.tokens
-        stats = llm.spice_stats()
-        assert stats["policy_fallbacks"] > 1 and stats["planning"]["applied"] == 0
-        assert stats["prefetch_issued"] == 0
-        err = capfd.readouterr().err
-        assert err.count("a plan was rejected") == 1, err
-        assert "names expert 10000" in err, err
-    finally:
-        llm.close()
+    stats, err = _decode_planning_badly(model, reference, capfd, OutOfRange())
+    assert stats["prefetch_issued"] == 0
+    assert err.count("a plan was rejected") == 1, err
+    assert "names expert 10000" in err, err
 
 
 def test_disable_and_close_join_the_planner_mid_plan(model: Any) -> None:
