@@ -353,6 +353,7 @@ def run_ppl(args: argparse.Namespace) -> int:
                     # on the device nor substituted): what a lossy level exists to cut
                     "host_rate": stats["misses"]["host"] / activations,
                     "hit_rate": stats.get("hit_rate"),
+                    "planning": "async" if (stats.get("planning") or {}).get("asynchronous") else "sync",
                     "policy_fallbacks": stats.get("policy_fallbacks", 0),
                     "top1_agreement": result.top1_agreement,
                     "reference_ppl": result.reference_ppl,
@@ -368,6 +369,13 @@ def run_ppl(args: argparse.Namespace) -> int:
         llm.close()
         if reference is not None:
             reference.close()
+    if len({row["planning"] for row in rows}) > 1:
+        how = ", ".join(f"{row['policy']} {row['planning']}" for row in rows)
+        print(
+            f"pyspice eval: the rows did not all plan the same way ({how}), so their host shares "
+            "differ by that too; --planning sync or async plans every row alike",
+            file=sys.stderr,
+        )
     base, base_host = rows[0]["ppl"], rows[0]["host_rate"]
     for row in rows:
         row["change_vs_first"] = row["ppl"] / base - 1.0

@@ -395,7 +395,7 @@ class Engine:
         self._reset_device()  # empty first: surrogates loaded next must find room
         self._sync_surrogates(lossless, surrogate_limit(policy))
         asynchronous = asynchronous and self.planning.resolved(
-            self.experts_on_disk, say=self._note_once, decode_threads=self.decode_threads
+            self.experts_on_disk, say=self._note_once, decode_threads=self.decode_threads, lossy=not lossless
         )
         if hasattr(policy, "plan_lag"):
             # its plans land this many layers late: it looks that much further ahead

@@ -25,6 +25,12 @@ from pyspice.runtime import AsyncParams
 # 2 repeats (session 37), asynchronous decoded in 0.91-0.95x synchronous's TPOT for every
 # SPICE level. So the default follows the run: asynchronous when the decode's threads are
 # fewer than the cores this process may use, synchronous when they take every core.
+# Except the lossy levels: their thresholds were tuned and judged planning synchronously,
+# and planning asynchronously (the engine's rule substituting as the calls come, the
+# policy's plans a layer late) spice:fast read +5.69% / +5.46% perplexity on held-out text
+# at 25% / 50% (bound +5%) against +3.56% / +3.03% synchronously (fortunes-min, 6 chunks,
+# token by token, -t 1; session 37). So off the disk tier they plan synchronously by
+# default until they are tuned for it.
 
 
 @dataclass(frozen=True)
@@ -51,6 +57,7 @@ class Planning:
         experts_on_disk: bool = False,
         say: Callable[[str], None] | None = None,
         decode_threads: int | None = None,
+        lossy: bool = False,
     ) -> bool:
         """Whether to plan asynchronously (deterministic mode implies it). With the
         routed experts on disk (--ram-budget) the default is asynchronous: only the
@@ -59,7 +66,7 @@ class Planning:
         and drops them, for 1.9-2.4x the bytes in the simulator. Otherwise it is
         asynchronous where the decode's threads leave the planner a core of its own
         (planner_may_poll; None: taken as every core), else synchronous (measured: the
-        comment above).
+        comment above); a lossy level (`lossy`) plans synchronously there, as it was tuned.
 
         A default taken is told through `say` (the engine's say-once notes), so the
         user learns which one ran and how to choose; nothing is said otherwise."""
@@ -76,6 +83,13 @@ class Planning:
                 )
             return True
         spare_core = planner_may_poll(decode_threads)
+        if lossy:
+            if say is not None:
+                say(
+                    "lossy SPICE levels plan on the hook's thread (synchronous), as their thresholds "
+                    "were tuned and judged (--planning async to choose)"
+                )
+            return False
         if say is not None:
             how = (
                 f"on a planner thread (asynchronous): {decode_threads} decode "

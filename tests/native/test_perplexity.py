@@ -78,6 +78,7 @@ def test_eval_ppl_compares_policies_token_by_token(
     assert rows[0]["ppl"] == pytest.approx(batched, rel=1e-3)  # batch size changes rounding, not much more
     assert rows[1]["change_vs_first"] == 0.0 and rows[2]["hit_rate"] == 0.0
     assert [r["agreement_vs_first"] for r in rows] == [1.0, 1.0, 1.0]  # the same greedy tokens
+    assert [r["planning"] for r in rows] == ["sync"] * 3  # rules: no planner thread
     # the share run exactly on the host, and how many fewer than the first policy's: `host` runs
     # them all there, exact (a quarter preloaded) the rest
     assert rows[2]["host_rate"] == 1.0 and 0.0 < rows[0]["host_rate"] < 1.0

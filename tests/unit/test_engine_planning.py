@@ -54,3 +54,8 @@ def test_the_default_plans_asynchronously_where_the_decode_leaves_a_core(
     assert "synchronous" in said[1] and "take every core" in said[1]
     assert not Planning().resolved(decode_threads=None)  # unknown: taken as every core
     assert not Planning(asynchronous=False).resolved(decode_threads=1)  # the user's choice
+    # the lossy levels plan as they were tuned, unless asked otherwise or on the disk tier
+    assert not Planning().resolved(say=said.append, decode_threads=3, lossy=True)
+    assert "lossy" in said[2] and "synchronous" in said[2]
+    assert Planning(asynchronous=True).resolved(decode_threads=3, lossy=True)
+    assert Planning().resolved(experts_on_disk=True, decode_threads=3, lossy=True)
