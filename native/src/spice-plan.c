@@ -110,8 +110,13 @@ int spice_plan_check(const spice_plan_limits * lim, const spice_policy_call * ca
     return check_pairs(lim, "evict", call->evict, call->n_evict, call->cap_evict, err, err_len);
 }
 
-int spice_plan_validate(const spice_runtime * rt, const spice_policy_call * call, char * err, size_t err_len) {
+spice_plan_limits spice_runtime_plan_limits(const spice_runtime * rt) {
     const spice_plan_limits lim = { rt->n_layers, rt->n_expert_of, rt->max_n_expert,
                                     rt->surrogates.n_loaded > 0 ? rt->surrogate_mask : NULL };
+    return lim;
+}
+
+int spice_plan_validate(const spice_runtime * rt, const spice_policy_call * call, char * err, size_t err_len) {
+    const spice_plan_limits lim = spice_runtime_plan_limits(rt);
     return spice_plan_check(&lim, call, err, err_len);
 }

@@ -54,8 +54,7 @@ int spice_runtime_enable_async(spice_runtime * rt, spice_policy_fn fn, void * us
                            (params->with_shexp ? SPICE_HOOK_WANT_SHEXP : 0u);
     int status = spice_runtime_enable_ex(rt, fn, user_data, max_tokens, flags);
     if (status == SPICE_OK) {
-        const spice_plan_limits limits = { rt->n_layers, rt->n_expert_of, rt->max_n_expert,
-                                           rt->surrogates.n_loaded > 0 ? rt->surrogate_mask : NULL };
+        const spice_plan_limits limits = spice_runtime_plan_limits(rt);
         status = spice_planner_start(&rt->planner, fn, user_data, params, rt->max_n_expert, pairs_all,
                                      rt->n_layers, &limits);
         if (status != SPICE_OK) {

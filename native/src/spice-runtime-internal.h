@@ -152,6 +152,8 @@ void spice_async_stop(spice_runtime * rt);
 /* Validates the plan the policy wrote into call against the runtime's
  * layers and loaded surrogates; on failure writes a message into err and
  * returns SPICE_ERR_INVALID_PLAN. */
+/* What a plan is checked against: the model's layers and the surrogates loaded now. */
+spice_plan_limits spice_runtime_plan_limits(const spice_runtime * rt);
 int spice_plan_validate(const spice_runtime * rt, const spice_policy_call * call, char * err, size_t err_len);
 
 /* Reads the experts this call runs on the host into scratch when the tier's

@@ -163,12 +163,17 @@ def _decode_share(total: dict[str, Any], prompt: dict[str, Any]) -> float:
     """Policy microseconds per decode hook call: the whole run's less the prompt's (a
     prompt batch's call plans for many tokens and costs accordingly). Every hook call
     is served by the policy, asked or decided in advance, so calls = hook_calls."""
-    calls = total["hook_calls"] - prompt["hook_calls"]
-    spent = (
-        total["policy_us_per_call"] * total["hook_calls"]
-        - prompt["policy_us_per_call"] * prompt["hook_calls"]
-    )
-    return spent / calls if calls > 0 else 0.0
+    return _decode_mean(total["policy_us_per_call"], prompt["policy_us_per_call"], total, prompt)
+
+
+def _decode_mean(
+    total_mean: float, prompt_mean: float, total: dict[str, Any], prompt: dict[str, Any]
+) -> float:
+    """A per-hook-call mean over the decode calls alone, from the whole run's and the
+    prompt's means (0 when nothing was decoded)."""
+    n_all, n_prompt = total["hook_calls"], prompt["hook_calls"]
+    calls = n_all - n_prompt
+    return (total_mean * n_all - prompt_mean * n_prompt) / calls if calls > 0 else 0.0
 
 
 def decode_per_call(total: dict[str, Any], prompt: dict[str, Any]) -> dict[str, float]:
@@ -177,10 +182,8 @@ def decode_per_call(total: dict[str, Any], prompt: dict[str, Any]) -> dict[str, 
     planning copies every row of its snapshot), so per_call, averaged over every call,
     is not comparable with policy_us_per_decode_call: issue 19's accounting check
     (scripts/hook-thread-rows.py) compares these."""
-    calls = total["hook_calls"] - prompt["hook_calls"]
-    n_all, n_prompt = total["hook_calls"], prompt["hook_calls"]
     return {
-        key: (value * n_all - prompt["per_call"][key] * n_prompt) / calls if calls > 0 else 0.0
+        key: _decode_mean(value, prompt["per_call"][key], total, prompt)
         for key, value in total["per_call"].items()
     }
 
