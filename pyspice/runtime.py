@@ -168,6 +168,10 @@ DEVICE_EMULATED = 0  # spice_device_kind
 DEVICE_CUDA = 1
 DEVICE_DISK = 2  # slots in RAM, copies read from the model file (edge mode)
 
+SLOT_EXACT = 0  # spice_slot_precision: slots hold the experts' own bytes
+SLOT_4BIT = 1  # LOSSY: slots hold the experts re-quantized to about 4.5 bits (IQ4_NL...)
+SLOT_PRECISIONS = {"exact": SLOT_EXACT, "4bit": SLOT_4BIT}
+
 
 def device_count() -> int:
     """CUDA devices this libspice can use: 0 on a CPU-only build (answered from the
@@ -272,6 +276,7 @@ class StoreParams:
     io_fault_after: int = 0  # DEVICE_DISK, tests only: reads after this many fail with EIO
     executor: int = EXECUTOR_AUTO  # spice_executor; EXECUTOR_POOL: the slot-pool graph (emulated: CPU)
     exec_fault_after: int = 0  # tests only: launches after this many fail (> 0), collects after -this (< 0)
+    slot_precision: int = SLOT_EXACT  # SLOT_4BIT: lossy low-precision slots (a runtime's tier only)
 
     def to_c(self, ffi: Any) -> tuple[Any, Any]:
         """The C struct, and what must outlive the call it is passed to (the path:
@@ -290,6 +295,7 @@ class StoreParams:
         p.io_fault_after = self.io_fault_after
         p.executor = self.executor
         p.exec_fault_after = self.exec_fault_after
+        p.slot_precision = self.slot_precision
         return p, path
 
 
@@ -594,6 +600,32 @@ class Runtime:
         self._check(status, "set_device")
         self._residency = None
         self._calls.clear()  # their residency views belong to the old tier
+
+    def slot_expert_bytes(self) -> list[int]:
+        """Bytes of one expert per layer as the device tier holds and copies it (its
+        low-precision copies' where it has them; 0 for dense layers); [] without a tier."""
+        lib = self._n.lib
+        store = lib.spice_runtime_get_store(self._rt)
+        if store == self._n.ffi.NULL:
+            return []
+        n_layers = lib.spice_runtime_n_layers(self._rt)
+        return [int(lib.spice_store_expert_bytes(store, il)) for il in range(n_layers)]
+
+    def slot_copies(self) -> tuple[int, float]:
+        """(host bytes, seconds to make) of the low-precision expert copies the runtime
+        holds for its slots; (0, 0.0) when it holds none."""
+        ffi, lib = self._n.ffi, self._n.lib
+        size, seconds = ffi.new("uint64_t *"), ffi.new("double *")
+        self._check(lib.spice_runtime_slot_copies(self._rt, size, seconds), "slot_copies")
+        return int(size[0]), float(seconds[0])
+
+    def slot_copies_size(self, precision: int) -> int:
+        """Bytes of host memory the slots' copies of `precision` (SLOT_*) would take,
+        without making them (0: none would be made)."""
+        ffi, lib = self._n.ffi, self._n.lib
+        size = ffi.new("uint64_t *")
+        self._check(lib.spice_runtime_slot_copies_size(self._rt, precision, size), "slot_copies_size")
+        return int(size[0])
 
     def device_is_real(self) -> bool:
         """Whether the device tier's slots are on a real (CUDA) device."""

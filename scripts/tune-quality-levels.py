@@ -19,7 +19,8 @@ budgets) whose change stays under `--margin` x the level's bound at every
 budget (a margin, because judging text is not calibration text). With
 `--write` the picks go into the model's sidecar (`spice.levels.*`), where
 `spice:balanced` and `spice:fast` read them; a level no pair keeps within the
-margin is written lossless (it then substitutes nothing, which keeps its bound).
+margin is written lossless (it then substitutes nothing and keeps exact slots,
+which keeps its bound). Every cell runs with the level's 4-bit slots.
 
     .venv/bin/python scripts/tune-quality-levels.py -m smolmoe-b --budgets 25%,50% --chunks 3 \\
         --json grid.json --plot grid.png --write

@@ -337,6 +337,19 @@ typedef enum spice_executor {
     SPICE_EXECUTOR_LEGACY = 2  /* CUDA: one small graph per device expert (for A/B runs); emulated: none */
 } spice_executor;
 
+/* What a runtime's device slots hold (spice_store_params.slot_precision). */
+typedef enum spice_slot_precision {
+    SPICE_SLOT_EXACT = 0, /* the experts' own bytes: device pairs are bit-identical to host ones */
+    SPICE_SLOT_4BIT  = 1  /* LOSSY: each expert matrix re-quantized to about 4.5 bits per weight
+                             (IQ4_NL, else IQ4_XS or Q4_K: the first smaller type whose activations
+                             quantize as the matrix's own do); about 1.9x the experts of a Q8_0
+                             model fit the budget, and each copy carries that much less over the
+                             bus. The host still runs its own activations on the model's weights.
+                             Copies are made in host memory when the tier is set (then kept for
+                             later tiers of the same precision). Not on a disk tier, nor with
+                             SPICE_CUDA_VERIFY (which compares device rows with exact ones). */
+} spice_slot_precision;
+
 typedef struct spice_store_params {
     uint64_t budget_bytes;       /* pooled device budget */
     double   bandwidth_gbps;     /* bus bandwidth, 1e9 bytes per second */
@@ -354,6 +367,9 @@ typedef struct spice_store_params {
      * (> 0), or every collect after -this many (< 0); 0: never. The decode
      * stops with the reason, as for a real device failure. */
     int32_t  exec_fault_after;
+    /* spice_slot_precision; 0 (zeroed params) = exact. Used by a runtime's
+     * tier (spice_runtime_set_store); a standalone store has no weights. */
+    int32_t  slot_precision;
 } spice_store_params;
 
 typedef enum spice_residency {
@@ -390,6 +406,10 @@ SPICE_API uint64_t spice_store_slot_bytes(const spice_store * store);
 SPICE_API int32_t  spice_store_n_free(const spice_store * store);
 SPICE_API uint64_t spice_store_used_bytes(const spice_store * store);
 SPICE_API uint64_t spice_store_budget_bytes(const spice_store * store);
+/* Bytes of one expert of layer il as the store holds and copies it (a
+ * runtime's tier with low-precision slots: the copies' bytes); 0 for a
+ * layer without routed experts or an il out of range. */
+SPICE_API uint64_t spice_store_expert_bytes(const spice_store * store, int32_t il);
 
 /* Ask for expert (il, e) on the device. Already resident or pending: a
  * demand request upgrades a queued prefetch; nothing else changes. Returns
@@ -615,8 +635,20 @@ SPICE_API int spice_runtime_is_async(const spice_runtime * rt);
 SPICE_API int spice_runtime_disable(spice_runtime * rt);
 
 /* Give the runtime a device tier (params = NULL removes it). Without one,
- * every expert counts as resident and runs on the host executor. */
+ * every expert counts as resident and runs on the host executor. A tier of
+ * SPICE_SLOT_4BIT first makes its low-precision expert copies (seconds for a
+ * large model; kept for later tiers of that precision): budget and bus
+ * then count the copies' bytes. */
 SPICE_API int spice_runtime_set_store(spice_runtime * rt, const spice_store_params * params);
+
+/* The low-precision copies the runtime holds for its slots: bytes of host
+ * memory and seconds it took to make them (0 and 0 when it holds none). */
+SPICE_API int spice_runtime_slot_copies(const spice_runtime * rt, uint64_t * bytes, double * seconds);
+
+/* Bytes of host memory the copies for slots of `precision` would take (0 for
+ * SPICE_SLOT_EXACT, or where no matrix has a smaller type), without making
+ * them: so a caller can check they fit before asking for such a tier. */
+SPICE_API int spice_runtime_slot_copies_size(const spice_runtime * rt, int32_t precision, uint64_t * bytes);
 
 /* The runtime's store (NULL: none), for reading residency and the clock. */
 SPICE_API spice_store * spice_runtime_get_store(spice_runtime * rt);

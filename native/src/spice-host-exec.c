@@ -72,7 +72,9 @@ int spice_host_exec_prepare(spice_host_exec * ex, const spice_host_job * job) {
     size_t sz_pairs = align_up(n_pairs * sizeof(int32_t));
     size_t sz_active = align_up((size_t) L->n_expert * sizeof(int32_t));
     size_t sz_wbase = align_up(3 * (size_t) L->n_expert * sizeof(const char *));
-    size_t total = sz_xq_gate + sz_xq_up + 3 * sz_ff + sz_actq + sz_y + sz_start + sz_pairs + sz_active + sz_wbase;
+    size_t sz_wlayer = align_up((size_t) L->n_expert * sizeof(const spice_expert_layer *));
+    size_t total = sz_xq_gate + sz_xq_up + 3 * sz_ff + sz_actq + sz_y + sz_start + sz_pairs + sz_active + sz_wbase +
+                   sz_wlayer;
 
     if (total > ex->cap) {
         void * nbuf = NULL;
@@ -96,13 +98,18 @@ int spice_host_exec_prepare(spice_host_exec * ex, const spice_host_job * job) {
     ex->expert_start = (int32_t *) p;                     p += sz_start;
     ex->pairs_by_expert = (int32_t *) p;                  p += sz_pairs;
     ex->active = (int32_t *) p;                           p += sz_active;
-    ex->wbase = (const char **) p;
+    ex->wbase = (const char **) p;                        p += sz_wbase;
+    ex->wlayer = (const spice_expert_layer **) p;
 
-    /* where each expert's rows come from: its slot on the device tier (same
-     * bytes, same row strides) or the host tensor */
-    const spice_expert_matrix * mats[3] = { &L->gate, &L->up, &L->down };
+    /* where each expert's rows come from: its slot on the device tier (the
+     * matrices packed as the slots hold them: job->device_layer) or the host
+     * tensor */
+    const spice_expert_layer * DL = job->device_layer != NULL ? job->device_layer : L;
     for (int32_t e = 0; e < L->n_expert; ++e) {
         const char * dev = job->device ? job->device[e] : NULL;
+        const spice_expert_layer * W = dev ? DL : L;
+        const spice_expert_matrix * mats[3] = { &W->gate, &W->up, &W->down };
+        ex->wlayer[e] = W;
         size_t offset = 0;
         for (int k = 0; k < 3; ++k) {
             const struct ggml_tensor * t = mats[k]->tensor;
@@ -230,14 +237,15 @@ static void phase_gate_up(spice_host_exec * ex) {
     work_item w;
     while (next_item(ex, &ex->next_ff, ex->chunks_ff, n_ff, &w)) {
         const int32_t p0 = ex->expert_start[w.e], p1 = ex->expert_start[w.e + 1];
+        const spice_expert_layer * W = ex->wlayer[w.e];
         for (int64_t r = w.r0; r < w.r1; ++r) {
-            const char * wg = ex->wbase[w.e] + (size_t) r * L->gate.tensor->nb[1];
-            const char * wu = ex->wbase[L->n_expert + w.e] + (size_t) r * L->up.tensor->nb[1];
+            const char * wg = ex->wbase[w.e] + (size_t) r * W->gate.tensor->nb[1];
+            const char * wu = ex->wbase[L->n_expert + w.e] + (size_t) r * W->up.tensor->nb[1];
             for (int32_t i = p0; i < p1; ++i) {
                 const int32_t pair = ex->pairs_by_expert[i];
                 const int32_t t = pair / job->n_used;
-                L->gate.vec_dot(n_embd, &ex->gate[(size_t) pair * n_ff + r], 0, wg, 0, gate_input(ex, t), 0, 1);
-                L->up.vec_dot(n_embd, &ex->up[(size_t) pair * n_ff + r], 0, wu, 0, up_input(ex, t), 0, 1);
+                W->gate.vec_dot(n_embd, &ex->gate[(size_t) pair * n_ff + r], 0, wg, 0, gate_input(ex, t), 0, 1);
+                W->up.vec_dot(n_embd, &ex->up[(size_t) pair * n_ff + r], 0, wu, 0, up_input(ex, t), 0, 1);
             }
         }
     }
@@ -263,13 +271,14 @@ static void phase_down(spice_host_exec * ex) {
     work_item w;
     while (next_item(ex, &ex->next_embd, ex->chunks_embd, n_embd, &w)) {
         const int32_t p0 = ex->expert_start[w.e], p1 = ex->expert_start[w.e + 1];
+        const spice_expert_layer * W = ex->wlayer[w.e];
         for (int64_t r = w.r0; r < w.r1; ++r) {
-            const char * wd = ex->wbase[2 * L->n_expert + w.e] + (size_t) r * L->down.tensor->nb[1];
+            const char * wd = ex->wbase[2 * L->n_expert + w.e] + (size_t) r * W->down.tensor->nb[1];
             for (int32_t i = p0; i < p1; ++i) {
                 const int32_t pair = ex->pairs_by_expert[i];
                 const void * a = ex->actq ? (const void *) (ex->actq + (size_t) pair * L->down.act_row_size)
                                           : (const void *) (ex->act + (size_t) pair * (size_t) n_ff);
-                L->down.vec_dot(n_ff, &ex->y[(size_t) pair * n_embd + r], 0, wd, 0, a, 0, 1);
+                W->down.vec_dot(n_ff, &ex->y[(size_t) pair * n_embd + r], 0, wd, 0, a, 0, 1);
             }
         }
     }

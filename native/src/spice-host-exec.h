@@ -31,6 +31,9 @@ typedef struct spice_host_job {
                                 elsewhere (the device writes it before combine), NONE = contributes nothing */
     const char * const * device; /* [n_expert] slot memory of experts run from the device tier
                                     (gate | up | down bytes), NULL entries (or no array): host weights */
+    const spice_expert_layer * device_layer; /* the experts as those slots hold them (types, row
+                                    strides; low-precision slots), NULL: as `layer`. Each of its
+                                    matrices quantizes activations as layer's does (same rows serve both) */
     float * out;             size_t out_nb1;
     /* thread 0 calls this before the weighted sum, while the others wait:
      * the device executor delivers its rows (exec == 2) into y here */
@@ -57,6 +60,7 @@ typedef struct spice_host_exec {
     int32_t * pairs_by_expert; /* executed pairs grouped by expert */
     int32_t * active;          /* experts with at least one executed pair */
     const char ** wbase;       /* [3][n_expert] where expert e's gate/up/down rows start */
+    const spice_expert_layer ** wlayer; /* [n_expert] the matrices (types, strides) those rows follow */
     int32_t   n_active;
     int32_t   n_exec;
 

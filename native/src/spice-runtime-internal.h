@@ -13,6 +13,7 @@
 #include "spice-hook-call.h"
 #include "spice-host-exec.h"
 #include "spice-planner.h"
+#include "spice-slot-copies.h"
 #include "spice-store.h"
 #include "spice-surrogate.h"
 
@@ -69,6 +70,7 @@ struct spice_runtime {
     int32_t resume_il; /* -1, or the layer whose decode call next calls the policy (spice_policy_call) */
 
     spice_store * store;       /* device tier; NULL: none (every expert counts as resident) */
+    spice_slot_copies slot_copies; /* the experts as low-precision slots hold them (precision 0: none) */
 
     spice_barrier barrier;
     spice_host_exec host;
@@ -117,6 +119,12 @@ struct spice_runtime {
 
     spice_routing_replay replay; /* routing replay; ids NULL: the router's ids */
 };
+
+/* Layer il's experts as the device tier's slots hold them: the low-precision
+ * copies where the tier has them, else the model's own. */
+static inline const spice_expert_layer * spice_runtime_slot_layer(const spice_runtime * rt, int32_t il) {
+    return rt->slot_copies.precision != 0 ? &rt->slot_copies.layers[il] : &rt->layers[il];
+}
 
 /* Registers the hook again when what it must ask llama.cpp for changed
  * (surrogates loaded or cleared); a no-op while it is not registered. */

@@ -12,14 +12,15 @@
 #include <string.h>
 #include <unistd.h>
 
-/* Every routed-expert tensor's host range, for the device to make fast to
- * copy from (a CUDA device page-locks them); returns the bytes it could not. */
+/* Every host range copies read from (the routed-expert tensors, or their
+ * low-precision copies), for the device to make fast to copy from (a CUDA
+ * device page-locks them); returns the bytes it could not. */
 static uint64_t prepare_host_weights(const spice_runtime * rt, spice_device * dev) {
     const void * data[3 * (rt->n_layers > 0 ? rt->n_layers : 1)];
     size_t size[3 * (rt->n_layers > 0 ? rt->n_layers : 1)];
     int32_t n = 0;
     for (int32_t il = 0; il < rt->n_layers; ++il) {
-        const spice_expert_layer * L = &rt->layers[il];
+        const spice_expert_layer * L = spice_runtime_slot_layer(rt, il);
         const spice_expert_matrix * mats[3] = { &L->gate, &L->up, &L->down };
         for (int k = 0; L->is_moe && k < 3; ++k) {
             data[n] = mats[k]->tensor->data;
@@ -62,6 +63,51 @@ static int bind_file_offsets(spice_runtime * rt, const char * path, spice_store_
     return status;
 }
 
+/* The slots' expert copies for the tier's precision: made once, kept while
+ * later tiers ask for the same precision. */
+static int make_slot_copies(spice_runtime * rt, const spice_store_params * params) {
+    const int32_t precision = params->slot_precision;
+    if (precision != SPICE_SLOT_EXACT && params->device_kind == SPICE_DEVICE_DISK) {
+        snprintf(rt->last_error, sizeof(rt->last_error),
+                 "low-precision slots are not supported on a disk tier (its slots hold the file's bytes); "
+                 "use exact slots there");
+        return SPICE_ERR_UNSUPPORTED;
+    }
+    if (precision != SPICE_SLOT_EXACT && rt->verify != NULL) {
+        snprintf(rt->last_error, sizeof(rt->last_error),
+                 "SPICE_CUDA_VERIFY compares device rows with the exact host rows: it cannot check "
+                 "low-precision slots; unset it or use exact slots");
+        return SPICE_ERR_UNSUPPORTED;
+    }
+    if (precision == rt->slot_copies.precision) {
+        return SPICE_OK;
+    }
+    spice_slot_copies_free(&rt->slot_copies);
+    return spice_slot_copies_make(&rt->slot_copies, rt->layers, rt->n_layers, precision, 0, rt->last_error,
+                                  sizeof(rt->last_error));
+}
+
+int spice_runtime_slot_copies(const spice_runtime * rt, uint64_t * bytes, double * seconds) {
+    if (rt == NULL) {
+        return SPICE_ERR_INVALID_ARG;
+    }
+    if (bytes) {
+        *bytes = rt->slot_copies.bytes;
+    }
+    if (seconds) {
+        *seconds = rt->slot_copies.seconds;
+    }
+    return SPICE_OK;
+}
+
+int spice_runtime_slot_copies_size(const spice_runtime * rt, int32_t precision, uint64_t * bytes) {
+    if (rt == NULL || bytes == NULL || (precision != SPICE_SLOT_EXACT && precision != SPICE_SLOT_4BIT)) {
+        return SPICE_ERR_INVALID_ARG;
+    }
+    *bytes = spice_slot_copies_size(rt->layers, rt->n_layers, precision);
+    return SPICE_OK;
+}
+
 int spice_runtime_set_store(spice_runtime * rt, const spice_store_params * params) {
     if (rt == NULL) {
         return SPICE_ERR_INVALID_ARG;
@@ -73,14 +119,18 @@ int spice_runtime_set_store(spice_runtime * rt, const spice_store_params * param
     if (params == NULL) {
         return SPICE_OK;
     }
+    int status = make_slot_copies(rt, params);
+    if (status != SPICE_OK) {
+        return status;
+    }
     int32_t n_expert[rt->n_layers > 0 ? rt->n_layers : 1];
     uint64_t bytes[rt->n_layers > 0 ? rt->n_layers : 1];
     for (int32_t il = 0; il < rt->n_layers; ++il) {
         n_expert[il] = rt->layers[il].is_moe ? rt->layers[il].n_expert : 0;
-        bytes[il] = rt->layers[il].bytes_per_expert;
+        bytes[il] = spice_runtime_slot_layer(rt, il)->bytes_per_expert;
     }
     spice_store * store = NULL;
-    int status = spice_device_type_of(params->device_kind) == NULL
+    status = spice_device_type_of(params->device_kind) == NULL
                      ? SPICE_ERR_INVALID_ARG
                      : spice_store_create_unattached(params, rt->n_layers, n_expert, bytes, &store);
     if (status == SPICE_ERR_BUDGET) {
@@ -102,14 +152,15 @@ int spice_runtime_set_store(spice_runtime * rt, const spice_store_params * param
     /* a pooled device: kind regions shared by every layer (spice-pool-layout.h) */
     const int pooled = type->uses_pool != NULL && type->uses_pool(params->executor);
     spice_pool_layout pool;
-    if (pooled && (status = spice_pool_layout_make(rt->layers, rt->n_layers, spice_store_n_slots(store), &pool)) !=
+    const spice_expert_layer * slot_layers = spice_runtime_slot_layer(rt, 0); /* [n_layers] */
+    if (pooled && (status = spice_pool_layout_make(slot_layers, rt->n_layers, spice_store_n_slots(store), &pool)) !=
                       SPICE_OK) {
         spice_store_free(store);
         return status;
     }
     size_t slot_stride = 0;
     for (int32_t il = 0; il < rt->n_layers; ++il) {
-        const spice_expert_layer * L = &rt->layers[il];
+        const spice_expert_layer * L = &slot_layers[il];
         if (!L->is_moe) {
             continue;
         }

@@ -253,8 +253,9 @@ static void drop_bad_ids(spice_runtime * rt, const spice_hook_call * hc, spice_p
  * applied (a device readies what the call needs then); apply and execute
  * read the answer. */
 static int device_computes(spice_runtime * rt, const spice_hook_call * hc) {
-    return rt->store != NULL && spice_device_executes(spice_store_device(rt->store), &rt->layers[hc->il],
-                                                      hc->n_tokens, hc->n_expert_used);
+    return rt->store != NULL && spice_device_executes(spice_store_device(rt->store),
+                                                      spice_runtime_slot_layer(rt, hc->il), hc->n_tokens,
+                                                      hc->n_expert_used);
 }
 
 /* apply: the store carries the plan out (its own time, less what it waited
@@ -309,7 +310,7 @@ static void note_device_experts(spice_runtime * rt, const spice_hook_call * hc, 
 
 /* A device that computes: queue this call's device pairs there. */
 static int start_device_work(spice_runtime * rt, const spice_hook_call * hc, const uint8_t * run) {
-    const spice_expert_layer * L = &rt->layers[hc->il];
+    const spice_expert_layer * L = spice_runtime_slot_layer(rt, hc->il); /* the experts as slots hold them */
     spice_device_job job;
     memset(&job, 0, sizeof(job));
     job.layer = L;
@@ -439,6 +440,7 @@ static void execute_call(spice_runtime * rt, const spice_hook_call * hc, const s
     job.weights = hc->weights; job.weights_nb1 = hc->weights_nb1;
     job.exec = rt->plan.exec;
     job.device = rt->store != NULL && !computes ? rt->plan.device : NULL; /* host-readable slots */
+    job.device_layer = spice_runtime_slot_layer(rt, hc->il);
     if (rt->device_work_pending) {
         job.before_combine = collect_device_work;
         job.before_combine_data = rt;
@@ -686,6 +688,7 @@ void spice_runtime_free(spice_runtime * rt) {
     spice_runtime_clear_surrogates(rt);
     spice_surrogate_exec_free(&rt->surrogate_exec);
     spice_store_free(rt->store);
+    spice_slot_copies_free(&rt->slot_copies); /* after the store: a CUDA device unpins them */
     spice_runtime_host_read_free(rt);
     plan_free(&rt->plan);
     plan_free(&rt->async_lists);

@@ -337,6 +337,10 @@ uint64_t spice_store_slot_bytes(const spice_store * s) {
     return s ? s->slot_bytes : 0;
 }
 
+uint64_t spice_store_expert_bytes(const spice_store * s, int32_t il) {
+    return s != NULL && il >= 0 && il < s->n_layers ? s->expert_bytes[il] : 0;
+}
+
 int32_t spice_store_n_free(const spice_store * s) {
     return s ? s->n_free : 0;
 }

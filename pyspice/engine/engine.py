@@ -31,6 +31,7 @@ from pyspice.engine.host_memory import release_free_heap
 from pyspice.engine.planning import Planning, planner_may_poll
 from pyspice.engine.profile import profile_for_tier, saved_disk, saved_profile
 from pyspice.engine.replay import RoutingReplay, load_routing_replay
+from pyspice.engine.slot_tier import set_tier
 from pyspice.engine.surrogates import (
     SURROGATE_BUDGET_SHARE,
     SurrogateSet,
@@ -43,7 +44,7 @@ from pyspice.engine.surrogates import (
 from pyspice.formats.routers import RouterReader
 from pyspice.formats.sidecar import Sidecar
 from pyspice.policy import Policy, PolicyContext, declared_rule, make_policy, policy_spec
-from pyspice.policy.base import attach_policy, is_lossless, policy_reads, surrogate_limit
+from pyspice.policy.base import attach_policy, is_lossless, policy_reads, slot_precision, surrogate_limit
 from pyspice.policy.predictor import DraftPredictor
 from pyspice.policy.profile import CostProfile
 from pyspice.runtime import (
@@ -257,10 +258,14 @@ class Engine:
         """Bytes for a real device tier when none is given (see device.automatic_budget)."""
         return automatic_budget(self.expert_bytes())
 
-    def _reset_device(self) -> None:
-        """Each policy starts from an empty device tier (comparisons stay fair)."""
+    def _reset_device(self, precision: str = "exact") -> None:
+        """Each policy starts from an empty device tier (comparisons stay fair), its
+        slots holding the experts at the policy's `precision` (policy.base.slot_precision)
+        where that can be had (slot_tier.set_tier says where not)."""
         if self.device_params is not None:
-            self.require_runtime().set_device(self.device_params)
+            runtime = self.require_runtime()
+            on_disk = self.experts_on_disk
+            set_tier(runtime, self.device_params, precision, self.layers(), on_disk, self._note_once)
 
     # ---- surrogates ------------------------------------------------------------------
 
@@ -342,7 +347,7 @@ class Engine:
             if spec.needs_device and self.device is None:
                 raise ValueError(f"policy {policy!r} manages a device tier: give it one with --device-budget")
             if spec.kind == "native":
-                self._reset_device()
+                self._reset_device()  # exact slots: exact is lossless
                 self._sync_surrogates(spec.lossless)
                 if self.device is not None:
                     runtime.preload()  # `exact` means every expert resident (as far as the budget goes)
@@ -374,7 +379,7 @@ class Engine:
         """A policy that is only a rule: attached once, then libspice plans every call
         from its rule with no Python per call."""
         runtime = self.require_runtime()
-        self._reset_device()
+        self._reset_device(slot_precision(policy))
         self._sync_surrogates(is_lossless(policy), surrogate_limit(policy))
         # a rule never consults the draft predictor: not building it saves its memory
         # (8 MiB for smolmoe-b's), which counts on edge mode's RAM-limited boxes
@@ -392,7 +397,7 @@ class Engine:
 
     def _enable(self, policy: Policy, lossless: bool, asynchronous: bool = False) -> None:
         runtime = self.require_runtime()
-        self._reset_device()  # empty first: surrogates loaded next must find room
+        self._reset_device(slot_precision(policy))  # empty first: surrogates loaded next must find room
         self._sync_surrogates(lossless, surrogate_limit(policy))
         asynchronous = asynchronous and self.planning.resolved(
             self.experts_on_disk, say=self._note_once, decode_threads=self.decode_threads, lossy=not lossless
@@ -429,7 +434,8 @@ class Engine:
             n_layers=len(layers),
             n_expert=tuple(info.n_expert if info.is_moe else 0 for info in layers),
             n_expert_used=self.n_expert_used,
-            expert_bytes=tuple(info.bytes_per_expert for info in layers),
+            # as the tier holds and copies them (low-precision slots: their copies' bytes)
+            expert_bytes=tuple(runtime.slot_expert_bytes() or (info.bytes_per_expert for info in layers)),
             budget_bytes=self.device_params.budget_bytes if self.device_params else None,
             router=self._routers,
             profile=self._profile(),

@@ -269,6 +269,26 @@ def surrogate_limit(policy: object) -> float | None:
     return None if limit is None else float(limit)
 
 
+SLOT_PRECISIONS = ("exact", "4bit")
+
+
+def slot_precision(policy: object) -> str:
+    """`policy.slot_precision`: what the device tier's slots hold while it runs, "exact"
+    (also for an object that does not say) or "4bit" (lossy low-precision copies of the
+    experts, libspice's SPICE_SLOT_4BIT), which a lossless policy may not ask for."""
+    value = str(getattr(policy, "slot_precision", "exact"))
+    name = getattr(policy, "name", type(policy).__name__)
+    if value not in SLOT_PRECISIONS:
+        choices = ", ".join(SLOT_PRECISIONS)
+        raise ValueError(f"policy {name!r}: slot_precision {value!r} is not one of {choices}")
+    if value != "exact" and is_lossless(policy):
+        raise ValueError(
+            f"policy {name!r} says it is lossless but asks for {value} slots, which are lossy: "
+            "a lossless policy keeps exact slots (or make its `lossless` False)"
+        )
+    return value
+
+
 def policy_reads(policy: object) -> tuple[bool, bool]:
     """(probs, shared): whether `policy` reads HookCall.probs and HookCall.shared, by its
     `reads_probs` / `reads_shared` attributes (False for one that does not say)."""

@@ -63,11 +63,15 @@ _SPECS: dict[str, PolicySpec] = {
             "spice:balanced",
             "python",
             False,
-            "SPICE, lossy: surrogates for low-weight misses (<= +1% ppl)",
+            "SPICE, lossy: 4-bit slots, surrogates for low-weight misses (<= +1% ppl)",
             True,
         ),
         PolicySpec(
-            "spice:fast", "python", False, "SPICE, lossy: more surrogate substitution (<= +5% ppl)", True
+            "spice:fast",
+            "python",
+            False,
+            "SPICE, lossy: 4-bit slots, more surrogate substitution (<= +5% ppl)",
+            True,
         ),
         *(PolicySpec(name, "python", True, text, True) for name, text in ABLATION_DESCRIPTIONS.items()),
     )

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 MissMode = Literal["cost", "host", "fetch"]
+SlotPrecision = Literal["exact", "4bit"]
 
 
 @dataclass(frozen=True)
@@ -58,10 +59,22 @@ class SpiceConfig:
     surrogate_max_weight: float = 0.0  # a miss whose gate weight is below this may be substituted
     surrogate_max_error: float = 0.0  # ... if its surrogate's held-out relative error is below this
     prefetch: bool = True  # False: no speculative copies at all
+    # --- slots (lossy unless "exact") ---
+    # "4bit": the device tier's slots hold every expert re-quantized to about 4.5 bits
+    # (libspice's SPICE_SLOT_4BIT: IQ4_NL for a Q8_0 model), so the same budget holds
+    # ~1.9x the experts and each copy moves ~0.53x the bytes; the host still runs its
+    # misses on the model's own weights. On smolmoe-b every routed expert at IQ4_NL
+    # moved perplexity by -0.62% (docs/results/quality-levels-per-model.md)
+    slot_precision: SlotPrecision = "exact"
+
+    @property
+    def substitutes(self) -> bool:
+        """Whether some misses may be replaced by a surrogate."""
+        return self.surrogate_max_weight > 0.0 and self.surrogate_max_error > 0.0
 
     @property
     def lossless(self) -> bool:
-        return self.surrogate_max_weight <= 0.0 or self.surrogate_max_error <= 0.0
+        return not self.substitutes and self.slot_precision == "exact"
 
     def with_name(self, name: str) -> SpiceConfig:
         return replace(self, name=name)
@@ -94,8 +107,12 @@ LEVEL_BOUNDS: dict[str, float] = {"spice:balanced": 0.01, "spice:fast": 0.05}
 # (said once per level): smolmoe's first tuning, before per-model thresholds.
 QUALITY_LEVELS: dict[str, SpiceConfig] = {
     "spice:exact": SpiceConfig("spice:exact"),
-    "spice:balanced": SpiceConfig("spice:balanced", surrogate_max_weight=0.05, surrogate_max_error=0.55),
-    "spice:fast": SpiceConfig("spice:fast", surrogate_max_weight=0.065, surrogate_max_error=0.7),
+    "spice:balanced": SpiceConfig(
+        "spice:balanced", surrogate_max_weight=0.05, surrogate_max_error=0.55, slot_precision="4bit"
+    ),
+    "spice:fast": SpiceConfig(
+        "spice:fast", surrogate_max_weight=0.065, surrogate_max_error=0.7, slot_precision="4bit"
+    ),
 }
 DEFAULT_LEVEL = "spice:exact"
 
@@ -148,4 +165,9 @@ def level_config(
                 f"{config.surrogate_max_error:g}; scripts/tune-quality-levels.py --write tunes them)"
             )
         return config
-    return replace(config, surrogate_max_weight=own.max_weight, surrogate_max_error=own.max_error)
+    tuned_config = replace(config, surrogate_max_weight=own.max_weight, surrogate_max_error=own.max_error)
+    if not tuned_config.substitutes:
+        # the tuning writes (0, 0) for a level none of its cells (all measured with the
+        # level's 4-bit slots) kept within the bound: the level runs lossless, slots too
+        return replace(tuned_config, slot_precision="exact")
+    return tuned_config

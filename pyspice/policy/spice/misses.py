@@ -47,7 +47,7 @@ class MissHandler:
     def __init__(self, config: SpiceConfig, cost: CostModel, surrogate_error: ErrorLookup | None) -> None:
         self.config = config
         self.cost = cost
-        self.surrogate_error = surrogate_error if not config.lossless else None
+        self.surrogate_error = surrogate_error if config.substitutes else None
         # decode-step constants, so a call does no cost-model arithmetic it can skip
         self.host1 = cost.host_us(1)
         self.dev1 = cost.device_us(1)
@@ -62,7 +62,7 @@ class MissHandler:
         # -> device, everything else -> host): lossless, nothing fetched, and even a copy
         # already on the bus not worth waiting for
         self.default_step = [
-            config.lossless
+            not config.substitutes
             and self.decode_in_python
             and config.miss_mode != "fetch"
             and cost.copy_us(il) + self.dev1 > self.host1

@@ -70,7 +70,14 @@ class SpicePolicy(PolicyBase):
     def surrogate_limit(self) -> float | None:
         """The held-out surrogate error above which this variant never substitutes: the
         engine loads only the surrogates within it (None: lossless, it loads none)."""
-        return None if self.config.lossless else self.config.surrogate_max_error
+        if self.config.lossless:
+            return None
+        return self.config.surrogate_max_error if self.config.substitutes else 0.0
+
+    @property
+    def slot_precision(self) -> str:
+        """What the device tier's slots hold for this variant ("4bit": lossy copies)."""
+        return self.config.slot_precision
 
     def attach(self, ctx: PolicyContext) -> None:
         cfg = self.config
@@ -110,7 +117,7 @@ class SpicePolicy(PolicyBase):
         self.predictor: RoutePredictor = Rollout(predictor)
         self.planner = PrefetchPlanner(ctx, lag=lag)
         errors = ctx.surrogate_error if ctx.surrogates_loaded else None
-        if not cfg.lossless and errors is None:
+        if cfg.substitutes and errors is None:
             print(
                 f"pyspice: {self.name}: no surrogates loaded (none within error <= "
                 f"{cfg.surrogate_max_error:g}, or no sidecar: give one with --sidecar, or build one with "
@@ -140,7 +147,7 @@ class SpicePolicy(PolicyBase):
         cfg, ctx = self.config, self.ctx
         miss = {"host": MISS_HOST, "fetch": MISS_FETCH, "cost": MISS_COST}[cfg.miss_mode]
         surrogate_set = None
-        if not cfg.lossless and ctx.surrogates_loaded:
+        if cfg.substitutes and ctx.surrogates_loaded:
             table = np.zeros((ctx.n_layers, max(1, ctx.max_expert)), dtype=np.bool_)
             for il in ctx.moe_layers:
                 errors = ctx.surrogate_error(il)

@@ -1,0 +1,235 @@
+/* Low-precision copies of the routed experts (spice-slot-copies.h). */
+#include "spice-slot-copies.h"
+
+#include "spice-clock.h"
+#include "spice.h"
+
+#include "ggml-alloc.h"
+#include "ggml-cpu.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+enum ggml_type spice_slot_type(const spice_expert_matrix * m, int32_t precision) {
+    if (precision != SPICE_SLOT_4BIT) {
+        return m->type;
+    }
+    /* IQ4_NL first: the best of the measured 4-bit types on smolmoe-b, and its
+     * 32-wide blocks fit any width llama.cpp models use */
+    static const enum ggml_type candidates[] = { GGML_TYPE_IQ4_NL, GGML_TYPE_IQ4_XS, GGML_TYPE_Q4_K };
+    const size_t own = ggml_row_size(m->type, m->n_cols);
+    for (size_t i = 0; i < sizeof(candidates) / sizeof(candidates[0]); ++i) {
+        const enum ggml_type t = candidates[i];
+        const struct ggml_type_traits_cpu * traits = ggml_get_type_traits_cpu(t);
+        if (traits == NULL || traits->vec_dot == NULL || traits->vec_dot_type != m->vec_dot_type ||
+            m->n_cols % ggml_blck_size(t) != 0 || ggml_row_size(t, m->n_cols) >= own) {
+            continue;
+        }
+        return t;
+    }
+    return m->type;
+}
+
+uint64_t spice_slot_copies_size(const spice_expert_layer * host, int32_t n_layers, int32_t precision) {
+    uint64_t total = 0;
+    for (int32_t il = 0; il < n_layers; ++il) {
+        const spice_expert_layer * L = &host[il];
+        if (!L->is_moe) {
+            continue;
+        }
+        const spice_expert_matrix * mats[3] = { &L->gate, &L->up, &L->down };
+        for (int k = 0; k < 3; ++k) {
+            const enum ggml_type type = spice_slot_type(mats[k], precision);
+            if (type != mats[k]->type) {
+                const struct ggml_tensor * t = mats[k]->tensor;
+                total += (uint64_t) ggml_row_size(type, t->ne[0]) * (uint64_t) (t->ne[1] * t->ne[2]);
+            }
+        }
+    }
+    return total;
+}
+
+/* One expert matrix to convert: source rows and where the copy goes. */
+typedef struct convert_item {
+    const struct ggml_tensor * src;
+    struct ggml_tensor * dst;
+    int32_t e;
+} convert_item;
+
+typedef struct convert_work {
+    const convert_item * items; /* one per (matrix, expert) */
+    int32_t n_items;
+    atomic_int next;
+    atomic_int failed;
+} convert_work;
+
+/* Dequantize an expert's matrix, then quantize it to the copy's type, row by
+ * row as llama-quantize does (no importance matrix). */
+static void * convert_thread(void * arg) {
+    convert_work * w = (convert_work *) arg;
+    float * rows = NULL;
+    size_t cap = 0;
+    int32_t i;
+    while ((i = atomic_fetch_add_explicit(&w->next, 1, memory_order_relaxed)) < w->n_items) {
+        const convert_item * it = &w->items[i];
+        const int64_t n_cols = it->src->ne[0], n_rows = it->src->ne[1];
+        const size_t need = (size_t) (n_cols * n_rows);
+        if (need > cap) {
+            free(rows);
+            rows = (float *) malloc(need * sizeof(float));
+            cap = rows != NULL ? need : 0;
+            if (rows == NULL) {
+                atomic_store(&w->failed, 1);
+                break;
+            }
+        }
+        const struct ggml_type_traits * from = ggml_get_type_traits(it->src->type);
+        const char * src = (const char *) it->src->data + (size_t) it->e * it->src->nb[2];
+        for (int64_t r = 0; r < n_rows; ++r) {
+            from->to_float(src + (size_t) r * it->src->nb[1], rows + r * n_cols, n_cols);
+        }
+        char * dst = (char *) it->dst->data + (size_t) it->e * it->dst->nb[2];
+        ggml_quantize_chunk(it->dst->type, rows, dst, 0, n_rows, n_cols, NULL);
+    }
+    free(rows);
+    return NULL;
+}
+
+static int run_conversion(const convert_item * items, int32_t n_items, int32_t n_threads) {
+    convert_work w;
+    w.items = items;
+    w.n_items = n_items;
+    atomic_init(&w.next, 0);
+    atomic_init(&w.failed, 0);
+    pthread_t threads[16];
+    int32_t started = 0;
+    for (int32_t t = 1; t < n_threads && t < 16; ++t) {
+        if (pthread_create(&threads[started], NULL, convert_thread, &w) == 0) {
+            started++;
+        }
+    }
+    convert_thread(&w); /* this thread works too: the conversion finishes even if none started */
+    for (int32_t t = 0; t < started; ++t) {
+        pthread_join(threads[t], NULL);
+    }
+    return atomic_load(&w.failed) ? SPICE_ERR_NO_MEMORY : SPICE_OK;
+}
+
+int spice_slot_copies_make(spice_slot_copies * sc, const spice_expert_layer * host, int32_t n_layers,
+                           int32_t precision, int32_t n_threads, char * err, size_t err_len) {
+    memset(sc, 0, sizeof(*sc));
+    if (precision != SPICE_SLOT_EXACT && precision != SPICE_SLOT_4BIT) {
+        snprintf(err, err_len, "slot_precision %d is not a spice_slot_precision (0 exact, 1 4-bit)", precision);
+        return SPICE_ERR_INVALID_ARG;
+    }
+    sc->precision = precision;
+    sc->n_layers = n_layers;
+    if (precision == SPICE_SLOT_EXACT) {
+        return SPICE_OK;
+    }
+    const uint64_t t0 = spice_monotonic_ns();
+    sc->layers = (spice_expert_layer *) calloc((size_t) (n_layers > 0 ? n_layers : 1), sizeof(*sc->layers));
+    struct ggml_init_params ip = { /* .mem_size = */ ggml_tensor_overhead() * (size_t) (3 * n_layers + 1),
+                                   /* .mem_buffer = */ NULL, /* .no_alloc = */ true };
+    sc->ctx = ggml_init(ip);
+    if (sc->layers == NULL || sc->ctx == NULL) {
+        snprintf(err, err_len, "out of memory for the slots' low-precision expert copies");
+        spice_slot_copies_free(sc);
+        return SPICE_ERR_NO_MEMORY;
+    }
+    /* the copies' tensors first (one buffer holds them all), then their bytes */
+    const struct ggml_tensor * made_from[3 * (n_layers > 0 ? n_layers : 1)];
+    struct ggml_tensor * made[3 * (n_layers > 0 ? n_layers : 1)];
+    int32_t n_made = 0, n_items = 0;
+    for (int32_t il = 0; il < n_layers; ++il) {
+        const spice_expert_layer * L = &host[il];
+        sc->layers[il] = *L;
+        if (!L->is_moe) {
+            continue;
+        }
+        const spice_expert_matrix * mats[3] = { &L->gate, &L->up, &L->down };
+        for (int k = 0; k < 3; ++k) {
+            const enum ggml_type type = spice_slot_type(mats[k], precision);
+            if (type == mats[k]->type) {
+                continue; /* no smaller type fits: the slots hold this matrix as it is */
+            }
+            const struct ggml_tensor * t = mats[k]->tensor;
+            struct ggml_tensor * c = ggml_new_tensor_3d(sc->ctx, type, t->ne[0], t->ne[1], t->ne[2]);
+            ggml_format_name(c, "%s.slot", t->name);
+            made_from[n_made] = t;
+            made[n_made++] = c;
+            n_items += L->n_expert;
+        }
+    }
+    if (n_made == 0) {
+        sc->seconds = 0;
+        return SPICE_OK; /* every matrix is already 4-bit or smaller */
+    }
+    sc->buf = ggml_backend_alloc_ctx_tensors_from_buft(sc->ctx, ggml_backend_cpu_buffer_type());
+    convert_item * items = (convert_item *) calloc((size_t) n_items, sizeof(*items));
+    if (sc->buf == NULL || items == NULL) {
+        snprintf(err, err_len, "out of host memory for the slots' low-precision expert copies (%zu bytes)",
+                 ggml_backend_alloc_ctx_tensors_from_buft_size(sc->ctx, ggml_backend_cpu_buffer_type()));
+        free(items);
+        spice_slot_copies_free(sc);
+        return SPICE_ERR_NO_MEMORY;
+    }
+    sc->bytes = ggml_backend_buffer_get_size(sc->buf);
+    int32_t n = 0;
+    for (int32_t m = 0; m < n_made; ++m) {
+        ggml_quantize_init(made[m]->type); /* once, before threads share its tables */
+        for (int32_t e = 0; e < (int32_t) made[m]->ne[2]; ++e) {
+            items[n].src = made_from[m];
+            items[n].dst = made[m];
+            items[n].e = e;
+            n++;
+        }
+    }
+    if (n_threads <= 0) {
+        const long online = sysconf(_SC_NPROCESSORS_ONLN);
+        n_threads = online > 0 ? (int32_t) online : 1;
+    }
+    int status = run_conversion(items, n_items, n_threads);
+    free(items);
+    if (status != SPICE_OK) {
+        snprintf(err, err_len, "out of memory converting experts to low precision");
+        spice_slot_copies_free(sc);
+        return status;
+    }
+    /* bind each layer to its copies (matrices without one keep the host tensor) */
+    int32_t m = 0;
+    for (int32_t il = 0; il < n_layers && status == SPICE_OK; ++il) {
+        const spice_expert_layer * L = &host[il];
+        if (!L->is_moe) {
+            continue;
+        }
+        const struct ggml_tensor * t[3] = { L->gate.tensor, L->up.tensor, L->down.tensor };
+        for (int k = 0; k < 3; ++k) {
+            if (m < n_made && made_from[m] == t[k]) {
+                t[k] = made[m++];
+            }
+        }
+        status = spice_expert_layer_init(&sc->layers[il], il, t[0], t[1], t[2], err, err_len);
+    }
+    if (status != SPICE_OK) {
+        spice_slot_copies_free(sc);
+        return status;
+    }
+    sc->seconds = (double) (spice_monotonic_ns() - t0) * 1e-9;
+    return SPICE_OK;
+}
+
+void spice_slot_copies_free(spice_slot_copies * sc) {
+    if (sc->buf != NULL) {
+        ggml_backend_buffer_free(sc->buf);
+    }
+    if (sc->ctx != NULL) {
+        ggml_free(sc->ctx);
+    }
+    free(sc->layers);
+    memset(sc, 0, sizeof(*sc));
+}

@@ -1,0 +1,70 @@
+"""The device tier a policy runs on, at the slot precision it asks for where that
+can be had: a lossy level asks for 4-bit slots (policy.base.slot_precision), and
+libspice then keeps a low-precision copy of every routed expert in host memory.
+Where the copies cannot be had (a disk tier, whose slots hold the file's bytes;
+too little memory for them; libspice refusing, e.g. under SPICE_CUDA_VERIFY) the
+tier keeps exact slots, which is never less exact, and says why once."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+from pyspice.engine.host_memory import ADVICE_USABLE, memory_for_this_process
+from pyspice.runtime import SLOT_EXACT, SLOT_PRECISIONS, LayerInfo, Runtime, SpiceError, StoreParams
+from pyspice.units import format_bytes
+
+
+def copies_refusal(precision: str, need: int, room: int | None) -> str | None:
+    """Why copies of `need` bytes are not made with `room` bytes of memory this process
+    may use (None: they fit, or nothing is known to say otherwise). They stay in memory
+    for the run, so they may take at most ADVICE_USABLE of what is available."""
+    if room is None or need <= ADVICE_USABLE * room:
+        return None
+    return (
+        f"{precision} slots need {format_bytes(need)} of host memory for their expert copies and this "
+        f"process may use {format_bytes(room)}: the device tier keeps exact slots"
+    )
+
+
+def set_tier(
+    runtime: Runtime,
+    params: StoreParams,
+    precision: str,
+    layers: Sequence[LayerInfo],
+    on_disk: bool,
+    say: Callable[[str], None],
+) -> None:
+    """Give `runtime` the tier `params` describes with slots of `precision` ("exact" or
+    "4bit"), or exact ones where those cannot be had (said through `say`, which says a
+    line once)."""
+    wanted = SLOT_PRECISIONS[precision]
+    if wanted != SLOT_EXACT and on_disk:
+        say(
+            f"{precision} slots are not used on a disk tier (its slots hold the file's bytes): "
+            "the experts there stay exact"
+        )
+        wanted = SLOT_EXACT
+    made_before = runtime.slot_copies()[0]
+    if wanted != SLOT_EXACT and made_before == 0:
+        refusal = copies_refusal(precision, runtime.slot_copies_size(wanted), memory_for_this_process())
+        if refusal is not None:
+            say(refusal)
+            wanted = SLOT_EXACT
+    try:
+        runtime.set_device(replace(params, slot_precision=wanted))
+    except SpiceError as err:
+        if wanted == SLOT_EXACT:
+            raise
+        say(f"{precision} slots could not be made ({err}): the device tier keeps exact slots")
+        runtime.set_device(replace(params, slot_precision=SLOT_EXACT))
+        return
+    size, seconds = runtime.slot_copies()
+    if size > 0 and made_before == 0:
+        model = sum(info.bytes_per_expert for info in layers if info.is_moe)
+        slots = sum(b for b in runtime.slot_expert_bytes() if b > 0)
+        say(
+            f"{precision} slots: every routed expert re-quantized for the device tier "
+            f"({format_bytes(size)} of host memory, made in {seconds:.1f} s); the budget holds "
+            f"{model / max(1, slots):.2f}x the experts it would at the model's precision (lossy)"
+        )
