@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from pyspice.policy import make_policy, policy_spec
+from pyspice.policy.base import slot_precision
 from pyspice.policy.registry import split_planning
 from pyspice.sim.belady import BeladyOracle, belady, read_bound
 from pyspice.sim.hardware import (
@@ -125,7 +126,14 @@ def simulate_all(
                 asynchronous = how == "async" or (how is None and costs.disk is not None)
                 model = AsyncModel(max_lag=0, deterministic_lag=lag) if asynchronous else None
                 result = sim.run(row, policy, policy_us=us, preload=name == "exact", asynchronous=model)
-                rows.append({**base, **result.record(), **({"note": note} if note else {})})
+                row_note = note
+                if slot_precision(policy) != "exact" and costs.disk is None:
+                    # libspice picks the copies' types (spice-slot-copies.c); the simulator
+                    # does not model them rather than keep a second copy of that choice
+                    precision = slot_precision(policy)
+                    unmodelled = f"{name}'s {precision} slots not modelled (charged at the model's bytes)"
+                    row_note = f"{note}; {unmodelled}" if note else unmodelled
+                rows.append({**base, **result.record(), **({"note": row_note} if row_note else {})})
             scale = costs.layer_scale
             n_tok = max(1, workload.decoded_tokens)
             # the bound is for lossless replacement, which holds no surrogates (the whole
