@@ -1,4 +1,5 @@
 /* Low-precision copies of the routed experts (spice-slot-copies.h). */
+#define _GNU_SOURCE /* sched_getaffinity: the cores this process may use */
 #include "spice-slot-copies.h"
 
 #include "spice-clock.h"
@@ -8,6 +9,7 @@
 #include "ggml-cpu.h"
 
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -190,8 +192,12 @@ int spice_slot_copies_make(spice_slot_copies * sc, const spice_expert_layer * ho
         }
     }
     if (n_threads <= 0) {
+        /* the cores this process may use (taskset, cpusets), as pyspice's estimate counts them */
+        cpu_set_t allowed;
         const long online = sysconf(_SC_NPROCESSORS_ONLN);
-        n_threads = online > 0 ? (int32_t) online : 1;
+        n_threads = sched_getaffinity(0, sizeof(allowed), &allowed) == 0 ? CPU_COUNT(&allowed)
+                    : online > 0                                          ? (int32_t) online
+                                                                          : 1;
     }
     int status = run_conversion(items, n_items, n_threads);
     free(items);

@@ -7,6 +7,7 @@ tier keeps exact slots, which is never less exact, and says why once."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
@@ -14,16 +15,30 @@ from pyspice.engine.host_memory import ADVICE_USABLE, memory_for_this_process
 from pyspice.runtime import SLOT_EXACT, SLOT_PRECISIONS, LayerInfo, Runtime, SpiceError, StoreParams
 from pyspice.units import format_bytes
 
+# IQ4_NL copies made per second per core, in output bytes: its quantizer searches
+# scales per 32-weight block (smolmoe-b, Q8_0: 28.5 MiB in 6-9 s on 2 cores)
+COPY_BYTES_PER_CORE_S = 2 << 20
+ANNOUNCE_AFTER_S = 2.0  # say beforehand when making the copies takes longer than this
 
-def copies_refusal(precision: str, need: int, room: int | None) -> str | None:
+
+def copies_estimate_s(need: int, cores: int) -> float:
+    """Seconds libspice is expected to take making `need` bytes of copies on `cores`."""
+    return need / (COPY_BYTES_PER_CORE_S * max(1, cores))
+
+
+def copies_refusal(precision: str, need: int, room: int | None, experts: int = 0) -> str | None:
     """Why copies of `need` bytes are not made with `room` bytes of memory this process
     may use (None: they fit, or nothing is known to say otherwise). They stay in memory
-    for the run, so they may take at most ADVICE_USABLE of what is available."""
-    if room is None or need <= ADVICE_USABLE * room:
+    for the run, so they may take at most ADVICE_USABLE of what is available once the
+    model's `experts` bytes are set aside: the kernel counts a mapped model's pages as
+    available (clean page cache), yet the host runs its misses from them, and copies
+    that pushed them out would have llama.cpp read them back from disk at every token."""
+    if room is None or need <= ADVICE_USABLE * (room - experts):
         return None
     return (
         f"{precision} slots need {format_bytes(need)} of host memory for their expert copies and this "
-        f"process may use {format_bytes(room)}: the device tier keeps exact slots"
+        f"process may use {format_bytes(room)}, {format_bytes(experts)} of it the model's routed experts: "
+        "the device tier keeps exact slots"
     )
 
 
@@ -47,10 +62,21 @@ def set_tier(
         wanted = SLOT_EXACT
     made_before = runtime.slot_copies()[0]
     if wanted != SLOT_EXACT and made_before == 0:
-        refusal = copies_refusal(precision, runtime.slot_copies_size(wanted), memory_for_this_process())
+        experts = sum(info.bytes_per_expert * info.n_expert for info in layers if info.is_moe)
+        need = runtime.slot_copies_size(wanted)
+        refusal = copies_refusal(precision, need, memory_for_this_process(), experts)
         if refusal is not None:
             say(refusal)
             wanted = SLOT_EXACT
+        else:
+            cores = len(os.sched_getaffinity(0))
+            eta = copies_estimate_s(need, cores)
+            if eta > ANNOUNCE_AFTER_S:
+                # made in one native call that reports nothing until done: say what to expect
+                say(
+                    f"{precision} slots: re-quantizing every routed expert for the device tier "
+                    f"({format_bytes(need)}, about {eta:.0f} s on {cores} cores; once per run)"
+                )
     try:
         runtime.set_device(replace(params, slot_precision=wanted))
     except SpiceError as err:

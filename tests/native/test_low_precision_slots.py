@@ -137,13 +137,15 @@ def test_copies_that_would_not_fit_in_memory_leave_the_slots_exact(
         assert need > 0 and runtime.slot_copies_size(SLOT_EXACT) == 0
         ref = greedy_run(llm, "stock", n_decode=N_DECODE)
         llm.set_device("50%", 8.0, 5.0, manual_clock=True)
-        monkeypatch.setattr(slot_tier, "memory_for_this_process", lambda: need)  # 0.8 x need is usable
+        experts = sum(i.bytes_per_expert * i.n_expert for i in llm.spice_layers() if i.is_moe)
+        # room for the model's experts and the copies, but not 1/0.8 x the copies besides
+        monkeypatch.setattr(slot_tier, "memory_for_this_process", lambda: experts + need)
         capfd.readouterr()
         got = greedy_run(llm, AllDevice4Bit(), n_decode=N_DECODE)
         assert "4bit slots need" in capfd.readouterr().err
         assert runtime.slot_copies() == (0, 0.0) and np.array_equal(got.logits, ref.logits)
 
-        monkeypatch.setattr(slot_tier, "memory_for_this_process", lambda: 2 * need)
+        monkeypatch.setattr(slot_tier, "memory_for_this_process", lambda: experts + 2 * need)
         greedy_run(llm, AllDevice4Bit(), n_decode=1)
         made = runtime.slot_copies()[0]
         assert need <= made <= need + 4096 * 3 * len(llm.spice_layers())  # the size said is what is made

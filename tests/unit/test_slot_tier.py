@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pyspice.engine.slot_tier import copies_refusal
+from pyspice.engine.slot_tier import copies_estimate_s, copies_refusal
 
 
 def test_copies_fit_in_most_of_the_memory_available() -> None:
@@ -18,3 +18,15 @@ def test_copies_beyond_that_are_refused_with_both_sizes() -> None:
         and "1.00 GiB" in said
         and "exact slots" in said
     )
+
+
+def test_the_models_own_experts_are_not_room_for_copies() -> None:
+    # a mapped model's pages count as available; the host needs them, so they are set aside
+    assert copies_refusal("4bit", 400 << 20, 1 << 30, experts=400 << 20) is None
+    said = copies_refusal("4bit", 400 << 20, 1 << 30, experts=600 << 20)
+    assert said is not None and "600.00 MiB of it the model's routed experts" in said
+
+
+def test_the_copies_time_is_estimated_from_their_size_and_the_cores() -> None:
+    assert copies_estimate_s(4 << 20, 2) == 1.0  # 2 MiB per core per second
+    assert copies_estimate_s(4 << 20, 0) == 2.0  # at least one core
