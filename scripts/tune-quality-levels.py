@@ -133,6 +133,13 @@ def main() -> int:
     parser.add_argument("--chunks", type=int, default=3, help="512-token chunks scored per run")
     parser.add_argument("--margin", type=float, default=0.6, help="use at most this share of each bound")
     parser.add_argument("-t", "--threads", type=int, default=2)
+    parser.add_argument(
+        "--planning",
+        choices=("sync", "async"),
+        default="sync",
+        help="how every row plans (async: on the planner thread, to tune levels for asynchronous "
+        "planning; give -t 1 on 2 cores so the planner has a core)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write every grid cell here")
     parser.add_argument("--plot", type=Path, default=None, help="plot change vs host cut over the grid")
     parser.add_argument("--write", action="store_true", help="write the picks into the sidecar")
@@ -155,6 +162,7 @@ def main() -> int:
 
     from pyspice.api import Llama
     from pyspice.engine import RunConfig
+    from pyspice.engine.planning import Planning
     from pyspice.formats.sidecar import default_sidecar_path, with_levels
     from pyspice.measure.perplexity import perplexity
     from pyspice.models.builtin import builtin_of
@@ -194,6 +202,7 @@ def main() -> int:
             n_ctx=512,
             n_batch=1,
             n_ubatch=1,
+            planning=Planning(asynchronous=args.planning == "async"),
         )
         llm = Llama.from_config(config, logits_all=True, note=say)
 
@@ -293,7 +302,7 @@ def main() -> int:
         f"{','.join(budgets)}, margin {args.margin:g}, {len(grid)} (weight, error) pairs "
         f"(weights {','.join(f'{w:g}' for w in _axes(results)[0])}; errors "
         f"{','.join(f'{e:g}' for e in _axes(results)[1])}), "
-        f"{started.date().isoformat()} (scripts/tune-quality-levels.py)"
+        f"planning {args.planning}, {started.date().isoformat()} (scripts/tune-quality-levels.py)"
     )
     if args.json is not None:
         doc = {
@@ -301,6 +310,7 @@ def main() -> int:
             "tuned_on": tuned_on,
             "minutes": minutes,
             "chunks": args.chunks,
+            "planning": args.planning,
             "exact": exact,
             "grid": [{"budget": b, "weight": w, "error": e, **v} for (b, w, e), v in results.items()],
             "picks": {k: dataclasses.asdict(v) for k, v in picks.items()},
