@@ -170,7 +170,8 @@ DEVICE_DISK = 2  # slots in RAM, copies read from the model file (edge mode)
 
 SLOT_EXACT = 0  # spice_slot_precision: slots hold the experts' own bytes
 SLOT_4BIT = 1  # LOSSY: slots hold the experts re-quantized to about 4.5 bits (IQ4_NL...)
-SLOT_PRECISIONS = {"exact": SLOT_EXACT, "4bit": SLOT_4BIT}
+SLOT_5BIT = 2  # LOSSY: about 5.5 bits (Q5_0, else Q5_K); ~1.55x the experts of a Q8_0 model
+SLOT_PRECISIONS = {"exact": SLOT_EXACT, "4bit": SLOT_4BIT, "5bit": SLOT_5BIT}
 
 
 def device_count() -> int:
@@ -276,7 +277,7 @@ class StoreParams:
     io_fault_after: int = 0  # DEVICE_DISK, tests only: reads after this many fail with EIO
     executor: int = EXECUTOR_AUTO  # spice_executor; EXECUTOR_POOL: the slot-pool graph (emulated: CPU)
     exec_fault_after: int = 0  # tests only: launches after this many fail (> 0), collects after -this (< 0)
-    slot_precision: int = SLOT_EXACT  # SLOT_4BIT: lossy low-precision slots (a runtime's tier only)
+    slot_precision: int = SLOT_EXACT  # SLOT_4BIT/SLOT_5BIT: lossy low-precision slots (a runtime's tier only)
 
     def to_c(self, ffi: Any) -> tuple[Any, Any]:
         """The C struct, and what must outlive the call it is passed to (the path:
@@ -616,8 +617,15 @@ class Runtime:
         holds for its slots; (0, 0.0) when it holds none."""
         ffi, lib = self._n.ffi, self._n.lib
         size, seconds = ffi.new("uint64_t *"), ffi.new("double *")
-        self._check(lib.spice_runtime_slot_copies(self._rt, size, seconds), "slot_copies")
+        self._check(lib.spice_runtime_slot_copies(self._rt, ffi.NULL, size, seconds), "slot_copies")
         return int(size[0]), float(seconds[0])
+
+    def slot_copies_precision(self) -> int:
+        """The precision (SLOT_*) of the copies the runtime holds; SLOT_EXACT for none."""
+        ffi, lib = self._n.ffi, self._n.lib
+        precision = ffi.new("int32_t *")
+        self._check(lib.spice_runtime_slot_copies(self._rt, precision, ffi.NULL, ffi.NULL), "slot_copies")
+        return int(precision[0])
 
     def slot_copies_size(self, precision: int) -> int:
         """Bytes of host memory the slots' copies of `precision` (SLOT_*) would take,

@@ -340,7 +340,7 @@ typedef enum spice_executor {
 /* What a runtime's device slots hold (spice_store_params.slot_precision). */
 typedef enum spice_slot_precision {
     SPICE_SLOT_EXACT = 0, /* the experts' own bytes: device pairs are bit-identical to host ones */
-    SPICE_SLOT_4BIT  = 1  /* LOSSY: each expert matrix re-quantized to about 4.5 bits per weight
+    SPICE_SLOT_4BIT  = 1, /* LOSSY: each expert matrix re-quantized to about 4.5 bits per weight
                              (IQ4_NL, else IQ4_XS or Q4_K: the first smaller type whose activations
                              quantize as the matrix's own do); about 1.9x the experts of a Q8_0
                              model fit the budget, and each copy carries that much less over the
@@ -348,6 +348,9 @@ typedef enum spice_slot_precision {
                              Copies are made in host memory when the tier is set (then kept for
                              later tiers of the same precision). Not on a disk tier, nor with
                              SPICE_CUDA_VERIFY (which compares device rows with exact ones). */
+    SPICE_SLOT_5BIT  = 2  /* LOSSY, as SPICE_SLOT_4BIT but about 5.5 bits per weight (Q5_0, else
+                             Q5_K); about 1.55x the experts of a Q8_0 model fit; a matrix already
+                             at 5 bits or fewer (Q5_K_M's experts) keeps its own bytes */
 } spice_slot_precision;
 
 typedef struct spice_store_params {
@@ -636,14 +639,17 @@ SPICE_API int spice_runtime_disable(spice_runtime * rt);
 
 /* Give the runtime a device tier (params = NULL removes it). Without one,
  * every expert counts as resident and runs on the host executor. A tier of
- * SPICE_SLOT_4BIT first makes its low-precision expert copies (seconds for a
+ * SPICE_SLOT_4BIT or _5BIT first makes its low-precision expert copies (seconds for a
  * large model; kept for later tiers of that precision): budget and bus
  * then count the copies' bytes. */
 SPICE_API int spice_runtime_set_store(spice_runtime * rt, const spice_store_params * params);
 
-/* The low-precision copies the runtime holds for its slots: bytes of host
- * memory and seconds it took to make them (0 and 0 when it holds none). */
-SPICE_API int spice_runtime_slot_copies(const spice_runtime * rt, uint64_t * bytes, double * seconds);
+/* The low-precision copies the runtime holds for its slots: the
+ * spice_slot_precision they were made for, bytes of host memory and seconds
+ * it took to make them (SPICE_SLOT_EXACT, 0 and 0 when it holds none). Any
+ * out pointer may be NULL. */
+SPICE_API int spice_runtime_slot_copies(const spice_runtime * rt, int32_t * precision, uint64_t * bytes,
+                                        double * seconds);
 
 /* Bytes of host memory the copies for slots of `precision` would take (0 for
  * SPICE_SLOT_EXACT, or where no matrix has a smaller type), without making

@@ -87,9 +87,12 @@ static int make_slot_copies(spice_runtime * rt, const spice_store_params * param
                                   sizeof(rt->last_error));
 }
 
-int spice_runtime_slot_copies(const spice_runtime * rt, uint64_t * bytes, double * seconds) {
+int spice_runtime_slot_copies(const spice_runtime * rt, int32_t * precision, uint64_t * bytes, double * seconds) {
     if (rt == NULL) {
         return SPICE_ERR_INVALID_ARG;
+    }
+    if (precision) {
+        *precision = rt->slot_copies.bytes > 0 ? rt->slot_copies.precision : SPICE_SLOT_EXACT;
     }
     if (bytes) {
         *bytes = rt->slot_copies.bytes;
@@ -101,7 +104,7 @@ int spice_runtime_slot_copies(const spice_runtime * rt, uint64_t * bytes, double
 }
 
 int spice_runtime_slot_copies_size(const spice_runtime * rt, int32_t precision, uint64_t * bytes) {
-    if (rt == NULL || bytes == NULL || (precision != SPICE_SLOT_EXACT && precision != SPICE_SLOT_4BIT)) {
+    if (rt == NULL || bytes == NULL || !spice_slot_precision_valid(precision)) {
         return SPICE_ERR_INVALID_ARG;
     }
     *bytes = spice_slot_copies_size(rt->layers, rt->n_layers, precision);

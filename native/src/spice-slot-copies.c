@@ -16,16 +16,41 @@
 #include <string.h>
 #include <unistd.h>
 
-enum ggml_type spice_slot_type(const spice_expert_matrix * m, int32_t precision) {
-    if (precision != SPICE_SLOT_4BIT) {
-        return m->type;
+/* The types a precision may re-quantize to, best first. IQ4_NL leads the
+ * 4-bit list: the best of the measured 4-bit types on smolmoe-b, and its
+ * 32-wide blocks fit any width llama.cpp models use. The 5-bit list has one
+ * type per activation format (Q5_0 beside Q8_0-style models, Q5_K beside
+ * K-quants); measured on smolmoe-b, Q5_0 everywhere moves perplexity by
+ * -0.30..+0.33% where IQ4_NL moves it by -0.62..+1.49% (docs/results/
+ * quality-levels-per-model.md). */
+static const enum ggml_type slot_types_4bit[] = { GGML_TYPE_IQ4_NL, GGML_TYPE_IQ4_XS, GGML_TYPE_Q4_K };
+static const enum ggml_type slot_types_5bit[] = { GGML_TYPE_Q5_0, GGML_TYPE_Q5_K };
+
+typedef struct slot_types {
+    const enum ggml_type * types;
+    size_t n;
+} slot_types;
+
+static slot_types slot_types_of(int32_t precision) {
+    switch (precision) {
+        case SPICE_SLOT_4BIT:
+            return (slot_types) { slot_types_4bit, sizeof(slot_types_4bit) / sizeof(slot_types_4bit[0]) };
+        case SPICE_SLOT_5BIT:
+            return (slot_types) { slot_types_5bit, sizeof(slot_types_5bit) / sizeof(slot_types_5bit[0]) };
+        default:
+            return (slot_types) { NULL, 0 };
     }
-    /* IQ4_NL first: the best of the measured 4-bit types on smolmoe-b, and its
-     * 32-wide blocks fit any width llama.cpp models use */
-    static const enum ggml_type candidates[] = { GGML_TYPE_IQ4_NL, GGML_TYPE_IQ4_XS, GGML_TYPE_Q4_K };
+}
+
+bool spice_slot_precision_valid(int32_t precision) {
+    return precision == SPICE_SLOT_EXACT || slot_types_of(precision).n > 0;
+}
+
+enum ggml_type spice_slot_type(const spice_expert_matrix * m, int32_t precision) {
+    const slot_types candidates = slot_types_of(precision);
     const size_t own = ggml_row_size(m->type, m->n_cols);
-    for (size_t i = 0; i < sizeof(candidates) / sizeof(candidates[0]); ++i) {
-        const enum ggml_type t = candidates[i];
+    for (size_t i = 0; i < candidates.n; ++i) {
+        const enum ggml_type t = candidates.types[i];
         const struct ggml_type_traits_cpu * traits = ggml_get_type_traits_cpu(t);
         if (traits == NULL || traits->vec_dot == NULL || traits->vec_dot_type != m->vec_dot_type ||
             m->n_cols % ggml_blck_size(t) != 0 || ggml_row_size(t, m->n_cols) >= own) {
@@ -124,8 +149,9 @@ static int run_conversion(const convert_item * items, int32_t n_items, int32_t n
 int spice_slot_copies_make(spice_slot_copies * sc, const spice_expert_layer * host, int32_t n_layers,
                            int32_t precision, int32_t n_threads, char * err, size_t err_len) {
     memset(sc, 0, sizeof(*sc));
-    if (precision != SPICE_SLOT_EXACT && precision != SPICE_SLOT_4BIT) {
-        snprintf(err, err_len, "slot_precision %d is not a spice_slot_precision (0 exact, 1 4-bit)", precision);
+    if (!spice_slot_precision_valid(precision)) {
+        snprintf(err, err_len, "slot_precision %d is not a spice_slot_precision (0 exact, 1 4-bit, 2 5-bit)",
+                 precision);
         return SPICE_ERR_INVALID_ARG;
     }
     sc->precision = precision;

@@ -1,5 +1,5 @@
 /* Low-precision copies of the routed experts, for a device tier whose slots
- * hold experts at about 4.5 bits (spice_store_params.slot_precision).
+ * hold experts at about 4.5 or 5.5 bits (spice_store_params.slot_precision).
  *
  * Why: an expert re-quantized from Q8_0 to IQ4_NL is 0.53x the bytes, so the
  * same device budget holds 1.89x the experts, and each copy carries 0.53x
@@ -10,7 +10,8 @@
  *
  * The copies live in host memory (the bus copies from them); the host keeps
  * executing its own activations on the original weights. Each matrix kind
- * takes the first type of IQ4_NL, IQ4_XS, Q4_K that is smaller than its own,
+ * takes the first type of its precision's list (4-bit: IQ4_NL, IQ4_XS, Q4_K;
+ * 5-bit: Q5_0, Q5_K) that is smaller than its own,
  * whose rows its width divides into blocks, and whose activations quantize
  * as the original's do (the same vec_dot_type): so a call's quantized input
  * rows serve both, and an executor needs no second conversion. A matrix no
@@ -22,6 +23,7 @@
 
 #include "ggml-backend.h"
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -34,6 +36,9 @@ typedef struct spice_slot_copies {
     uint64_t bytes;              /* bytes of the copies made */
     double seconds;              /* how long making them took */
 } spice_slot_copies;
+
+/* Whether `precision` is a spice_slot_precision. */
+bool spice_slot_precision_valid(int32_t precision);
 
 /* The type matrix m takes in slots of `precision` (its own type where none fits). */
 enum ggml_type spice_slot_type(const spice_expert_matrix * m, int32_t precision);

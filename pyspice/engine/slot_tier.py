@@ -1,5 +1,5 @@
 """The device tier a policy runs on, at the slot precision it asks for where that
-can be had: a lossy level asks for 4-bit slots (policy.base.slot_precision), and
+can be had: a lossy level asks for 4- or 5-bit slots (policy.base.slot_precision), and
 libspice then keeps a low-precision copy of every routed expert in host memory.
 Where the copies cannot be had (a disk tier, whose slots hold the file's bytes;
 too little memory for them; libspice refusing, e.g. under SPICE_CUDA_VERIFY) the
@@ -15,15 +15,17 @@ from pyspice.engine.host_memory import ADVICE_USABLE, memory_for_this_process
 from pyspice.runtime import SLOT_EXACT, SLOT_PRECISIONS, LayerInfo, Runtime, SpiceError, StoreParams
 from pyspice.units import format_bytes
 
-# IQ4_NL copies made per second per core, in output bytes: its quantizer searches
-# scales per 32-weight block (smolmoe-b, Q8_0: 28.5 MiB in 6-9 s on 2 cores)
-COPY_BYTES_PER_CORE_S = 2 << 20
+# Copies made per second per core, in output bytes. 4bit: IQ4_NL's quantizer searches
+# scales per 32-weight block (smolmoe-b, Q8_0: 28.5 MiB in 5-9 s on 2 cores). 5bit:
+# Q5_0's does not (34.8 MiB in 0.1 s); Q5_K's (from Q6_K experts) is not measured.
+COPY_BYTES_PER_CORE_S = {"4bit": 2 << 20, "5bit": 128 << 20}
 ANNOUNCE_AFTER_S = 2.0  # say beforehand when making the copies takes longer than this
 
 
-def copies_estimate_s(need: int, cores: int) -> float:
-    """Seconds libspice is expected to take making `need` bytes of copies on `cores`."""
-    return need / (COPY_BYTES_PER_CORE_S * max(1, cores))
+def copies_estimate_s(precision: str, need: int, cores: int) -> float:
+    """Seconds libspice is expected to take making `need` bytes of `precision` copies on
+    `cores`."""
+    return need / (COPY_BYTES_PER_CORE_S[precision] * max(1, cores))
 
 
 def copies_refusal(precision: str, need: int, room: int | None, experts: int = 0) -> str | None:
@@ -50,8 +52,8 @@ def set_tier(
     on_disk: bool,
     say: Callable[[str], None],
 ) -> None:
-    """Give `runtime` the tier `params` describes with slots of `precision` ("exact" or
-    "4bit"), or exact ones where those cannot be had (said through `say`, which says a
+    """Give `runtime` the tier `params` describes with slots of `precision` ("exact",
+    "4bit" or "5bit"), or exact ones where those cannot be had (said through `say`, which says a
     line once)."""
     wanted = SLOT_PRECISIONS[precision]
     if wanted != SLOT_EXACT and on_disk:
@@ -60,8 +62,9 @@ def set_tier(
             "the experts there stay exact"
         )
         wanted = SLOT_EXACT
-    made_before = runtime.slot_copies()[0]
-    if wanted != SLOT_EXACT and made_before == 0:
+    # copies of this precision already made (a bench's earlier row) are kept and reused
+    reused = wanted != SLOT_EXACT and runtime.slot_copies_precision() == wanted
+    if wanted != SLOT_EXACT and not reused:
         experts = sum(info.bytes_per_expert * info.n_expert for info in layers if info.is_moe)
         need = runtime.slot_copies_size(wanted)
         refusal = copies_refusal(precision, need, memory_for_this_process(), experts)
@@ -70,7 +73,7 @@ def set_tier(
             wanted = SLOT_EXACT
         else:
             cores = len(os.sched_getaffinity(0))
-            eta = copies_estimate_s(need, cores)
+            eta = copies_estimate_s(precision, need, cores)
             if eta > ANNOUNCE_AFTER_S:
                 # made in one native call that reports nothing until done: say what to expect
                 say(
@@ -86,7 +89,7 @@ def set_tier(
         runtime.set_device(replace(params, slot_precision=SLOT_EXACT))
         return
     size, seconds = runtime.slot_copies()
-    if size > 0 and made_before == 0:
+    if size > 0 and not reused:
         model = sum(info.bytes_per_expert for info in layers if info.is_moe)
         slots = sum(b for b in runtime.slot_expert_bytes() if b > 0)
         say(

@@ -269,13 +269,14 @@ def surrogate_limit(policy: object) -> float | None:
     return None if limit is None else float(limit)
 
 
-SLOT_PRECISIONS = ("exact", "4bit")
+SLOT_PRECISIONS = ("exact", "4bit", "5bit")
 
 
 def slot_precision(policy: object) -> str:
     """`policy.slot_precision`: what the device tier's slots hold while it runs, "exact"
-    (also for an object that does not say) or "4bit" (lossy low-precision copies of the
-    experts, libspice's SPICE_SLOT_4BIT), which a lossless policy may not ask for."""
+    (also for an object that does not say), "4bit" or "5bit" (lossy low-precision copies
+    of the experts, libspice's SPICE_SLOT_4BIT/_5BIT), which a lossless policy may not ask
+    for."""
     value = str(getattr(policy, "slot_precision", "exact"))
     name = getattr(policy, "name", type(policy).__name__)
     if value not in SLOT_PRECISIONS:

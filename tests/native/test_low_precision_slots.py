@@ -1,5 +1,5 @@
-"""Low-precision slots (SPICE_SLOT_4BIT), what the lossy levels' device tier holds:
-every expert re-quantized to about 4.5 bits, so a budget holds more of them and
+"""Low-precision slots (SPICE_SLOT_4BIT/_5BIT), what the lossy levels' device tier
+holds: every expert re-quantized to about 4.5 or 5.5 bits, so a budget holds more of them and
 each copy moves fewer bytes. It is lossy and opt-in: a lossless policy cannot
 ask for it, a policy that does moves the logits only a little, and the exact
 policies that run after it on the same instance are still bit-identical to the
@@ -13,7 +13,7 @@ import pytest
 from pyspice.api import Llama
 from pyspice.engine import slot_tier
 from pyspice.policy.base import slot_precision
-from pyspice.runtime import SLOT_4BIT, SLOT_EXACT
+from pyspice.runtime import SLOT_4BIT, SLOT_5BIT, SLOT_EXACT
 
 from .golden import AllDevice, greedy_run, load
 
@@ -26,6 +26,11 @@ class AllDevice4Bit(AllDevice):
     name = "all-device-4bit"
     lossless = False
     slot_precision = "4bit"
+
+
+class AllDevice5Bit(AllDevice4Bit):
+    name = "all-device-5bit"
+    slot_precision = "5bit"
 
 
 class LosslessAsking4Bit(AllDevice):
@@ -67,6 +72,44 @@ def test_4bit_slots_hold_more_and_move_the_logits_a_little(synth_model, arch: st
         llm.close()
 
 
+def _relative_rms(got: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.sqrt(np.mean((got - ref) ** 2) / np.mean(ref**2)))
+
+
+def test_5bit_slots_sit_between_4bit_and_exact_in_bytes_and_in_error(synth_model) -> None:
+    """The 5-bit tier (spice:balanced's) takes Q5_0 copies of a Q8_0 model: more bytes
+    per expert than the 4-bit ones and fewer than the model's, and logits nearer the
+    reference's than 4-bit slots give. Moving between the precisions remakes the
+    copies, and the runtime says which it holds."""
+    llm = load(synth_model("qwen2moe", "tiny", "Q8_0"))
+    try:
+        ref = greedy_run(llm, "stock", n_decode=N_DECODE)
+        runtime = llm.spice_engine.runtime
+        model_bytes = [info.bytes_per_expert for info in llm.spice_layers()]
+        moe = [il for il, info in enumerate(llm.spice_layers()) if info.is_moe]
+        llm.set_device("50%", 8.0, 5.0, manual_clock=True)
+        four = greedy_run(llm, AllDevice4Bit(), forced=ref.tokens, n_decode=N_DECODE)
+        bytes4 = runtime.slot_expert_bytes()
+        assert runtime.slot_copies_precision() == SLOT_4BIT
+        five = greedy_run(llm, AllDevice5Bit(), forced=ref.tokens, n_decode=N_DECODE)
+        bytes5 = runtime.slot_expert_bytes()
+        assert runtime.slot_copies_precision() == SLOT_5BIT
+        need5 = runtime.slot_copies_size(SLOT_5BIT)
+        assert runtime.slot_copies()[0] >= need5 > runtime.slot_copies_size(SLOT_4BIT)
+        # Q5_0 is 22 bytes per 32 weights, IQ4_NL 18, Q8_0 34
+        for il in moe:
+            assert bytes4[il] < bytes5[il] < model_bytes[il]
+            assert abs(bytes5[il] / model_bytes[il] - 22 / 34) < 0.01, (bytes5[il], model_bytes[il])
+        assert five.stats["misses"]["fetched"] > 0
+        assert not np.array_equal(five.logits, ref.logits)
+        assert _relative_rms(five.logits, ref.logits) < _relative_rms(four.logits, ref.logits)
+
+        greedy_run(llm, AllDevice(), n_decode=1)  # an exact tier frees them
+        assert runtime.slot_copies_precision() == SLOT_EXACT and runtime.slot_copies() == (0, 0.0)
+    finally:
+        llm.close()
+
+
 def test_the_pool_executor_reads_4bit_slots_as_the_host_executor_does(synth_model) -> None:
     """The pool graph (its emulated, CPU form) over 4-bit slots computes the rows the
     host executor computes over the same copies: bit-identical decodes."""
@@ -88,7 +131,7 @@ def test_the_pool_executor_reads_4bit_slots_as_the_host_executor_does(synth_mode
 def test_a_lossless_policy_cannot_ask_for_lossy_slots(synth_model) -> None:
     with pytest.raises(ValueError, match="lossless but asks for 4bit slots"):
         slot_precision(LosslessAsking4Bit())
-    with pytest.raises(ValueError, match="not one of exact, 4bit"):
+    with pytest.raises(ValueError, match="not one of exact, 4bit, 5bit"):
         slot_precision(type("Odd", (), {"lossless": False, "slot_precision": "2bit"})())
     llm = load(synth_model("qwen2moe", "tiny", "Q8_0"))
     try:

@@ -190,14 +190,15 @@ def test_rows_may_say_where_a_spice_policy_plans() -> None:
         )
 
 
-def test_rows_of_a_level_with_4bit_slots_say_the_simulator_does_not_model_them() -> None:
+def test_rows_of_a_level_with_low_precision_slots_say_the_simulator_does_not_model_them() -> None:
     cfg = SimConfig(
         profiles=(load_profile("h200"),),
         budgets=("25%",),
-        policies=("lru", "spice:balanced"),
+        policies=("lru", "spice:balanced", "spice:fast"),
         target=load_target("qwen2-57b-a14b:Q5_K_M"),
         source_expert_bytes=(1000,) * 4,
     )
     rows = simulate_all(small_workload(), cfg)
     notes = {r["policy"]: r.get("note", "") for r in rows}
-    assert "4bit slots not modelled" in notes["spice:balanced"] and notes["lru"] == ""
+    assert "5bit slots not modelled" in notes["spice:balanced"] and notes["lru"] == ""
+    assert "4bit slots not modelled" in notes["spice:fast"]

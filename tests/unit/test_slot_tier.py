@@ -28,5 +28,6 @@ def test_the_models_own_experts_are_not_room_for_copies() -> None:
 
 
 def test_the_copies_time_is_estimated_from_their_size_and_the_cores() -> None:
-    assert copies_estimate_s(4 << 20, 2) == 1.0  # 2 MiB per core per second
-    assert copies_estimate_s(4 << 20, 0) == 2.0  # at least one core
+    assert copies_estimate_s("4bit", 4 << 20, 2) == 1.0  # 2 MiB per core per second
+    assert copies_estimate_s("4bit", 4 << 20, 0) == 2.0  # at least one core
+    assert copies_estimate_s("5bit", 4 << 20, 2) < 0.1  # Q5_0 searches no scales
