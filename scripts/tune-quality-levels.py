@@ -20,7 +20,9 @@ budget (a margin, because judging text is not calibration text). With
 `--write` the picks go into the model's sidecar (`spice.levels.*`), where
 `spice:balanced` and `spice:fast` read them; a level no pair keeps within the
 margin is written lossless (it then substitutes nothing and keeps exact slots,
-which keeps its bound). Every cell runs with the level's 4-bit slots.
+which keeps its bound). Each level's cells run with that level's own slots
+(spice:balanced 5-bit, spice:fast 4-bit): the grid is measured once per slot
+precision, and a level picks from its own.
 
     .venv/bin/python scripts/tune-quality-levels.py -m smolmoe-b --budgets 25%,50% --chunks 3 \\
         --json grid.json --plot grid.png --write
@@ -155,10 +157,20 @@ def main() -> int:
     args = parser.parse_args()
     if args.replot is not None:
         doc = json.loads(args.replot.read_text(encoding="utf-8"))
-        measured = {(c["budget"], float(c["weight"]), float(c["error"])): c for c in doc["grid"]}
-        title = f"{doc['model']}: calibration text, token by token"
-        plot(args.plot, measured, list(doc["exact"]), title, args.margin)
+        kinds = sorted({c.get("slots", "exact") for c in doc["grid"]})
+        for slots in kinds:
+            cells = {
+                (c["budget"], float(c["weight"]), float(c["error"])): c
+                for c in doc["grid"]
+                if c.get("slots", "exact") == slots
+            }
+            title = f"{doc['model']}, {slots} slots: calibration text, token by token"
+            path = args.plot if len(kinds) == 1 else args.plot.with_stem(f"{args.plot.stem}-{slots}")
+            plot(path, cells, list(doc["exact"]), title, args.margin)
         return 0
+    if args.merge and args.write:
+        # merged cells were measured with the slots of their own run; picks would mix them
+        parser.error("--merge with --write: write the picks of a run that measured every cell itself")
 
     from pyspice.api import Llama
     from pyspice.engine import RunConfig
@@ -187,8 +199,11 @@ def main() -> int:
     # an empty grid (--weights '' or --errors '') measures nothing: the --merge runs' cells only
     grid = list(itertools.product(floats(args.weights), floats(args.errors)))
     budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
-    # (budget, weight, error) -> change vs exact, surrogate and host rates, host cut vs exact
-    results: dict[tuple[str, float, float], dict[str, float]] = {}
+    # the slot precisions the levels run with (each level's cells are measured with its own)
+    level_slots = {level: spice_config(level).slot_precision for level in LEVEL_BOUNDS}
+    precisions = sorted(set(level_slots.values()))
+    # (slots, budget, weight, error) -> change vs exact, surrogate and host rates, host cut
+    measured: dict[tuple[str, str, float, float], dict[str, float]] = {}
     exact: dict[str, dict[str, float]] = {}
     started = datetime.datetime.now()
     for budget in budgets if grid else []:
@@ -226,12 +241,13 @@ def main() -> int:
                 file=sys.stderr,
                 flush=True,
             )
-            for weight, error in grid:
+            for slots, (weight, error) in itertools.product(precisions, grid):
                 config_ = dataclasses.replace(
                     spice_config("spice:fast"),
-                    name=f"tune@{weight},{error}",
+                    name=f"tune@{weight},{error},{slots}",
                     surrogate_max_weight=weight,
                     surrogate_max_error=error,
+                    slot_precision=slots,
                 )
                 llm.set_policy(SpicePolicy(config_))
                 cell = score(llm)
@@ -239,11 +255,12 @@ def main() -> int:
                 cell["host_cut"] = 1.0 - cell["host_rate"] / base["host_rate"] if base["host_rate"] else 0.0
                 cell["surrogates_loaded"] = llm.spice_surrogates().count
                 cell["chunks"] = args.chunks
-                results[(budget, weight, error)] = cell
+                measured[(slots, budget, weight, error)] = cell
                 print(
-                    f"{budget}: weight < {weight:g}, error <= {error:g}: ppl {cell['ppl']:.4f} "
-                    f"({cell['change']:+.2%}), surrogate rate {cell['surrogate_rate']:.4f}, host rate "
-                    f"{cell['host_rate']:.4f} (cut {cell['host_cut']:+.1%} vs exact), "
+                    f"{budget}, {slots} slots: weight < {weight:g}, error <= {error:g}: "
+                    f"ppl {cell['ppl']:.4f} ({cell['change']:+.2%}), surrogate rate "
+                    f"{cell['surrogate_rate']:.4f}, host rate {cell['host_rate']:.4f} "
+                    f"(cut {cell['host_cut']:+.1%} vs exact), "
                     f"{cell['surrogates_loaded']} surrogates loaded",
                     file=sys.stderr,
                     flush=True,
@@ -256,52 +273,71 @@ def main() -> int:
         if before["model"] != model.name or any(b not in before["exact"] for b in budgets):
             raise SystemExit(f"--merge {earlier}: not a run of {model.name} at {','.join(budgets)}")
         for c in before["grid"]:
-            key = (c["budget"], float(c["weight"]), float(c["error"]))
-            cell = {k: v for k, v in c.items() if k not in ("budget", "weight", "error")}
+            # grids from before slots had a precision (9fb888d) ran every cell on exact ones
+            key = (c.get("slots", "exact"), c["budget"], float(c["weight"]), float(c["error"]))
+            cell = {k: v for k, v in c.items() if k not in ("slots", "budget", "weight", "error")}
             cell.setdefault("chunks", before.get("chunks", 0))
-            if c["budget"] in budgets and cell["chunks"] > results.get(key, {}).get("chunks", -1):
-                results[key] = cell
+            if c["budget"] in budgets and cell["chunks"] > measured.get(key, {}).get("chunks", -1):
+                measured[key] = cell
         for b in budgets:
             exact.setdefault(b, before["exact"][b])
         minutes += float(before.get("minutes", 0.0))
-    grid = [p for p in sorted({(w, e) for (_, w, e) in results}) if all((b, *p) in results for b in budgets)]
-
-    chunks = sorted({int(c["chunks"]) for c in results.values()})
-    print(
-        f"{model.name}: calibration text, token by token, {'/'.join(map(str, chunks))} chunks of 512, "
-        f"{len(grid)} pairs x {len(budgets)} budgets in {minutes:.1f} min (1 exact run per budget "
-        "and run besides); change vs spice:exact / surrogate rate / host cut vs spice:exact"
-    )
-    print(f"{'weight':>7} {'error':>6} {'chunks':>6} " + " ".join(f"{b:>28}" for b in budgets))
-    for weight, error in grid:
-        cells = []
-        for b in budgets:
-            cell = results[(b, weight, error)]
-            cells.append(f"{cell['change']:+7.2%} / {cell['surrogate_rate']:.4f} / {cell['host_cut']:+6.1%}")
-        n = int(results[(budgets[0], weight, error)]["chunks"])
-        print(f"{weight:>7g} {error:>6g} {n:>6} " + " ".join(f"{c:>28}" for c in cells))
     picks: dict[str, SurrogateThresholds] = {}
-    for level, bound in LEVEL_BOUNDS.items():
-        chosen = pick(results, budgets, grid, bound, args.margin)
-        if chosen is None:
-            print(
-                f"{level}: no pair of the grid stays under {args.margin:g} x {bound:.0%} at every budget "
-                "with fewer host activations than spice:exact: lossless (substitutes nothing)"
-            )
-            picks[level] = SurrogateThresholds(0.0, 0.0)
-            continue
-        w, e, cut = chosen
-        picks[level] = SurrogateThresholds(w, e)
-        verdict = "meets" if cut >= HOST_CUT_TARGET else "misses"
+    by_slots: dict[str, dict[tuple[str, float, float], dict[str, float]]] = {}
+    for slots in sorted({k[0] for k in measured}):
+        results = by_slots[slots] = {(b, w, e): v for (p, b, w, e), v in measured.items() if p == slots}
+        grid = [
+            p for p in sorted({(w, e) for (_, w, e) in results}) if all((b, *p) in results for b in budgets)
+        ]
+        chunks = sorted({int(c["chunks"]) for c in results.values()})
         print(
-            f"{level}: surrogate_max_weight={w:g}, surrogate_max_error={e:g} (host cut at least {cut:+.1%}: "
-            f"{verdict} the {HOST_CUT_TARGET:.0%} target on calibration text)"
+            f"{model.name}, {slots} slots: calibration text, token by token, {'/'.join(map(str, chunks))} "
+            f"chunks of 512, {len(grid)} pairs x {len(budgets)} budgets; change vs spice:exact / "
+            "surrogate rate / host cut vs spice:exact"
         )
+        print(f"{'weight':>7} {'error':>6} {'chunks':>6} " + " ".join(f"{b:>28}" for b in budgets))
+        for weight, error in grid:
+            cells = []
+            for b in budgets:
+                cell = results[(b, weight, error)]
+                cells.append(
+                    f"{cell['change']:+7.2%} / {cell['surrogate_rate']:.4f} / {cell['host_cut']:+6.1%}"
+                )
+            n = int(results[(budgets[0], weight, error)]["chunks"])
+            print(f"{weight:>7g} {error:>6g} {n:>6} " + " ".join(f"{c:>28}" for c in cells))
+        for level, bound in LEVEL_BOUNDS.items():
+            if level_slots[level] != slots:
+                continue
+            chosen = pick(results, budgets, grid, bound, args.margin)
+            if chosen is None:
+                print(
+                    f"{level} ({slots} slots): no pair of the grid stays under {args.margin:g} x {bound:.0%} "
+                    "at every budget with fewer host activations than spice:exact: lossless (substitutes "
+                    "nothing, exact slots)"
+                )
+                picks[level] = SurrogateThresholds(0.0, 0.0)
+                continue
+            w, e, cut = chosen
+            picks[level] = SurrogateThresholds(w, e)
+            verdict = "meets" if cut >= HOST_CUT_TARGET else "misses"
+            print(
+                f"{level} ({slots} slots): surrogate_max_weight={w:g}, surrogate_max_error={e:g} "
+                f"(host cut at least {cut:+.1%}: {verdict} the {HOST_CUT_TARGET:.0%} target on "
+                "calibration text)"
+            )
+    print(f"{minutes:.1f} min measuring (1 exact run per budget and run besides)")
+    missing = [level for level in LEVEL_BOUNDS if level not in picks]
+    if missing and args.write:
+        raise SystemExit(f"no cells measured with the slots of {', '.join(missing)}: nothing written")
+    all_cells = {k[1:]: v for k, v in measured.items()}
+    chunks = sorted({int(c["chunks"]) for c in measured.values()})
+    grid = sorted({(w, e) for (_, _, w, e) in measured})
     tuned_on = (
         f"{corpus} calibration split, {'/'.join(map(str, chunks))} chunks of 512 token by token, budgets "
         f"{','.join(budgets)}, margin {args.margin:g}, {len(grid)} (weight, error) pairs "
-        f"(weights {','.join(f'{w:g}' for w in _axes(results)[0])}; errors "
-        f"{','.join(f'{e:g}' for e in _axes(results)[1])}), "
+        f"(weights {','.join(f'{w:g}' for w in _axes(all_cells)[0])}; errors "
+        f"{','.join(f'{e:g}' for e in _axes(all_cells)[1])}), each level with its slots "
+        f"({', '.join(f'{level} {p}' for level, p in level_slots.items())}), "
         f"planning {args.planning}, {started.date().isoformat()} (scripts/tune-quality-levels.py)"
     )
     if args.json is not None:
@@ -312,12 +348,23 @@ def main() -> int:
             "chunks": args.chunks,
             "planning": args.planning,
             "exact": exact,
-            "grid": [{"budget": b, "weight": w, "error": e, **v} for (b, w, e), v in results.items()],
+            "grid": [
+                {"slots": p, "budget": b, "weight": w, "error": e, **v}
+                for (p, b, w, e), v in measured.items()
+            ],
             "picks": {k: dataclasses.asdict(v) for k, v in picks.items()},
         }
         args.json.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
     if args.plot is not None:
-        plot(args.plot, results, budgets, f"{model.name}: calibration text, token by token", args.margin)
+        for slots, results in by_slots.items():
+            path = args.plot if len(by_slots) == 1 else args.plot.with_stem(f"{args.plot.stem}-{slots}")
+            plot(
+                path,
+                results,
+                budgets,
+                f"{model.name}, {slots} slots: calibration text, token by token",
+                args.margin,
+            )
     if args.write:
         with_levels(sidecar, picks, tuned_on)
         say(f"thresholds written to {sidecar}")

@@ -5,8 +5,9 @@
  * same device budget holds 1.89x the experts, and each copy carries 0.53x
  * the bytes over the bus. Measured on smolmoe-b (docs/results/
  * quality-levels-per-model.md): every routed expert at IQ4_NL moves
- * perplexity by -0.62%, at Q4_0 by +0.18%, token by token. That is a loss a
- * lossy level may spend; lossless ones never use these copies.
+ * perplexity by -0.62..+1.49% over three texts, at Q5_0 by -0.30..+0.33%,
+ * token by token. That is a loss a lossy level may spend (spice:fast 4-bit,
+ * spice:balanced 5-bit); lossless ones never use these copies.
  *
  * The copies live in host memory (the bus copies from them); the host keeps
  * executing its own activations on the original weights. Each matrix kind
