@@ -72,18 +72,6 @@ def ranked(
     return [(w, e, cut) for cut, _rate, w, e in sorted(ok, reverse=True) if cut > 0.0]
 
 
-def pick(
-    results: dict[tuple[str, float, float], dict[str, float]],
-    budgets: list[str],
-    grid: list[tuple[float, float]],
-    bound: float,
-    margin: float,
-) -> tuple[float, float, float] | None:
-    """The best of `ranked`, or None when no pair qualifies."""
-    best = ranked(results, budgets, grid, bound, margin)
-    return best[0] if best else None
-
-
 def plot(
     path: Path,
     results: dict[tuple[str, float, float], dict[str, float]],
