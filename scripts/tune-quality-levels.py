@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import itertools
 import json
 import sys
@@ -294,25 +295,32 @@ def main() -> int:
         for b in budgets:
             exact.setdefault(b, before["exact"][b])
         minutes += float(before.get("minutes", 0.0))
-    heldout: dict[str, Any] = {"exact": {}, "cells": {}}
+    # the held-out split's spice:exact runs per budget and the cells checked there
+    heldout_exact: dict[str, dict[str, float]] = {}
+    heldout_cells: dict[str, dict[str, float]] = {}
+
+    @functools.cache
+    def heldout_text() -> str:
+        return corpus_part("heldout", corpus).text
 
     def heldout_change(budget: str, weight: float, error: float, slots: str) -> float:
-        """The pair's perplexity change over spice:exact on the held-out split (cached)."""
+        """The pair's perplexity change over spice:exact on the held-out split (cached).
+        Each opens its own instance: only the budgets' few candidates are checked, and two
+        budgets' instances of a large model at once would not fit where one does."""
         key = f"{slots} {budget} {weight:g} {error:g}"
-        if key not in heldout["cells"]:
-            held_text = heldout.setdefault("text", corpus_part("heldout", corpus).text)
+        if key not in heldout_cells:
             llm = open_llm(budget)
             try:
-                if budget not in heldout["exact"]:
+                if budget not in heldout_exact:
                     llm.set_policy("spice:exact")
-                    heldout["exact"][budget] = score(llm, held_text, args.validate_chunks)
+                    heldout_exact[budget] = score(llm, heldout_text(), args.validate_chunks)
                 llm.set_policy(SpicePolicy(level_config(weight, error, slots)))
-                cell = score(llm, held_text, args.validate_chunks)
+                cell = score(llm, heldout_text(), args.validate_chunks)
             finally:
                 llm.close()
-            cell["change"] = cell["ppl"] / heldout["exact"][budget]["ppl"] - 1.0
-            heldout["cells"][key] = cell
-        return float(heldout["cells"][key]["change"])
+            cell["change"] = cell["ppl"] / heldout_exact[budget]["ppl"] - 1.0
+            heldout_cells[key] = cell
+        return heldout_cells[key]["change"]
 
     def first_that_holds(
         level: str, slots: str, bound: float, candidates: list[tuple[float, float, float]]
@@ -405,7 +413,7 @@ def main() -> int:
                 for (p, b, w, e), v in measured.items()
             ],
             "picks": {k: dataclasses.asdict(v) for k, v in picks.items()},
-            "heldout": {"exact": heldout["exact"], "cells": heldout["cells"]},
+            "heldout": {"exact": heldout_exact, "cells": heldout_cells},
         }
         args.json.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
     if args.plot is not None:
