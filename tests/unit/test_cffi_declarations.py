@@ -56,6 +56,19 @@ def test_header_parses_and_action_values_match_the_policy_package() -> None:
         tier.PRIORITY_PREFETCH,
         tier.PRIORITY_DEMAND,
     )
+    # slot precisions: runtime's numbers are spice.h's, and the names a policy may ask
+    # for (policy.base, which imports no native code; SpiceConfig's type) are runtime's
+    from typing import get_args
+
+    from pyspice.policy.base import SLOT_PRECISIONS
+    from pyspice.policy.spice.config import SlotPrecision
+
+    assert runtime.SLOT_PRECISIONS == {
+        "exact": lib.SPICE_SLOT_EXACT,
+        "4bit": lib.SPICE_SLOT_4BIT,
+        "5bit": lib.SPICE_SLOT_5BIT,
+    }
+    assert tuple(runtime.SLOT_PRECISIONS) == SLOT_PRECISIONS == get_args(SlotPrecision)
 
 
 def _counter_fields() -> tuple[str, ...]:
