@@ -370,7 +370,15 @@ class Engine:
             if declared_rule(policy) is not None:
                 self._enable_rule(policy)
             else:
-                self._enable(policy, is_lossless(policy))
+                # a user's planner object (a SpicePolicy of their own thresholds: the tuning
+                # script's) plans on the planner thread only when asked to, and only if it
+                # declares the rule the calls run by meanwhile; by default it stays inline
+                plans_async = (
+                    self.planning.asked_asynchronous
+                    and self.device is not None
+                    and callable(getattr(policy, "asynchronous_rule", None))
+                )
+                self._enable(policy, is_lossless(policy), asynchronous=plans_async)
             # a user's object may lack even a name: its class stands for it
             self.policy_name = str(getattr(policy, "name", type(policy).__name__))
             self.custom_policy = policy

@@ -52,6 +52,12 @@ class Planning:
                 f"--plan-lag must be 0 (free-running) or 1..64 layers, got {self.deterministic_lag}"
             )
 
+    @property
+    def asked_asynchronous(self) -> bool:
+        """Asynchronous by the user's choice (--planning async, a deterministic lag), not
+        by this machine's default: what lets a user's own planner object plan that way."""
+        return self.deterministic_lag > 0 or self.asynchronous is True
+
     def resolved(
         self,
         experts_on_disk: bool = False,

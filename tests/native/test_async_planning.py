@@ -21,6 +21,7 @@ from pyspice.engine.planning import Planning
 from pyspice.policy import HookCall, Plan
 from pyspice.policy.base import RESIDENCY_ABSENT
 from pyspice.policy.rule import DEFAULT_RULE, MISS_FETCH, Rule
+from pyspice.policy.spice import SpicePolicy, spice_config
 from pyspice.runtime import AsyncParams
 from pyspice.sim.planner import AsyncModel
 from pyspice.sim.simulator import Costs, Simulator
@@ -212,8 +213,15 @@ def test_free_running_spice_is_lossless(model: Any, reference: Any) -> None:
         assert planning["asynchronous"] and planning["posted"] > 0
         assert planning["applied"] + planning["stale"] > 0
         assert llm.spice_engine.require_runtime().is_async()
-        # users' policy objects stay synchronous
-        llm.set_policy(Targets(n_targets=0))  # type: ignore[arg-type]
+        # a user's policy object plans inline unless it declares the rule the calls run by
+        # while it plans (Targets, a SpicePolicy of the user's own thresholds) and the user
+        # asked for asynchronous planning; by default it plans inline
+        llm.set_policy(OutOfRange())  # type: ignore[arg-type]
+        assert not llm.spice_engine.require_runtime().is_async()
+        llm.set_policy(SpicePolicy(spice_config("spice:exact")))
+        assert llm.spice_engine.require_runtime().is_async()
+        llm.spice_engine.set_planning(Planning())
+        llm.set_policy(SpicePolicy(spice_config("spice:exact")))
         assert not llm.spice_engine.require_runtime().is_async()
     finally:
         llm.close()
