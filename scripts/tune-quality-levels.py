@@ -40,7 +40,10 @@ import itertools
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    from pyspice.policy.spice.config import SlotPrecision
 
 HOST_CUT_TARGET = 0.10  # issue 19: each lossy level runs >= 10% fewer host activations than exact
 
@@ -137,10 +140,18 @@ def main() -> int:
     parser.add_argument("-t", "--threads", type=int, default=2)
     parser.add_argument(
         "--planning",
-        choices=("sync", "async"),
-        default="sync",
-        help="how every row plans (async: on the planner thread, to tune levels for asynchronous "
-        "planning; give -t 1 on 2 cores so the planner has a core)",
+        choices=("auto", "sync", "async"),
+        default="auto",
+        help="how every row plans: auto (default) as a shipped lossy level would at these threads "
+        "(on 2 cores, -t 1: on the planner thread, each plan applied one layer late; -t 2: "
+        "synchronously), sync, or async (free-running; with --plan-lag K, K layers late)",
+    )
+    parser.add_argument(
+        "--plan-lag",
+        type=int,
+        default=0,
+        metavar="LAYERS",
+        help="with --planning async: apply each plan exactly this many MoE layers late",
     )
     parser.add_argument(
         "--validate",
@@ -180,6 +191,9 @@ def main() -> int:
         # merged cells were measured with the slots of their own run; picks would mix them
         parser.error("--merge with --write: write the picks of a run that measured every cell itself")
 
+    if args.plan_lag and args.planning != "async":
+        parser.error("--plan-lag is for --planning async")
+
     from pyspice.api import Llama
     from pyspice.engine import RunConfig
     from pyspice.engine.planning import Planning
@@ -215,6 +229,14 @@ def main() -> int:
     exact: dict[str, dict[str, float]] = {}
     started = datetime.datetime.now()
 
+    # every cell plans the same way, told by name in the record ("det1": one layer late)
+    if args.planning == "auto":
+        planning = Planning().chosen(decode_threads=args.threads, lossy=True)
+    else:
+        planning = Planning(asynchronous=args.planning == "async", deterministic_lag=args.plan_lag)
+    planned = planning.label
+    say(f"every cell plans {planned}")
+
     def open_llm(budget: str) -> Any:
         config = RunConfig(
             model=model,
@@ -226,7 +248,7 @@ def main() -> int:
             n_ctx=512,
             n_batch=1,
             n_ubatch=1,
-            planning=Planning(asynchronous=args.planning == "async"),
+            planning=planning,
         )
         return Llama.from_config(config, logits_all=True, note=say)
 
@@ -248,7 +270,7 @@ def main() -> int:
             name=f"tune@{weight},{error},{slots}",
             surrogate_max_weight=weight,
             surrogate_max_error=error,
-            slot_precision=slots,
+            slot_precision=cast("SlotPrecision", slots),
         )
 
     for budget in budgets if grid else []:
@@ -352,14 +374,14 @@ def main() -> int:
         )
         print(f"{'weight':>7} {'error':>6} {'chunks':>6} " + " ".join(f"{b:>28}" for b in budgets))
         for weight, error in grid:
-            cells = []
+            row_cells = []
             for b in budgets:
                 cell = results[(b, weight, error)]
-                cells.append(
+                row_cells.append(
                     f"{cell['change']:+7.2%} / {cell['surrogate_rate']:.4f} / {cell['host_cut']:+6.1%}"
                 )
             n = int(results[(budgets[0], weight, error)]["chunks"])
-            print(f"{weight:>7g} {error:>6g} {n:>6} " + " ".join(f"{c:>28}" for c in cells))
+            print(f"{weight:>7g} {error:>6g} {n:>6} " + " ".join(f"{c:>28}" for c in row_cells))
         for level, bound in LEVEL_BOUNDS.items():
             if level_slots[level] != slots:
                 continue
@@ -396,7 +418,7 @@ def main() -> int:
         f"(weights {','.join(f'{w:g}' for w in _axes(all_cells)[0])}; errors "
         f"{','.join(f'{e:g}' for e in _axes(all_cells)[1])}), each level with its slots "
         f"({', '.join(f'{level} {p}' for level, p in level_slots.items())}), "
-        f"planning {args.planning}, "
+        f"planning {planned}, "
         f"{'checked on the held-out split, ' if args.validate else ''}"
         f"{started.date().isoformat()} (scripts/tune-quality-levels.py)"
     )
@@ -406,7 +428,7 @@ def main() -> int:
             "tuned_on": tuned_on,
             "minutes": minutes,
             "chunks": args.chunks,
-            "planning": args.planning,
+            "planning": planned,
             "exact": exact,
             "grid": [
                 {"slots": p, "budget": b, "weight": w, "error": e, **v}

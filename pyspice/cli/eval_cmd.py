@@ -353,7 +353,7 @@ def run_ppl(args: argparse.Namespace) -> int:
                     # on the device nor substituted): what a lossy level exists to cut
                     "host_rate": stats["misses"]["host"] / activations,
                     "hit_rate": stats.get("hit_rate"),
-                    "planning": "async" if (stats.get("planning") or {}).get("asynchronous") else "sync",
+                    "planning": llm.spice_engine.planning_label,
                     "policy_fallbacks": stats.get("policy_fallbacks", 0),
                     "top1_agreement": result.top1_agreement,
                     "reference_ppl": result.reference_ppl,

@@ -17,6 +17,7 @@ policy once per MoE layer through pyspice.runtime):
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +108,8 @@ class Engine:
         # None: all of them); None: not loaded by _sync_surrogates (none, or set_surrogates')
         self._synced: tuple[float | None, int | None] | None = None
         self.planning = Planning()  # where the shipped SPICE policies plan (engine/planning.py)
+        # how the policy in use plans, every default taken (None: no Python policy plans)
+        self.planning_used: Planning | None = None
         self.replay: RoutingReplay | None = None  # recorded expert ids the hook uses (timing only)
 
     def require_runtime(self) -> Runtime:
@@ -331,7 +334,14 @@ class Engine:
         finally:
             release_free_heap()  # what setting it up freed (the predictor's float64 maps)
 
+    @property
+    def planning_label(self) -> str:
+        """How the policy in use plans, as records name it (Planning.label); a policy no
+        Python plans for (native, a rule, stock) is "sync": nothing runs off the hook."""
+        return self.planning_used.label if self.planning_used is not None else "sync"
+
     def _set_policy(self, policy: str | Policy, max_hook_tokens: int | None) -> None:
+        self.planning_used = None  # set again where a Python policy is enabled (_enable)
         if max_hook_tokens is not None:
             self.max_hook_tokens = max_hook_tokens
         if isinstance(policy, str):
@@ -407,12 +417,23 @@ class Engine:
         runtime = self.require_runtime()
         self._reset_device(slot_precision(policy))  # empty first: surrogates loaded next must find room
         self._sync_surrogates(lossless, surrogate_limit(policy))
-        asynchronous = asynchronous and self.planning.resolved(
-            self.experts_on_disk, say=self._note_once, decode_threads=self.decode_threads, lossy=not lossless
+        # how it plans, the defaults taken (told once); a policy that cannot plan
+        # asynchronously is not told of a choice it does not have
+        planning = (
+            self.planning.chosen(
+                self.experts_on_disk,
+                say=self._note_once,
+                decode_threads=self.decode_threads,
+                lossy=not lossless,
+            )
+            if asynchronous
+            else replace(self.planning, asynchronous=False)
         )
+        asynchronous = planning.asynchronous is True
+        self.planning_used = planning
         if hasattr(policy, "plan_lag"):
             # its plans land this many layers late: it looks that much further ahead
-            policy.plan_lag = self.planning.expected_lag() if asynchronous else 0  # type: ignore[attr-defined]
+            policy.plan_lag = planning.expected_lag() if asynchronous else 0  # type: ignore[attr-defined]
         attach_policy(policy, self.policy_context())
         if self._blas_limit is None:
             # Python policies run inside ggml's threads (or beside them, on the planner
@@ -423,7 +444,7 @@ class Engine:
             runtime.set_rule(policy.asynchronous_rule())  # type: ignore[attr-defined]
             horizon = int(policy.plan_horizon()) if callable(getattr(policy, "plan_horizon", None)) else 1  # type: ignore[attr-defined]
             probs, shared = policy_reads(policy)
-            params = self.planning.params(
+            params = planning.params(
                 horizon,
                 with_probs=probs,
                 with_shared=shared,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pyspice.runtime import AsyncParams
 
@@ -25,12 +25,16 @@ from pyspice.runtime import AsyncParams
 # 2 repeats (session 37), asynchronous decoded in 0.91-0.95x synchronous's TPOT for every
 # SPICE level. So the default follows the run: asynchronous when the decode's threads are
 # fewer than the cores this process may use, synchronous when they take every core.
-# Except the lossy levels: their thresholds were tuned and judged planning synchronously,
-# and planning asynchronously (the engine's rule substituting as the calls come, the
-# policy's plans a layer late) spice:fast read +5.69% / +5.46% perplexity on held-out text
-# at 25% / 50% (bound +5%) against +3.56% / +3.03% synchronously (fortunes-min, 6 chunks,
-# token by token, -t 1; session 37). So off the disk tier they plan synchronously by
-# default until they are tuned for it.
+# The lossy levels too, but deterministically (Planning.chosen): free-running, which
+# experts a plan has landed by the time a call comes depends on the planner's timing,
+# and so which activations are substituted or run from low-precision slots. spice:fast
+# read +4.87% and +6.24% perplexity in two runs of the same command (fortunes-min, 6
+# chunks, token by token, 25%; sessions 38 and 40), the same text asked twice does
+# not get the same answer, and thresholds tuned on one run's noise do not hold on the
+# next. Applied exactly one layer late (the free-running lag measured 1.01-1.03 layers),
+# each plan costs the hook's thread the wait for a planner that, for a ~40 us plan on a
+# core of its own, is done before the next MoE layer comes (docs in the issue 19 note).
+LOSSY_PLAN_LAG = 1
 
 
 @dataclass(frozen=True)
@@ -65,21 +69,35 @@ class Planning:
         decode_threads: int | None = None,
         lossy: bool = False,
     ) -> bool:
-        """Whether to plan asynchronously (deterministic mode implies it). With the
-        routed experts on disk (--ram-budget) the default is asynchronous: only the
-        engine's rule, which runs every call there, keeps the misses it reads
-        (SpiceConfig.retention_decay); planning synchronously reads them into scratch
-        and drops them, for 1.9-2.4x the bytes in the simulator. Otherwise it is
-        asynchronous where the decode's threads leave the planner a core of its own
-        (planner_may_poll; None: taken as every core), else synchronous (measured: the
-        comment above); a lossy level (`lossy`) plans synchronously there, as it was tuned.
+        """Whether to plan asynchronously (chosen's answer)."""
+        return self.chosen(experts_on_disk, say, decode_threads, lossy).asynchronous is True
+
+    def chosen(
+        self,
+        experts_on_disk: bool = False,
+        say: Callable[[str], None] | None = None,
+        decode_threads: int | None = None,
+        lossy: bool = False,
+    ) -> Planning:
+        """How this run plans, every default taken: `asynchronous` set, and a lossy
+        level's deterministic lag. With the routed experts on disk (--ram-budget) the
+        default is asynchronous: only the engine's rule, which runs every call there,
+        keeps the misses it reads (SpiceConfig.retention_decay); planning synchronously
+        reads them into scratch and drops them, for 1.9-2.4x the bytes in the simulator.
+        Otherwise it is asynchronous where the decode's threads leave the planner a core
+        of its own (planner_may_poll; None: taken as every core), else synchronous
+        (measured: the comment above). A lossy level (`lossy`) planning asynchronously
+        by default does so deterministically, each plan applied LOSSY_PLAN_LAG layers
+        late: its output then does not depend on the planner's timing (free-running,
+        spice:fast's perplexity moved by 1.4 points between two runs), and its
+        thresholds were tuned and judged that way.
 
         A default taken is told through `say` (the engine's say-once notes), so the
         user learns which one ran and how to choose; nothing is said otherwise."""
         if self.deterministic_lag > 0:
-            return True
+            return replace(self, asynchronous=True)
         if self.asynchronous is not None:
-            return self.asynchronous
+            return self
         if experts_on_disk:
             if say is not None:
                 say(
@@ -87,24 +105,32 @@ class Planning:
                     "(asynchronous), whose rule keeps the experts a miss reads "
                     "(--planning sync to choose)"
                 )
-            return True
+            return replace(self, asynchronous=True)
         spare_core = planner_may_poll(decode_threads)
-        if lossy:
-            if say is not None:
-                say(
-                    "lossy SPICE levels plan on the hook's thread (synchronous), as their thresholds "
-                    "were tuned and judged (--planning async to choose)"
-                )
-            return False
         if say is not None:
-            how = (
-                f"on a planner thread (asynchronous): {decode_threads} decode "
-                f"{'thread leaves' if decode_threads == 1 else 'threads leave'} it a core"
-                if spare_core
-                else "on the hook's thread (synchronous): the decode's threads take every core"
-            )
-            say(f"SPICE policies plan {how} (--planning sync|async to choose)")
-        return spare_core
+            threads = f"{decode_threads} decode {'thread leaves' if decode_threads == 1 else 'threads leave'}"
+            if not spare_core:
+                how = "on the hook's thread (synchronous): the decode's threads take every core"
+            elif lossy:
+                how = (
+                    f"on a planner thread, each plan applied exactly {LOSSY_PLAN_LAG} MoE layer later so "
+                    f"that runs repeat exactly (as their thresholds were tuned): {threads} it a core"
+                )
+            else:
+                how = f"on a planner thread (asynchronous): {threads} it a core"
+            whose = "lossy SPICE levels" if lossy else "SPICE policies"
+            say(f"{whose} plan {how} (--planning sync|async to choose)")
+        if not spare_core:
+            return replace(self, asynchronous=False)
+        return replace(self, asynchronous=True, deterministic_lag=LOSSY_PLAN_LAG if lossy else 0)
+
+    @property
+    def label(self) -> str:
+        """How a chosen planning plans, as records name it: sync, async (free-running) or
+        detK (deterministic, K layers late)."""
+        if not self.asynchronous:
+            return "sync"
+        return f"det{self.deterministic_lag}" if self.deterministic_lag > 0 else "async"
 
     def expected_lag(self) -> int:
         """MoE layers from a call to its plan's use: the deterministic lag, else the one

@@ -106,20 +106,31 @@ def builtin_of(model: Path | None) -> str | None:
     return m.group("name") if m is not None and m.group("name") in BUILTIN else None
 
 
+# how adopt_tuned_levels marks the thresholds it writes (a user's own tuning has no mark)
+_COMMITTED_MARK = "(committed for {name}: pyspice.models.builtin)"
+
+
 def adopt_tuned_levels(model: Path, sidecar: Path, note: Callable[[str], None]) -> bool:
     """Write the committed thresholds of the built-in model `model` is a build of into
-    its `sidecar` when the sidecar has none and is of the calibration they were tuned
-    for (a sidecar made on first use is); whether it wrote them. A sidecar tuned
-    already, or calibrated otherwise (`pyspice calibrate` with other settings), is left
-    as it is: thresholds belong with the surrogates they were tuned on."""
+    its `sidecar` when the sidecar has none, or has an earlier release's committed ones
+    that differ, and is of the calibration they were tuned for (a sidecar made on first
+    use is); whether it wrote them. A sidecar tuned by its user (scripts/
+    tune-quality-levels.py --write), or calibrated otherwise (`pyspice calibrate` with
+    other settings), is left as it is: thresholds belong with the surrogates they were
+    tuned on."""
     name = builtin_of(model)
     tuned = BUILTIN[name].tuned if name is not None else None
-    if tuned is None or not sidecar.is_file():
+    if name is None or tuned is None or not sidecar.is_file():
         return False
     data = read_sidecar(sidecar, tensors=False)  # matched to the model already (ensure_sidecar)
     calibration = (data.corpus, data.tokens, data.lore_rank)
-    if data.levels or calibration != (tuned.corpus, tuned.tokens, tuned.lore_rank):
+    if calibration != (tuned.corpus, tuned.tokens, tuned.lore_rank):
         return False
-    with_levels(sidecar, tuned.levels(), f"{tuned.tuned_on} (committed for {name}: pyspice.models.builtin)")
-    note(f"{sidecar.name}: wrote {name}'s tuned thresholds of spice:balanced and spice:fast into it")
+    mark = _COMMITTED_MARK.format(name=name)
+    committed_before = data.levels_tuned_on.endswith(mark)
+    if data.levels and (not committed_before or data.levels == tuned.levels()):
+        return False
+    with_levels(sidecar, tuned.levels(), f"{tuned.tuned_on} {mark}")
+    what = "replaced the earlier release's" if data.levels else "wrote"
+    note(f"{sidecar.name}: {what} {name}'s tuned thresholds of spice:balanced and spice:fast")
     return True

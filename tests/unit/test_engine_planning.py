@@ -54,8 +54,15 @@ def test_the_default_plans_asynchronously_where_the_decode_leaves_a_core(
     assert "synchronous" in said[1] and "take every core" in said[1]
     assert not Planning().resolved(decode_threads=None)  # unknown: taken as every core
     assert not Planning(asynchronous=False).resolved(decode_threads=1)  # the user's choice
-    # the lossy levels plan as they were tuned, unless asked otherwise or on the disk tier
-    assert not Planning().resolved(say=said.append, decode_threads=3, lossy=True)
-    assert "lossy" in said[2] and "synchronous" in said[2]
-    assert Planning(asynchronous=True).resolved(decode_threads=3, lossy=True)
-    assert Planning().resolved(experts_on_disk=True, decode_threads=3, lossy=True)
+    # the lossy levels plan asynchronously too, but deterministically, one layer late (so
+    # runs repeat exactly, as they were tuned); free-running when asked, and on the disk tier
+    chosen = Planning().chosen(say=said.append, decode_threads=3, lossy=True)
+    assert chosen.asynchronous and chosen.deterministic_lag == planning_module.LOSSY_PLAN_LAG == 1
+    assert "lossy" in said[2] and "exactly 1 MoE layer later" in said[2]
+    assert chosen.expected_lag() == 1 and chosen.params(4).deterministic_lag == 1
+    free = Planning(asynchronous=True).chosen(decode_threads=3, lossy=True)
+    assert free.asynchronous and free.deterministic_lag == 0
+    on_disk = Planning().chosen(experts_on_disk=True, decode_threads=3, lossy=True)
+    assert on_disk.asynchronous and on_disk.deterministic_lag == 0
+    # and synchronously where the decode takes every core, as every level
+    assert not Planning().resolved(decode_threads=4, lossy=True)

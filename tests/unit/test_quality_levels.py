@@ -108,7 +108,7 @@ def test_a_builtin_models_sidecar_of_its_calibration_gets_the_committed_threshol
 ) -> None:
     from dataclasses import replace
 
-    from pyspice.formats.sidecar import read_sidecar, write_sidecar
+    from pyspice.formats.sidecar import read_sidecar, with_levels, write_sidecar
     from pyspice.models import builtin as builtin_mod
     from pyspice.models.builtin import BUILTIN, TunedLevels, adopt_tuned_levels
     from tests.unit.test_sidecar import data_for, tiny_model
@@ -128,15 +128,24 @@ def test_a_builtin_models_sidecar_of_its_calibration_gets_the_committed_threshol
     notes: list[str] = []
     assert adopt_tuned_levels(model, sidecar, notes.append)
     assert read_sidecar(sidecar).levels == tuned.levels() and len(notes) == 1
-    # once there, they stay (as a user's own tuning would): nothing to write again
+    # once there, there is nothing to write again
     assert not adopt_tuned_levels(model, sidecar, notes.append)
+    # a release that commits other thresholds replaces the ones an earlier release wrote
+    retuned = replace(tuned, balanced=SurrogateThresholds(0.05, 0.4))
+    monkeypatch.setitem(BUILTIN, "smolmoe-b", replace(BUILTIN["smolmoe-b"], tuned=retuned))
+    assert adopt_tuned_levels(model, sidecar, notes.append)
+    assert read_sidecar(sidecar).levels == retuned.levels() and "replaced" in notes[-1]
+    # ... but never a user's own tuning (scripts/tune-quality-levels.py --write)
+    with_levels(sidecar, tuned.levels(), "tuned by hand")
+    assert not adopt_tuned_levels(model, sidecar, notes.append)
+    assert read_sidecar(sidecar).levels == tuned.levels() and len(notes) == 2
     # a sidecar of another calibration (other text, tokens or rank) keeps the shared ones
     other = write_sidecar(sidecar, replace(data, tokens=data.tokens + 1))
     assert not adopt_tuned_levels(model, other, notes.append) and read_sidecar(other).levels == {}
     # and a model that is no built-in one is never touched
     plain = tiny_model(tmp_path / "mine.gguf", 0)
     assert not adopt_tuned_levels(plain, write_sidecar(tmp_path / "mine.spice.gguf", data), notes.append)
-    assert builtin_mod.builtin_of(plain) is None and len(notes) == 1
+    assert builtin_mod.builtin_of(plain) is None and len(notes) == 2
 
 
 def test_the_committed_thresholds_name_the_calibration_a_first_use_makes() -> None:

@@ -68,3 +68,14 @@ def test_bench_per_call_of_decode_calls_leaves_the_prompt_batch_out() -> None:
     got = decode_per_call(total, prompt)
     assert got == pytest.approx({"hook_us": 2.0, "exec_us": 1.5})
     assert decode_per_call(prompt, prompt) == {"hook_us": 0.0, "exec_us": 0.0}  # nothing decoded
+
+
+def test_bench_planner_wait_of_decode_calls_leaves_the_prompt_out() -> None:
+    from pyspice.measure.bench import decode_planner_wait
+
+    # 24 prompt calls waited 100 us each (a 128-row snapshot); 72 decode calls 2 us each
+    prompt = {"hook_calls": 24, "planning": {"wait_us_per_call": 100.0}}
+    total = {"hook_calls": 96, "planning": {"wait_us_per_call": (24 * 100.0 + 72 * 2.0) / 96}}
+    assert abs(decode_planner_wait(total, prompt) - 2.0) < 1e-9
+    # synchronous rows have no planning record's wait
+    assert decode_planner_wait({"hook_calls": 96, "planning": {}}, {"hook_calls": 24}) == 0.0
