@@ -29,11 +29,13 @@ from pyspice.runtime import AsyncParams
 # experts a plan has landed by the time a call comes depends on the planner's timing,
 # and so which activations are substituted or run from low-precision slots. spice:fast
 # read +4.87% and +6.24% perplexity in two runs of the same command (fortunes-min, 6
-# chunks, token by token, 25%; sessions 38 and 40), the same text asked twice does
-# not get the same answer, and thresholds tuned on one run's noise do not hold on the
-# next. Applied exactly one layer late (the free-running lag measured 1.01-1.03 layers),
-# each plan costs the hook's thread the wait for a planner that, for a ~40 us plan on a
-# core of its own, is done before the next MoE layer comes (docs in the issue 19 note).
+# chunks, token by token, 25%; sessions 38 and 40) -- the planner's timing, not the
+# text, moved it -- and thresholds tuned on one run's noise do not hold on the next.
+# Applied exactly one layer late (the free-running lag measured 1.01-1.03 layers), a
+# plan is the same in every run (which copies have landed when a call comes still
+# follows the bus, as it does synchronously); the hook's thread then waits for a plan
+# not done yet, which for a ~40 us plan on a core of its own is seldom (bench column
+# `wait us`; the issue 19 note has the numbers).
 LOSSY_PLAN_LAG = 1
 
 
@@ -88,7 +90,7 @@ class Planning:
         of its own (planner_may_poll; None: taken as every core), else synchronous
         (measured: the comment above). A lossy level (`lossy`) planning asynchronously
         by default does so deterministically, each plan applied LOSSY_PLAN_LAG layers
-        late: its output then does not depend on the planner's timing (free-running,
+        late: its plans then do not depend on the planner's timing (free-running,
         spice:fast's perplexity moved by 1.4 points between two runs), and its
         thresholds were tuned and judged that way.
 
@@ -113,8 +115,8 @@ class Planning:
                 how = "on the hook's thread (synchronous): the decode's threads take every core"
             elif lossy:
                 how = (
-                    f"on a planner thread, each plan applied exactly {LOSSY_PLAN_LAG} MoE layer later so "
-                    f"that runs repeat exactly (as their thresholds were tuned): {threads} it a core"
+                    f"on a planner thread, each plan applied exactly {LOSSY_PLAN_LAG} MoE layer later "
+                    f"whatever the planner's timing (as their thresholds were tuned): {threads} it a core"
                 )
             else:
                 how = f"on a planner thread (asynchronous): {threads} it a core"

@@ -115,3 +115,38 @@ def test_a_level_runs_by_its_models_thresholds_and_loads_only_the_surrogates_it_
         assert llm.spice_surrogates().count == int(np.count_nonzero(errors <= shared))
     finally:
         llm.close()
+
+
+def test_a_lossy_level_plans_one_layer_late_by_default_and_repeats_run_to_run(
+    lossy_model, tmp_path, monkeypatch
+) -> None:
+    """With a core for the planner, spice:fast plans on the planner thread in the
+    deterministic mode (each plan applied exactly one MoE layer late): its substitutions
+    do not depend on the planner's timing, so two runs give the same logits."""
+    from pyspice.engine import planning as planning_module
+    from pyspice.formats.sidecar import with_levels
+    from pyspice.policy.spice import SurrogateThresholds
+
+    monkeypatch.setattr(planning_module, "usable_cores", lambda: 64)  # a core for the planner
+    model, calibrated = lossy_model
+    sidecar = tmp_path / "wide.spice.gguf"
+    sidecar.write_bytes(calibrated.read_bytes())
+    # every miss with any surrogate is substituted: what the planner's timing would move
+    with_levels(sidecar, {"spice:fast": SurrogateThresholds(1.0, 1e9)}, "test")
+    llm = load(model, sidecar=str(sidecar))
+    try:
+        llm.set_device("50%", 8.0, 5.0, manual_clock=True)  # copies land by the layer, not the clock
+        first = greedy_run(llm, "spice:fast", n_decode=N_DECODE)
+        assert llm.spice_engine.planning_label == "det1"
+        planning = first.stats["planning"]
+        assert planning["asynchronous"] and planning["lag_layers"] == 1 and planning["applied"] > 0
+        assert first.stats["misses"]["surrogate"] > 0 and first.stats["policy_fallbacks"] == 0
+        again = greedy_run(llm, "spice:fast", n_decode=N_DECODE)
+        assert again.tokens == first.tokens and np.array_equal(again.logits, first.logits)
+        assert again.stats["misses"] == first.stats["misses"]
+        # asked for, a lossy level plans free-running or inline as before
+        llm.spice_engine.set_planning(planning_module.Planning(asynchronous=False))
+        greedy_run(llm, "spice:fast", n_decode=2)
+        assert llm.spice_engine.planning_label == "sync"
+    finally:
+        llm.close()
