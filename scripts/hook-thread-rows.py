@@ -3,7 +3,9 @@
 
 For each row: the hook thread's deciding time per decode call (median of the rounds,
 each round's listed), TPOT over `exact`'s in the same round, the decode hit rate, the
-asynchronous rows' lag and stale plans; then the accounting check: how much of the
+asynchronous rows' lag, stale plans and waits for a deterministic plan not done yet
+(not deciding, but the hook thread's time), the whole run's host-executed activations;
+then the accounting check: how much of the
 row's whole hook time over `exact`'s is neither deciding, nor the store's bookkeeping
 and copy work, nor waits for copies (the residual; 0 when the counters account for
 everything the hook thread does). The last column takes each row's expert execution
@@ -46,6 +48,7 @@ def residual(row: dict[str, Any], exact: dict[str, Any], n_moe: int, less_named:
     with less_named, each row's expert execution and shared per-call steps taken out of its
     hook time first."""
     waits = row["stall_ms_per_token"] * 1e3 / n_moe  # a decoded token makes n_moe calls
+    waits += row.get("planner_wait_us_per_decode_call", 0.0)  # deterministic plans not done yet
 
     def hook_us(r: dict[str, Any]) -> float:
         pc = per_call(r)
@@ -72,10 +75,10 @@ def main() -> None:
     names = [n for n in rounds[0] if all(n in r for r in rounds)]
     med = statistics.median
     print(
-        "| row | hook us (rounds) | TPOT / exact | decode hit | lag | stale | residual us (rounds) "
-        "| residual less exec and call us (rounds) |"
+        "| row | hook us (rounds) | planner wait us | TPOT / exact | decode hit | host activations "
+        "| lag | stale | residual us (rounds) | residual less exec and call us (rounds) |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name in names:
         us = [r[name]["policy_us_per_decode_call"] for r in rounds]
         ratio = [r[name]["tpot_ms"] / r["exact"]["tpot_ms"] for r in rounds]
@@ -84,11 +87,15 @@ def main() -> None:
         is_async = bool(plans[0].get("asynchronous"))
         lag = f"{statistics.mean(p['lag_layers'] for p in plans):.2f}" if is_async else "-"
         stale = str(sum(p["stale"] for p in plans)) if is_async else "-"
+        wait = med(r[name].get("planner_wait_us_per_decode_call", 0.0) for r in rounds)
+        host = med(r[name]["misses"].get("host", 0) for r in rounds)
         res = [residual(r[name], r["exact"], args.moe_layers) for r in rounds]
         rex = [residual(r[name], r["exact"], args.moe_layers, less_named=True) for r in rounds]
         print(
-            f"| {name} | {med(us):.2f} ({', '.join(f'{u:.2f}' for u in us)}) | {med(ratio):.3f} | "
-            f"{med(hit):.3f} | {lag} | {stale} | {med(res):.1f} ({', '.join(f'{v:.1f}' for v in res)}) | "
+            f"| {name} | {med(us):.2f} ({', '.join(f'{u:.2f}' for u in us)}) | "
+            f"{f'{wait:.2f}' if is_async else '-'} | {med(ratio):.3f} | "
+            f"{med(hit):.3f} | {host:.0f} | {lag} | {stale} | "
+            f"{med(res):.1f} ({', '.join(f'{v:.1f}' for v in res)}) | "
             f"{med(rex):.1f} ({', '.join(f'{v:.1f}' for v in rex)}) |"
         )
     different = [n for n in names if any(r[n].get("tokens") != r["exact"].get("tokens") for r in rounds)]
