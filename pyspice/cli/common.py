@@ -126,7 +126,8 @@ def add_context_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="where spice:* and abl-* policies plan: on the hook's thread (sync), or on a planner "
         "thread while each call runs by the policy's rule (async); auto: async where the decode's "
-        "threads leave the planner a core (or the experts are on disk), else sync; said once",
+        "threads leave the planner a core (the lossy levels then apply each plan exactly one layer "
+        "late, as --plan-lag 1) or the experts are on disk, else sync; said once",
     )
     p.add_argument(
         "--plan-lag",
