@@ -370,25 +370,13 @@ class Engine:
                 if rule is not None or spec.kind == "rule":
                     self._enable_rule(shipped)
                 else:
-                    # the shipped planners may plan on libspice's planner thread
-                    plans_async = self.device is not None and callable(
-                        getattr(shipped, "asynchronous_rule", None)
-                    )
-                    self._enable(shipped, spec.lossless, asynchronous=plans_async)  # type: ignore[arg-type]
+                    self._enable(shipped, spec.lossless, shipped=True)  # type: ignore[arg-type]
             self.policy_name, self.custom_policy = policy, None
         else:
             if declared_rule(policy) is not None:
                 self._enable_rule(policy)
             else:
-                # a user's planner object (a SpicePolicy of their own thresholds: the tuning
-                # script's) plans on the planner thread only when asked to, and only if it
-                # declares the rule the calls run by meanwhile; by default it stays inline
-                plans_async = (
-                    self.planning.asked_asynchronous
-                    and self.device is not None
-                    and callable(getattr(policy, "asynchronous_rule", None))
-                )
-                self._enable(policy, is_lossless(policy), asynchronous=plans_async)
+                self._enable(policy, is_lossless(policy))
             # a user's object may lack even a name: its class stands for it
             self.policy_name = str(getattr(policy, "name", type(policy).__name__))
             self.custom_policy = policy
@@ -413,10 +401,20 @@ class Engine:
         if self.custom_policy is None and self.policy_name != "stock" and self.runtime is not None:
             self.set_policy(self.policy_name)
 
-    def _enable(self, policy: Policy, lossless: bool, asynchronous: bool = False) -> None:
+    def _enable(self, policy: Policy, lossless: bool, shipped: bool = False) -> None:
+        """A Python policy, on the hook's thread or on libspice's planner thread. It may
+        plan on the planner thread if it declares the rule the calls run by meanwhile
+        (asynchronous_rule) and a tier plans them; the shipped planners then plan where
+        `planning` chooses, a user's object (a SpicePolicy of their own thresholds: the
+        tuning script's) only when the user asked for it, else inline."""
         runtime = self.require_runtime()
         self._reset_device(slot_precision(policy))  # empty first: surrogates loaded next must find room
         self._sync_surrogates(lossless, surrogate_limit(policy))
+        may_plan_async = (
+            self.device is not None
+            and callable(getattr(policy, "asynchronous_rule", None))
+            and (shipped or self.planning.asked_asynchronous)
+        )
         # how it plans, the defaults taken (told once); a policy that cannot plan
         # asynchronously is not told of a choice it does not have
         planning = (
@@ -426,7 +424,7 @@ class Engine:
                 decode_threads=self.decode_threads,
                 lossy=not lossless,
             )
-            if asynchronous
+            if may_plan_async
             else replace(self.planning, asynchronous=False)
         )
         asynchronous = planning.asynchronous is True
