@@ -64,16 +64,6 @@ class Planning:
         by this machine's default: what lets a user's own planner object plan that way."""
         return self.deterministic_lag > 0 or self.asynchronous is True
 
-    def resolved(
-        self,
-        experts_on_disk: bool = False,
-        say: Callable[[str], None] | None = None,
-        decode_threads: int | None = None,
-        lossy: bool = False,
-    ) -> bool:
-        """Whether to plan asynchronously (chosen's answer)."""
-        return self.chosen(experts_on_disk, say, decode_threads, lossy).asynchronous is True
-
     def chosen(
         self,
         experts_on_disk: bool = False,

@@ -121,7 +121,7 @@ def simulate_all(
                 if spec.kind != "python":
                     us = 0.0  # decided natively: no Python per call
                 # NAME alone plans where the engine would: asynchronously on the disk tier
-                # (Planning.resolved), else synchronously, as the engine does where the
+                # (Planning.chosen), else synchronously, as the engine does where the
                 # decode takes every core (a simulated target has no thread count)
                 asynchronous = how == "async" or (how is None and costs.disk is not None)
                 model = AsyncModel(max_lag=0, deterministic_lag=lag) if asynchronous else None

@@ -86,9 +86,9 @@ def test_a_retaining_policy_prefetches_into_free_room_only() -> None:
 
 
 def test_planning_defaults_to_asynchronous_with_experts_on_disk() -> None:
-    assert Planning().resolved(experts_on_disk=True)
-    assert not Planning(asynchronous=False).resolved(experts_on_disk=True)
-    assert Planning(asynchronous=True).resolved(experts_on_disk=False)
+    assert Planning().chosen(experts_on_disk=True).asynchronous
+    assert not Planning(asynchronous=False).chosen(experts_on_disk=True).asynchronous
+    assert Planning(asynchronous=True).chosen(experts_on_disk=False).asynchronous
 
 
 def test_a_retaining_policy_does_not_look_ahead_into_a_full_pool() -> None:

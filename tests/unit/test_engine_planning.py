@@ -14,13 +14,13 @@ from pyspice.engine.planning import Planning
 
 def test_planning_tells_the_default_it_takes_and_only_then() -> None:
     said: list[str] = []
-    assert Planning().resolved(experts_on_disk=True, say=said.append)
+    assert Planning().chosen(experts_on_disk=True, say=said.append).asynchronous
     assert len(said) == 1 and "--ram-budget" in said[0] and "--planning sync" in said[0]
-    assert not Planning().resolved(experts_on_disk=False, say=said.append)
+    assert not Planning().chosen(experts_on_disk=False, say=said.append).asynchronous
     assert len(said) == 2 and "synchronous" in said[1] and "--planning sync|async" in said[1]
     # a choice the user made is not a default: nothing to tell
-    Planning(asynchronous=False).resolved(experts_on_disk=True, say=said.append)
-    Planning(deterministic_lag=2).resolved(say=said.append)
+    Planning(asynchronous=False).chosen(experts_on_disk=True, say=said.append)
+    Planning(deterministic_lag=2).chosen(say=said.append)
     assert len(said) == 2
 
 
@@ -48,12 +48,12 @@ def test_the_default_plans_asynchronously_where_the_decode_leaves_a_core(
 ) -> None:
     monkeypatch.setattr(planning_module, "usable_cores", lambda: 4)
     said: list[str] = []
-    assert Planning().resolved(say=said.append, decode_threads=3)
+    assert Planning().chosen(say=said.append, decode_threads=3).asynchronous
     assert "asynchronous" in said[0] and "3 decode threads leave it a core" in said[0]
-    assert not Planning().resolved(say=said.append, decode_threads=4)
+    assert not Planning().chosen(say=said.append, decode_threads=4).asynchronous
     assert "synchronous" in said[1] and "take every core" in said[1]
-    assert not Planning().resolved(decode_threads=None)  # unknown: taken as every core
-    assert not Planning(asynchronous=False).resolved(decode_threads=1)  # the user's choice
+    assert not Planning().chosen(decode_threads=None).asynchronous  # unknown: taken as every core
+    assert not Planning(asynchronous=False).chosen(decode_threads=1).asynchronous  # the user's choice
     # the lossy levels plan asynchronously too, but deterministically, one layer late (so
     # runs repeat exactly, as they were tuned); free-running when asked, and on the disk tier
     chosen = Planning().chosen(say=said.append, decode_threads=3, lossy=True)
@@ -65,4 +65,4 @@ def test_the_default_plans_asynchronously_where_the_decode_leaves_a_core(
     on_disk = Planning().chosen(experts_on_disk=True, decode_threads=3, lossy=True)
     assert on_disk.asynchronous and on_disk.deterministic_lag == 0
     # and synchronously where the decode takes every core, as every level
-    assert not Planning().resolved(decode_threads=4, lossy=True)
+    assert not Planning().chosen(decode_threads=4, lossy=True).asynchronous
