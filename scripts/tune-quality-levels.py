@@ -195,8 +195,8 @@ def main() -> int:
         parser.error("--plan-lag is for --planning async")
 
     from pyspice.api import Llama
+    from pyspice.cli.common import planning_of
     from pyspice.engine import RunConfig
-    from pyspice.engine.planning import Planning
     from pyspice.formats.sidecar import default_sidecar_path, with_levels
     from pyspice.measure.perplexity import perplexity
     from pyspice.models.builtin import builtin_of
@@ -230,10 +230,9 @@ def main() -> int:
     started = datetime.datetime.now()
 
     # every cell plans the same way, told by name in the record ("det1": one layer late)
+    planning = planning_of(args)  # --planning and --plan-lag read as the CLI reads them
     if args.planning == "auto":
-        planning = Planning().chosen(decode_threads=args.threads, lossy=True)
-    else:
-        planning = Planning(asynchronous=args.planning == "async", deterministic_lag=args.plan_lag)
+        planning = planning.chosen(decode_threads=args.threads, lossy=True)
     planned = planning.label
     say(f"every cell plans {planned}")
 
