@@ -45,7 +45,14 @@ from pyspice.engine.surrogates import (
 from pyspice.formats.routers import RouterReader
 from pyspice.formats.sidecar import Sidecar
 from pyspice.policy import Policy, PolicyContext, declared_rule, make_policy, policy_spec
-from pyspice.policy.base import attach_policy, is_lossless, policy_reads, slot_precision, surrogate_limit
+from pyspice.policy.base import (
+    attach_policy,
+    is_lossless,
+    policy_reads,
+    preloads_tier,
+    slot_precision,
+    surrogate_limit,
+)
 from pyspice.policy.predictor import DraftPredictor
 from pyspice.policy.profile import CostProfile
 from pyspice.runtime import (
@@ -387,6 +394,7 @@ class Engine:
         runtime = self.require_runtime()
         self._reset_device(slot_precision(policy))
         self._sync_surrogates(is_lossless(policy), surrogate_limit(policy))
+        self._preload_for(policy)
         # a rule never consults the draft predictor: not building it saves its memory
         # (8 MiB for smolmoe-b's), which counts on edge mode's RAM-limited boxes
         attach_policy(policy, self.policy_context(with_predictor=False))
@@ -394,6 +402,12 @@ class Engine:
         if self.device is not None and rule is not None:
             runtime.set_rule(rule)
         runtime.enable_exact(self.max_hook_tokens)
+
+    def _preload_for(self, policy: object) -> None:
+        """Fill the tier (what the surrogates left of it) in layer order for a policy that
+        starts that way (policy.base.preloads_tier: the SPICE variants), as `exact` does."""
+        if self.device is not None and preloads_tier(policy):
+            self.require_runtime().preload()
 
     def set_planning(self, planning: Planning) -> None:
         """Where the shipped SPICE policies plan from now on (the policy in use restarts)."""
@@ -410,6 +424,7 @@ class Engine:
         runtime = self.require_runtime()
         self._reset_device(slot_precision(policy))  # empty first: surrogates loaded next must find room
         self._sync_surrogates(lossless, surrogate_limit(policy))
+        self._preload_for(policy)
         may_plan_async = (
             self.device is not None
             and callable(getattr(policy, "asynchronous_rule", None))

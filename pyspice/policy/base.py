@@ -269,6 +269,13 @@ def surrogate_limit(policy: object) -> float | None:
     return None if limit is None else float(limit)
 
 
+def preloads_tier(policy: object) -> bool:
+    """`policy.preloads_tier`: whether the tier starts filled, in layer order as far as
+    the budget goes (spice_runtime_preload, as `exact` starts), rather than empty;
+    False for an object that does not say."""
+    return bool(getattr(policy, "preloads_tier", False))
+
+
 SLOT_PRECISIONS = ("exact", "4bit", "5bit")
 
 

@@ -45,6 +45,7 @@ from pyspice.policy.base import (
     HookCall,
     Plan,
     attach_policy,
+    preloads_tier,
 )
 from pyspice.policy.context import PolicyContext, RouterLoader
 from pyspice.policy.rule import Rule, declared_rule
@@ -308,6 +309,8 @@ class Simulator:
     ) -> SimResult:
         """`policy_us`: fixed microseconds per call (a measured figure); None times
         the policy's own decide() here and adds the cost of reaching Python.
+        `preload`: the tier starts filled in layer order (the native `exact`); a policy
+        that starts so itself (preloads_tier) gets it without asking, as in the engine.
         `asynchronous`: a policy with an asynchronous_rule plans on the modelled
         planner thread (sim/planner.py) while its rule runs each call; `policy_us`
         is then the hook thread's deciding time (posting, applying, the rule)."""
@@ -332,7 +335,7 @@ class Simulator:
                 asynchronous = replace(asynchronous, max_lag=max(1, int(horizon)))
             planner = PlannerModel(asynchronous, lambda hook: self._plan_of(policy, hook))
         t = 0
-        if tier is not None and preload:
+        if tier is not None and (preload or preloads_tier(policy)):  # as the engine starts it
             t = self._preload(tier)
         tally = _Tally()
         bytes0 = copy0 = stall0 = 0

@@ -4,8 +4,13 @@ fetched on demand, and the stats say which it was."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
+
+from pyspice.policy import RESIDENCY_RESIDENT
+from pyspice.policy.spice import SpicePolicy, spice_config
 
 from .golden import AllDevice, AllHost, greedy_run, load
 
@@ -82,5 +87,33 @@ def test_slots_never_outgrow_the_budget_where_experts_differ_in_size(synth_model
         assert tier.holds == tier.experts and tier.budget_bytes == tier.experts * largest
         full = greedy_run(llm, "exact", n_decode=2)  # preloads the whole tier
         assert full.stats["hit_rate"] == 1.0
+    finally:
+        llm.close()
+
+
+def test_spice_starts_with_the_tier_filled_as_exact_does_and_stays_exact(synth_model) -> None:
+    """The SPICE variants start with the tier filled in layer order (SpiceConfig.preload),
+    as `exact` does, and stay bit-identical; one configured not to starts empty."""
+    llm = load(synth_model("qwen2moe", "tiny", "Q8_0"))
+    try:
+        ref = greedy_run(llm, "stock", n_decode=N_DECODE)
+        tier = llm.set_device("25%", 8.0, 5.0, manual_clock=True)
+        runtime = llm._spice_runtime
+        assert runtime is not None
+
+        def resident() -> np.ndarray:
+            table = runtime.residency()
+            assert table is not None
+            return np.asarray(table == RESIDENCY_RESIDENT)
+
+        llm.set_policy("exact")
+        by_exact = resident()
+        llm.set_policy("spice:exact")
+        assert np.array_equal(resident(), by_exact) and int(by_exact.sum()) == tier.holds
+        got = greedy_run(llm, "spice:exact", n_decode=N_DECODE)
+        assert np.array_equal(got.logits, ref.logits)
+
+        llm.set_policy(SpicePolicy(replace(spice_config("spice:exact"), name="cold", preload=False)))
+        assert not resident().any()
     finally:
         llm.close()

@@ -8,6 +8,7 @@ import pytest
 
 from pyspice.policy import (
     ACTION_DEVICE,
+    RESIDENCY_RESIDENT,
     HookCall,
     Plan,
     PolicyContext,
@@ -202,3 +203,34 @@ def test_a_resume_layer_that_is_no_moe_layer_falls_back() -> None:
 
     result = Simulator(workload(), costs(), budget_bytes=None).run("bad", Bad())
     assert result.policy_fallbacks > 0
+
+
+class FirstCallResidency:
+    """Records the residency table its first call sees, and decides nothing."""
+
+    name = "first-call-residency"
+
+    def __init__(self, preloads: bool) -> None:
+        self.preloads_tier = preloads
+        self.seen: np.ndarray | None = None
+
+    def decide(self, call: HookCall) -> Plan:
+        if self.seen is None and call.residency is not None:
+            self.seen = call.residency.copy()
+        return Plan()
+
+
+def test_a_policy_that_preloads_starts_with_the_tier_filled_in_layer_order() -> None:
+    """As the engine starts it (policy.base.preloads_tier, spice_runtime_preload): the
+    first layers full, as far as the budget goes; a policy that does not say starts empty."""
+    budget = 10 * 10_000  # 10 experts: layer 0's 8 and 2 of layer 1's
+    warm, cold = FirstCallResidency(True), FirstCallResidency(False)
+    for policy in (warm, cold):
+        Simulator(workload(), costs(), budget).run(policy.name, policy, policy_us=0.0)
+    assert warm.seen is not None and cold.seen is not None
+    assert (warm.seen[0] == RESIDENCY_RESIDENT).all()
+    assert [e for e in range(N_EXPERT) if warm.seen[1, e] == RESIDENCY_RESIDENT] == [0, 1]
+    assert not (warm.seen[2:] == RESIDENCY_RESIDENT).any()
+    assert not (cold.seen == RESIDENCY_RESIDENT).any()
+    assert make_policy("spice:exact").preloads_tier  # type: ignore[union-attr]
+    assert not getattr(make_policy("lru"), "preloads_tier", False)

@@ -79,6 +79,11 @@ class SpicePolicy(PolicyBase):
         """What the device tier's slots hold for this variant ("4bit": lossy copies)."""
         return self.config.slot_precision
 
+    @property
+    def preloads_tier(self) -> bool:
+        """Whether the tier starts filled in layer order rather than empty (config.preload)."""
+        return self.config.preload
+
     def attach(self, ctx: PolicyContext) -> None:
         cfg = self.config
         self.ctx = ctx
