@@ -394,10 +394,10 @@ class Engine:
         runtime = self.require_runtime()
         self._reset_device(slot_precision(policy))
         self._sync_surrogates(is_lossless(policy), surrogate_limit(policy))
-        self._preload_for(policy)
         # a rule never consults the draft predictor: not building it saves its memory
         # (8 MiB for smolmoe-b's), which counts on edge mode's RAM-limited boxes
         attach_policy(policy, self.policy_context(with_predictor=False))
+        self._preload_for(policy)
         rule = declared_rule(policy)
         if self.device is not None and rule is not None:
             runtime.set_rule(rule)
@@ -405,7 +405,8 @@ class Engine:
 
     def _preload_for(self, policy: object) -> None:
         """Fill the tier (what the surrogates left of it) in layer order for a policy that
-        starts that way (policy.base.preloads_tier: the SPICE variants), as `exact` does."""
+        starts that way (policy.base.preloads_tier, asked once it is attached: the SPICE
+        variants on a device tier), as `exact` does."""
         if self.device is not None and preloads_tier(policy):
             self.require_runtime().preload()
 
@@ -424,7 +425,6 @@ class Engine:
         runtime = self.require_runtime()
         self._reset_device(slot_precision(policy))  # empty first: surrogates loaded next must find room
         self._sync_surrogates(lossless, surrogate_limit(policy))
-        self._preload_for(policy)
         may_plan_async = (
             self.device is not None
             and callable(getattr(policy, "asynchronous_rule", None))
@@ -448,6 +448,7 @@ class Engine:
             # its plans land this many layers late: it looks that much further ahead
             policy.plan_lag = planning.expected_lag() if asynchronous else 0  # type: ignore[attr-defined]
         attach_policy(policy, self.policy_context())
+        self._preload_for(policy)
         if self._blas_limit is None:
             # Python policies run inside ggml's threads (or beside them, on the planner
             # thread): numpy's BLAS must not start its own

@@ -270,9 +270,9 @@ def surrogate_limit(policy: object) -> float | None:
 
 
 def preloads_tier(policy: object) -> bool:
-    """`policy.preloads_tier`: whether the tier starts filled, in layer order as far as
-    the budget goes (spice_runtime_preload, as `exact` starts), rather than empty;
-    False for an object that does not say."""
+    """`policy.preloads_tier`, read once the policy is attached: whether the tier starts
+    filled, in layer order as far as the budget goes (spice_runtime_preload, as `exact`
+    starts), rather than empty; False for an object that does not say."""
     return bool(getattr(policy, "preloads_tier", False))
 
 

@@ -251,6 +251,19 @@ def test_no_lossless_policy_reads_fewer_bytes_than_the_bound() -> None:
         assert exact is not None and exact >= floor - 1e-9
 
 
+def test_spice_preloads_a_device_tier_but_not_the_disk_tier_it_fills_itself() -> None:
+    """SpicePolicy.preloads_tier, as the engine and the simulator read it once attached:
+    on the disk tier every miss is read into the pool and kept, so no preload."""
+    wl = _workload(1)
+    for host_weights_in_memory, preloads in ((True, True), (False, False)):
+        policy = make_policy("spice:exact")
+        sim = Simulator(
+            wl, _disk_costs(), 6 * EXPERT, context_extra={"host_weights_in_memory": host_weights_in_memory}
+        )
+        sim.run("spice:exact", policy, policy_us=0.0)
+        assert policy.preloads_tier is preloads  # type: ignore[union-attr]
+
+
 def _probe(model: Path, disk: bool) -> CostProfile:
     return CostProfile(
         version=1,

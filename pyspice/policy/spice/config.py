@@ -70,12 +70,13 @@ class SpiceConfig:
     # 5-bit slots and spice:fast (+5%) 4-bit ones
     slot_precision: SlotPrecision = "exact"
     # --- start ---
-    # the tier starts filled in layer order as far as the budget goes, as `exact` starts,
-    # not empty: a prompt's first layers run before any prefetch can land, and a plan
-    # prefetches only what it predicts, so free room stayed free for the whole run. On
-    # smolmoe-b (bench, 128-token prompt, 32 decoded, -t 1) it cut spice:exact's host
+    # a device tier starts filled in layer order as far as the budget goes, as `exact`
+    # starts, not empty: a prompt's first layers run before any prefetch can land, and a
+    # plan prefetches only what it predicts, so free room stayed free for the whole run.
+    # On smolmoe-b (bench, 128-token prompt, 32 decoded, -t 1) it cut spice:exact's host
     # activations by 27% at a 25% budget and 44% at 50%, and made the room the lossy
-    # levels' low-precision slots add count from the first token
+    # levels' low-precision slots add count from the first token. Not on edge mode's disk
+    # tier, which fills itself (SpicePolicy.preloads_tier)
     preload: bool = True
 
     @property

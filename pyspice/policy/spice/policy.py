@@ -81,8 +81,11 @@ class SpicePolicy(PolicyBase):
 
     @property
     def preloads_tier(self) -> bool:
-        """Whether the tier starts filled in layer order rather than empty (config.preload)."""
-        return self.config.preload
+        """Whether the tier starts filled in layer order rather than empty (config.preload),
+        as known once attached. Not where it retains (edge mode's disk tier): there every
+        miss is read into the pool and kept, so the pool fills itself within the prompt,
+        and a preload would only read up front what the run may never use."""
+        return self.config.preload and not self.retains
 
     def attach(self, ctx: PolicyContext) -> None:
         cfg = self.config
