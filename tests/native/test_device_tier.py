@@ -91,9 +91,9 @@ def test_slots_never_outgrow_the_budget_where_experts_differ_in_size(synth_model
         llm.close()
 
 
-def test_spice_starts_with_the_tier_filled_as_exact_does_and_stays_exact(synth_model) -> None:
-    """The SPICE variants start with the tier filled in layer order (SpiceConfig.preload),
-    as `exact` does, and stay bit-identical; one configured not to starts empty."""
+def test_spice_configured_to_preload_starts_with_exact_s_tier_and_stays_exact(synth_model) -> None:
+    """A SPICE level with SpiceConfig.preload starts with the tier filled in layer order,
+    as `exact` does, and stays bit-identical; the shipped levels start empty."""
     llm = load(synth_model("qwen2moe", "tiny", "Q8_0"))
     try:
         ref = greedy_run(llm, "stock", n_decode=N_DECODE)
@@ -108,12 +108,13 @@ def test_spice_starts_with_the_tier_filled_as_exact_does_and_stays_exact(synth_m
 
         llm.set_policy("exact")
         by_exact = resident()
-        llm.set_policy("spice:exact")
+        warm = SpicePolicy(replace(spice_config("spice:exact"), name="warm", preload=True))
+        llm.set_policy(warm)
         assert np.array_equal(resident(), by_exact) and int(by_exact.sum()) == tier.holds
-        got = greedy_run(llm, "spice:exact", n_decode=N_DECODE)
+        got = greedy_run(llm, warm, n_decode=N_DECODE)
         assert np.array_equal(got.logits, ref.logits)
 
-        llm.set_policy(SpicePolicy(replace(spice_config("spice:exact"), name="cold", preload=False)))
+        llm.set_policy("spice:exact")
         assert not resident().any()
     finally:
         llm.close()

@@ -8,6 +8,7 @@ import functools
 import itertools
 import json
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,7 @@ import pytest
 
 from pyspice.policy import make_policy
 from pyspice.policy.profile import BatchCost, CostProfile
+from pyspice.policy.spice import SpicePolicy, spice_config
 from pyspice.sim.belady import _requests, belady, read_bound
 from pyspice.sim.disk import (
     DISK_ALIGN,
@@ -252,11 +254,12 @@ def test_no_lossless_policy_reads_fewer_bytes_than_the_bound() -> None:
 
 
 def test_spice_preloads_a_device_tier_but_not_the_disk_tier_it_fills_itself() -> None:
-    """SpicePolicy.preloads_tier, as the engine and the simulator read it once attached:
-    on the disk tier every miss is read into the pool and kept, so no preload."""
+    """SpicePolicy.preloads_tier of a level configured to preload, as the engine and the
+    simulator read it once attached: on the disk tier every miss is read into the pool
+    and kept, so no preload."""
     wl = _workload(1)
     for host_weights_in_memory, preloads in ((True, True), (False, False)):
-        policy = make_policy("spice:exact")
+        policy = SpicePolicy(replace(spice_config("spice:exact"), preload=True))
         sim = Simulator(
             wl, _disk_costs(), 6 * EXPERT, context_extra={"host_weights_in_memory": host_weights_in_memory}
         )

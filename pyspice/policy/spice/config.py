@@ -70,14 +70,18 @@ class SpiceConfig:
     # 5-bit slots and spice:fast (+5%) 4-bit ones
     slot_precision: SlotPrecision = "exact"
     # --- start ---
-    # a device tier starts filled in layer order as far as the budget goes, as `exact`
-    # starts, not empty: a prompt's first layers run before any prefetch can land, and a
-    # plan prefetches only what it predicts, so free room stayed free for the whole run.
-    # On smolmoe-b (bench, 128-token prompt, 32 decoded, -t 1) it cut spice:exact's host
-    # activations by 27% at a 25% budget and 44% at 50%, and made the room the lossy
-    # levels' low-precision slots add count from the first token. Not on edge mode's disk
-    # tier, which fills itself (SpicePolicy.preloads_tier)
-    preload: bool = True
+    # True: a device tier starts filled in layer order as far as the budget goes, as
+    # `exact` starts, not empty (never edge mode's disk tier, which fills itself:
+    # SpicePolicy.preloads_tier). Off by default. On the emulated device a miss is never
+    # fetched, so an empty start leaves room free and a prompt's first layers on the
+    # host: there it cut spice:exact's host activations in bench (smolmoe-b, 128-token
+    # prompt, 32 decoded, -t 1) by 27% at 25% and 44% at 50%, with decode hits unchanged.
+    # But where misses are fetched (a real GPU) the prompt fills the pool with the experts
+    # it uses, and a full start blocks that: in the simulator on Qwen2-57B's sizes
+    # (h200, rtx4060; 25%, 50%) decode TPOT rose 1-9% and decode hits fell by up to
+    # 0.045, and a fill spread evenly over the layers in calibration-count order still
+    # cost up to 5% at 50% (docs/results/hook-thread-rules.md, session 42)
+    preload: bool = False
 
     @property
     def substitutes(self) -> bool:
