@@ -112,4 +112,11 @@ for every in 4 1; do
     step "planning-every$every" 70 $PY scripts/with-spice-config.py plan_every=$every -- bench -ngl 99 -t 15 \
         -m $M -n 32 --repeat 2 --device-budget 25% $REPLAY --policies stock,spice:exact@sync,spice:exact@async --json
 done 2>&1 | grep -E '^\{"' >>"$O/bench-decode.json"
+
+# ---- 9. issue 19 item 4 on this box: SPICE planning inline with every core decoding (what a
+# user gets with no -t) against the planner on a core of its own (-t 15, step 8); stock in
+# both runs gives the ratio across them. Measured only on 2 cores so far, where inline won ----
+step "planning-all-cores" 70 $PY -m pyspice bench -ngl 99 -t "$(nproc)" -m $M -n 32 --repeat 2 --device-budget 25% \
+    $REPLAY --policies stock,spice:exact@sync,spice:exact@async --json 2>&1 \
+    | grep -E '^\{"' >>"$O/bench-decode.json"
 say "done"
