@@ -500,3 +500,27 @@ def test_a_late_plan_queues_the_layers_it_still_reaches_first(lag: int) -> None:
     plan = planner.plan(0, pred, np.zeros((4, 8), np.int8), busy=[])
     order = {0: [1, 2, 3], 1: [2, 3, 1], 2: [3, 1, 2]}[lag]  # nearest first, the passed ones last
     assert [il for il, _ in plan.prefetch] == [il for il in order for _ in range(2)][:4]
+
+
+def test_a_token_s_last_plan_prefetches_the_first_layer_s_most_picked_experts() -> None:
+    """No look-ahead reaches the next token's first MoE layer: the token's last planning
+    layer prefetches the experts that layer picked most lately (FirstLayerPrior), after
+    what the look-ahead predicts; with first_layer_share 0 it does not."""
+    predictor = ScriptedPredictor(8)
+    predictor.future = {il: [il, il + 1] for il in range(4)}
+    ctx = context(budget_experts=24, predictor=predictor, prof=profile(12.0, 5.0, 5.0, emulated=True))
+    for share, expected in ((1.0, [(0, 6), (0, 3)]), (0.0, [])):
+        policy = SpicePolicy(replace(spice_config("spice:exact"), plan_every=2, first_layer_share=share))
+        policy.attach(ctx)
+        residency = np.zeros((4, 8), np.int8)
+        for ids in ([[3, 6]], [[6, 1]], [[6, 3]]):  # 6 three times, 3 twice, 1 once
+            policy.decide(hook_call(0, ids, [0.5, 0.5], residency, 8))
+        last = policy.decide(hook_call(2, [[0, 1]], [0.5, 0.5], residency, 8))
+        assert set(last.prefetch[: len(last.prefetch) - len(expected)]) == {
+            (3, 3),
+            (3, 4),
+        }  # look-ahead first
+        assert [p for p in last.prefetch if p[0] == 0] == expected, share
+        # the other planning layer is mid-token: the look-ahead alone
+        mid = policy.decide(hook_call(0, [[6, 3]], [0.5, 0.5], residency, 8))
+        assert all(p[0] != 0 for p in mid.prefetch)

@@ -38,10 +38,12 @@ from pyspice.policy.rule import KEEP_ALL, KEEP_DECAYED, MISS_COST, MISS_FETCH, M
 from pyspice.policy.spice.config import SpiceConfig, spice_config
 from pyspice.policy.spice.cost import CostModel
 from pyspice.policy.spice.lookahead import (
+    FirstLayerPrior,
     Rollout,
     RouterLookahead,
     look_ahead,
     look_ahead_batch,
+    with_layer,
 )
 from pyspice.policy.spice.misses import MissDecision, MissHandler
 from pyspice.policy.spice.planner import PrefetchPlanner
@@ -140,6 +142,11 @@ class SpicePolicy(PolicyBase):
         # up to (the next token's first planning layer; -1 where some layer decides misses)
         firsts = [il for il in moe if self.plans[il]]
         self.token_resume = firsts[0] if firsts and all(self.misses.default_step[il] for il in moe) else -1
+        # the next token's first MoE layer, prefetched by the token's last plan from a prior
+        self.first_moe = moe[0] if moe else -1
+        self.first_prior = FirstLayerPrior(ctx.n_expert[self.first_moe] if moe else 1)
+        self.n_first = round(cfg.first_layer_share * k)
+        self.token_end = firsts[-1] if firsts and len(moe) > 1 and self.n_first > 0 else -1
 
     def asynchronous_rule(self) -> Rule:
         """What the engine runs each call by while this policy plans on libspice's
@@ -204,6 +211,8 @@ class SpicePolicy(PolicyBase):
         return max(1, min(self.h_min.values(), default=1))
 
     def decide(self, call: HookCall) -> Plan:
+        if call.layer == self.first_moe:
+            self.first_prior.note(call.ids)
         if call.n_tokens != 1:
             return self._decide_batch(call, self._residency(call))
         layer = call.layer
@@ -241,6 +250,8 @@ class SpicePolicy(PolicyBase):
             self.config.tau,
             self.n_prefetch,
         )
+        if layer == self.token_end:
+            predictions = with_layer(predictions, self.first_moe, self.first_prior.top(self.n_first))
         prefetch = self.planner.plan(layer, predictions, residency, decision.busy, cells)
         return Plan(
             decision.actions,
