@@ -405,8 +405,8 @@ class Engine:
 
     def _preload_for(self, policy: object) -> None:
         """Fill the tier (what the surrogates left of it) in layer order for a policy that
-        starts that way (policy.base.preloads_tier, asked once it is attached: the SPICE
-        variants on a device tier), as `exact` does."""
+        starts that way (policy.base.preloads_tier, asked once it is attached: a SPICE
+        level with SpiceConfig.preload, on a device tier), as `exact` does."""
         if self.device is not None and preloads_tier(policy):
             self.require_runtime().preload()
 

@@ -82,9 +82,9 @@ class SpiceConfig:
     # prompt, 32 decoded, -t 1) by 27% at 25% and 44% at 50%, with decode hits unchanged.
     # But where misses are fetched (a real GPU) the prompt fills the pool with the experts
     # it uses, and a full start blocks that: in the simulator on Qwen2-57B's sizes
-    # (h200, rtx4060; 25%, 50%) decode TPOT rose 1-9% and decode hits fell by up to
-    # 0.045, and a fill spread evenly over the layers in calibration-count order still
-    # cost up to 5% at 50% (docs/results/hook-thread-rules.md, session 42)
+    # (h200, rtx4060; 25%, 50%) decode TPOT rose 0.5-9.2% for every level and decode hits
+    # fell by up to 0.045, and a fill spread evenly over the layers in calibration-count
+    # order still cost up to 5% at 50% (docs/results/hook-thread-rules.md, session 42)
     preload: bool = False
 
     @property
