@@ -124,6 +124,8 @@ def _axes(results: dict[tuple[str, float, float], dict[str, float]]) -> tuple[li
 
 
 def main() -> int:
+    from pyspice.cli.common import add_planning_args, planning_of
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-m", "--model", default=None, help="GGUF or built-in name (default: smolmoe)")
     parser.add_argument("--sidecar", type=Path, default=None, help="default: the one beside the model")
@@ -138,21 +140,9 @@ def main() -> int:
     parser.add_argument("--chunks", type=int, default=3, help="512-token chunks scored per run")
     parser.add_argument("--margin", type=float, default=0.6, help="use at most this share of each bound")
     parser.add_argument("-t", "--threads", type=int, default=2)
-    parser.add_argument(
-        "--planning",
-        choices=("auto", "sync", "async"),
-        default="auto",
-        help="how every row plans: auto (default) as a shipped lossy level would at these threads "
-        "(on 2 cores, -t 1: on the planner thread, each plan applied one layer late; -t 2: "
-        "synchronously), sync, or async (free-running; with --plan-lag K, K layers late)",
-    )
-    parser.add_argument(
-        "--plan-lag",
-        type=int,
-        default=0,
-        metavar="LAYERS",
-        help="with --planning async: apply each plan exactly this many MoE layers late",
-    )
+    # auto: as a shipped lossy level plans at these threads (on 2 cores, -t 1: one layer
+    # late on the planner thread; -t 2: synchronously)
+    add_planning_args(parser)
     parser.add_argument(
         "--validate",
         action=argparse.BooleanOptionalAction,
@@ -195,7 +185,6 @@ def main() -> int:
         parser.error("--plan-lag is for --planning async")
 
     from pyspice.api import Llama
-    from pyspice.cli.common import planning_of
     from pyspice.engine import RunConfig
     from pyspice.formats.sidecar import default_sidecar_path, with_levels
     from pyspice.measure.perplexity import perplexity

@@ -120,6 +120,20 @@ def add_context_args(p: argparse.ArgumentParser) -> None:
         help="micro-batches with more tokens run upstream's path (0 = all through the hook; default: "
         "32 on a GPU tier, so prompts run as stock does, else 0)",
     )
+    add_planning_args(p)
+    p.add_argument(
+        "--max-plan-lag",
+        type=numbers.integer(1, hint="MoE layers"),
+        default=None,
+        metavar="LAYERS",
+        help="free-running asynchronous planning: drop plans older than this many MoE layers "
+        "(default: the policy's horizon H_min)",
+    )
+
+
+def add_planning_args(p: argparse.ArgumentParser) -> None:
+    """--planning and --plan-lag (planning_of reads them): add_context_args's, and
+    scripts/tune-quality-levels.py's, which tunes the lossy levels as they plan."""
     p.add_argument(
         "--planning",
         choices=("auto", "sync", "async"),
@@ -136,14 +150,6 @@ def add_context_args(p: argparse.ArgumentParser) -> None:
         metavar="LAYERS",
         help="deterministic asynchronous planning: the plan of each MoE layer's call is applied "
         "exactly this many calls later, waiting for it (runs repeat exactly; 0: free-running)",
-    )
-    p.add_argument(
-        "--max-plan-lag",
-        type=numbers.integer(1, hint="MoE layers"),
-        default=None,
-        metavar="LAYERS",
-        help="free-running asynchronous planning: drop plans older than this many MoE layers "
-        "(default: the policy's horizon H_min)",
     )
 
 
