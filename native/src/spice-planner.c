@@ -2,6 +2,7 @@
 #include "spice-planner.h"
 #include "spice-clock.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -77,6 +78,51 @@ static void idle_wait(spice_planner * p, uint64_t t0) {
     }
 }
 
+static int grow(void ** buf, size_t * cap, size_t need_bytes);
+
+/* On the planner thread, for an entry it took: the policy's call over the
+ * snapshot's arrays, with room for every list a plan may write. */
+static int prepare_call(spice_planner * p, spice_async_entry * e) {
+    int status = grow((void **) &e->fetch, &e->cap_fetch, (size_t) p->cap_fetch * 4 + 4);
+    status |= grow((void **) &e->prefetch, &e->cap_prefetch, (size_t) p->cap_pairs * 4 + 4);
+    status |= grow((void **) &e->evict, &e->cap_evict, (size_t) p->cap_pairs * 4 + 4);
+    status |= grow((void **) &e->evict_from, &e->cap_evict_from, (size_t) p->cap_layers * 4 + 4);
+    if (status != SPICE_OK) {
+        return SPICE_ERR_NO_MEMORY;
+    }
+    const spice_async_shape * sh = &e->shape;
+    const int32_t n_pairs = sh->n_tokens * sh->n_expert_used;
+    spice_policy_call * c = &e->call;
+    memset(c, 0, sizeof(*c));
+    c->il = sh->il;
+    c->n_tokens = sh->n_tokens;
+    c->n_embd = sh->n_embd;
+    c->n_expert = sh->n_expert;
+    c->n_expert_used = sh->n_expert_used;
+    c->inp = e->inp;         c->inp_nb1 = (size_t) sh->n_embd * 4;
+    c->ids = e->ids;         c->ids_nb1 = (size_t) sh->n_expert_used * 4;
+    c->weights = e->weights; c->weights_nb1 = (size_t) sh->n_expert_used * 4;
+    if (sh->has_probs) {
+        c->probs = e->probs; c->probs_nb1 = (size_t) sh->n_expert * 4;
+    }
+    if (sh->has_shexp) {
+        c->shexp = e->shexp; c->shexp_nb1 = (size_t) sh->n_embd * 4;
+    }
+    if (sh->res_layers > 0) {
+        c->residency = e->residency;
+        c->res_layers = sh->res_layers;
+        c->res_width = sh->res_width;
+    }
+    c->il_next = -1; /* the graph's next-layer logits stay with the hook's thread */
+    c->actions = e->actions;       c->n_actions = n_pairs;  c->cap_actions = n_pairs;
+    c->fetch = e->fetch;           c->cap_fetch = p->cap_fetch;
+    c->prefetch = e->prefetch;     c->cap_prefetch = p->cap_pairs;
+    c->evict = e->evict;           c->cap_evict = p->cap_pairs;
+    c->evict_from = e->evict_from; c->cap_evict_from = p->cap_layers;
+    c->resume_il = -1;
+    return SPICE_OK;
+}
+
 static void * planner_main(void * arg) {
     spice_planner * p = (spice_planner *) arg;
     int waited = 0;          /* idle_wait ran since the last entry: park next time */
@@ -118,7 +164,13 @@ static void * planner_main(void * arg) {
         pthread_mutex_unlock(&p->mu);
         /* the policy: a Python callback takes the GIL here (cffi), never on the hook's thread */
         const uint64_t t0 = spice_monotonic_ns();
-        const int rc = p->fn(&next->call, p->user_data);
+        int rc = SPICE_POLICY_FAILED;
+        next->err[0] = '\0';
+        if (prepare_call(p, next) == SPICE_OK) {
+            rc = p->fn(&next->call, p->user_data);
+        } else {
+            snprintf(next->err, sizeof(next->err), "out of memory for the plan's lists");
+        }
         const uint64_t spent = spice_monotonic_ns() - t0;
         next->valid = rc == SPICE_POLICY_OK &&
                       spice_plan_check(&p->limits, &next->call, next->err, sizeof(next->err)) == SPICE_OK;
@@ -292,67 +344,53 @@ static int copy_rows(void ** dst, size_t * cap, const void * src, size_t nb1, in
     return SPICE_OK;
 }
 
+/* The hook's thread writes only the snapshot: the call's arrays and its
+ * shape. The planner thread builds the policy's call struct and sizes the
+ * plan's lists (prepare_call) when it takes the entry. Those are lines the
+ * planner wrote last (the policy's counts, its lists): written from the
+ * hook's thread they cost a transfer each from the planner's core, timed at
+ * 0.29 us of a post's 0.62 (-t 1, plan_every 1); moved, spice:exact's
+ * deciding time per decode call fell from 1.80 to 1.69 us there
+ * (docs/results/async-planning-smolmoe.md, session 43). */
 int spice_planner_post(spice_planner * p, spice_async_entry * e, uint64_t seq, const spice_policy_call * call,
                        const int32_t * default_actions, int * woke) {
     *woke = 0;
     const int32_t n = call->n_tokens, n_pairs = call->n_tokens * call->n_expert_used;
-    const size_t res_bytes = (size_t) call->res_layers * (size_t) call->res_width;
+    const int has_probs = call->probs != NULL && p->params.with_probs;
+    const int has_shexp = call->shexp != NULL && p->params.with_shexp;
+    const int has_res = call->residency != NULL;
+    const size_t res_bytes = has_res ? (size_t) call->res_layers * (size_t) call->res_width : 0;
     int status = copy_rows((void **) &e->inp, &e->cap_inp, call->inp, call->inp_nb1, n, call->n_embd);
     status |= copy_rows((void **) &e->ids, &e->cap_ids, call->ids, call->ids_nb1, n, call->n_expert_used);
     status |= copy_rows((void **) &e->weights, &e->cap_weights, call->weights, call->weights_nb1, n,
                         call->n_expert_used);
-    if (call->probs != NULL && p->params.with_probs) {
+    if (has_probs) {
         status |= copy_rows((void **) &e->probs, &e->cap_probs, call->probs, call->probs_nb1, n, call->n_expert);
     }
-    if (call->shexp != NULL && p->params.with_shexp) {
+    if (has_shexp) {
         status |= copy_rows((void **) &e->shexp, &e->cap_shexp, call->shexp, call->shexp_nb1, n, call->n_embd);
     }
     status |= grow((void **) &e->residency, &e->cap_residency, res_bytes + 1);
     status |= grow((void **) &e->actions, &e->cap_actions, (size_t) n_pairs * 4 + 4);
-    status |= grow((void **) &e->fetch, &e->cap_fetch, (size_t) p->cap_fetch * 4 + 4);
-    status |= grow((void **) &e->prefetch, &e->cap_prefetch, (size_t) p->cap_pairs * 4 + 4);
-    status |= grow((void **) &e->evict, &e->cap_evict, (size_t) p->cap_pairs * 4 + 4);
-    status |= grow((void **) &e->evict_from, &e->cap_evict_from, (size_t) p->cap_layers * 4 + 4);
     if (status != SPICE_OK) {
         spice_planner_release(p, e);
         return SPICE_ERR_NO_MEMORY;
     }
-    if (call->residency != NULL) {
+    if (has_res) {
         memcpy(e->residency, call->residency, res_bytes);
     }
     memcpy(e->actions, default_actions, (size_t) n_pairs * 4);
-
-    spice_policy_call * c = &e->call;
-    memset(c, 0, sizeof(*c));
-    c->il = call->il;
-    c->n_tokens = n;
-    c->n_embd = call->n_embd;
-    c->n_expert = call->n_expert;
-    c->n_expert_used = call->n_expert_used;
-    c->inp = e->inp;         c->inp_nb1 = (size_t) call->n_embd * 4;
-    c->ids = e->ids;         c->ids_nb1 = (size_t) call->n_expert_used * 4;
-    c->weights = e->weights; c->weights_nb1 = (size_t) call->n_expert_used * 4;
-    if (call->probs != NULL && p->params.with_probs) {
-        c->probs = e->probs; c->probs_nb1 = (size_t) call->n_expert * 4;
-    }
-    if (call->shexp != NULL && p->params.with_shexp) {
-        c->shexp = e->shexp; c->shexp_nb1 = (size_t) call->n_embd * 4;
-    }
-    if (call->residency != NULL) {
-        c->residency = e->residency;
-        c->res_layers = call->res_layers;
-        c->res_width = call->res_width;
-    }
-    c->il_next = -1; /* the graph's next-layer logits stay with the hook's thread */
-    c->actions = e->actions;       c->n_actions = n_pairs;  c->cap_actions = n_pairs;
-    c->fetch = e->fetch;           c->cap_fetch = p->cap_fetch;
-    c->prefetch = e->prefetch;     c->cap_prefetch = p->cap_pairs;
-    c->evict = e->evict;           c->cap_evict = p->cap_pairs;
-    c->evict_from = e->evict_from; c->cap_evict_from = p->cap_layers;
-    c->resume_il = -1;
+    spice_async_shape * sh = &e->shape;
+    sh->il = call->il;
+    sh->n_tokens = n;
+    sh->n_embd = call->n_embd;
+    sh->n_expert = call->n_expert;
+    sh->n_expert_used = call->n_expert_used;
+    sh->res_layers = has_res ? call->res_layers : 0;
+    sh->res_width = has_res ? call->res_width : 0;
+    sh->has_probs = has_probs;
+    sh->has_shexp = has_shexp;
     e->seq = seq;
-    e->rc = SPICE_POLICY_FAILED;
-    e->plan_ns = 0;
 
     pthread_mutex_lock(&p->mu);
     e->state = SPICE_ENTRY_QUEUED;

@@ -28,10 +28,19 @@
 enum { SPICE_ENTRY_FREE, SPICE_ENTRY_WRITING, SPICE_ENTRY_QUEUED, SPICE_ENTRY_PLANNING, SPICE_ENTRY_DONE,
        SPICE_ENTRY_HELD };
 
+/* What the hook's thread writes of a call besides its arrays: the planner
+ * builds the policy's spice_policy_call from it (spice_planner_post). */
+typedef struct spice_async_shape {
+    int32_t il, n_tokens, n_embd, n_expert, n_expert_used;
+    int32_t res_layers, res_width; /* 0 x 0: no residency table */
+    int has_probs, has_shexp;
+} spice_async_shape;
+
 typedef struct spice_async_entry {
     int state;
-    uint64_t seq;           /* the hook call it was posted at */
-    spice_policy_call call; /* pointers into the arrays below */
+    uint64_t seq;            /* the hook call it was posted at */
+    spice_async_shape shape; /* written with the arrays by the hook's thread */
+    spice_policy_call call;  /* the planner thread's: pointers into the arrays below */
     /* the snapshot's own arrays (grown as calls need, kept between uses) */
     float * inp;        size_t cap_inp;
     float * probs;      size_t cap_probs;

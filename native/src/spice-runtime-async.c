@@ -88,7 +88,8 @@ static void take_plan(spice_runtime * rt, spice_async_entry * e, uint64_t seq, s
         c->policy_fallbacks++;
     } else if (e->rc != SPICE_POLICY_OK) {
         snprintf(rt->last_error, sizeof(rt->last_error),
-                 "layer %d: the policy failed on the planner thread; that call ran by the rule", plan->il);
+                 "layer %d: the policy failed on the planner thread%s%.400s; that call ran by the rule", e->shape.il,
+                 e->err[0] != '\0' ? ": " : "", e->err);
         rt->plan_rejections++;
         c->policy_fallbacks++;
     } else if (!rt->planner.params.deterministic && age > (uint64_t) rt->planner.params.max_lag) {
