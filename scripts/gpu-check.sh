@@ -105,11 +105,13 @@ done 2>&1 | grep -E '^\{"' >"$O/bench-prefill.json"
 # ---- 7. a trace for `pyspice sim --profile h200` back here ----
 step trace 60 $BENCH -m $M -n 32 --repeat 1 --device-budget 25% --policies lru --trace "$O/trace.bin"
 
-# ---- 8. SPICE planning on and off the hook's thread, and asynchronous at every layer: the
-# simulator says plan_every 1 beats 4 when planning is asynchronous (async-planning-smolmoe.md);
+# ---- 8. SPICE planning on and off the hook's thread, and asynchronous at every layer (the
+# default since session 43: SpiceConfig.plan_every_async 1) against every fourth: the
+# simulator says every layer wins when planning is asynchronous (async-planning-smolmoe.md);
 # last, so a slow run loses only this; appended to bench-decode.json ----
 for every in 4 1; do
-    step "planning-every$every" 70 $PY scripts/with-spice-config.py plan_every=$every -- bench -ngl 99 -t 15 \
+    step "planning-every$every" 70 $PY scripts/with-spice-config.py plan_every=$every,plan_every_async=$every -- \
+        bench -ngl 99 -t 15 \
         -m $M -n 32 --repeat 2 --device-budget 25% $REPLAY --policies stock,spice:exact@sync,spice:exact@async --json
 done 2>&1 | grep -E '^\{"' >>"$O/bench-decode.json"
 

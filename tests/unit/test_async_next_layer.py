@@ -55,13 +55,23 @@ def with_lag(name: str, lag: int, ctx: PolicyContext, **config: object) -> Spice
 
 
 def test_a_lagged_plan_leaves_the_next_layer_to_the_rule_at_planning_layers_only() -> None:
-    policy = with_lag("spice:exact", 1, context())
+    policy = with_lag("spice:exact", 1, context(), plan_every_async=4)
     rule = policy.asynchronous_rule()
     planning = tuple(il for il in range(N_LAYERS) if policy.plans[il])
     assert rule.prefetch_next and rule.next_room
     assert rule.next_layers == planning
-    assert 0 < len(planning) < N_LAYERS  # plan_every 4: the layers in between are the plan's
+    assert 0 < len(planning) < N_LAYERS  # every 4th: the layers in between are the plan's
     assert rule.routers is not None and (rule.routers[3] == router(3)).all()
+
+
+def test_planning_off_the_hook_thread_plans_every_layer_of_a_device_tier() -> None:
+    """plan_every_async (default 1) where plans land late; plan_every (4) inline, and on
+    edge mode's disk tier, whose cadence was not measured against it."""
+    assert with_lag("spice:exact", 1, context()).plan_every == 1
+    assert all(with_lag("spice:exact", 1, context()).plans)
+    assert with_lag("spice:exact", 0, context()).plan_every == 4
+    assert with_lag("spice:exact", 1, context(False)).plan_every == 4
+    assert with_lag("spice:exact", 1, context(), plan_every_async=2).plan_every == 2
 
 
 @pytest.mark.parametrize(

@@ -39,6 +39,17 @@ class SpiceConfig:
     # apart as the device budget holds (plan_every + 1) layers' top-k twice over;
     # plan_every=1 plans (and rolls out) at every hook call, the letter of Algorithm 1
     plan_every: int = 4
+    # the same when the policy plans on libspice's planner thread (asynchronous, free-running
+    # or deterministic) on a device tier: there a plan costs the hook's thread ~0.7 us, not
+    # a Python call, so every layer plans. In the simulator on target-sized experts
+    # (Qwen2-57B Q5_K_M, DeepSeek-V2-Lite Q4_K_M; h200 and rtx4060 profiles; 25% and 50%)
+    # free-running, every layer against every fourth decoded faster in 22 of 24 level x
+    # cell combinations (1-14%), level in one, +0.9% in one (spice:fast, DeepSeek-V2-Lite
+    # h200 50%); deterministic (det1) faster in 20 of 24, slower in DeepSeek-V2-Lite h200
+    # cells, where a layer is shorter than a plan and the hook's thread waits for each
+    # (+0.6..+9%; docs/results/async-planning-smolmoe.md, session 43). Not in edge mode
+    # (a tier that retains by use): there plan_every still applies
+    plan_every_async: int = 1
     # planning asynchronously, a plan lands a call or more after the call it was made at,
     # too late for the next layer: at each planning layer the engine's rule then prefetches
     # that layer's experts itself, by the next router on this call's input (from the graph),

@@ -102,8 +102,10 @@ class SpicePolicy(PolicyBase):
         moe = ctx.moe_layers
         # a decode step plans at every `every`-th MoE layer, for at least the layers up to
         # the next plan plus H_min beyond them: `every` + 1 layers' experts on the device at
-        # once, so only as far apart as the budget holds that twice over (else every layer)
-        every = max(1, cfg.plan_every) if cfg.deep else 1
+        # once, so only as far apart as the budget holds that twice over (else every layer).
+        # Planning off the hook's thread (plan_lag > 0), a device tier plans more often
+        every = cfg.plan_every_async if self.plan_lag > 0 and not self.retains else cfg.plan_every
+        every = max(1, every) if cfg.deep else 1
         # the experts the tier holds at once: its slots, less what the surrogates reserve
         room = (ctx.budget_bytes or 0) - ctx.reserved_bytes
         self.n_slots = max(0, room) // max(1, ctx.slot_bytes)
