@@ -48,7 +48,9 @@ class SpiceConfig:
     # h200 50%); deterministic (det1) faster in 20 of 24, slower in DeepSeek-V2-Lite h200
     # cells, where a layer is shorter than a plan and the hook's thread waits for each
     # (+0.6..+9%; docs/results/async-planning-smolmoe.md, session 43). Not in edge mode
-    # (a tier that retains by use): there plan_every still applies
+    # (a tier that retains by use): there plan_every still applies; its plans issued no
+    # prefetch in the simulator at either cadence (the rule fetches and keeps), so
+    # planning more often would only add posts
     plan_every_async: int = 1
     # planning asynchronously, a plan lands a call or more after the call it was made at,
     # too late for the next layer: at each planning layer the engine's rule then prefetches
