@@ -44,7 +44,7 @@ class SpiceConfig:
     # a Python call, so every layer plans. In the simulator on target-sized experts
     # (Qwen2-57B Q5_K_M, DeepSeek-V2-Lite Q4_K_M; h200 and rtx4060 profiles; 25% and 50%)
     # free-running, every layer against every fourth decoded faster in 22 of 24 level x
-    # cell combinations (1-14%), level in one, +0.9% in one (spice:fast, DeepSeek-V2-Lite
+    # cell combinations (1-15%), level in one, +0.9% in one (spice:fast, DeepSeek-V2-Lite
     # h200 50%); deterministic (det1) faster in 20 of 24, slower in DeepSeek-V2-Lite h200
     # cells, where a layer is shorter than a plan and the hook's thread waits for each
     # (+0.6..+9%; docs/results/async-planning-smolmoe.md, session 43). Not in edge mode
