@@ -528,6 +528,41 @@ static int has_next_logits(const spice_store * s, const spice_policy_call * call
     return call->next_logits != NULL && call->il_next == nxt && call->n_expert_next == s->n_expert[nxt];
 }
 
+/* Mark the k largest of n logits (ties to the lower id; -inf never picked) in
+ * one pass, keeping the best so far in order. k passes over the row took
+ * 0.36 us per decode call at a planning layer (smolmoe-b, 32 experts, top-4,
+ * the graph's logits), a third of the rule's time when every layer plans; one
+ * pass took spice:exact's deciding time at every layer from 1.79 to 1.61 us
+ * (session 43; the same picks, checked against the k-pass form on 200000
+ * random rows with ties and -inf). */
+static void mark_top_k(const double * logits, int32_t n, int32_t k, uint8_t * picked) {
+    if (k <= 0) {
+        return;
+    }
+    int32_t top[k];
+    double val[k];
+    int32_t m = 0;
+    for (int32_t e = 0; e < n; ++e) {
+        const double x = logits[e];
+        if (!(x > -(double) INFINITY)) { /* -inf (and NaN) never picked */
+            continue;
+        }
+        if (m == k && !(x > val[k - 1])) {
+            continue; /* not above the k-th: ties keep the lower id */
+        }
+        int32_t at = m < k ? m++ : k - 1;
+        for (; at > 0 && x > val[at - 1]; --at) {
+            val[at] = val[at - 1];
+            top[at] = top[at - 1];
+        }
+        val[at] = x;
+        top[at] = e;
+    }
+    for (int32_t i = 0; i < m; ++i) {
+        picked[top[i]] = 1;
+    }
+}
+
 /* The experts the next layer's router picks for this call's rows (top
  * n_expert_used per row, ties to the lower id), into r->predicted: from the
  * logits the graph computed when the call carries them, else from the
@@ -550,19 +585,7 @@ static void predict_next(spice_store * s, const spice_policy_call * call, int32_
             const float h_scale = quantize_row(h, n_embd, SPICE_HIDDEN_Q_LIMIT, r->hidden_q);
             router_logits(router, n_e, n_embd, r->hidden_q, h_scale, r->logits);
         }
-        for (int32_t pick = 0; pick < k; ++pick) {
-            int32_t best = -1;
-            for (int32_t e = 0; e < n_e; ++e) {
-                if (r->logits[e] != -(double) INFINITY && (best < 0 || r->logits[e] > r->logits[best])) {
-                    best = e;
-                }
-            }
-            if (best < 0) {
-                break;
-            }
-            r->predicted[best] = 1;
-            r->logits[best] = -(double) INFINITY;
-        }
+        mark_top_k(r->logits, n_e, k, r->predicted);
     }
 }
 
