@@ -78,7 +78,19 @@ static void idle_wait(spice_planner * p, uint64_t t0) {
     }
 }
 
-static int grow(void ** buf, size_t * cap, size_t need_bytes);
+/* an entry's buffer at least need_bytes long (kept between uses) */
+static int grow(void ** buf, size_t * cap, size_t need_bytes) {
+    if (need_bytes <= *cap) {
+        return SPICE_OK;
+    }
+    void * nbuf = realloc(*buf, need_bytes);
+    if (nbuf == NULL) {
+        return SPICE_ERR_NO_MEMORY;
+    }
+    *buf = nbuf;
+    *cap = need_bytes;
+    return SPICE_OK;
+}
 
 /* On the planner thread, for an entry it took: the policy's call over the
  * snapshot's arrays, with room for every list a plan may write. */
@@ -317,19 +329,6 @@ spice_async_entry * spice_planner_acquire(spice_planner * p, int * replaced) {
     }
     pthread_mutex_unlock(&p->mu);
     return got;
-}
-
-static int grow(void ** buf, size_t * cap, size_t need_bytes) {
-    if (need_bytes <= *cap) {
-        return SPICE_OK;
-    }
-    void * nbuf = realloc(*buf, need_bytes);
-    if (nbuf == NULL) {
-        return SPICE_ERR_NO_MEMORY;
-    }
-    *buf = nbuf;
-    *cap = need_bytes;
-    return SPICE_OK;
 }
 
 /* rows of `width` 4-byte values from a strided source into a compact array */
