@@ -1192,7 +1192,15 @@ def _rule_to_c(ffi: Any, rule: Rule, n_expert: Sequence[int]) -> tuple[Any, tupl
     c.surrogate_weight = rule.surrogate_weight
     c.resize_every = rule.resize_every
     c.decay = rule.decay
+    c.overlap = 1 if rule.overlap else 0
     keep: list[Any] = [c]
+    if rule.host_points:
+        tokens = np.ascontiguousarray([t for t, _ in rule.host_points], dtype=np.int32)
+        per_act = np.ascontiguousarray([us for _, us in rule.host_points], dtype=np.float64)
+        keep += [tokens, per_act]
+        c.n_host_points = len(rule.host_points)
+        c.host_point_tokens = ffi.from_buffer("int32_t[]", tokens)
+        c.host_point_us = ffi.from_buffer("double[]", per_act)
     if rule.surrogate_set is not None:
         table = np.zeros((n_layers, width), np.uint8)
         given = np.asarray(rule.surrogate_set, dtype=np.uint8)

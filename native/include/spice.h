@@ -232,8 +232,16 @@ SPICE_API int spice_plan_check(const spice_plan_limits * limits, const spice_pol
  *                                    its copy lands sooner than host execution
  *                                    would take (COST, or HOST with host_us > 0)
  *   absent                        -> host (HOST), demand fetch (FETCH), or a
- *                                    fetch when copy + device time beats the
- *                                    host by the margin (COST)
+ *                                    fetch where that shortens the layer (COST)
+ * The costs are weighed per expert of the call, for the n activations left
+ * to it (a batch's tokens that picked it, less those substituted), host(n) being
+ * the host's time per activation at n tokens (host points; host_us without
+ * them): an in-flight copy is waited for when its remaining time + n x device
+ * time beats n x host(n); COST fetches, of the absent misses, the most activations
+ * first, as many as give the least layer time -- the bus copying them one after
+ * another, the device running each as it lands, the host the rest meanwhile
+ * (overlap; else all in series) -- where that beats all-host by the margin. One
+ * copy is weighed against every token of a batch that waits for it.
  * Room for demand fetches comes from `keep` (for KEEP_DECAYED: each call of a
  * layer multiplies that layer's use counts by `decay`, then counts each expert
  * it selects once more; the lowest count goes first); a layer in whole_layers fetches
@@ -264,7 +272,7 @@ struct spice_rule {
     int32_t keep;                  /* spice_keep_rule */
     double  host_us;               /* cost table: host time per activation (0: unknown) */
     double  device_us;             /* device time per activation */
-    double  margin;                /* COST: fetch when copy + device < host * (1 - margin) */
+    double  margin;                /* COST: fetch only where that beats all-host by this share */
     float   surrogate_weight;      /* 0: no surrogates */
     const uint8_t * surrogate_set; /* [n_layers * max_expert] 1 = may be substituted; NULL: none */
     const uint8_t * whole_layers;  /* [n_layers] or NULL */
@@ -281,7 +289,16 @@ struct spice_rule {
                                       input row to 15 bits: the top-k is of those exact integer logits */
     int32_t n_embd;                /* the routers' row width */
     double  decay;                 /* KEEP_DECAYED: in (0, 1], per call of the layer */
+    int32_t n_host_points;         /* host(n), the host's time per activation for n tokens of one expert
+                                      (its weights are read once for them all): 0 = host_us at any n; else
+                                      up to SPICE_RULE_MAX_HOST_POINTS points, tokens ascending and > 0,
+                                      linear between them and flat beyond either end */
+    const int32_t * host_point_tokens; /* [n_host_points] */
+    const double * host_point_us;      /* [n_host_points] us per activation at that many tokens, > 0 */
+    int32_t overlap;               /* 1: the device runs beside the host (a GPU); 0: its work is the host's
+                                      time too (the emulated device), so device time is host(n) */
 };
+#define SPICE_RULE_MAX_HOST_POINTS 16
 
 /* ---- expert store -----------------------------------------------------------
  *

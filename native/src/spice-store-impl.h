@@ -66,6 +66,12 @@ typedef struct spice_store_rule {
     int16_t * hidden_q;       /* [n_embd] scratch: one hidden row in int16, with prefetch_next */
     int32_t * misses;        /* [n_layers] misses since the last resize */
     int64_t calls;           /* calls planned by the rule */
+    int32_t * host_tokens;   /* [n_host_points] copies of the rule's host cost points, or NULL */
+    double * host_per_act;   /* [n_host_points] */
+    int32_t * count;         /* [max_expert] scratch: the call's activations per expert */
+    int32_t * left;          /* [max_expert] scratch: ... of them no fixed action took (miss_actions') */
+    int32_t * order;         /* [max_expert] scratch: COST's misses, the most activations first */
+    int32_t * act;           /* [max_expert] scratch: the action an expert's left activations get */
     uint8_t * incoming;      /* [max_expert] scratch: absent experts this call fetches */
     uint8_t * selected;      /* [max_expert] scratch: experts this call selects (never victims) */
     uint8_t * chosen;        /* [n_layers * max_expert] scratch: victims already listed */

@@ -24,6 +24,10 @@ int spice_store_rule_init(spice_store * s) {
     const size_t width = (size_t) (s->max_expert > 0 ? s->max_expert : 1);
     const size_t cells = (size_t) s->n_layers * width;
     r->misses = (int32_t *) calloc((size_t) s->n_layers, sizeof(int32_t));
+    r->count = (int32_t *) calloc(width, sizeof(int32_t));
+    r->left = (int32_t *) calloc(width, sizeof(int32_t));
+    r->order = (int32_t *) calloc(width, sizeof(int32_t));
+    r->act = (int32_t *) calloc(width, sizeof(int32_t));
     r->incoming = (uint8_t *) calloc(width, 1);
     r->selected = (uint8_t *) calloc(width, 1);
     r->predicted = (uint8_t *) calloc(width, 1);
@@ -31,7 +35,7 @@ int spice_store_rule_init(spice_store * s) {
     r->logits = (double *) calloc(width, sizeof(double));
     r->oldest = (int32_t *) calloc((size_t) s->n_layers, sizeof(int32_t));
     r->uses = (double *) calloc(cells > 0 ? cells : 1, sizeof(double));
-    return r->misses && r->incoming && r->selected && r->predicted && r->chosen && r->logits && r->oldest &&
+    return r->misses && r->count && r->left && r->order && r->act && r->incoming && r->selected && r->predicted && r->chosen && r->logits && r->oldest &&
                    r->uses
                ? SPICE_OK
                : SPICE_ERR_NO_MEMORY;
@@ -43,6 +47,10 @@ static void release_arrays(spice_store * s) {
     free(r->whole_layers);
     free(r->next_layers);
     free(r->capacity);
+    free(r->host_tokens);
+    free(r->host_per_act);
+    r->host_tokens = NULL;
+    r->host_per_act = NULL;
     for (int32_t il = 0; r->routers != NULL && il < s->n_layers; ++il) {
         free(r->routers[il].q);
         free(r->routers[il].scale);
@@ -59,6 +67,10 @@ void spice_store_rule_free(spice_store * s) {
     spice_store_rule * r = &s->rule;
     release_arrays(s);
     free(r->misses);
+    free(r->count);
+    free(r->left);
+    free(r->order);
+    free(r->act);
     free(r->incoming);
     free(r->selected);
     free(r->predicted);
@@ -160,6 +172,24 @@ static void * copy_of(const void * src, size_t bytes) {
     return dst;
 }
 
+/* host(n)'s points: at most SPICE_RULE_MAX_HOST_POINTS, tokens ascending and > 0, times > 0 */
+static int host_points_valid(const spice_rule * in) {
+    if (in->n_host_points == 0) {
+        return 1;
+    }
+    if (in->n_host_points < 0 || in->n_host_points > SPICE_RULE_MAX_HOST_POINTS || in->host_point_tokens == NULL ||
+        in->host_point_us == NULL) {
+        return 0;
+    }
+    for (int32_t i = 0; i < in->n_host_points; ++i) {
+        if (in->host_point_tokens[i] <= (i > 0 ? in->host_point_tokens[i - 1] : 0) ||
+            !(in->host_point_us[i] > 0.0 && in->host_point_us[i] < DBL_MAX)) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
 int spice_store_set_rule(spice_store * s, const spice_rule * rule) {
     if (s == NULL) {
         return SPICE_ERR_INVALID_ARG;
@@ -173,7 +203,8 @@ int spice_store_set_rule(spice_store * s, const spice_rule * rule) {
         in->keep > SPICE_KEEP_DECAYED || in->resize_every < 0 || (in->keep == SPICE_KEEP_LAYER_LRU && in->capacity == NULL) ||
         (in->keep == SPICE_KEEP_DECAYED && !(in->decay > 0.0 && in->decay <= 1.0)) ||
         (in->prefetch_next && (in->routers == NULL || in->n_embd <= 0)) ||
-        (in->next_room && (!in->prefetch_next || in->keep == SPICE_KEEP_LAYER_LRU)) || !(in->surrogate_weight >= 0.0f)) {
+        (in->next_room && (!in->prefetch_next || in->keep == SPICE_KEEP_LAYER_LRU)) || !(in->surrogate_weight >= 0.0f) ||
+        !host_points_valid(in)) {
         return SPICE_ERR_INVALID_ARG;
     }
     release_arrays(s);
@@ -189,6 +220,11 @@ int spice_store_set_rule(spice_store * s, const spice_rule * rule) {
     }
     if (in->next_layers != NULL) {
         ok &= (r->next_layers = (uint8_t *) copy_of(in->next_layers, (size_t) s->n_layers)) != NULL;
+    }
+    if (in->n_host_points > 0) {
+        const size_t n = (size_t) in->n_host_points;
+        ok &= (r->host_tokens = (int32_t *) copy_of(in->host_point_tokens, n * sizeof(int32_t))) != NULL;
+        ok &= (r->host_per_act = (double *) copy_of(in->host_point_us, n * sizeof(double))) != NULL;
     }
     if (in->capacity != NULL) {
         ok &= (r->capacity = (int32_t *) copy_of(in->capacity, (size_t) s->n_layers * sizeof(int32_t))) != NULL;
@@ -206,6 +242,8 @@ int spice_store_set_rule(spice_store * s, const spice_rule * rule) {
     r->rule.whole_layers = r->whole_layers;
     r->rule.next_layers = r->next_layers;
     r->rule.capacity = r->capacity;
+    r->rule.host_point_tokens = r->host_tokens;
+    r->rule.host_point_us = r->host_per_act;
     r->rule.routers = NULL; /* the rule reads its int16 copies (r->routers), not the caller's */
     memset(r->misses, 0, (size_t) s->n_layers * sizeof(int32_t));
     memset(r->uses, 0, cells * sizeof(double));
@@ -589,26 +627,161 @@ static void predict_next(spice_store * s, const spice_policy_call * call, int32_
     }
 }
 
-static int32_t miss_action(spice_store * s, const spice_rule * rule, int32_t il, int32_t e, uint64_t now) {
-    if (state_of(s, il, e) == SPICE_RES_ABSENT) {
-        switch (rule->miss) {
-            case SPICE_MISS_FETCH: return SPICE_ACTION_DEVICE;
-            case SPICE_MISS_COST:
-                return copy_us(s, il) + rule->device_us < rule->host_us * (1.0 - rule->margin) ? SPICE_ACTION_DEVICE
-                                                                                            : SPICE_ACTION_HOST;
-            default: return SPICE_ACTION_HOST;
-        }
+/* host(n): the host's time per activation for n tokens of one expert, from the
+ * rule's points (linear between, flat beyond either end) or host_us; the same
+ * arithmetic as pyspice's CostModel.host_us, so the simulator's twin agrees. */
+static double host_per_activation(const spice_store_rule * r, int32_t n) {
+    const int32_t m = r->rule.n_host_points;
+    if (m == 0) {
+        return r->rule.host_us;
     }
-    /* in flight: wait when that is sooner than running it on the host */
-    if (rule->miss == SPICE_MISS_FETCH) {
+    const int32_t * t = r->host_tokens;
+    const double * c = r->host_per_act;
+    if (n <= t[0]) {
+        return c[0];
+    }
+    int32_t i = 1;
+    while (i < m && t[i] < n) {
+        ++i;
+    }
+    if (i == m) {
+        return c[m - 1];
+    }
+    return c[i - 1] + (c[i] - c[i - 1]) * (double) (n - t[i - 1]) / (double) (t[i] - t[i - 1]);
+}
+
+static double host_total(const spice_store_rule * r, int32_t n) {
+    return host_per_activation(r, n) * (double) n;
+}
+
+/* n activations of one expert on the device: n x device_us, or the host's time
+ * where the device's work is the host's (!overlap: the emulated device) */
+static double device_total(const spice_store_rule * r, int32_t n) {
+    return r->rule.overlap ? r->rule.device_us * (double) n : host_total(r, n);
+}
+
+/* An activation's action when no cost decides it, else -1 (its expert's: miss_actions). */
+static int32_t fixed_action(const spice_store_rule * r, int whole, int st, size_t cell, float weight) {
+    const spice_rule * rule = &r->rule;
+    if (whole) {
         return SPICE_ACTION_DEVICE;
     }
-    if (rule->host_us <= 0.0) {
+    if (st == SPICE_RES_RESIDENT) {
+        return rule->resident_action;
+    }
+    if (rule->surrogate_weight > 0.0f && r->surrogate_set != NULL && r->surrogate_set[cell] &&
+        weight < rule->surrogate_weight) {
+        return SPICE_ACTION_SURROGATE;
+    }
+    return rule->resident_action == SPICE_ACTION_HOST ? SPICE_ACTION_HOST : -1;
+}
+
+/* An in-flight miss with n activations left: wait for its copy when that and the
+ * device beat the host, else run them on the host meanwhile. */
+static int32_t in_flight_action(spice_store * s, int32_t il, int32_t e, uint64_t now, int32_t n) {
+    const spice_store_rule * r = &s->rule;
+    if (r->rule.miss == SPICE_MISS_FETCH) {
+        return SPICE_ACTION_DEVICE;
+    }
+    if (r->rule.host_us <= 0.0) {
         return SPICE_ACTION_HOST;
     }
     const uint64_t ready = spice_store_ready_at(s, il, e);
     const double remaining_us = ready > now ? (double) (ready - now) / 1e3 : 0.0;
-    return remaining_us + rule->device_us < rule->host_us ? SPICE_ACTION_DEVICE : SPICE_ACTION_HOST;
+    return remaining_us + device_total(r, n) < host_total(r, n) ? SPICE_ACTION_DEVICE : SPICE_ACTION_HOST;
+}
+
+/* COST's choice among a call's n_miss absent misses (r->order: the most activations
+ * first, ties to the lower id; r->left[e] each): how many of them are fetched rather
+ * than run on the host. The count with the least layer time -- the bus copies them
+ * one after another behind `bus_ahead`, the device runs each as it lands after the
+ * work already due there, the host runs the rest meanwhile (!overlap: all of it in
+ * series) -- and only one that beats all-host by the margin (paper section 4.3). It
+ * is pyspice's CostModel.choose_fetches step for step, so the rule decides a call as
+ * the policy itself would, and one copy is weighed against every token of a batch
+ * that waits for it. */
+static int32_t choose_fetches(const spice_store * s, int32_t il, int32_t n_miss, double device_due, double bus_ahead) {
+    const spice_store_rule * r = &s->rule;
+    const int overlap = r->rule.overlap != 0;
+    const double copy = copy_us(s, il);
+    double host_left = 0.0;
+    for (int32_t i = 0; i < n_miss; ++i) {
+        host_left += host_total(r, r->left[r->order[i]]);
+    }
+    const double all_host = overlap ? (host_left > device_due ? host_left : device_due) : host_left + device_due;
+    int32_t best_j = 0;
+    double best_t = all_host, device = device_due, dev_sum = 0.0;
+    for (int32_t j = 1; j <= n_miss; ++j) {
+        const int32_t n = r->left[r->order[j - 1]];
+        host_left -= host_total(r, n);
+        double t;
+        if (overlap) {
+            const double lands = bus_ahead + copy * (double) j;
+            device = (device > lands ? device : lands) + device_total(r, n);
+            t = host_left > device ? host_left : device;
+        } else {
+            dev_sum += device_total(r, n);
+            t = bus_ahead + copy * (double) j + host_left + device_due + dev_sum;
+        }
+        if (t < best_t) {
+            best_j = j;
+            best_t = t;
+        }
+    }
+    return best_j > 0 && best_t <= all_host * (1.0 - r->rule.margin) ? best_j : 0;
+}
+
+/* The actions of the activations no fixed action took (call->actions -1), per expert
+ * for all its activations left: FETCH fetches or waits; HOST runs them on the host, or
+ * waits for a copy that lands sooner; COST waits for a copy by its remaining time, and
+ * fetches the misses choose_fetches picks. */
+static void miss_actions(spice_store * s, spice_policy_call * call, int32_t il, uint64_t now) {
+    spice_store_rule * r = &s->rule;
+    const spice_rule * rule = &r->rule;
+    const int32_t n_e = s->n_expert[il];
+    int32_t n_miss = 0;
+    for (int32_t e = 0; e < n_e; ++e) {
+        if (r->left[e] == 0) {
+            continue;
+        }
+        if (state_of(s, il, e) != SPICE_RES_ABSENT) {
+            r->act[e] = in_flight_action(s, il, e, now, r->left[e]);
+        } else if (rule->miss == SPICE_MISS_COST) {
+            int32_t i = n_miss++; /* insertion: the most activations first, ties to the lower id */
+            for (; i > 0 && r->left[r->order[i - 1]] < r->left[e]; --i) {
+                r->order[i] = r->order[i - 1];
+            }
+            r->order[i] = e;
+        } else {
+            r->act[e] = rule->miss == SPICE_MISS_FETCH ? SPICE_ACTION_DEVICE : SPICE_ACTION_HOST;
+        }
+    }
+    if (n_miss > 0) {
+        double device_due = 0.0; /* what the device runs anyway: resident experts, awaited copies */
+        for (int32_t e = 0; e < n_e; ++e) {
+            const int st = state_of(s, il, e);
+            if (r->count[e] > 0 && st != SPICE_RES_ABSENT &&
+                (st == SPICE_RES_RESIDENT ? rule->resident_action == SPICE_ACTION_DEVICE
+                                          : r->left[e] > 0 && r->act[e] == SPICE_ACTION_DEVICE)) {
+                device_due += device_total(r, r->count[e]);
+            }
+        }
+        const double bus_ahead = s->n_started > 0 ? copy_us(s, il) : 0.0; /* a copy on the bus */
+        const int32_t j = choose_fetches(s, il, n_miss, device_due, bus_ahead);
+        for (int32_t i = 0; i < n_miss; ++i) {
+            r->act[r->order[i]] = i < j ? SPICE_ACTION_DEVICE : SPICE_ACTION_HOST;
+        }
+    }
+    const int32_t n_used = call->n_expert_used;
+    for (int32_t t = 0; t < call->n_tokens; ++t) {
+        const int32_t * ids = (const int32_t *) ((const char *) call->ids + (size_t) t * call->ids_nb1);
+        for (int32_t k = 0; k < n_used; ++k) {
+            int32_t * a = &call->actions[t * n_used + k];
+            if (*a < 0) {
+                *a = r->act[ids[k]];
+            }
+        }
+    }
 }
 
 /* next_room: the plan's evict_from is this layer, then the MoE layers before
@@ -643,7 +816,6 @@ int spice_store_rule_plan(spice_store * s, spice_policy_call * call) {
     const int whole = r->whole_layers != NULL && r->whole_layers[il];
     call->n_fetch = call->n_prefetch = call->n_evict = call->n_evict_from = 0;
     call->n_actions = call->n_tokens * n_used;
-    memset(r->incoming, 0, (size_t) n_e);
     memset(r->selected, 0, (size_t) n_e); /* r->chosen is all zero: each plan clears what it set */
     const int32_t nxt =
         rule->prefetch_next && (r->next_layers == NULL || r->next_layers[il]) ? next_moe_layer(s, il) : -1;
@@ -653,7 +825,10 @@ int spice_store_rule_plan(spice_store * s, spice_policy_call * call) {
         prefetch_bytes(r->routers[nxt].q, bytes < 8192 ? bytes : 8192);
     }
 
-    int32_t absent_selected = 0;
+    /* per activation, the action no cost decides; the rest per expert (miss_actions) */
+    memset(r->count, 0, (size_t) n_e * sizeof(int32_t));
+    memset(r->left, 0, (size_t) n_e * sizeof(int32_t));
+    int32_t absent_selected = 0, n_left = 0;
     for (int32_t t = 0; t < call->n_tokens; ++t) {
         const int32_t * ids = (const int32_t *) ((const char *) call->ids + (size_t) t * call->ids_nb1);
         const float * weights = (const float *) ((const char *) call->weights + (size_t) t * call->weights_nb1);
@@ -669,22 +844,20 @@ int spice_store_rule_plan(spice_store * s, spice_policy_call * call) {
                 r->selected[e] = 1;
                 absent_selected += st == SPICE_RES_ABSENT;
             }
-            if (whole) {
-                *a = SPICE_ACTION_DEVICE;
-            } else if (st == SPICE_RES_RESIDENT) {
-                *a = rule->resident_action;
-            } else if (rule->surrogate_weight > 0.0f && r->surrogate_set != NULL &&
-                       r->surrogate_set[spice_store_cell(s, il, e)] && weights[k] < rule->surrogate_weight) {
-                *a = SPICE_ACTION_SURROGATE;
-            } else if (rule->resident_action == SPICE_ACTION_HOST) {
-                *a = SPICE_ACTION_HOST;
-            } else {
-                *a = miss_action(s, rule, il, e, now);
-            }
-            if (*a == SPICE_ACTION_DEVICE && st == SPICE_RES_ABSENT) {
-                r->incoming[e] = 1;
+            r->count[e]++;
+            *a = fixed_action(r, whole, st, spice_store_cell(s, il, e), weights[k]);
+            if (*a < 0) {
+                r->left[e]++;
+                n_left++;
             }
         }
+    }
+    if (n_left > 0) {
+        miss_actions(s, call, il, now);
+    }
+    for (int32_t e = 0; e < n_e; ++e) { /* the absent experts that come now, on demand */
+        r->incoming[e] = r->selected[e] && state_of(s, il, e) == SPICE_RES_ABSENT &&
+                         (whole || (r->left[e] > 0 && r->act[e] == SPICE_ACTION_DEVICE));
     }
     if (whole) { /* the layer's absent experts all come now (and stay: nothing evicts them) */
         for (int32_t e = 0; e < n_e; ++e) {

@@ -12,8 +12,17 @@ simulator from its twin (pyspice.sim.rule). Per activation, in order:
                                  copy lands sooner than `host_us` (COST, or HOST
                                  with a cost table)
 - absent                      -> host (HOST), a demand fetch (FETCH), or a fetch
-                                 when copy + device time beats the host by
-                                 `margin` (COST)
+                                 where that shortens the layer (COST, below)
+
+The costs are weighed per expert of the call, for the n activations left to it
+(a batch's tokens that picked it, less those substituted), host(n) being the
+host's time per activation at n tokens (`host_points`, else `host_us`): a copy
+in flight is waited for when its remaining time + n x device_us beats n x
+host(n); COST fetches, of the absent misses, the most activations first, as
+many as give the least layer time (`choose_fetches`: the bus copies them one
+after another, the device runs each as it lands, the host the rest meanwhile,
+or all in series without `overlap`), where that beats all-host by `margin`.
+One copy is weighed against every token of a batch that waits for it.
 
 Room for demand fetches comes from `keep` (least recently selected out first,
 pooled or per layer; or, DECAYED, the lowest use count decayed by `decay` at
@@ -61,7 +70,7 @@ class Rule:
     keep: int = KEEP_ALL
     host_us: float = 0.0  # cost table: host time per activation (0: unknown)
     device_us: float = 0.0  # device time per activation
-    margin: float = 0.0  # COST: fetch when copy + device < host * (1 - margin)
+    margin: float = 0.0  # COST: fetch only where that beats all-host by this share
     surrogate_weight: float = 0.0  # 0: no surrogates
     surrogate_set: npt.NDArray[np.bool_] | None = None  # [n_layers, max_expert]
     whole_layers: tuple[int, ...] = ()  # layers whose absent experts all come at their call
@@ -72,6 +81,10 @@ class Rule:
     next_room: bool = False  # prefetch_next may evict from the layers that run again last
     routers: tuple[npt.NDArray[np.float32] | None, ...] | None = None  # per layer [n_expert, n_embd]
     decay: float = 0.0  # KEEP_DECAYED: a call of a layer multiplies its use counts by this, in (0, 1]
+    # host(n): (tokens, host µs per activation) ascending by tokens, linear between and flat
+    # beyond (CostModel.host_points); () = host_us at any token count
+    host_points: tuple[tuple[int, float], ...] = ()
+    overlap: bool = False  # the device runs beside the host (a GPU), not on its time (emulated)
 
     def __post_init__(self) -> None:
         if self.resident_action not in (ACTION_DEVICE, ACTION_HOST):
@@ -90,6 +103,77 @@ class Rule:
             raise ValueError("rule: next_room needs prefetch_next (LAYER_LRU makes room by its capacities)")
         if not self.surrogate_weight >= 0 or self.resize_every < 0:
             raise ValueError("rule: surrogate_weight and resize_every must be non-negative")
+        check_host_points(self.host_points)
+
+
+MAX_HOST_POINTS = 16  # SPICE_RULE_MAX_HOST_POINTS
+
+
+def check_host_points(points: tuple[tuple[int, float], ...]) -> None:
+    """What libspice accepts as host(n)'s points (spice_rule.host_point_*)."""
+    if len(points) > MAX_HOST_POINTS:
+        raise ValueError(f"rule: at most {MAX_HOST_POINTS} host_points, not {len(points)}")
+    last = 0
+    for tokens, us in points:
+        if int(tokens) <= last or not 0.0 < float(us) < float("inf"):
+            raise ValueError(
+                f"rule: host_points must be (tokens, µs per activation) with tokens ascending from 1 "
+                f"and finite positive times, not {points!r}"
+            )
+        last = int(tokens)
+
+
+def choose_fetches(
+    copy_us: float,
+    host_us: list[float],
+    device_us: list[float],
+    device_due: float,
+    bus_ahead_us: float,
+    margin: float,
+    overlap: bool,
+) -> int:
+    """How many of a call's absent misses -- host_us and device_us: each one's time for all
+    its activations there, the most activations first -- are fetched rather than run on
+    the host: the count with the least layer time, and only if it beats all-host by
+    `margin` (paper section 4.3). With `overlap` the bus copies them one after another
+    behind `bus_ahead_us`, the device runs each as it lands after `device_due`, and the
+    host runs the rest meanwhile; without it all of that is in series. The rule's
+    choice in libspice (spice-store-rule.c) is this, step for step."""
+    host_left = 0.0
+    for h in host_us:  # in order, as C adds them (sum() compensates from Python 3.12 on)
+        host_left += h
+    all_host = max(host_left, device_due) if overlap else host_left + device_due
+    best_j, best_t = 0, all_host
+    device = device_due  # overlap: when the device finishes the fetched ones
+    dev_sum = 0.0  # serial: device work of the fetched ones
+    for j in range(1, len(host_us) + 1):
+        host_left -= host_us[j - 1]
+        if overlap:
+            device = max(device, bus_ahead_us + copy_us * j) + device_us[j - 1]
+            t = max(host_left, device)
+        else:
+            dev_sum += device_us[j - 1]
+            t = bus_ahead_us + copy_us * j + host_left + device_due + dev_sum
+        if t < best_t:
+            best_j, best_t = j, t
+    return best_j if best_j and best_t <= all_host * (1.0 - margin) else 0
+
+
+def host_per_activation(rule: Rule, n_tokens: int) -> float:
+    """host(n) of the rule (spice-store-rule.c's host_per_activation, the same arithmetic
+    as CostModel.host_us): its points interpolated, or host_us without them."""
+    pts = rule.host_points
+    if not pts:
+        return rule.host_us
+    if n_tokens <= pts[0][0]:
+        return pts[0][1]
+    i = 1
+    while i < len(pts) and pts[i][0] < n_tokens:
+        i += 1
+    if i == len(pts):
+        return pts[-1][1]
+    (t0, c0), (t1, c1) = pts[i - 1], pts[i]
+    return c0 + (c1 - c0) * (n_tokens - t0) / (t1 - t0)
 
 
 DEFAULT_RULE = Rule()  # resident on the device, misses on the host, keep everything

@@ -21,7 +21,17 @@ from pyspice.policy.base import (
     RESIDENCY_RESIDENT,
     Plan,
 )
-from pyspice.policy.rule import KEEP_DECAYED, KEEP_LAYER_LRU, KEEP_LRU, KEEP_NONE, MISS_COST, MISS_FETCH, Rule
+from pyspice.policy.rule import (
+    KEEP_DECAYED,
+    KEEP_LAYER_LRU,
+    KEEP_LRU,
+    KEEP_NONE,
+    MISS_COST,
+    MISS_FETCH,
+    Rule,
+    choose_fetches,
+    host_per_activation,
+)
 from pyspice.sim.tier import SimTier
 
 Key = tuple[int, int]
@@ -193,21 +203,77 @@ def _predict(
     return picked
 
 
-def _miss_action(tier: SimTier, rule: Rule, layer: int, expert: int) -> int:
-    if tier.state(layer, expert) == RESIDENCY_ABSENT:
-        if rule.miss == MISS_FETCH:
-            return ACTION_DEVICE
-        if rule.miss == MISS_COST:
-            fetch = _copy_us(tier, layer) + rule.device_us < rule.host_us * (1.0 - rule.margin)
-            return ACTION_DEVICE if fetch else ACTION_HOST
-        return ACTION_HOST
+def _host_total(rule: Rule, n: int) -> float:
+    return host_per_activation(rule, n) * n
+
+
+def _device_total(rule: Rule, n: int) -> float:
+    """n activations of one expert on the device (the host's time without overlap)."""
+    return rule.device_us * n if rule.overlap else _host_total(rule, n)
+
+
+def _fixed_action(rule: Rule, whole: bool, state: int, has_surrogate: bool, weight: np.float32) -> int | None:
+    """An activation's action when no cost decides it, else None (its expert's)."""
+    if whole:
+        return ACTION_DEVICE
+    if state == RESIDENCY_RESIDENT:
+        return rule.resident_action
+    if rule.surrogate_weight > 0 and has_surrogate and weight < np.float32(rule.surrogate_weight):
+        return ACTION_SURROGATE
+    return ACTION_HOST if rule.resident_action == ACTION_HOST else None
+
+
+def _in_flight_action(tier: SimTier, rule: Rule, layer: int, expert: int, n: int) -> int:
     if rule.miss == MISS_FETCH:
-        return ACTION_DEVICE  # in flight: wait for it
+        return ACTION_DEVICE  # wait for it
     if rule.host_us <= 0:
         return ACTION_HOST
     ready = tier.ready_at(layer, expert)
     remaining_us = (ready - tier.now_ns) / 1e3 if ready > tier.now_ns else 0.0
-    return ACTION_DEVICE if remaining_us + rule.device_us < rule.host_us else ACTION_HOST
+    return ACTION_DEVICE if remaining_us + _device_total(rule, n) < _host_total(rule, n) else ACTION_HOST
+
+
+def _miss_actions(
+    tier: SimTier, rule: Rule, layer: int, count: dict[int, int], left: dict[int, int]
+) -> dict[int, int]:
+    """miss_actions in spice-store-rule.c: the action of each expert's activations left
+    to the cost (`left`; `count`: all of the call's activations per expert)."""
+    act: dict[int, int] = {}
+    misses: list[int] = []
+    for e in sorted(left):
+        if tier.state(layer, e) != RESIDENCY_ABSENT:
+            act[e] = _in_flight_action(tier, rule, layer, e, left[e])
+        elif rule.miss == MISS_COST:
+            misses.append(e)
+        else:
+            act[e] = ACTION_DEVICE if rule.miss == MISS_FETCH else ACTION_HOST
+    if misses:
+        misses.sort(key=lambda e: -left[e])  # stable: ties to the lower id
+        device_due = 0.0
+        for e in sorted(count):
+            st = tier.state(layer, e)
+            if st == RESIDENCY_ABSENT:
+                continue
+            due = (
+                rule.resident_action == ACTION_DEVICE
+                if st == RESIDENCY_RESIDENT
+                else act.get(e) == ACTION_DEVICE
+            )
+            if due:
+                device_due += _device_total(rule, count[e])
+        started = any(c.started for c in tier.copies.values())
+        j = choose_fetches(
+            _copy_us(tier, layer),
+            [_host_total(rule, left[e]) for e in misses],
+            [_device_total(rule, left[e]) for e in misses],
+            device_due,
+            _copy_us(tier, layer) if started else 0.0,
+            rule.margin,
+            rule.overlap,
+        )
+        for i, e in enumerate(misses):
+            act[e] = ACTION_DEVICE if i < j else ACTION_HOST
+    return act
 
 
 def rule_plan(
@@ -226,7 +292,10 @@ def rule_plan(
     selected: set[int] = set()
     incoming: set[int] = set()
     absent_selected = 0
-    threshold = np.float32(rule.surrogate_weight)
+    surrogates = rule.surrogate_set if rule.surrogate_weight > 0 else None
+    count: dict[int, int] = {}
+    left: dict[int, int] = {}  # activations per expert no fixed action took
+    open_actions: list[tuple[int, int, int]] = []
     for (t, k), e_raw in np.ndenumerate(ids):
         e = int(e_raw)
         if not 0 <= e < n_expert:
@@ -235,24 +304,22 @@ def rule_plan(
         if e not in selected:
             selected.add(e)
             absent_selected += st == RESIDENCY_ABSENT
-        if whole:
-            a = ACTION_DEVICE
-        elif st == RESIDENCY_RESIDENT:
-            a = rule.resident_action
-        elif (
-            rule.surrogate_weight > 0
-            and rule.surrogate_set is not None
-            and bool(rule.surrogate_set[layer, e])
-            and np.float32(weights[t, k]) < threshold
-        ):
-            a = ACTION_SURROGATE
-        elif rule.resident_action == ACTION_HOST:
-            a = ACTION_HOST
+        count[e] = count.get(e, 0) + 1
+        has = surrogates is not None and bool(surrogates[layer, e])
+        a = _fixed_action(rule, whole, st, has, np.float32(weights[t, k]))
+        if a is None:
+            left[e] = left.get(e, 0) + 1
+            open_actions.append((t, k, e))
         else:
-            a = _miss_action(tier, rule, layer, e)
-        actions[t, k] = a
-        if a == ACTION_DEVICE and st == RESIDENCY_ABSENT:
-            incoming.add(e)
+            actions[t, k] = a
+    act = _miss_actions(tier, rule, layer, count, left) if left else {}
+    for t, k, e in open_actions:
+        actions[t, k] = act[e]
+    incoming = {
+        e
+        for e in selected
+        if tier.state(layer, e) == RESIDENCY_ABSENT and (whole or (e in left and act[e] == ACTION_DEVICE))
+    }
     fetch = [e for e in range(n_expert) if tier.state(layer, e) == RESIDENCY_ABSENT] if whole else []
     evict: list[Key] = []
     if rule.keep == KEEP_NONE:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -55,9 +56,13 @@ def rules(draw: Any) -> Rule:
         resident_action=draw(st.sampled_from([ACTION_DEVICE, ACTION_DEVICE, ACTION_HOST])),
         miss=draw(st.sampled_from([MISS_HOST, MISS_FETCH, MISS_COST])),
         keep=keep,
-        host_us=draw(st.sampled_from([0.0, 3.0, 12.0, 40.0])),
+        host_us=draw(st.sampled_from([0.0, 2.0, 3.0, 12.0, 40.0])),
+        # host(n) falling with the tokens of a batch; a point past the call's tokens, and
+        # one pair whose interpolation rounds, test the ends and the arithmetic
+        host_points=draw(st.sampled_from([(), ((1, 12.0),), ((1, 40.0), (3, 7.3)), ((2, 30.0), (9, 2.0))])),
         device_us=draw(st.sampled_from([0.0, 1.0])),
         margin=draw(st.sampled_from([0.0, 0.2])),
+        overlap=draw(st.booleans()),
         surrogate_weight=draw(st.sampled_from([0.0, 0.3])) if surrogates is not None else 0.0,
         surrogate_set=surrogates,
         whole_layers=tuple(draw(st.sets(st.sampled_from(MOE_LAYERS), max_size=1))),
@@ -75,7 +80,7 @@ def rules(draw: Any) -> Rule:
 @st.composite
 def calls(draw: Any) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
     il = draw(st.sampled_from(MOE_LAYERS))
-    n_tokens, k = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    n_tokens, k = draw(st.integers(1, 5)), draw(st.integers(1, 3))
     ids = np.array(
         [
             draw(st.lists(st.integers(0, N_EXPERT[il] - 1), min_size=k, max_size=k, unique=True))
@@ -157,6 +162,68 @@ def test_a_refused_wait_moves_no_queue() -> None:
     test_rule_and_sim_rule_agree.hypothesis.inner_test(  # type: ignore[attr-defined]
         budget_experts=1, setup=setup, rule=rule, sequence=sequence, switch=None
     )
+
+
+def rule_actions(rule: Rule, ids: np.ndarray, setup: tuple[tuple[str, Any], ...] = ()) -> np.ndarray:
+    """The actions of one call of layer 0 on an empty tier after `setup` (run_op steps),
+    the engine's and the twin's (asserted equal)."""
+    store, tier = make_pair(4 * max(EXPERT_BYTES), 3)
+    for name, arg in setup:
+        run_op(store, tier, name, arg)
+    store.set_rule(rule)
+    weights = np.full(ids.shape, 0.5, np.float32)
+    assert (store.begin_call(0, ids) == tier.begin_call(0, ids)).all()
+    c_plan = store.rule_plan(0, ids, weights, None)
+    actions, _ = rule_plan(tier, RuleState(rule, len(N_EXPERT)), 0, ids, weights)
+    assert (np.asarray(c_plan.actions) == actions).all()
+    return actions
+
+
+@pytest.mark.parametrize(
+    ("host_points", "tokens", "expected"),
+    [
+        ((), 1, ACTION_HOST),  # one token: a 4.6 us copy + 1 on the device loses to 3 on the host
+        ((), 2, ACTION_HOST),  # 4.6 + 2 x 1 against 2 x 3
+        ((), 4, ACTION_DEVICE),  # 4.6 + 4 x 1 against 4 x 3: one copy serves four tokens
+        (((1, 3.0), (4, 2.0)), 4, ACTION_HOST),  # ... not where the host runs four at 2 each
+        (((1, 3.0), (4, 2.0)), 8, ACTION_DEVICE),  # 4.6 + 8 x 1 against 8 x 2 (flat past the last point)
+    ],
+)
+def test_a_batch_weighs_one_copy_against_all_its_tokens(
+    host_points: tuple[tuple[int, float], ...], tokens: int, expected: int
+) -> None:
+    """COST weighs a miss for every activation of the call left to it: a copy that loses
+    to the host for one token wins for a batch that all picks the expert, by host(n)
+    where the rule has its points."""
+    rule = Rule(miss=MISS_COST, host_us=3.0, device_us=1.0, host_points=host_points, overlap=True)
+    actions = rule_actions(rule, np.array([[1]] * tokens, np.int32))
+    assert (actions == expected).all(), actions
+
+
+@pytest.mark.parametrize(("margin", "overlap", "fetched"), [(0.0, True, 1), (0.2, True, 0), (0.0, False, 0)])
+def test_cost_fetches_the_misses_that_shorten_the_layer(margin: float, overlap: bool, fetched: int) -> None:
+    """Two misses of one token, 3 us each on the host, a 4.6 us copy: fetching one while
+    the host runs the other ends the layer at 5.6 us against 6 all on the host; both
+    fetched, at 10.2. So the rule fetches one (the lower id) -- not where that must beat
+    all-host by 20%, nor where the device's work is the host's time (!overlap)."""
+    rule = Rule(miss=MISS_COST, host_us=3.0, device_us=1.0, margin=margin, overlap=overlap)
+    actions = rule_actions(rule, np.array([[1, 2]], np.int32))
+    assert actions.tolist() == [[ACTION_DEVICE, ACTION_HOST] if fetched else [ACTION_HOST, ACTION_HOST]]
+
+
+def test_cost_counts_the_copy_on_the_bus_and_the_device_work_due() -> None:
+    """The two misses above again, where fetching one paid. Behind a copy already on the
+    bus the fetched one would land 4.6 us later; with 22 us of device work due first
+    (resident experts 0, 3 and 4 for 8, 7 and 7 tokens) it would run after that. Both
+    times the host is sooner, so both run there."""
+    rule = Rule(miss=MISS_COST, host_us=3.0, device_us=1.0, overlap=True)
+    on_the_bus = (("prefetch", (2, 0)),)  # started at once on the idle bus
+    assert rule_actions(rule, np.array([[1, 2]], np.int32), on_the_bus).tolist() == [[ACTION_HOST] * 2]
+    resident = (("demand", (0, 0)), ("demand", (0, 3)), ("demand", (0, 4)), ("advance", 100_000))
+    ids = np.array([[0, 1, 2]] + [[0, 3, 4]] * 7, np.int32)
+    actions = rule_actions(rule, ids, resident)
+    assert actions[0].tolist() == [ACTION_DEVICE, ACTION_HOST, ACTION_HOST]
+    assert (actions[1:] == ACTION_DEVICE).all()
 
 
 @settings(max_examples=60, deadline=None)

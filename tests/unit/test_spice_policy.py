@@ -396,6 +396,26 @@ def test_h_min_follows_the_transfer_cost() -> None:
     assert slow_bus.h_min(0, 2, 2) > 1 and fast_bus.h_min(0, 2, 2) == 1
 
 
+def test_the_cost_model_keys_the_hosts_batch_costs_by_one_experts_tokens() -> None:
+    """`pyspice probe` measures a batch of n tokens: a layer's expert time over its
+    activations, where each expert runs about n x k / E of them. A decision weighs one
+    expert's tokens, so the table is re-keyed: with k = 2 of E = 8, the 32-token batch's
+    cost per activation is that of an expert running 8 tokens; an 8-token batch (2 per
+    expert) adds a point, a 2-token one (under 1 each) none."""
+    from pyspice.policy.spice.cost import per_expert_points
+
+    batches = [(1, 10.0), (2, 9.5), (8, 6.0), (32, 2.0)]
+    assert per_expert_points(batches, 2 / 8) == ((1, 10.0), (2, 6.0), (8, 2.0))
+    prof = replace(
+        profile(12.0, 10.0, 1.0, emulated=False),
+        batches=[BatchCost(tokens=n, expert_us=us, rest_us_per_layer=50.0) for n, us in batches],
+    )
+    cost = CostModel.from_context(context(8, prof=prof))
+    assert cost.host_us(1) == 10.0  # a decode step's expert, as measured at batch 1
+    assert cost.host_us(8) == 8 * 2.0  # 8 tokens of one expert: the 32-token batch's rate
+    assert cost.host_us(5) == pytest.approx(5 * (6.0 + (2.0 - 6.0) * 3 / 6))
+
+
 def test_decode_steps_plan_at_every_other_layer_and_run_the_default_plan_between() -> None:
     predictor = ScriptedPredictor(8)
     predictor.future = {il: [il, il + 1] for il in range(4)}

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pyspice.policy.context import PolicyContext
+from pyspice.policy.rule import MAX_HOST_POINTS, choose_fetches
 
 DEFAULT_BUS_GBPS = 12.0
 DEFAULT_LATENCY_US = 10.0
@@ -26,11 +28,30 @@ NOMINAL_HOST_GBPS = 8.0  # bytes of weights a decode step streams per µs x 1e3,
 NOMINAL_REST_US = 200.0
 
 
+def per_expert_points(points: Sequence[tuple[int, float]], share: float) -> tuple[tuple[int, float], ...]:
+    """A per-activation cost table keyed by a step's tokens -- what `pyspice probe` measures
+    and the simulator's profiles give: a layer's expert time over its activations, at a
+    batch of n tokens -- keyed instead by the tokens one expert runs for, which is what a
+    decision about one expert weighs: at a batch of n, each expert of a layer runs about
+    n x share of them (share = n_expert_used / n_expert), its weights read once for all.
+    The first point (a decode step's) is one token's; points where an expert gets one
+    token or fewer add nothing. At most MAX_HOST_POINTS, as the engine's rule takes."""
+    pts = sorted(points)
+    if not pts:
+        return ()
+    out = [(1, float(pts[0][1]))]
+    for n, us in pts[1:]:
+        m = round(n * share)
+        if m > out[-1][0]:
+            out.append((m, float(us)))
+    return tuple(out[:MAX_HOST_POINTS])
+
+
 @dataclass(frozen=True)
 class CostModel:
     bus_gbps: float
     latency_us: float
-    # (batch tokens, host µs per activation), ascending by tokens
+    # (tokens one expert runs for, host µs per activation), ascending (per_expert_points)
     host_points: tuple[tuple[int, float], ...]
     device_expert_us: float  # one activation on the device, batch 1
     rest_us_per_layer: float  # decode: everything in a layer but the routed experts
@@ -59,7 +80,8 @@ class CostModel:
                 False,
                 host_reads=not ctx.host_weights_in_memory,
             )
-        points = tuple(sorted((int(b.tokens), float(b.expert_us)) for b in profile.batches))
+        share = ctx.n_expert_used / max(1, ctx.max_expert)
+        points = per_expert_points(tuple((int(b.tokens), float(b.expert_us)) for b in profile.batches), share)
         rest = float(min(profile.batches, key=lambda b: b.tokens).rest_us_per_layer)
         return CostModel(
             bus_gbps=float(profile.bus_gbps),
@@ -80,7 +102,8 @@ class CostModel:
         return self.latency_us + self.expert_bytes[layer] / (self.bus_gbps * 1e3)
 
     def host_us(self, n_tokens: int) -> float:
-        """One expert over n_tokens tokens on the host (per-activation cost falls with batch size)."""
+        """One expert over n_tokens tokens on the host (its weights read once for all of
+        them, so the per-activation cost falls with n_tokens)."""
         pts = self.host_points
         i = bisect_left(pts, (n_tokens, -math.inf))
         if i == 0:
@@ -147,24 +170,12 @@ class CostModel:
         if self.host_reads:
             return len(miss_tokens)  # the host would read the expert first: a fetch costs no more
         order = sorted(miss_tokens, reverse=True)
-        host = [self.host_us(n) for n in order]
-        dev = [self.device_us(n) for n in order]
-        copy = self.copy_us(layer)
-        host_left = sum(host)
-        all_host = host_left + device_us if not self.overlap else max(host_left, device_us)
-        best_j, best_t = 0, all_host
-        device = device_us  # overlap: when the device finishes the fetched ones
-        dev_sum = 0.0  # serial: device work of the fetched ones
-        for j in range(1, len(order) + 1):
-            host_left -= host[j - 1]
-            if self.overlap:
-                device = max(device, bus_ahead_us + copy * j) + dev[j - 1]
-                t = max(host_left, device)
-            else:
-                dev_sum += dev[j - 1]
-                t = bus_ahead_us + copy * j + host_left + device_us + dev_sum
-            if t < best_t:
-                best_j, best_t = j, t
-        if best_j and best_t <= all_host * (1.0 - margin):
-            return best_j
-        return 0
+        return choose_fetches(
+            self.copy_us(layer),
+            [self.host_us(n) for n in order],
+            [self.device_us(n) for n in order],
+            device_us,
+            bus_ahead_us,
+            margin,
+            self.overlap,
+        )

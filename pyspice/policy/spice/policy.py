@@ -155,8 +155,10 @@ class SpicePolicy(PolicyBase):
         planner thread (its plans -- prefetches, evictions -- land calls later): the
         miss handling of misses.py as a per-activation rule. Resident -> device; a
         prefetch in flight is waited for when that beats the host by the cost model;
-        absent -> host (`host`), a demand fetch (`fetch`), or a fetch when copy and
-        device beat the host by `fetch_margin` (`cost`); lossy levels substitute
+        absent -> host (`host`), a demand fetch (`fetch`), or (`cost`) the misses
+        whose fetch shortens the layer by `fetch_margin`, chosen as misses.py chooses
+        them (CostModel.choose_fetches, weighing a copy against every token of a batch
+        that waits for it); lossy levels substitute
         low-weight misses of experts whose surrogate is within the error budget.
         Where a host action reads its expert first (the disk tier), `cost` fetches
         every miss and keeps it, evicting by decayed use (SpiceConfig.retention_decay)."""
@@ -183,6 +185,8 @@ class SpicePolicy(PolicyBase):
             decay=cfg.retention_decay if retain else 0.0,
             host_us=self.misses.host1,
             device_us=self.misses.dev1,
+            host_points=self.cost.host_points,  # a batch's misses weighed at its token counts
+            overlap=self.cost.overlap,
             margin=cfg.fetch_margin,
             surrogate_weight=cfg.surrogate_max_weight if surrogate_set is not None else 0.0,
             surrogate_set=surrogate_set,
