@@ -16,11 +16,17 @@ Per step (a prompt micro-batch or one decoded token) and layer, in order:
    counts them. On edge mode's disk tier (Costs.disk, pyspice.sim.disk) the
    host's weights are in the file too: the experts the call runs on the host
    without a slot are then read into scratch, and the call waits for them.
-4. Routed experts run: device experts on the device stream, host experts on
-   the host executor (its threads are folded into the per-expert time); the
-   layer ends when both are done (a synchronisation per layer). On an emulated
-   device the "device" is the host itself, so the two are serial, and a slot's
-   bytes are copied into place by the host the first time it is used.
+4. Routed experts run: device experts on the device stream once their copies
+   are in, host experts on the host executor from the start of step 3's waits
+   (the engine's host threads run the misses while thread 0 waits for the
+   device's copies; on the disk tier, after their reads) -- its threads are
+   folded into the per-expert time; the layer ends when both are done (a
+   synchronisation per layer). A decode step costs each activation its
+   per-activation time at one token; a batch costs each expert's activations
+   at the rate of one expert running that many tokens (its weights read once
+   for them: per_expert_points). On an emulated device the "device" is the
+   host itself, so the two are serial, and a slot's bytes are copied into
+   place by the host the first time it is used.
 
 The copy engine (pyspice.sim.tier) runs on its own timeline meanwhile, so
 prefetches issued at one layer land while later layers compute.
@@ -49,6 +55,7 @@ from pyspice.policy.base import (
 )
 from pyspice.policy.context import PolicyContext, RouterLoader
 from pyspice.policy.rule import Rule, declared_rule
+from pyspice.policy.spice.cost import per_expert_points
 from pyspice.sim.disk import DiskRules, SimDiskTier
 from pyspice.sim.plan import (
     InvalidPlan,
@@ -145,6 +152,11 @@ class SimResult:
     disk_expert_reads_per_token: float | None = None
     scratch_reads: int | None = None
     scratch_ms_per_token: float | None = None
+    # the prompt's steps (untimed in tpot_ms; they warm the tier): their time, and
+    # their activations run on the host and fetched on demand
+    prefill_ms: float = 0.0
+    prompt_host: int = 0
+    prompt_fetched: int = 0
 
     @property
     def misses(self) -> int:
@@ -193,6 +205,8 @@ class SimResult:
             "prefetch_cancelled": self.prefetch_cancelled,
             "policy_us_per_call": self.policy_us_per_call,
             "policy_fallbacks": self.policy_fallbacks,
+            "prefill_ms": self.prefill_ms,
+            "prompt_misses": {"host": self.prompt_host, "fetched": self.prompt_fetched},
             "breakdown_ms_per_token": dict(self.breakdown_ms_per_token),
             "planning": {
                 "applied": self.plans_applied,
@@ -265,6 +279,11 @@ class Simulator:
         self.surrogates: SurrogateTable | None = surrogate_table(self.context())
         self._plan_rule: RuleState | None = None  # the rule plans installed (run() resets it)
         self.tier: SimTier | None = None  # the tier of the last run
+        # the costs per activation keyed by the tokens one expert runs for, for a batch's
+        # experts (a profile's tables are keyed by a step's tokens: per_expert_points)
+        share = self.n_expert_used / max(1, max(workload.n_expert, default=1))
+        self._host_per_expert = per_expert_points(costs.host_expert_us, share)
+        self._dev_per_expert = per_expert_points(costs.device_expert_us, share)
 
     def context(self) -> PolicyContext:
         kwargs: dict[str, Any] = {}
@@ -338,6 +357,8 @@ class Simulator:
         if tier is not None and (preload or preloads_tier(policy)):  # as the engine starts it
             t = self._preload(tier)
         tally = _Tally()
+        prompt: _Tally | None = None  # the prompt's steps' tally, once decoding starts
+        prompt_ns, t_start = 0, t
         bytes0 = copy0 = stall0 = 0
         pre0 = (0, 0, 0)
         disk0, scratch0 = (0, 0, 0, 0), 0
@@ -345,6 +366,7 @@ class Simulator:
         for si, step in enumerate(wl.steps):
             if step.decode and not decode_started:
                 decode_started = True
+                prompt_ns = t - t_start
                 if tier is not None:
                     tier.now_ns = t
                     tier.refresh()
@@ -352,7 +374,7 @@ class Simulator:
                     pre0 = self._prefetch_totals(tier)
                     if isinstance(tier, SimDiskTier):
                         disk0, scratch0 = tier.read_totals(t), tier.scratch_ns
-                tally = _Tally()
+                prompt, tally = tally, _Tally()
             start = t
             t = self._step(step.calls, step.n_tokens, t, tier, policy, policy_us, tally, rule_state, planner)
             t += _us(costs.step_us)
@@ -363,6 +385,8 @@ class Simulator:
                 on_step(si + 1, len(wl.steps))
         n_tok = max(1, wl.decoded_tokens)
         scale = costs.layer_scale
+        if prompt is None:  # a prompt and nothing decoded
+            prompt, prompt_ns = tally, t - t_start
         if tier is not None:
             tier.now_ns = t
             tier.refresh()
@@ -398,6 +422,9 @@ class Simulator:
             prefetch_issued=p1[0] - pre0[0],
             prefetch_used=p1[1] - pre0[1],
             prefetch_cancelled=p1[2] - pre0[2],
+            prefill_ms=prompt_ns / 1e6 * scale,
+            prompt_host=prompt.outcomes.host,
+            prompt_fetched=prompt.outcomes.fetched,
             policy_us_per_call=tally.policy_us / max(1, tally.policy_calls),
             policy_fallbacks=tally.fallbacks + (planner.fallbacks if planner is not None else 0),
             breakdown_ms_per_token={k: v / 1e6 / n_tok * scale for k, v in tally.parts.items()},
@@ -493,6 +520,15 @@ class Simulator:
         us = policy_us if policy_us is not None else spent + self.costs.python_call_us
         return actions, plan, us
 
+    @staticmethod
+    def _per_expert_us(ids: npt.NDArray[np.int32], where: npt.NDArray[np.bool_], table: BatchTable) -> float:
+        """A batch's work on one executor: for each expert, its activations there at the
+        per-activation cost of one expert running that many tokens."""
+        if not where.any():
+            return 0.0
+        _, counts = np.unique(ids[where], return_counts=True)
+        return sum(int(c) * interpolate(table, int(c)) for c in counts.tolist())
+
     def _step(
         self,
         calls: list[SimCall],
@@ -567,6 +603,7 @@ class Simulator:
             overhead = _us(spent_us + costs.hook_us)
             t += overhead
             tally.part("policy and hook", overhead)
+            applied = t  # the host executor may start its misses here (below)
             if tier is not None:
                 tier.now_ns = t
                 t, actions = self._apply(tier, il, ids, actions, plan, t, tally)
@@ -579,19 +616,26 @@ class Simulator:
                 tally.part("disk reads for host actions", wait)
             tally.outcomes = tally.outcomes + count_outcomes(actions, hit)
             is_dev, is_host = actions == ACTION_DEVICE, actions == ACTION_HOST
-            dev = _us(
-                int(is_dev.sum()) * dev_us + int((actions == ACTION_SURROGATE).sum()) * costs.surrogate_us
-            )
             n_host = int(is_host.sum())
-            host = _us(n_host * host_us + (costs.host_call_us if n_host else 0.0))
+            if n_tokens == 1:
+                dev_work, host_work = int(is_dev.sum()) * dev_us, n_host * host_us
+            else:  # a batch: each expert's weights are read once for its own tokens
+                dev_work = self._per_expert_us(ids, is_dev, self._dev_per_expert)
+                host_work = self._per_expert_us(ids, is_host, self._host_per_expert)
+            dev = _us(dev_work + int((actions == ACTION_SURROGATE).sum()) * costs.surrogate_us)
+            host = _us(host_work + (costs.host_call_us if n_host else 0.0))
             if tier is None:  # no device tier: everything runs on the host executor
                 host, dev = host + dev, 0
             if costs.device_shares_host:
                 t += dev + host
                 tally.part("expert compute", dev + host)
             else:
-                t += max(dev, host)
-                tally.part("expert compute", max(dev, host))
+                # the host runs its misses while the device's copies are awaited (the engine's
+                # launch_device_work), except where it reads them from disk first
+                host_from = t if isinstance(tier, SimDiskTier) else applied
+                end = max(t + dev, host_from + host)
+                tally.part("expert compute", end - t)
+                t = end
         return t
 
     def _apply(
