@@ -4,8 +4,8 @@
 For each row: the hook thread's deciding time per decode call (median of the rounds,
 each round's listed), TPOT over `exact`'s in the same round, the decode hit rate, the
 asynchronous rows' lag, stale plans and waits for a deterministic plan not done yet
-(not deciding, but the hook thread's time), the whole run's host-executed activations;
-then the accounting check: how much of the
+(not deciding, but the hook thread's time), the whole run's host-executed activations
+and the decode steps' (bench since session 44); then the accounting check: how much of the
 row's whole hook time over `exact`'s is neither deciding, nor the store's bookkeeping
 and copy work, nor waits for copies (the residual; 0 when the counters account for
 everything the hook thread does). The last column takes each row's expert execution
@@ -66,6 +66,23 @@ def per_call(row: dict[str, Any]) -> dict[str, float]:
     return dict(row.get("per_call_decode") or row["per_call"])
 
 
+def print_host_cuts(hosts: dict[str, tuple[float, float | None]]) -> None:
+    """Issue 19's "the lossy levels earn their loss": each lossy row's cut in host-executed
+    activations against the lossless level planned the same way (`spice:fast@sync` against
+    `spice:exact@sync`), whole run and decode steps, of the medians."""
+    for name, (host, dec) in hosts.items():
+        level, _, how = name.partition("@")
+        if level not in ("spice:balanced", "spice:fast"):
+            continue
+        lossless = "spice:exact" + (f"@{how}" if how else "")
+        base = hosts.get(lossless)
+        if base is None or not base[0]:
+            continue
+        whole = 1.0 - host / base[0]
+        decode = f"{1.0 - dec / base[1]:.1%}" if dec is not None and base[1] else "-"
+        print(f"host cut of {name} against {lossless}: whole run {whole:.1%}, decode {decode}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("rounds", type=Path, nargs="+", help="bench --json files, one per round, same budget")
@@ -76,9 +93,10 @@ def main() -> None:
     med = statistics.median
     print(
         "| row | hook us (rounds) | planner wait us | TPOT / exact | decode hit | host activations "
-        "| lag | stale | residual us (rounds) | residual less exec and call us (rounds) |"
+        "(decode) | lag | stale | residual us (rounds) | residual less exec and call us (rounds) |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
+    hosts: dict[str, tuple[float, float | None]] = {}
     for name in names:
         us = [r[name]["policy_us_per_decode_call"] for r in rounds]
         ratio = [r[name]["tpot_ms"] / r["exact"]["tpot_ms"] for r in rounds]
@@ -89,15 +107,20 @@ def main() -> None:
         stale = str(sum(p["stale"] for p in plans)) if is_async else "-"
         wait = med(r[name].get("planner_wait_us_per_decode_call", 0.0) for r in rounds)
         host = med(r[name]["misses"].get("host", 0) for r in rounds)
+        dec = [r[name].get("decode_misses", {}).get("host") for r in rounds]
+        dec_host = med(d for d in dec if d is not None) if all(d is not None for d in dec) else None
+        hosts[name] = (host, dec_host)
         res = [residual(r[name], r["exact"], args.moe_layers) for r in rounds]
         rex = [residual(r[name], r["exact"], args.moe_layers, less_named=True) for r in rounds]
         print(
             f"| {name} | {med(us):.2f} ({', '.join(f'{u:.2f}' for u in us)}) | "
             f"{f'{wait:.2f}' if is_async else '-'} | {med(ratio):.3f} | "
-            f"{med(hit):.3f} | {host:.0f} | {lag} | {stale} | "
+            f"{med(hit):.3f} | {host:.0f} ({'-' if dec_host is None else f'{dec_host:.0f}'}) | "
+            f"{lag} | {stale} | "
             f"{med(res):.1f} ({', '.join(f'{v:.1f}' for v in res)}) | "
             f"{med(rex):.1f} ({', '.join(f'{v:.1f}' for v in rex)}) |"
         )
+    print_host_cuts(hosts)
     different = [n for n in names if any(r[n].get("tokens") != r["exact"].get("tokens") for r in rounds)]
     tpot = ", ".join(f"{r['exact']['tpot_ms']:.2f}" for r in rounds)
     print(f"\nexact's TPOT ms per round: {tpot}")

@@ -156,6 +156,7 @@ def run_one(
     stats["policy_us_per_decode_call"] = _decode_share(stats, prompt)
     stats["per_call_decode"] = decode_per_call(stats, prompt)
     stats["decode_hit_rate"] = decode_hit_rate(stats, prompt)
+    stats["decode_misses"] = decode_misses(stats, prompt)
     stats["planner_wait_us_per_decode_call"] = decode_planner_wait(stats, prompt)
     return float(stats["prefill_tps"]), float(stats["tpot_ms"]), tokens, stats
 
@@ -209,6 +210,15 @@ def decode_hit_rate(total: dict[str, Any], prompt: dict[str, Any]) -> float:
     acts = int(total["activations"]) - int(prompt["activations"])
     hits = round(total["hit_rate"] * total["activations"]) - round(prompt["hit_rate"] * prompt["activations"])
     return hits / acts if acts > 0 else 0.0
+
+
+def decode_misses(total: dict[str, Any], prompt: dict[str, Any]) -> dict[str, int]:
+    """The decode steps' misses by outcome (fetched, host, surrogate): the whole run's
+    less the prompt's. A 128-token prompt's batch has 4x the activations of 32 decoded
+    tokens and, on an empty tier, runs a policy's first layers on the host whatever it
+    is; what a level changes in decoding shows here."""
+    whole, first = total.get("misses") or {}, prompt.get("misses") or {}
+    return {key: int(whole.get(key, 0)) - int(first.get(key, 0)) for key in ("fetched", "host", "surrogate")}
 
 
 class UpstreamTwins:

@@ -58,6 +58,15 @@ def test_bench_decode_hit_rate_leaves_the_prompt_out() -> None:
     assert decode_hit_rate(prompt, prompt) == 0.0  # nothing decoded
 
 
+def test_bench_decode_misses_leave_the_prompt_out() -> None:
+    from pyspice.measure.bench import decode_misses
+
+    prompt = {"misses": {"fetched": 0, "host": 512, "surrogate": 3, "dropped": 0}}
+    total = {"misses": {"fetched": 2, "host": 700, "surrogate": 9, "dropped": 0}}
+    assert decode_misses(total, prompt) == {"fetched": 2, "host": 188, "surrogate": 6}
+    assert decode_misses(prompt, prompt) == {"fetched": 0, "host": 0, "surrogate": 0}  # nothing decoded
+
+
 def test_bench_per_call_of_decode_calls_leaves_the_prompt_batch_out() -> None:
     """One prompt call of 100 us hook time and four decode calls of 2 us: every call's
     average is 21.6 us, the decode calls' 2 us."""
