@@ -239,9 +239,10 @@ SPICE_API int spice_plan_check(const spice_plan_limits * limits, const spice_pol
  * them): an in-flight copy is waited for when its remaining time + n x device
  * time beats n x host(n); COST fetches, of the absent misses, the most activations
  * first, as many as give the least layer time -- the bus copying them one after
- * another, the device running each as it lands, the host the rest meanwhile
- * (overlap; else all in series) -- where that beats all-host by the margin. One
- * copy is weighed against every token of a batch that waits for it.
+ * another, the device running each as it lands, the host the rest meanwhile --
+ * where that beats all-host by the margin. One copy is weighed against every
+ * token of a batch that waits for it. Without overlap (the emulated device, whose
+ * work is the host's time) every miss runs on the host.
  * Room for demand fetches comes from `keep` (for KEEP_DECAYED: each call of a
  * layer multiplies that layer's use counts by `decay`, then counts each expert
  * it selects once more; the lowest count goes first); a layer in whole_layers fetches
@@ -296,7 +297,8 @@ struct spice_rule {
     const int32_t * host_point_tokens; /* [n_host_points] */
     const double * host_point_us;      /* [n_host_points] us per activation at that many tokens, > 0 */
     int32_t overlap;               /* 1: the device runs beside the host (a GPU); 0: its work is the host's
-                                      time too (the emulated device), so device time is host(n) */
+                                      time too (the emulated device): waiting for a copy or fetching one
+                                      only adds it, so every miss runs on the host */
 };
 #define SPICE_RULE_MAX_HOST_POINTS 16
 

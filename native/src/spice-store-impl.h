@@ -68,9 +68,11 @@ typedef struct spice_store_rule {
     int64_t calls;           /* calls planned by the rule */
     int32_t * host_tokens;   /* [n_host_points] copies of the rule's host cost points, or NULL */
     double * host_per_act;   /* [n_host_points] */
-    int32_t * count;         /* [max_expert] scratch: the call's activations per expert */
+    int32_t * sel;           /* [max_expert] scratch: the experts this call selects, in first-use order */
+    int32_t * count;         /* [max_expert] scratch: the call's activations per selected expert */
     int32_t * left;          /* [max_expert] scratch: ... of them no fixed action took (miss_actions') */
-    int32_t * order;         /* [max_expert] scratch: COST's misses, the most activations first */
+    int32_t * order;         /* [max_expert] scratch: COST's misses, the most activations first, then
+                                the experts whose device work is due, by id */
     int32_t * act;           /* [max_expert] scratch: the action an expert's left activations get */
     uint8_t * incoming;      /* [max_expert] scratch: absent experts this call fetches */
     uint8_t * selected;      /* [max_expert] scratch: experts this call selects (never victims) */

@@ -24,6 +24,7 @@ int spice_store_rule_init(spice_store * s) {
     const size_t width = (size_t) (s->max_expert > 0 ? s->max_expert : 1);
     const size_t cells = (size_t) s->n_layers * width;
     r->misses = (int32_t *) calloc((size_t) s->n_layers, sizeof(int32_t));
+    r->sel = (int32_t *) calloc(width, sizeof(int32_t));
     r->count = (int32_t *) calloc(width, sizeof(int32_t));
     r->left = (int32_t *) calloc(width, sizeof(int32_t));
     r->order = (int32_t *) calloc(width, sizeof(int32_t));
@@ -35,7 +36,7 @@ int spice_store_rule_init(spice_store * s) {
     r->logits = (double *) calloc(width, sizeof(double));
     r->oldest = (int32_t *) calloc((size_t) s->n_layers, sizeof(int32_t));
     r->uses = (double *) calloc(cells > 0 ? cells : 1, sizeof(double));
-    return r->misses && r->count && r->left && r->order && r->act && r->incoming && r->selected && r->predicted && r->chosen && r->logits && r->oldest &&
+    return r->misses && r->sel && r->count && r->left && r->order && r->act && r->incoming && r->selected && r->predicted && r->chosen && r->logits && r->oldest &&
                    r->uses
                ? SPICE_OK
                : SPICE_ERR_NO_MEMORY;
@@ -67,6 +68,7 @@ void spice_store_rule_free(spice_store * s) {
     spice_store_rule * r = &s->rule;
     release_arrays(s);
     free(r->misses);
+    free(r->sel);
     free(r->count);
     free(r->left);
     free(r->order);
@@ -654,10 +656,8 @@ static double host_total(const spice_store_rule * r, int32_t n) {
     return host_per_activation(r, n) * (double) n;
 }
 
-/* n activations of one expert on the device: n x device_us, or the host's time
- * where the device's work is the host's (!overlap: the emulated device) */
 static double device_total(const spice_store_rule * r, int32_t n) {
-    return r->rule.overlap ? r->rule.device_us * (double) n : host_total(r, n);
+    return r->rule.device_us * (double) n;
 }
 
 /* An activation's action when no cost decides it, else -1 (its expert's: miss_actions). */
@@ -676,13 +676,10 @@ static int32_t fixed_action(const spice_store_rule * r, int whole, int st, size_
     return rule->resident_action == SPICE_ACTION_HOST ? SPICE_ACTION_HOST : -1;
 }
 
-/* An in-flight miss with n activations left: wait for its copy when that and the
- * device beat the host, else run them on the host meanwhile. */
+/* An in-flight miss with n activations left, where the rule weighs costs: wait for its
+ * copy when that and the device beat the host, else run them on the host meanwhile. */
 static int32_t in_flight_action(spice_store * s, int32_t il, int32_t e, uint64_t now, int32_t n) {
     const spice_store_rule * r = &s->rule;
-    if (r->rule.miss == SPICE_MISS_FETCH) {
-        return SPICE_ACTION_DEVICE;
-    }
     if (r->rule.host_us <= 0.0) {
         return SPICE_ACTION_HOST;
     }
@@ -692,37 +689,31 @@ static int32_t in_flight_action(spice_store * s, int32_t il, int32_t e, uint64_t
 }
 
 /* COST's choice among a call's n_miss absent misses (r->order: the most activations
- * first, ties to the lower id; r->left[e] each): how many of them are fetched rather
- * than run on the host. The count with the least layer time -- the bus copies them
- * one after another behind `bus_ahead`, the device runs each as it lands after the
- * work already due there, the host runs the rest meanwhile (!overlap: all of it in
- * series) -- and only one that beats all-host by the margin (paper section 4.3). It
- * is pyspice's CostModel.choose_fetches step for step, so the rule decides a call as
- * the policy itself would, and one copy is weighed against every token of a batch
- * that waits for it. */
+ * first, ties to the lower id; r->left[e] each) on a device beside the host: how many
+ * of them are fetched rather than run on the host. The count with the least layer
+ * time -- the bus copies them one after another behind `bus_ahead`, the device runs
+ * each as it lands after the work already due there, the host runs the rest meanwhile
+ * -- and only one that beats all-host by the margin (paper section 4.3). It is
+ * pyspice.policy.rule.choose_fetches step for step, which the policy's own decisions
+ * use too; one copy is weighed against every token of a batch that waits for it.
+ * Where the device's work is the host's (!overlap) a fetch only adds its copy, so
+ * miss_actions runs every miss on the host without asking. */
 static int32_t choose_fetches(const spice_store * s, int32_t il, int32_t n_miss, double device_due, double bus_ahead) {
     const spice_store_rule * r = &s->rule;
-    const int overlap = r->rule.overlap != 0;
     const double copy = copy_us(s, il);
     double host_left = 0.0;
     for (int32_t i = 0; i < n_miss; ++i) {
         host_left += host_total(r, r->left[r->order[i]]);
     }
-    const double all_host = overlap ? (host_left > device_due ? host_left : device_due) : host_left + device_due;
+    const double all_host = host_left > device_due ? host_left : device_due;
     int32_t best_j = 0;
-    double best_t = all_host, device = device_due, dev_sum = 0.0;
+    double best_t = all_host, device = device_due;
     for (int32_t j = 1; j <= n_miss; ++j) {
         const int32_t n = r->left[r->order[j - 1]];
         host_left -= host_total(r, n);
-        double t;
-        if (overlap) {
-            const double lands = bus_ahead + copy * (double) j;
-            device = (device > lands ? device : lands) + device_total(r, n);
-            t = host_left > device ? host_left : device;
-        } else {
-            dev_sum += device_total(r, n);
-            t = bus_ahead + copy * (double) j + host_left + device_due + dev_sum;
-        }
+        const double lands = bus_ahead + copy * (double) j;
+        device = (device > lands ? device : lands) + device_total(r, n);
+        const double t = host_left > device ? host_left : device;
         if (t < best_t) {
             best_j = j;
             best_t = t;
@@ -732,44 +723,59 @@ static int32_t choose_fetches(const spice_store * s, int32_t il, int32_t n_miss,
 }
 
 /* The actions of the activations no fixed action took (call->actions -1), per expert
- * for all its activations left: FETCH fetches or waits; HOST runs them on the host, or
- * waits for a copy that lands sooner; COST waits for a copy by its remaining time, and
- * fetches the misses choose_fetches picks. */
-static void miss_actions(spice_store * s, spice_policy_call * call, int32_t il, uint64_t now) {
+ * for all its activations left (r->sel: the n_sel experts the call selects), where
+ * the rule weighs costs: HOST runs them on the host or waits for a copy that lands
+ * sooner; COST waits for a copy by its remaining time, and fetches the misses
+ * choose_fetches picks. */
+static void miss_actions(spice_store * s, spice_policy_call * call, int32_t il, uint64_t now, int32_t n_sel) {
     spice_store_rule * r = &s->rule;
     const spice_rule * rule = &r->rule;
-    const int32_t n_e = s->n_expert[il];
     int32_t n_miss = 0;
-    for (int32_t e = 0; e < n_e; ++e) {
+    for (int32_t i = 0; i < n_sel; ++i) {
+        const int32_t e = r->sel[i];
         if (r->left[e] == 0) {
             continue;
         }
         if (state_of(s, il, e) != SPICE_RES_ABSENT) {
             r->act[e] = in_flight_action(s, il, e, now, r->left[e]);
         } else if (rule->miss == SPICE_MISS_COST) {
-            int32_t i = n_miss++; /* insertion: the most activations first, ties to the lower id */
-            for (; i > 0 && r->left[r->order[i - 1]] < r->left[e]; --i) {
-                r->order[i] = r->order[i - 1];
+            int32_t m = n_miss++; /* insertion: the most activations first, ties to the lower id */
+            for (; m > 0 && (r->left[r->order[m - 1]] < r->left[e] ||
+                             (r->left[r->order[m - 1]] == r->left[e] && r->order[m - 1] > e));
+                 --m) {
+                r->order[m] = r->order[m - 1];
             }
-            r->order[i] = e;
+            r->order[m] = e;
         } else {
-            r->act[e] = rule->miss == SPICE_MISS_FETCH ? SPICE_ACTION_DEVICE : SPICE_ACTION_HOST;
+            r->act[e] = SPICE_ACTION_HOST;
         }
     }
     if (n_miss > 0) {
-        double device_due = 0.0; /* what the device runs anyway: resident experts, awaited copies */
-        for (int32_t e = 0; e < n_e; ++e) {
+        /* what the device runs anyway (resident experts, awaited copies), added by id as
+         * the twin adds them */
+        int32_t * due = r->order + n_miss;
+        int32_t n_due = 0;
+        for (int32_t i = 0; i < n_sel; ++i) {
+            const int32_t e = r->sel[i];
             const int st = state_of(s, il, e);
-            if (r->count[e] > 0 && st != SPICE_RES_ABSENT &&
-                (st == SPICE_RES_RESIDENT ? rule->resident_action == SPICE_ACTION_DEVICE
-                                          : r->left[e] > 0 && r->act[e] == SPICE_ACTION_DEVICE)) {
-                device_due += device_total(r, r->count[e]);
+            if (st == SPICE_RES_RESIDENT ? rule->resident_action == SPICE_ACTION_DEVICE
+                                         : st != SPICE_RES_ABSENT && r->left[e] > 0 && r->act[e] == SPICE_ACTION_DEVICE) {
+                int32_t m = n_due++;
+                for (; m > 0 && due[m - 1] > e; --m) {
+                    due[m] = due[m - 1];
+                }
+                due[m] = e;
             }
+        }
+        double device_due = 0.0;
+        for (int32_t i = 0; i < n_due; ++i) {
+            device_due += device_total(r, r->count[due[i]]);
         }
         const double bus_ahead = s->n_started > 0 ? copy_us(s, il) : 0.0; /* a copy on the bus */
         const int32_t j = choose_fetches(s, il, n_miss, device_due, bus_ahead);
         for (int32_t i = 0; i < n_miss; ++i) {
             r->act[r->order[i]] = i < j ? SPICE_ACTION_DEVICE : SPICE_ACTION_HOST;
+            r->incoming[r->order[i]] = i < j; /* comes now, on demand */
         }
     }
     const int32_t n_used = call->n_expert_used;
@@ -816,6 +822,7 @@ int spice_store_rule_plan(spice_store * s, spice_policy_call * call) {
     const int whole = r->whole_layers != NULL && r->whole_layers[il];
     call->n_fetch = call->n_prefetch = call->n_evict = call->n_evict_from = 0;
     call->n_actions = call->n_tokens * n_used;
+    memset(r->incoming, 0, (size_t) n_e);
     memset(r->selected, 0, (size_t) n_e); /* r->chosen is all zero: each plan clears what it set */
     const int32_t nxt =
         rule->prefetch_next && (r->next_layers == NULL || r->next_layers[il]) ? next_moe_layer(s, il) : -1;
@@ -825,10 +832,14 @@ int spice_store_rule_plan(spice_store * s, spice_policy_call * call) {
         prefetch_bytes(r->routers[nxt].q, bytes < 8192 ? bytes : 8192);
     }
 
-    /* per activation, the action no cost decides; the rest per expert (miss_actions) */
-    memset(r->count, 0, (size_t) n_e * sizeof(int32_t));
-    memset(r->left, 0, (size_t) n_e * sizeof(int32_t));
-    int32_t absent_selected = 0, n_left = 0;
+    /* per activation, the action no cost decides, and where no cost is weighed the
+     * miss's too: FETCH fetches or waits; HOST without a cost table, and any miss where
+     * the device's work is the host's time (!overlap: waiting or fetching only adds a
+     * copy), runs on the host. The rest per expert (miss_actions) */
+    const int weighs =
+        rule->overlap && (rule->miss == SPICE_MISS_COST || (rule->miss == SPICE_MISS_HOST && rule->host_us > 0.0));
+    const int32_t plain_miss = rule->miss == SPICE_MISS_FETCH ? SPICE_ACTION_DEVICE : SPICE_ACTION_HOST;
+    int32_t absent_selected = 0, n_sel = 0, n_left = 0;
     for (int32_t t = 0; t < call->n_tokens; ++t) {
         const int32_t * ids = (const int32_t *) ((const char *) call->ids + (size_t) t * call->ids_nb1);
         const float * weights = (const float *) ((const char *) call->weights + (size_t) t * call->weights_nb1);
@@ -843,21 +854,30 @@ int spice_store_rule_plan(spice_store * s, spice_policy_call * call) {
             if (!r->selected[e]) {
                 r->selected[e] = 1;
                 absent_selected += st == SPICE_RES_ABSENT;
+                if (weighs) {
+                    r->sel[n_sel++] = e;
+                    r->count[e] = r->left[e] = 0;
+                }
             }
-            r->count[e]++;
+            if (weighs) {
+                r->count[e]++;
+            }
             *a = fixed_action(r, whole, st, spice_store_cell(s, il, e), weights[k]);
             if (*a < 0) {
-                r->left[e]++;
-                n_left++;
+                if (weighs) {
+                    r->left[e]++;
+                    n_left++;
+                    continue; /* miss_actions */
+                }
+                *a = plain_miss;
+            }
+            if (*a == SPICE_ACTION_DEVICE && st == SPICE_RES_ABSENT) {
+                r->incoming[e] = 1; /* comes now, on demand */
             }
         }
     }
     if (n_left > 0) {
-        miss_actions(s, call, il, now);
-    }
-    for (int32_t e = 0; e < n_e; ++e) { /* the absent experts that come now, on demand */
-        r->incoming[e] = r->selected[e] && state_of(s, il, e) == SPICE_RES_ABSENT &&
-                         (whole || (r->left[e] > 0 && r->act[e] == SPICE_ACTION_DEVICE));
+        miss_actions(s, call, il, now, n_sel);
     }
     if (whole) { /* the layer's absent experts all come now (and stay: nothing evicts them) */
         for (int32_t e = 0; e < n_e; ++e) {

@@ -20,9 +20,11 @@ host's time per activation at n tokens (`host_points`, else `host_us`): a copy
 in flight is waited for when its remaining time + n x device_us beats n x
 host(n); COST fetches, of the absent misses, the most activations first, as
 many as give the least layer time (`choose_fetches`: the bus copies them one
-after another, the device runs each as it lands, the host the rest meanwhile,
-or all in series without `overlap`), where that beats all-host by `margin`.
-One copy is weighed against every token of a batch that waits for it.
+after another, the device runs each as it lands, the host the rest meanwhile),
+where that beats all-host by `margin`. One copy is weighed against every token
+of a batch that waits for it. Without `overlap` (the emulated device, whose work
+is the host's time) waiting or fetching only adds a copy: every miss runs on
+the host.
 
 Room for demand fetches comes from `keep` (least recently selected out first,
 pooled or per layer; or, DECAYED, the lowest use count decayed by `decay` at
@@ -135,25 +137,23 @@ def choose_fetches(
     """How many of a call's absent misses -- host_us and device_us: each one's time for all
     its activations there, the most activations first -- are fetched rather than run on
     the host: the count with the least layer time, and only if it beats all-host by
-    `margin` (paper section 4.3). With `overlap` the bus copies them one after another
-    behind `bus_ahead_us`, the device runs each as it lands after `device_due`, and the
-    host runs the rest meanwhile; without it all of that is in series. The rule's
-    choice in libspice (spice-store-rule.c) is this, step for step."""
+    `margin` (paper section 4.3). The bus copies them one after another behind
+    `bus_ahead_us`, the device runs each as it lands after `device_due`, and the host
+    runs the rest meanwhile. Without `overlap` the device's work is the host's time too,
+    so a fetch only adds its copy: none. The rule's choice in libspice
+    (spice-store-rule.c) is this, step for step."""
+    if not overlap:
+        return 0
     host_left = 0.0
     for h in host_us:  # in order, as C adds them (sum() compensates from Python 3.12 on)
         host_left += h
-    all_host = max(host_left, device_due) if overlap else host_left + device_due
+    all_host = max(host_left, device_due)
     best_j, best_t = 0, all_host
-    device = device_due  # overlap: when the device finishes the fetched ones
-    dev_sum = 0.0  # serial: device work of the fetched ones
+    device = device_due  # when the device finishes the fetched ones
     for j in range(1, len(host_us) + 1):
         host_left -= host_us[j - 1]
-        if overlap:
-            device = max(device, bus_ahead_us + copy_us * j) + device_us[j - 1]
-            t = max(host_left, device)
-        else:
-            dev_sum += device_us[j - 1]
-            t = bus_ahead_us + copy_us * j + host_left + device_due + dev_sum
+        device = max(device, bus_ahead_us + copy_us * j) + device_us[j - 1]
+        t = max(host_left, device)
         if t < best_t:
             best_j, best_t = j, t
     return best_j if best_j and best_t <= all_host * (1.0 - margin) else 0

@@ -208,8 +208,7 @@ def _host_total(rule: Rule, n: int) -> float:
 
 
 def _device_total(rule: Rule, n: int) -> float:
-    """n activations of one expert on the device (the host's time without overlap)."""
-    return rule.device_us * n if rule.overlap else _host_total(rule, n)
+    return rule.device_us * n
 
 
 def _fixed_action(rule: Rule, whole: bool, state: int, has_surrogate: bool, weight: np.float32) -> int | None:
@@ -226,8 +225,8 @@ def _fixed_action(rule: Rule, whole: bool, state: int, has_surrogate: bool, weig
 def _in_flight_action(tier: SimTier, rule: Rule, layer: int, expert: int, n: int) -> int:
     if rule.miss == MISS_FETCH:
         return ACTION_DEVICE  # wait for it
-    if rule.host_us <= 0:
-        return ACTION_HOST
+    if rule.host_us <= 0 or not rule.overlap:
+        return ACTION_HOST  # without overlap: the wait, then the device's work, the host's too
     ready = tier.ready_at(layer, expert)
     remaining_us = (ready - tier.now_ns) / 1e3 if ready > tier.now_ns else 0.0
     return ACTION_DEVICE if remaining_us + _device_total(rule, n) < _host_total(rule, n) else ACTION_HOST
@@ -243,7 +242,7 @@ def _miss_actions(
     for e in sorted(left):
         if tier.state(layer, e) != RESIDENCY_ABSENT:
             act[e] = _in_flight_action(tier, rule, layer, e, left[e])
-        elif rule.miss == MISS_COST:
+        elif rule.miss == MISS_COST and rule.overlap:
             misses.append(e)
         else:
             act[e] = ACTION_DEVICE if rule.miss == MISS_FETCH else ACTION_HOST
