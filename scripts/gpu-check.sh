@@ -10,7 +10,8 @@
 #   sched.txt         the hooked layers' split inputs (GGML_SCHED_DEBUG=2), stock vs hook
 #   bench-decode.json decode bench on a real-shape DeepSeek-V2-Lite: pool vs legacy at 25%, pool at 50%;
 #                     then spice:exact sync, async and det1 at plan_every 4 and 1 (25%)
-#   bench-prefill.json  512-token prompts: upstream's path above 32 tokens vs every batch through the hook
+#   bench-prefill.json  512-token prompts: upstream's path above 32 tokens vs every batch through the hook;
+#                     then a 32-token prompt (a chat turn, through the hook) at 25%
 #   trace.bin         the decode trace, for `pyspice sim --profile h200` back here
 #   verify.txt        the CUDA row-by-row checks (tests/native/test_cuda_device.py)
 set -u
@@ -123,4 +124,12 @@ done 2>&1 | grep -E '^\{"' >>"$O/bench-decode.json"
 step "planning-all-cores" 70 $PY -m pyspice bench -ngl 99 -t "$(nproc)" -m $M -n 32 --repeat 2 --device-budget 25% \
     $REPLAY --policies stock,spice:exact@sync,spice:exact@async --json 2>&1 \
     | grep -E '^\{"' >>"$O/bench-decode.json"
+
+# ---- 10. a chat turn's prompt (32 tokens: through the hook, PREFILL_HOOK_TOKENS) at 25%:
+# the rule weighs one copy against every token that picked an expert (session 44; the
+# simulator puts its prefill at 0.97x the per-activation rule's, rule-batch-costs.md);
+# prefill tok/s against stock and exact, and the decode right after; appended to
+# bench-prefill.json ----
+step "prefill-chat-turn" 60 $BENCH -m $M -n 16 --prompt-tokens 32 --repeat 3 --device-budget 25% \
+    --policies stock,exact,spice:exact --json 2>&1 | grep -E '^\{"' >>"$O/bench-prefill.json"
 say "done"
