@@ -830,6 +830,13 @@ class Runtime:
             )
             self._check(status, "enable_async")
 
+    def set_clock_step(self, step_ns: int) -> None:
+        """Deterministic timing on an emulated tier: its clock leaves real time and moves
+        `step_ns` as each hook call starts (0: real time again; a new tier starts there).
+        Raises SpiceError without a tier or on a real device (spice_runtime_set_clock_step)."""
+        status = self._n.lib.spice_runtime_set_clock_step(self._rt, max(0, int(step_ns)))
+        self._check(status, "set_clock_step")
+
     def hook_flags(self) -> int:
         """SPICE_HOOK_WANT_* the hook is registered with (1 probs, 2 shared-expert output;
         libspice adds 2 while surrogates are loaded); 0 when it is not registered."""

@@ -528,6 +528,12 @@ SPICE_API int spice_store_read_slot(spice_store * store, int32_t il, int32_t e, 
  * 0 when the host executor reads its slots (emulated). */
 SPICE_API int spice_store_is_real(const spice_store * store);
 
+/* Switch an emulated store's clock between real time (virtual = 0) and a clock
+ * that moves only through spice_store_advance (virtual = 1), continuing from
+ * what it reads now. SPICE_ERR_STATE for any other device (CUDA, disk): their
+ * copies take the time they take. */
+SPICE_API int spice_store_set_virtual_clock(spice_store * store, int virtual_clock);
+
 /* ---- runtime -------------------------------------------------------------- */
 
 typedef struct spice_runtime spice_runtime;
@@ -684,6 +690,15 @@ SPICE_API spice_store * spice_runtime_get_store(spice_runtime * rt);
  * asynchronous planning, which must not touch the store: a plan's `rule` does
  * that there. SPICE_ERR_STATE without a device tier. */
 SPICE_API int spice_runtime_set_rule(spice_runtime * rt, const spice_rule * rule);
+
+/* Deterministic timing on an emulated tier: with step_ns > 0 the tier's clock
+ * leaves real time (spice_store_set_virtual_clock) and moves by step_ns as each
+ * hook call starts, so which copies have landed when a call comes -- and so its
+ * actions and, with lossy slots, its output -- depends only on the calls before
+ * it. With a deterministic plan lag (spice_async_params) a run then repeats
+ * exactly. 0: real time again. A new tier starts on real time.
+ * SPICE_ERR_STATE without a tier, or where its device is not emulated. */
+SPICE_API int spice_runtime_set_clock_step(spice_runtime * rt, uint64_t step_ns);
 
 /* Copy experts onto the device tier in layer order until it is full and wait
  * for them; *n_loaded = how many. Not counted as traffic. */

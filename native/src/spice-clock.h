@@ -30,6 +30,17 @@ static inline uint64_t spice_clock_now(const spice_clock * c) {
     return c->manual ? c->now_ns : spice_monotonic_ns() - c->epoch_ns;
 }
 
+/* Switch between real time and the manual clock, continuing from what the
+ * clock reads now (times already handed out stay in the same frame). */
+static inline void spice_clock_set_manual(spice_clock * c, int manual) {
+    if (manual && !c->manual) {
+        c->now_ns = spice_monotonic_ns() - c->epoch_ns;
+    } else if (!manual && c->manual) {
+        c->epoch_ns = spice_monotonic_ns() - c->now_ns;
+    }
+    c->manual = manual != 0;
+}
+
 /* Block until the clock reads at least t (a manual clock jumps there). */
 static inline void spice_clock_sleep_until(spice_clock * c, uint64_t t) {
     if (c->manual) {

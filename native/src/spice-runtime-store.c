@@ -118,6 +118,7 @@ int spice_runtime_set_store(spice_runtime * rt, const spice_store_params * param
     spice_store_free(rt->store);
     rt->store = NULL;
     rt->resume_il = -1; /* a new tier: the policy decides the next call afresh */
+    rt->clock_step_ns = 0; /* and runs on real time */
     rt->plan_rule = NULL; /* and it starts with the default rule */
     if (params == NULL) {
         return SPICE_OK;
@@ -259,5 +260,24 @@ done:
     if (n_loaded) {
         *n_loaded = n;
     }
+    return SPICE_OK;
+}
+
+int spice_runtime_set_clock_step(spice_runtime * rt, uint64_t step_ns) {
+    if (rt == NULL) {
+        return SPICE_ERR_INVALID_ARG;
+    }
+    if (rt->store == NULL) {
+        snprintf(rt->last_error, sizeof(rt->last_error), "a clock step moves a device tier's clock: give the "
+                 "runtime a tier first");
+        return SPICE_ERR_STATE;
+    }
+    const int status = spice_store_set_virtual_clock(rt->store, step_ns > 0);
+    if (status != SPICE_OK) {
+        snprintf(rt->last_error, sizeof(rt->last_error), "only an emulated tier's clock can be virtual: a real "
+                 "device's copies take the time they take");
+        return status;
+    }
+    rt->clock_step_ns = step_ns;
     return SPICE_OK;
 }

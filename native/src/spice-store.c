@@ -671,6 +671,17 @@ int spice_store_is_real(const spice_store * s) {
     return s != NULL && spice_device_can_execute(s->device);
 }
 
+int spice_store_set_virtual_clock(spice_store * s, int virtual_clock) {
+    if (s == NULL) {
+        return SPICE_ERR_INVALID_ARG;
+    }
+    if (s->params.device_kind != SPICE_DEVICE_EMULATED) {
+        return SPICE_ERR_STATE;
+    }
+    spice_clock_set_manual(&s->clock, virtual_clock);
+    return SPICE_OK;
+}
+
 int spice_store_read_slot(spice_store * s, int32_t il, int32_t e, void * dst, size_t size) {
     if (!spice_store_valid(s, il, e) || dst == NULL) {
         return SPICE_ERR_INVALID_ARG;

@@ -29,7 +29,7 @@ from pyspice.engine.checks import check_budget_value, check_bus, check_executor,
 from pyspice.engine.device import DeviceTier, automatic_budget, store_params
 from pyspice.engine.disk import disk_store_params
 from pyspice.engine.host_memory import release_free_heap
-from pyspice.engine.planning import Planning, planner_may_poll
+from pyspice.engine.planning import Planning, planner_may_poll, virtual_layer_ns
 from pyspice.engine.profile import profile_for_tier, saved_disk, saved_profile
 from pyspice.engine.replay import RoutingReplay, load_routing_replay
 from pyspice.engine.slot_tier import set_tier
@@ -447,7 +447,8 @@ class Engine:
         if hasattr(policy, "plan_lag"):
             # its plans land this many layers late: it looks that much further ahead
             policy.plan_lag = planning.expected_lag() if asynchronous else 0  # type: ignore[attr-defined]
-        attach_policy(policy, self.policy_context())
+        ctx = self.policy_context()
+        attach_policy(policy, ctx)
         self._preload_for(policy)
         if self._blas_limit is None:
             # Python policies run inside ggml's threads (or beside them, on the planner
@@ -465,6 +466,10 @@ class Engine:
                 idle_poll=planner_may_poll(self.decode_threads),
             )
             runtime.enable_policy(policy, self.max_hook_tokens, asynchronous=params)
+            if planning.deterministic_lag > 0 and not runtime.device_is_real() and not self.experts_on_disk:
+                # the plans repeat; which copies have landed when a call comes follows the
+                # tier's clock: on an emulated tier a virtual one, a modelled layer per call
+                runtime.set_clock_step(virtual_layer_ns(ctx))
         else:
             runtime.enable_policy(policy, self.max_hook_tokens)
 

@@ -201,6 +201,46 @@ def test_deterministic_spice_is_lossless_and_repeats_run_to_run(model: Any, refe
         llm.close()
 
 
+def test_deterministic_planning_runs_an_emulated_tier_on_a_virtual_clock(model: Any, reference: Any) -> None:
+    """On the wall clock which copies have landed when a call comes -- and so, with lossy
+    slots, the output -- varied between runs of the same deterministic command. With a
+    deterministic lag the engine puts an emulated tier on a virtual clock that moves one
+    modelled layer per hook call: the clock reads exactly calls x step after a run, and
+    two runs agree in every residency-driven count. Free-running planning keeps real time."""
+    from pyspice.engine.planning import virtual_layer_ns
+
+    llm = load(model)
+    try:
+        llm.set_device("25%", 8.0, 5.0)  # real time, as a user's emulated tier
+        engine = llm.spice_engine
+        engine.set_planning(Planning(deterministic_lag=1))
+        step = virtual_layer_ns(engine.policy_context())
+        runtime = engine.require_runtime()
+        lib = runtime._n.lib  # the tier's clock, read where the engine reads it
+
+        def clock() -> int:
+            return int(lib.spice_store_now(lib.spice_runtime_get_store(runtime._rt)))
+
+        runs = []
+        for _ in range(2):
+            got = greedy_run(llm, "spice:exact", n_decode=N_DECODE)  # a new tier each run
+            assert got.tokens == reference.tokens
+            after = clock()
+            time.sleep(0.01)
+            assert clock() == after  # only the calls move it
+            assert after >= got.stats["hook_calls"] * step
+            runs.append(got.stats)
+        for key in ("hit_rate", "prefetch_issued", "prefetch_used", "misses", "bytes_per_token"):
+            assert runs[0][key] == runs[1][key], key
+        engine.set_planning(Planning(asynchronous=True))  # free-running: the wall clock again
+        greedy_run(llm, "spice:exact", n_decode=1)
+        before = clock()
+        time.sleep(0.01)
+        assert clock() - before >= 10_000_000
+    finally:
+        llm.close()
+
+
 def test_free_running_spice_is_lossless(model: Any, reference: Any) -> None:
     llm = load(model)
     try:
