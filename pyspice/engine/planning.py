@@ -34,10 +34,12 @@ from pyspice.runtime import AsyncParams
 # chunks, token by token, 25%; sessions 38 and 40) -- the planner's timing, not the
 # text, moved it -- and thresholds tuned on one run's noise do not hold on the next.
 # Applied exactly one layer late (the free-running lag measured 1.01-1.03 layers), a
-# plan is the same in every run (which copies have landed when a call comes still
-# follows the bus, as it does synchronously); the hook's thread then waits for a plan
-# not done yet, which for a ~40 us plan on a core of its own is seldom (bench column
-# `wait us`; the issue 19 note has the numbers).
+# plan is the same in every run; the hook's thread then waits for a plan not done yet,
+# which for a ~40 us plan on a core of its own is seldom (bench column `wait us`; the
+# issue 19 note has the numbers). Which copies have landed when a call comes follows
+# the tier's clock: an emulated tier's then moves a modelled layer per call
+# (virtual_layer_ns), so a run repeats to the bit; a real device's copies take the
+# time they take.
 LOSSY_PLAN_LAG = 1
 
 
