@@ -832,7 +832,8 @@ class Runtime:
 
     def set_clock_step(self, step_ns: int) -> None:
         """Deterministic timing on an emulated tier: its clock leaves real time and moves
-        `step_ns` as each hook call starts (0: real time again; a new tier starts there).
+        `step_ns` per token of each hook call as it starts (0: real time again; a new
+        tier starts there).
         Raises SpiceError without a tier or on a real device (spice_runtime_set_clock_step)."""
         status = self._n.lib.spice_runtime_set_clock_step(self._rt, max(0, int(step_ns)))
         self._check(status, "set_clock_step")

@@ -692,8 +692,10 @@ SPICE_API spice_store * spice_runtime_get_store(spice_runtime * rt);
 SPICE_API int spice_runtime_set_rule(spice_runtime * rt, const spice_rule * rule);
 
 /* Deterministic timing on an emulated tier: with step_ns > 0 the tier's clock
- * leaves real time (spice_store_set_virtual_clock) and moves by step_ns as each
- * hook call starts, so which copies have landed when a call comes -- and so its
+ * leaves real time (spice_store_set_virtual_clock) and moves by step_ns per token
+ * of each hook call as it starts (a prompt batch's layer takes longer than a
+ * decode token's: its copies land as they would), so which copies have landed
+ * when a call comes -- and so its
  * actions and, with lossy slots, its output -- depends only on the calls before
  * it. With a deterministic plan lag (spice_async_params) a run then repeats
  * exactly. 0: real time again. A new tier starts on real time.

@@ -81,7 +81,7 @@ struct spice_runtime {
 
     spice_counters * counters; /* [n_layers], written by thread 0 only */
     uint64_t hook_end_ns;      /* when thread 0 left the last hook call (0: none yet) */
-    uint64_t clock_step_ns;    /* > 0: the tier's clock is virtual and moves this much per hook call */
+    uint64_t clock_step_ns;    /* > 0: the tier's clock is virtual and moves this much per token of a hook call */
     int32_t hook_end_il;       /* and its layer */
     atomic_int abort_requested;
     uint64_t plan_rejections;

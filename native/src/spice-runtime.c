@@ -156,8 +156,8 @@ static void snapshot_call(spice_runtime * rt, const spice_hook_call * hc, spice_
     if (rt->store != NULL) {
         call->residency = spice_store_states(rt->store, &call->res_layers, &call->res_width);
         const uint64_t t0 = spice_monotonic_ns();
-        if (rt->clock_step_ns > 0) {
-            spice_store_advance(rt->store, rt->clock_step_ns); /* virtual time: one step per call */
+        if (rt->clock_step_ns > 0) { /* virtual time: a step per token of the call */
+            spice_store_advance(rt->store, rt->clock_step_ns * (uint64_t) (hc->n_tokens > 0 ? hc->n_tokens : 1));
         }
         spice_store_begin_call(rt->store, hc->il, hc->n_tokens, hc->n_expert_used, hc->ids, hc->ids_nb1,
                                rt->plan.hit);

@@ -165,11 +165,13 @@ def planner_may_poll(decode_threads: int | None) -> bool:
 
 
 def virtual_layer_ns(ctx: PolicyContext) -> int:
-    """One hook call's step of an emulated tier's virtual clock in deterministic planning
-    (spice_runtime_set_clock_step): a decode step's modelled time in one MoE layer, the
-    policy's own cost model's (CostModel.layer_us: the probe's rest of a layer plus the
-    experts a token picks). Copies then land by the calls before a call, not by the wall
-    clock, so a deterministic run repeats exactly: which experts a call finds in their
+    """The step per token of a hook call of an emulated tier's virtual clock in
+    deterministic planning (spice_runtime_set_clock_step): a decode step's modelled time
+    in one MoE layer, the policy's own cost model's (CostModel.layer_us: the probe's rest
+    of a layer plus the experts a token picks); a prompt batch's call moves it that much
+    per token, generously (a batch shares its weight reads), so the copies a prompt's
+    plans ask for land as they do on the wall clock. Copies then land by the calls before
+    a call, not by the wall clock, so a deterministic run repeats exactly: which experts a call finds in their
     slots -- 5-bit or 4-bit copies for the lossy levels, the model's weights on the host
     otherwise -- decides its output. On the wall clock spice:balanced's perplexity change
     read +0.44% and -0.19% in two runs of one command at det1 (fortunes-min, 6 chunks,
