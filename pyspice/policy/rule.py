@@ -119,8 +119,8 @@ def check_host_points(points: tuple[tuple[int, float], ...]) -> None:
     for tokens, us in points:
         if int(tokens) <= last or not 0.0 < float(us) < float("inf"):
             raise ValueError(
-                f"rule: host_points must be (tokens, µs per activation) with tokens ascending from 1 "
-                f"and finite positive times, not {points!r}"
+                f"rule: host_points must be (tokens, µs per activation) pairs, tokens positive and "
+                f"ascending, times finite and positive, not {points!r}"
             )
         last = int(tokens)
 

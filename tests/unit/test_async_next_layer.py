@@ -104,6 +104,23 @@ def test_next_room_needs_prefetch_next_and_no_capacities() -> None:
         Rule(keep=KEEP_LAYER_LRU, capacity=(1,), prefetch_next=True, routers=(router(0),), next_room=True)
 
 
+@pytest.mark.parametrize(
+    "points",
+    [
+        ((0, 1.0),),
+        ((2, 1.0), (2, 0.5)),
+        ((1, 1.0), (4, 0.0)),
+        ((1, float("nan")),),
+        tuple((n, 1.0) for n in range(1, 18)),
+    ],
+)
+def test_host_points_libspice_would_refuse_are_refused_here(points: tuple[tuple[int, float], ...]) -> None:
+    """spice_store_set_rule refuses these (tokens not positive and ascending, a time not
+    finite and positive, more than SPICE_RULE_MAX_HOST_POINTS): the Rule says why first."""
+    with pytest.raises(ValueError, match="host_points"):
+        Rule(host_points=points)
+
+
 def test_the_rules_prefetch_takes_room_from_the_layers_just_run() -> None:
     """A full tier of 4 slots: layers 1, 2 (just run) and 6, 7 (coming) hold one
     expert each. The rule at layer 2 prefetches layer 3's top-2 (3 and 4), taking
