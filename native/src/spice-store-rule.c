@@ -36,8 +36,8 @@ int spice_store_rule_init(spice_store * s) {
     r->logits = (double *) calloc(width, sizeof(double));
     r->oldest = (int32_t *) calloc((size_t) s->n_layers, sizeof(int32_t));
     r->uses = (double *) calloc(cells > 0 ? cells : 1, sizeof(double));
-    return r->misses && r->sel && r->count && r->left && r->order && r->act && r->incoming && r->selected && r->predicted && r->chosen && r->logits && r->oldest &&
-                   r->uses
+    return r->misses && r->sel && r->count && r->left && r->order && r->act && r->incoming && r->selected &&
+                   r->predicted && r->chosen && r->logits && r->oldest && r->uses
                ? SPICE_OK
                : SPICE_ERR_NO_MEMORY;
 }

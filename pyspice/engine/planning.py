@@ -170,11 +170,11 @@ def virtual_layer_ns(ctx: PolicyContext) -> int:
     in one MoE layer, the policy's own cost model's (CostModel.layer_us: the probe's rest
     of a layer plus the experts a token picks); a prompt batch's call moves it that much
     per token, generously (a batch shares its weight reads), so the copies a prompt's
-    plans ask for land as they do on the wall clock. Copies then land by the calls before
-    a call, not by the wall clock, so a deterministic run repeats exactly: which experts a call finds in their
-    slots -- 5-bit or 4-bit copies for the lossy levels, the model's weights on the host
-    otherwise -- decides its output. On the wall clock spice:balanced's perplexity change
-    read +0.44% and -0.19% in two runs of one command at det1 (fortunes-min, 6 chunks,
-    25%; session 44)."""
+    plans ask for land as they do on the wall clock. Copies then land by the calls
+    before a call, not by the wall clock, so a deterministic run repeats exactly: which
+    experts a call finds in their slots -- 5-bit or 4-bit copies for the lossy levels,
+    the model's weights on the host otherwise -- decides its output. On the wall clock
+    spice:balanced's perplexity change read +0.44% and -0.19% in two runs of one command
+    at det1 (fortunes-min, 6 chunks, 25%; session 44)."""
     cost = CostModel.from_context(ctx)
     return max(1, round(cost.layer_us(max(1, ctx.n_expert_used)) * 1e3))

@@ -159,21 +159,25 @@ def choose_fetches(
     return best_j if best_j and best_t <= all_host * (1.0 - margin) else 0
 
 
-def host_per_activation(rule: Rule, n_tokens: int) -> float:
-    """host(n) of the rule (spice-store-rule.c's host_per_activation, the same arithmetic
-    as CostModel.host_us): its points interpolated, or host_us without them."""
-    pts = rule.host_points
-    if not pts:
-        return rule.host_us
-    if n_tokens <= pts[0][0]:
-        return pts[0][1]
+def per_activation(points: tuple[tuple[int, float], ...], n_tokens: int) -> float:
+    """One activation's time where one expert runs n_tokens tokens, from (tokens, µs per
+    activation) points ascending by tokens (at least one): linear between them, flat
+    beyond either end. CostModel.host_us and the rule's host(n) -- here and in
+    spice-store-rule.c's host_per_activation, the same arithmetic -- are this."""
+    if n_tokens <= points[0][0]:
+        return points[0][1]
     i = 1
-    while i < len(pts) and pts[i][0] < n_tokens:
+    while i < len(points) and points[i][0] < n_tokens:
         i += 1
-    if i == len(pts):
-        return pts[-1][1]
-    (t0, c0), (t1, c1) = pts[i - 1], pts[i]
+    if i == len(points):
+        return points[-1][1]
+    (t0, c0), (t1, c1) = points[i - 1], points[i]
     return c0 + (c1 - c0) * (n_tokens - t0) / (t1 - t0)
+
+
+def host_per_activation(rule: Rule, n_tokens: int) -> float:
+    """host(n) of the rule: its points interpolated, or host_us without them."""
+    return per_activation(rule.host_points, n_tokens) if rule.host_points else rule.host_us
 
 
 DEFAULT_RULE = Rule()  # resident on the device, misses on the host, keep everything

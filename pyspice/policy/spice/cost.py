@@ -15,12 +15,11 @@ host memory bandwidth; a policy works, but `pyspice probe` makes it better.
 from __future__ import annotations
 
 import math
-from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pyspice.policy.context import PolicyContext
-from pyspice.policy.rule import MAX_HOST_POINTS, choose_fetches
+from pyspice.policy.rule import MAX_HOST_POINTS, choose_fetches, per_activation
 
 DEFAULT_BUS_GBPS = 12.0
 DEFAULT_LATENCY_US = 10.0
@@ -104,16 +103,7 @@ class CostModel:
     def host_us(self, n_tokens: int) -> float:
         """One expert over n_tokens tokens on the host (its weights read once for all of
         them, so the per-activation cost falls with n_tokens)."""
-        pts = self.host_points
-        i = bisect_left(pts, (n_tokens, -math.inf))
-        if i == 0:
-            per = pts[0][1]
-        elif i >= len(pts):
-            per = pts[-1][1]
-        else:
-            (t0, c0), (t1, c1) = pts[i - 1], pts[i]
-            per = c0 + (c1 - c0) * (n_tokens - t0) / (t1 - t0)
-        return per * n_tokens
+        return per_activation(self.host_points, n_tokens) * n_tokens
 
     def device_us(self, n_tokens: int) -> float:
         return self.host_us(n_tokens) if not self.overlap else self.device_expert_us * n_tokens
