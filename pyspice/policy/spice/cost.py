@@ -119,31 +119,6 @@ class CostModel:
         ceil(P * M_e / (B * T_comp)), with the per-copy latency included in the copy time."""
         return max(1, math.ceil(experts_per_layer * self.copy_us(layer) / self.layer_us(n_expert_used)))
 
-    def layer_time(
-        self,
-        layer: int,
-        host_tokens: list[int],
-        fetched_tokens: list[int],
-        device_us: float,
-        bus_ahead_us: float,
-    ) -> float:
-        """A layer's routed-expert time when the experts with `fetched_tokens` tokens each are
-        copied now (in that order, behind `bus_ahead_us` of copies already on the bus) and
-        the ones with `host_tokens` run on the host; `device_us` of device work is already
-        due (hits). Host and device overlap on a real device; on the emulated one the
-        wait for the copies and all compute add up."""
-        copy = self.copy_us(layer)
-        reads = copy * len(host_tokens) if self.host_reads else 0.0  # edge mode: read, then compute
-        host = sum(self.host_us(n) for n in host_tokens) + reads
-        if not self.overlap:
-            wait = bus_ahead_us + copy * len(fetched_tokens) if fetched_tokens else 0.0
-            return wait + host + device_us + sum(self.device_us(n) for n in fetched_tokens)
-        device = device_us
-        for i, n in enumerate(fetched_tokens):
-            landed = bus_ahead_us + copy * (i + 1)
-            device = max(device, landed) + self.device_us(n)
-        return max(host, device)
-
     def choose_fetches(
         self,
         layer: int,
@@ -153,8 +128,8 @@ class CostModel:
         margin: float,
     ) -> int:
         """How many of the misses (sorted by tokens, most first) to fetch rather than run on
-        the host: the count with the least layer time (`layer_time`, evaluated
-        incrementally), and only if it beats all-host by `margin` (paper section 4.3)."""
+        the host: the count with the least layer time, and only if it beats all-host by
+        `margin` (paper section 4.3; pyspice.policy.rule.choose_fetches, the rule's too)."""
         if not miss_tokens:
             return 0
         if self.host_reads:
