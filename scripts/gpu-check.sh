@@ -12,7 +12,7 @@
 #                     then spice:exact sync, async and det1 at plan_every 4 and 1 (25%)
 #   bench-prefill.json  512-token prompts: upstream's path above 32 tokens vs every batch through the hook;
 #                     then a 32-token prompt (a chat turn, through the hook) at 25%
-#   trace.bin         the decode trace, for `pyspice sim --profile h200` back here
+#   trace.tar         the decode trace (a folder, tarred), for `pyspice sim --profile h200` back here
 #   verify.txt        the CUDA row-by-row checks (tests/native/test_cuda_device.py)
 set -u
 O=${OUT:?OUT is unset: this script runs on the device machine (see its header)}
@@ -104,7 +104,9 @@ for hook in 32 0; do
 done 2>&1 | grep -E '^\{"' >"$O/bench-prefill.json"
 
 # ---- 7. a trace for `pyspice sim --profile h200` back here ----
-step trace 60 $BENCH -m $M -n 32 --repeat 1 --device-budget 25% --policies lru --trace "$O/trace.bin"
+# (a trace is a folder of one file per layer; it comes back as one tar, $OUT returning 8 files at most)
+step trace 60 $BENCH -m $M -n 32 --repeat 1 --device-budget 25% --policies lru --trace /tmp/trace.bin
+tar -C /tmp -cf "$O/trace.tar" trace.bin 2>>"$LOG"
 
 # ---- 8. SPICE planning on and off the hook's thread, and asynchronous at every layer (the
 # default since session 43: SpiceConfig.plan_every_async 1) against every fourth: the
