@@ -1,6 +1,7 @@
 /* Slot-pool executor (see spice-pool-exec.h). */
 #include "spice-pool-exec.h"
 
+#include "spice-pool-ids.h"
 #include "spice.h"
 
 #include "ggml-alloc.h"
@@ -46,6 +47,11 @@ struct spice_pool_exec {
     int32_t n_embd;
     int32_t * rows;                 /* device pairs, in order */
     int32_t n_rows, cap_rows, n_used;
+
+    /* a chunk's expert ids (spice-pool-ids.h): each pair's slot or -1, and scratch */
+    int32_t * want; int32_t * listed;
+    int32_t cap_want;
+    uint8_t * mark;                 /* [n_slots], zero between calls */
 };
 
 static int fail(char * err, size_t err_len, const char * msg, int status) {
@@ -70,6 +76,11 @@ int spice_pool_exec_create(ggml_backend_t backend, ggml_backend_buffer_t pool, c
     px->base = (char *) ggml_backend_buffer_get_base(pool);
     px->layout = *layout;
     px->on_cpu = ggml_backend_is_cpu(backend);
+    px->mark = (uint8_t *) calloc((size_t) (layout->n_slots > 0 ? layout->n_slots : 1), 1);
+    if (px->mark == NULL) {
+        free(px);
+        return fail(err, err_len, "out of memory", SPICE_ERR_NO_MEMORY);
+    }
     ggml_backend_dev_t dev = ggml_backend_get_device(backend);
     px->staging_buft = dev != NULL ? ggml_backend_dev_host_buffer_type(dev) : NULL;
     if (px->staging_buft == NULL) {
@@ -110,6 +121,9 @@ void spice_pool_exec_free(spice_pool_exec * px) {
         ggml_backend_buffer_free(px->y_stage);
     }
     free(px->rows);
+    free(px->want);
+    free(px->listed);
+    free(px->mark);
     free(px);
 }
 
@@ -276,6 +290,9 @@ int spice_pool_exec_ready(spice_pool_exec * px, const spice_expert_layer * L, in
     if (!spice_pool_exec_supports(px, L) || n_tokens < 1 || n_used < 1) {
         return SPICE_ERR_UNSUPPORTED;
     }
+    if (bucket_of(n_tokens) > 1 && px->layout.n_slots + 1 < n_used) {
+        return SPICE_ERR_UNSUPPORTED; /* too few slots for distinct ids per token (spice-pool-ids.h) */
+    }
     int status = SPICE_OK;
     prepare(px, L, n_tokens, n_used, &status);
     return status;
@@ -315,27 +332,42 @@ int spice_pool_exec_begin(spice_pool_exec * px, const spice_device_job * job, ch
     const int32_t bucket = g->bucket;
     const int32_t n_chunks = (job->n_tokens + bucket - 1) / bucket;
     const size_t row_bytes = (size_t) L->n_embd * sizeof(float);
-    const int32_t zero_slot = px->layout.n_slots;
+    const int32_t n_slots = px->layout.n_slots;
+    const int32_t cap = bucket * job->n_used;
+    if (cap > px->cap_want) {
+        int32_t * want = (int32_t *) realloc(px->want, (size_t) cap * sizeof(int32_t));
+        int32_t * listed = want != NULL ? (int32_t *) realloc(px->listed, (size_t) cap * sizeof(int32_t)) : NULL;
+        if (want != NULL) {
+            px->want = want;
+        }
+        if (listed == NULL) {
+            return fail(err, err_len, "out of memory for the call's expert ids", SPICE_ERR_NO_MEMORY);
+        }
+        px->listed = listed;
+        px->cap_want = cap;
+    }
     for (int32_t c = 0; c < n_chunks; ++c) {
         char * in = px->in_host + (size_t) c * g->in_bytes;
         int32_t * sid = (int32_t *) (in + g->sid_offset);
+        int32_t n_in_chunk = 0;
         for (int32_t tt = 0; tt < bucket; ++tt) {
             const int32_t t = c * bucket + tt;
             float * x = (float *) (in + (size_t) tt * row_bytes);
             if (t >= job->n_tokens) {
                 memset(x, 0, row_bytes);
-                for (int32_t k = 0; k < job->n_used; ++k) {
-                    sid[tt * job->n_used + k] = zero_slot;
-                }
                 continue;
             }
+            n_in_chunk++;
             memcpy(x, (const char *) job->inp + (size_t) t * job->inp_nb1, row_bytes);
             const int32_t * ids = (const int32_t *) ((const char *) job->ids + (size_t) t * job->ids_nb1);
             for (int32_t k = 0; k < job->n_used; ++k) {
                 const int32_t pair = t * job->n_used + k;
                 const int32_t slot = job->run[pair] == SPICE_EXEC_DEVICE ? job->slot_of[ids[k]] : -1;
-                sid[tt * job->n_used + k] = slot >= 0 && slot < zero_slot ? slot : zero_slot;
+                px->want[tt * job->n_used + k] = slot >= 0 && slot < n_slots ? slot : -1;
             }
+        }
+        if (spice_pool_fill_ids(sid, px->want, n_in_chunk, bucket, job->n_used, n_slots, px->mark, px->listed) != 0) {
+            return fail(err, err_len, "too few slots for distinct expert ids per token", SPICE_ERR_UNSUPPORTED);
         }
         ggml_backend_tensor_set_async(px->backend, g->in, in, 0, g->in_bytes);
         if (ggml_backend_graph_compute_async(px->backend, g->gf) != GGML_STATUS_SUCCESS) {

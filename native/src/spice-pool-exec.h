@@ -6,8 +6,10 @@
  *   y = mul_mat_id(down_pool, a, sid)
  *
  * sid[t][k] is the slot of pair (t, k)'s expert when the pair runs here and
- * the zero slot otherwise; buckets (1, 2, 4, ... SPICE_POOL_MAX_BUCKET
- * tokens) are padded with zero-slot rows, so a graph's shapes and addresses
+ * the zero slot otherwise, or, in a launch of several tokens, a slot the
+ * token does not use once the zero slot is taken (MUL_MAT_ID wants a token's
+ * ids distinct: spice-pool-ids.h); buckets (1, 2, 4, ... SPICE_POOL_MAX_BUCKET
+ * tokens) are padded with rows of no device pair, so a graph's shapes and addresses
  * never change and ggml-cuda captures and replays it as a CUDA graph. Per
  * call: one upload (x rows and sid in one buffer), one launch, one download
  * of y; the host weights and sums the device pairs' rows with its own, in

@@ -28,5 +28,5 @@ def test_pool_rows_equal_the_host_executor_rows(tmp_path: Path) -> None:
     results = json.loads(out.read_text())["results"]
     assert {r["executor"] for r in results} == {"pool-cpu", "host"}
     compared = [r for r in results if r["identical"] is not None]
-    assert len(compared) == 8  # 1, 2, 4, 6 device experts at 1 and 8 tokens
+    assert len(compared) == 9  # 1, 2, 4, 6 device experts at 1 and 8 tokens; 2 at 32 tokens
     assert all(r["identical"] for r in compared), compared
