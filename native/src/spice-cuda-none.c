@@ -66,6 +66,14 @@ int spice_cuda_copy_done(spice_cuda * cu, int32_t slot) {
     return -1;
 }
 
+int spice_cuda_copy_poll(spice_cuda * cu, const int32_t * slots, int32_t n, uint8_t * landed) {
+    (void) cu;
+    (void) slots;
+    (void) n;
+    (void) landed;
+    return SPICE_ERR_UNSUPPORTED;
+}
+
 int spice_cuda_copy_wait(spice_cuda * cu, int32_t slot) {
     (void) cu;
     (void) slot;

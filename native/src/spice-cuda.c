@@ -7,6 +7,7 @@
  * compute streams; each slot has a start/end event pair, which gives both
  * completion (query/synchronize) and the copy's bus time. */
 #include "spice-cuda.h"
+#include "spice-fifo-poll.h"
 #include "spice-pool-exec.h"
 #include "spice.h"
 
@@ -31,6 +32,9 @@ struct spice_cuda {
     cudaEvent_t * ev_start;          /* [n_slots] */
     cudaEvent_t * ev_end;            /* [n_slots] */
     size_t (*written)[3];            /* [n_slots]: where kind k of the slot is zero from (0: all zero) */
+    uint64_t * seq;                  /* [n_slots]: the slot's last copy's issue number on copy_stream */
+    uint64_t next_seq, done_seq;     /* issued so far; the latest known landed (spice-fifo-poll.h) */
+    int32_t * poll_order;            /* [n_slots]: scratch for a poll */
 
     /* device executors, one layer call at a time: the slot-pool graph, and
      * per-expert graphs (legacy) for layers it cannot run or when asked */
@@ -138,7 +142,10 @@ int spice_cuda_create(int device, const spice_pool_layout * layout, int32_t exec
     cu->ev_start = (cudaEvent_t *) calloc((size_t) n_slots, sizeof(cudaEvent_t));
     cu->ev_end = (cudaEvent_t *) calloc((size_t) n_slots, sizeof(cudaEvent_t));
     cu->written = (size_t (*)[3]) calloc((size_t) n_slots, sizeof(*cu->written));
-    if (cu->ev_start == NULL || cu->ev_end == NULL || cu->written == NULL) {
+    cu->seq = (uint64_t *) calloc((size_t) n_slots, sizeof(uint64_t));
+    cu->poll_order = (int32_t *) calloc((size_t) n_slots, sizeof(int32_t));
+    if (cu->ev_start == NULL || cu->ev_end == NULL || cu->written == NULL || cu->seq == NULL ||
+        cu->poll_order == NULL) {
         spice_cuda_free(cu);
         return SPICE_ERR_NO_MEMORY;
     }
@@ -187,6 +194,8 @@ void spice_cuda_free(spice_cuda * cu) {
     free(cu->ev_start);
     free(cu->ev_end);
     free(cu->written);
+    free(cu->seq);
+    free(cu->poll_order);
     if (cu->copy_stream) {
         cudaStreamDestroy(cu->copy_stream);
     }
@@ -286,7 +295,25 @@ int spice_cuda_copy_issue(spice_cuda * cu, int32_t slot, const spice_cuda_segmen
     if (rc == cudaSuccess) {
         rc = cleared(cudaEventRecord(cu->ev_end[slot], cu->copy_stream));
     }
+    if (rc == cudaSuccess) {
+        cu->seq[slot] = ++cu->next_seq; /* copy_stream runs its copies in this order */
+    }
     return rc == cudaSuccess ? SPICE_OK : SPICE_ERR_INTERNAL;
+}
+
+static int query_landed(void * ctx, int32_t slot) {
+    return spice_cuda_copy_done((spice_cuda *) ctx, slot);
+}
+
+int spice_cuda_copy_poll(spice_cuda * cu, const int32_t * slots, int32_t n, uint8_t * landed) {
+    for (int32_t i = 0; i < n; ++i) {
+        if (slots[i] < 0 || slots[i] >= cu->layout.n_slots) {
+            return SPICE_ERR_INVALID_ARG;
+        }
+    }
+    return spice_fifo_poll(slots, n, cu->seq, &cu->done_seq, cu->poll_order, landed, query_landed, cu) < 0
+               ? SPICE_ERR_INTERNAL
+               : SPICE_OK;
 }
 
 int spice_cuda_copy_done(spice_cuda * cu, int32_t slot) {
@@ -301,7 +328,11 @@ int spice_cuda_copy_done(spice_cuda * cu, int32_t slot) {
 }
 
 int spice_cuda_copy_wait(spice_cuda * cu, int32_t slot) {
-    return cleared(cudaEventSynchronize(cu->ev_end[slot])) == cudaSuccess ? SPICE_OK : SPICE_ERR_INTERNAL;
+    if (cleared(cudaEventSynchronize(cu->ev_end[slot])) != cudaSuccess) {
+        return SPICE_ERR_INTERNAL;
+    }
+    cu->done_seq = cu->seq[slot] > cu->done_seq ? cu->seq[slot] : cu->done_seq; /* and every copy before it */
+    return SPICE_OK;
 }
 
 int spice_cuda_read(spice_cuda * cu, int32_t slot, size_t offset, void * dst, size_t n) {

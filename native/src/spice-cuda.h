@@ -62,6 +62,10 @@ typedef struct spice_cuda_segment {
 int spice_cuda_copy_issue(spice_cuda * cu, int32_t slot, const spice_cuda_segment seg[3]);
 /* 1 when the slot's last issued copy has landed, 0 when not yet, <0 on error. */
 int spice_cuda_copy_done(spice_cuda * cu, int32_t slot);
+/* landed[i]: whether the copy into slots[i] has landed, for n slots with a copy
+ * issued; asks CUDA about the oldest unfinished copy and no later one (copies
+ * finish in issue order: spice-fifo-poll.h). */
+int spice_cuda_copy_poll(spice_cuda * cu, const int32_t * slots, int32_t n, uint8_t * landed);
 /* Block until the slot's last issued copy has landed. */
 int spice_cuda_copy_wait(spice_cuda * cu, int32_t slot);
 /* Synchronous device -> host read of n bytes at offset inside a slot (tests). */

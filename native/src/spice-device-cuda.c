@@ -67,14 +67,7 @@ static int cuda_issue(spice_device * dev, int32_t slot, const spice_device_copy 
 
 static int cuda_poll(spice_device * dev, uint64_t now, const int32_t * slots, int32_t n, uint8_t * landed) {
     (void) now;
-    for (int32_t i = 0; i < n; ++i) {
-        const int rc = spice_cuda_copy_done(ctx_of(dev)->cu, slots[i]);
-        if (rc < 0) {
-            return SPICE_ERR_INTERNAL;
-        }
-        landed[i] = (uint8_t) rc;
-    }
-    return SPICE_OK;
+    return spice_cuda_copy_poll(ctx_of(dev)->cu, slots, n, landed);
 }
 
 static int cuda_wait(spice_device * dev, int32_t slot, uint64_t * stall_ns) {
