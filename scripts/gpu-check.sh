@@ -10,6 +10,7 @@
 #   sched.txt         the hooked layers' split inputs (GGML_SCHED_DEBUG=2), stock vs hook
 #   bench-decode.json decode bench on a real-shape DeepSeek-V2-Lite: pool vs legacy at 25%, pool at 50%;
 #                     stock and exact with the bus idle and busy; after `pyspice probe`, spice:exact with its profile;
+#                     the copying rows with copies issued inline and by a copier thread;
 #                     then spice:exact sync, async and det1 at plan_every 4 and 1 (25%)
 #   bench-prefill.json  512-token prompts: upstream's path above 32 tokens vs every batch through the hook;
 #                     then a 32-token prompt (a chat turn, through the hook) at 25%
@@ -110,6 +111,14 @@ rm -f /tmp/bgcopy.run; sleep 3; kill $BG 2>/dev/null; wait $BG
 step probe 70 $PY -m pyspice probe -m $M -ngl 99 -t 15 --batch-sizes 1,8 --repeat 3
 step "decode-50%-profiled" 50 $BENCH -m $M -n 48 --repeat 5 --device-budget 50% --policies stock,exact,lru,spice:exact \
     --json 2>&1 | grep -E '^\{"' >>"$O/bench-decode.json"
+
+# ---- 3c. copies issued off the hook's thread (SPICE_CUDA_COPY_THREAD=1, opt-in since 2026-12-04:
+# issuing a copy took the hook's thread 9-18 us there) against inline, the rows that copy,
+# own routing, 50%; appended to bench-decode.json ----
+for copier in 0 1; do
+    SPICE_CUDA_COPY_THREAD=$copier step "decode-50%-copy-thread-$copier" 50 $BENCH -m $M -n 48 --repeat 5 \
+        --device-budget 50% --policies stock,exact,lru,adapmoe,spice:exact --json 2>&1 | grep -E '^\{"' >>"$O/bench-decode.json"
+done
 
 # ---- 4. what crosses each hooked layer's split (inputs copied to the CPU split) ----
 for row in stock exact; do

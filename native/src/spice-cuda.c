@@ -7,6 +7,7 @@
  * compute streams; each slot has a start/end event pair, which gives both
  * completion (query/synchronize) and the copy's bus time. */
 #include "spice-cuda.h"
+#include "spice-copy-queue.h"
 #include "spice-fifo-poll.h"
 #include "spice-pool-exec.h"
 #include "spice.h"
@@ -22,6 +23,15 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* A slot's copy as the hook's thread planned it: what each of its three
+ * cudaMemcpyAsync moves, and the stale padding to clear after it. */
+typedef struct planned_copy {
+    char * dst[3];
+    const void * src[3];
+    size_t size[3];
+    size_t clear[3]; /* bytes to zero from dst + size */
+} planned_copy;
+
 struct spice_cuda {
     int device;
     ggml_backend_t backend;          /* compute: ggml's CUDA stream */
@@ -35,6 +45,8 @@ struct spice_cuda {
     uint64_t * seq;                  /* [n_slots]: the slot's last copy's issue number on copy_stream */
     uint64_t next_seq, done_seq;     /* issued so far; the latest known landed (spice-fifo-poll.h) */
     int32_t * poll_order;            /* [n_slots]: scratch for a poll */
+    planned_copy * planned;          /* [n_slots]: the copy issued or queued into each slot */
+    spice_copy_queue * copier;       /* issues copies off the hook's thread; NULL: inline */
 
     /* device executors, one layer call at a time: the slot-pool graph, and
      * per-expert graphs (legacy) for layers it cannot run or when asked */
@@ -53,6 +65,8 @@ struct spice_cuda {
     void ** registered;              /* host ranges we page-locked (unlocked on free) */
     int32_t n_registered, cap_registered;
 };
+
+static int issue_planned(void * ctx, int32_t slot); /* a planned copy's CUDA calls */
 
 /* Our failed CUDA calls must not leave their error behind: ggml checks
  * cudaGetLastError() after its own launches and aborts on anything it finds. */
@@ -144,8 +158,9 @@ int spice_cuda_create(int device, const spice_pool_layout * layout, int32_t exec
     cu->written = (size_t (*)[3]) calloc((size_t) n_slots, sizeof(*cu->written));
     cu->seq = (uint64_t *) calloc((size_t) n_slots, sizeof(uint64_t));
     cu->poll_order = (int32_t *) calloc((size_t) n_slots, sizeof(int32_t));
+    cu->planned = (planned_copy *) calloc((size_t) n_slots, sizeof(*cu->planned));
     if (cu->ev_start == NULL || cu->ev_end == NULL || cu->written == NULL || cu->seq == NULL ||
-        cu->poll_order == NULL) {
+        cu->poll_order == NULL || cu->planned == NULL) {
         spice_cuda_free(cu);
         return SPICE_ERR_NO_MEMORY;
     }
@@ -154,6 +169,16 @@ int spice_cuda_create(int device, const spice_pool_layout * layout, int32_t exec
             (rc = cleared(cudaEventCreate(&cu->ev_end[i]))) != cudaSuccess) {
             spice_cuda_free(cu);
             return fail(err, err_len, "cudaEventCreate", rc);
+        }
+    }
+    /* SPICE_CUDA_COPY_THREAD=1: copies issued off the hook's thread (spice-copy-queue.h). Opt-in
+     * until measured on a GPU: it saves the hook's thread 9-18 us a copy, but its thread needs a
+     * core the graph's threads do not spin on. Without it (or without a thread) copies are
+     * issued inline, on the hook's thread. */
+    const char * thread_env = getenv("SPICE_CUDA_COPY_THREAD");
+    if (thread_env != NULL && thread_env[0] == '1') {
+        if (spice_copy_queue_create(n_slots, issue_planned, cu, &cu->copier) != SPICE_OK) {
+            cu->copier = NULL;
         }
     }
     cu->galloc = ggml_gallocr_new(ggml_backend_cuda_buffer_type(device));
@@ -176,6 +201,8 @@ void spice_cuda_free(spice_cuda * cu) {
     if (cu == NULL) {
         return;
     }
+    spice_copy_queue_free(cu->copier); /* issues what is still queued, then stops */
+    cu->copier = NULL;
     cleared(cudaSetDevice(cu->device));
     if (cu->copy_stream) {
         cleared(cudaStreamSynchronize(cu->copy_stream));
@@ -196,6 +223,7 @@ void spice_cuda_free(spice_cuda * cu) {
     free(cu->written);
     free(cu->seq);
     free(cu->poll_order);
+    free(cu->planned);
     if (cu->copy_stream) {
         cudaStreamDestroy(cu->copy_stream);
     }
@@ -269,36 +297,63 @@ int spice_cuda_is_pinned(const void * data, size_t size) {
     return size > 0 && pinned_at(data) && pinned_at((const char *) data + size - 1);
 }
 
+/* The CUDA calls of one planned copy, on whichever thread issues it (the copier,
+ * or the hook's thread: spice-copy-queue.h); 0, or 1 when a call failed. */
+static int issue_planned(void * ctx, int32_t slot) {
+    spice_cuda * cu = (spice_cuda *) ctx;
+    const planned_copy * pc = &cu->planned[slot];
+    cleared(cudaSetDevice(cu->device));
+    cudaError_t rc = cleared(cudaEventRecord(cu->ev_start[slot], cu->copy_stream));
+    for (int k = 0; k < 3 && rc == cudaSuccess; ++k) {
+        if (pc->size[k] > 0) {
+            rc = cleared(
+                cudaMemcpyAsync(pc->dst[k], pc->src[k], pc->size[k], cudaMemcpyHostToDevice, cu->copy_stream));
+        }
+        if (rc == cudaSuccess && pc->clear[k] > 0) {
+            rc = cleared(cudaMemsetAsync(pc->dst[k] + pc->size[k], 0, pc->clear[k], cu->copy_stream));
+        }
+    }
+    if (rc == cudaSuccess) {
+        rc = cleared(cudaEventRecord(cu->ev_end[slot], cu->copy_stream));
+    }
+    return rc != cudaSuccess;
+}
+
 int spice_cuda_copy_issue(spice_cuda * cu, int32_t slot, const spice_cuda_segment seg[3]) {
     if (slot < 0 || slot >= cu->layout.n_slots) {
         return SPICE_ERR_INVALID_ARG;
     }
-    cleared(cudaSetDevice(cu->device));
-    cudaError_t rc = cleared(cudaEventRecord(cu->ev_start[slot], cu->copy_stream));
-    for (int k = 0; k < 3 && rc == cudaSuccess; ++k) {
+    planned_copy * pc = &cu->planned[slot];
+    for (int k = 0; k < 3; ++k) {
+        pc->dst[k] = cu->base + spice_pool_copy_offset(&cu->layout, slot, k, seg[k].dst_offset);
+        pc->src[k] = seg[k].src;
+        pc->size[k] = seg[k].size;
+        pc->clear[k] = 0;
         if (seg[k].size == 0) {
             continue;
         }
-        char * dst = cu->base + spice_pool_copy_offset(&cu->layout, slot, k, seg[k].dst_offset);
-        rc = cleared(cudaMemcpyAsync(dst, seg[k].src, seg[k].size, cudaMemcpyHostToDevice, cu->copy_stream));
         /* the padding kernels read past the matrix must be zero: it is, unless the slot's
          * last occupant was a larger matrix (another layer class) -- then clear what it left */
         const size_t left = cu->written[slot][k];
-        if (rc == cudaSuccess && seg[k].pad > 0 && left > seg[k].size) {
+        if (seg[k].pad > 0 && left > seg[k].size) {
             const size_t end = left < seg[k].size + seg[k].pad ? left : seg[k].size + seg[k].pad;
-            rc = cleared(cudaMemsetAsync(dst + seg[k].size, 0, end - seg[k].size, cu->copy_stream));
+            pc->clear[k] = end - seg[k].size;
         }
         /* bytes past size + pad a larger matrix left stay (nothing reads them until a later,
          * larger matrix's padding reaches them: it clears them then) */
         cu->written[slot][k] = left > seg[k].size + seg[k].pad ? left : seg[k].size;
     }
-    if (rc == cudaSuccess) {
-        rc = cleared(cudaEventRecord(cu->ev_end[slot], cu->copy_stream));
+    const uint64_t seq = cu->next_seq + 1; /* copy_stream runs its copies in this order */
+    if (cu->copier != NULL) {
+        if (spice_copy_queue_push(cu->copier, slot, seq) != SPICE_OK) {
+            return SPICE_ERR_INTERNAL;
+        }
+    } else if (issue_planned(cu, slot) != 0) {
+        return SPICE_ERR_INTERNAL;
     }
-    if (rc == cudaSuccess) {
-        cu->seq[slot] = ++cu->next_seq; /* copy_stream runs its copies in this order */
-    }
-    return rc == cudaSuccess ? SPICE_OK : SPICE_ERR_INTERNAL;
+    cu->next_seq = seq;
+    cu->seq[slot] = seq;
+    return SPICE_OK;
 }
 
 static int query_landed(void * ctx, int32_t slot) {
@@ -317,6 +372,14 @@ int spice_cuda_copy_poll(spice_cuda * cu, const int32_t * slots, int32_t n, uint
 }
 
 int spice_cuda_copy_done(spice_cuda * cu, int32_t slot) {
+    if (cu->copier != NULL) {
+        if (spice_copy_queue_failed(cu->copier)) {
+            return -1;
+        }
+        if (cu->seq[slot] > spice_copy_queue_issued(cu->copier)) {
+            return 0; /* still queued for the copier */
+        }
+    }
     const cudaError_t rc = cleared(cudaEventQuery(cu->ev_end[slot]));
     if (rc == cudaSuccess) {
         return 1;
@@ -328,6 +391,10 @@ int spice_cuda_copy_done(spice_cuda * cu, int32_t slot) {
 }
 
 int spice_cuda_copy_wait(spice_cuda * cu, int32_t slot) {
+    /* still queued: issued here, with every copy queued before it, rather than waiting for the copier */
+    if (cu->copier != NULL && spice_copy_queue_issue_through(cu->copier, cu->seq[slot]) != SPICE_OK) {
+        return SPICE_ERR_INTERNAL;
+    }
     if (cleared(cudaEventSynchronize(cu->ev_end[slot])) != cudaSuccess) {
         return SPICE_ERR_INTERNAL;
     }
