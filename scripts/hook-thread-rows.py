@@ -89,7 +89,12 @@ def main() -> None:
     ap.add_argument("--moe-layers", type=int, default=30, help="MoE layers per token (smolmoe-b: 30)")
     args = ap.parse_args()
     rounds = load(args.rounds)
-    names = [n for n in rounds[0] if all(n in r for r in rounds)]
+    # llama.cpp's own rows (upstream-*) never call the hook: nothing of theirs to account for
+    names = [
+        n
+        for n in rounds[0]
+        if all(n in r and ("per_call" in r[n] or "per_call_decode" in r[n]) for r in rounds)
+    ]
     med = statistics.median
     print(
         "| row | hook us (rounds) | planner wait us | TPOT / exact | decode hit | host activations "
