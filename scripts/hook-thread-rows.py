@@ -90,11 +90,8 @@ def main() -> None:
     args = ap.parse_args()
     rounds = load(args.rounds)
     # llama.cpp's own rows (upstream-*) never call the hook: nothing of theirs to account for
-    names = [
-        n
-        for n in rounds[0]
-        if all(n in r and ("per_call" in r[n] or "per_call_decode" in r[n]) for r in rounds)
-    ]
+    hooked = [n for n in rounds[0] if "per_call" in rounds[0][n] or "per_call_decode" in rounds[0][n]]
+    names = [n for n in hooked if all(n in r for r in rounds)]
     med = statistics.median
     print(
         "| row | hook us (rounds) | planner wait us | TPOT / exact | decode hit | host activations "
