@@ -153,6 +153,9 @@ static int pool_end(void * self, float * y) {
 /* ---- CUDA: both executors of spice_cuda ---- */
 static int cuda_begin(void * self, const spice_device_job * job) {
     char err[256];
+    /* as the runtime does before every call: this readies the pool graph (and picks it);
+     * without it spice_cuda ran its per-expert graphs for both rows (until 2026-12-04) */
+    spice_cuda_exec_supports((spice_cuda *) self, job->layer, job->n_tokens, job->n_used);
     const int rc = spice_cuda_exec_begin((spice_cuda *) self, job, err, sizeof(err));
     if (rc != SPICE_OK) {
         fprintf(stderr, "%s\n", err);
