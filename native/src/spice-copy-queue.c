@@ -64,6 +64,18 @@ static void * copier_main(void * arg) {
     }
 }
 
+/* Everything but the thread (stopped already, or never started). */
+static void destroy(spice_copy_queue * q, int synced) {
+    if (synced) {
+        pthread_cond_destroy(&q->work);
+        pthread_mutex_destroy(&q->issue_mu);
+        pthread_mutex_destroy(&q->ring_mu);
+    }
+    free(q->slots);
+    free(q->seqs);
+    free(q);
+}
+
 int spice_copy_queue_create(int32_t cap, spice_copy_issue_fn issue, void * ctx, spice_copy_queue ** out) {
     *out = NULL;
     if (cap <= 0 || issue == NULL) {
@@ -76,9 +88,7 @@ int spice_copy_queue_create(int32_t cap, spice_copy_issue_fn issue, void * ctx, 
     q->slots = (int32_t *) calloc((size_t) cap, sizeof(int32_t));
     q->seqs = (uint64_t *) calloc((size_t) cap, sizeof(uint64_t));
     if (q->slots == NULL || q->seqs == NULL) {
-        free(q->slots);
-        free(q->seqs);
-        free(q);
+        destroy(q, 0);
         return SPICE_ERR_NO_MEMORY;
     }
     q->issue = issue;
@@ -90,12 +100,7 @@ int spice_copy_queue_create(int32_t cap, spice_copy_issue_fn issue, void * ctx, 
     pthread_mutex_init(&q->issue_mu, NULL);
     pthread_cond_init(&q->work, NULL);
     if (pthread_create(&q->copier, NULL, copier_main, q) != 0) {
-        pthread_cond_destroy(&q->work);
-        pthread_mutex_destroy(&q->issue_mu);
-        pthread_mutex_destroy(&q->ring_mu);
-        free(q->slots);
-        free(q->seqs);
-        free(q);
+        destroy(q, 1);
         return SPICE_ERR_UNSUPPORTED;
     }
     *out = q;
@@ -111,12 +116,7 @@ void spice_copy_queue_free(spice_copy_queue * q) {
     pthread_cond_signal(&q->work);
     pthread_mutex_unlock(&q->ring_mu);
     pthread_join(q->copier, NULL); /* it issues what is queued first */
-    pthread_cond_destroy(&q->work);
-    pthread_mutex_destroy(&q->issue_mu);
-    pthread_mutex_destroy(&q->ring_mu);
-    free(q->slots);
-    free(q->seqs);
-    free(q);
+    destroy(q, 1);
 }
 
 int spice_copy_queue_push(spice_copy_queue * q, int32_t slot, uint64_t seq) {

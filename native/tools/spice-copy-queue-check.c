@@ -13,6 +13,8 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <time.h>
+#include "check-rng.h"
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -46,16 +48,7 @@ static int fake_issue(void * ctx, int32_t slot) {
     return seq == fs->fail_at;
 }
 
-static uint64_t rng_state;
-
-static uint32_t rnd(uint32_t n) {
-    rng_state ^= rng_state >> 12;
-    rng_state ^= rng_state << 25;
-    rng_state ^= rng_state >> 27;
-    return (uint32_t) ((rng_state * 2685821657736338717ULL) >> 33) % n;
-}
-
-static int run(long n_copies, uint64_t fail_at, long * waits_out, long * issued_by_waits) {
+static int run(check_rng * rng, long n_copies, uint64_t fail_at, long * waits_out, long * issued_by_waits) {
     fake_stream * fs = (fake_stream *) calloc(1, sizeof(*fs));
     atomic_init(&fs->last, 0);
     atomic_init(&fs->out_of_order, 0);
@@ -91,8 +84,8 @@ static int run(long n_copies, uint64_t fail_at, long * waits_out, long * issued_
                 free_slots[n_free++] = s;
             }
         }
-        for (uint32_t c = rnd(4); c > 0 && n_free > 0 && (long) next < n_copies; --c) {
-            const int32_t k = (int32_t) rnd((uint32_t) n_free);
+        for (uint32_t c = check_rng_below(rng, 4); c > 0 && n_free > 0 && (long) next < n_copies; --c) {
+            const int32_t k = (int32_t) check_rng_below(rng, (uint32_t) n_free);
             const int32_t slot = free_slots[k];
             free_slots[k] = free_slots[--n_free];
             fs->seq_of[slot] = ++next;
@@ -101,8 +94,8 @@ static int run(long n_copies, uint64_t fail_at, long * waits_out, long * issued_
                 return 1;
             }
         }
-        if (rnd(3) == 0 && next > 0) { /* a wait, as a demand fetch or a launch does */
-            const uint64_t want = next - rnd((uint32_t) (next < 4 ? next : 4));
+        if (check_rng_below(rng, 3) == 0 && next > 0) { /* a wait, as a demand fetch or a launch does */
+            const uint64_t want = next - check_rng_below(rng, (uint32_t) (next < 4 ? next : 4));
             const int rc = spice_copy_queue_issue_through(q, want);
             waits++;
             if (spice_copy_queue_issued(q) < want) {
@@ -145,10 +138,10 @@ static int run(long n_copies, uint64_t fail_at, long * waits_out, long * issued_
 
 int main(int argc, char ** argv) {
     const long n_copies = argc > 1 ? atol(argv[1]) : 20000;
-    rng_state = argc > 2 ? (uint64_t) atoll(argv[2]) * 0x9E3779B97F4A7C15ULL + 1 : 0x5EED;
+    check_rng rng = check_rng_from(argc > 2 ? argv[2] : NULL);
     long waits = 0, by_waits = 0;
-    if (run(n_copies, 0, &waits, &by_waits) != 0 ||
-        run(n_copies / 4 + 10, (uint64_t) (n_copies / 8 + 5), &waits, &by_waits) != 0) {
+    if (run(&rng, n_copies, 0, &waits, &by_waits) != 0 ||
+        run(&rng, n_copies / 4 + 10, (uint64_t) (n_copies / 8 + 5), &waits, &by_waits) != 0) {
         return 1;
     }
     printf("spice-copy-queue-check: %ld copies, %ld waits (which issued %ld copies themselves), issued once each "

@@ -8,6 +8,8 @@
  *   spice-fifo-poll-check [polls] [seed] */
 #include "spice-fifo-poll.h"
 
+#include "check-rng.h"
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,15 +22,6 @@ typedef struct stream {
     int32_t asked;
 } stream;
 
-static uint64_t rng_state;
-
-static uint32_t rnd(uint32_t n) {
-    rng_state ^= rng_state >> 12;
-    rng_state ^= rng_state << 25;
-    rng_state ^= rng_state >> 27;
-    return (uint32_t) ((rng_state * 2685821657736338717ULL) >> 33) % n;
-}
-
 static int query(void * ctx, int32_t slot) {
     stream * st = (stream *) ctx;
     st->asked++;
@@ -37,7 +30,7 @@ static int query(void * ctx, int32_t slot) {
 
 int main(int argc, char ** argv) {
     const long n_polls = argc > 1 ? atol(argv[1]) : 20000;
-    rng_state = argc > 2 ? (uint64_t) atoll(argv[2]) * 0x9E3779B97F4A7C15ULL + 1 : 0x5EED;
+    check_rng rng = check_rng_from(argc > 2 ? argv[2] : NULL);
     uint64_t seq[N_SLOTS];
     int in_flight[N_SLOTS]; /* issued and not yet seen landed */
     memset(seq, 0, sizeof(seq));
@@ -47,8 +40,8 @@ int main(int argc, char ** argv) {
     long queries = 0, polled = 0;
     for (long p = 0; p < n_polls; ++p) {
         /* issue a few copies into free slots */
-        for (uint32_t c = rnd(4); c > 0; --c) {
-            const int32_t slot = (int32_t) rnd(N_SLOTS);
+        for (uint32_t c = check_rng_below(&rng, 4); c > 0; --c) {
+            const int32_t slot = (int32_t) check_rng_below(&rng, N_SLOTS);
             if (!in_flight[slot]) {
                 in_flight[slot] = 1;
                 seq[slot] = ++next_seq;
@@ -56,7 +49,7 @@ int main(int argc, char ** argv) {
         }
         /* the stream finishes some, in order */
         const uint64_t ahead = next_seq - st.finished_seq;
-        st.finished_seq += ahead > 0 ? rnd((uint32_t) ahead + 1) : 0;
+        st.finished_seq += ahead > 0 ? check_rng_below(&rng, (uint32_t) ahead + 1) : 0;
         int32_t slots[N_SLOTS], order[N_SLOTS];
         uint8_t landed[N_SLOTS];
         int32_t n = 0, newly = 0;
@@ -67,7 +60,7 @@ int main(int argc, char ** argv) {
             }
         }
         for (int32_t i = n - 1; i > 0; --i) { /* the store lists them in its own order */
-            const int32_t j = (int32_t) rnd((uint32_t) i + 1), t = slots[i];
+            const int32_t j = (int32_t) check_rng_below(&rng, (uint32_t) i + 1), t = slots[i];
             slots[i] = slots[j];
             slots[j] = t;
         }

@@ -9,18 +9,11 @@
  *   spice-pool-ids-check [calls] [seed] */
 #include "spice-pool-ids.h"
 
+#include "check-rng.h"
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-static uint64_t rng_state;
-
-static uint32_t rnd(uint32_t n) { /* xorshift64*, uniform enough for a check */
-    rng_state ^= rng_state >> 12;
-    rng_state ^= rng_state << 25;
-    rng_state ^= rng_state >> 27;
-    return (uint32_t) ((rng_state * 2685821657736338717ULL) >> 33) % n;
-}
 
 static int fail(long call, const char * what, int32_t t, int32_t k) {
     fprintf(stderr, "spice-pool-ids-check: call %ld: %s (token %d, pair %d)\n", call, what, t, k);
@@ -29,23 +22,23 @@ static int fail(long call, const char * what, int32_t t, int32_t k) {
 
 int main(int argc, char ** argv) {
     const long n_calls = argc > 1 ? atol(argv[1]) : 20000;
-    rng_state = argc > 2 ? (uint64_t) atoll(argv[2]) * 0x9E3779B97F4A7C15ULL + 1 : 0x5EED;
+    check_rng rng = check_rng_from(argc > 2 ? argv[2] : NULL);
     enum { MAX_USED = 10, MAX_BUCKET = 32, MAX_SLOTS = 64 };
     int32_t sid[MAX_BUCKET * MAX_USED], want[MAX_BUCKET * MAX_USED], listed[MAX_BUCKET * MAX_USED];
     uint8_t mark[MAX_SLOTS];
     memset(mark, 0, sizeof(mark));
     long refused = 0, fillers = 0;
     for (long call = 0; call < n_calls; ++call) {
-        const int32_t n_used = 1 + (int32_t) rnd(MAX_USED);
-        const int32_t n_slots = 1 + (int32_t) rnd(MAX_SLOTS);
-        const int32_t bucket = 1 << rnd(6); /* 1 .. 32 */
-        const int32_t n_tokens = 1 + (int32_t) rnd((uint32_t) bucket);
-        const int32_t p_device = (int32_t) rnd(101);
+        const int32_t n_used = 1 + (int32_t) check_rng_below(&rng, MAX_USED);
+        const int32_t n_slots = 1 + (int32_t) check_rng_below(&rng, MAX_SLOTS);
+        const int32_t bucket = 1 << check_rng_below(&rng, 6); /* 1 .. 32 */
+        const int32_t n_tokens = 1 + (int32_t) check_rng_below(&rng, (uint32_t) bucket);
+        const int32_t p_device = (int32_t) check_rng_below(&rng, 101);
         for (int32_t t = 0; t < n_tokens; ++t) { /* distinct device slots per token, as distinct experts give */
             for (int32_t k = 0; k < n_used; ++k) {
                 int32_t s = -1;
-                if ((int32_t) rnd(100) < p_device) {
-                    s = (int32_t) rnd((uint32_t) n_slots);
+                if ((int32_t) check_rng_below(&rng, 100) < p_device) {
+                    s = (int32_t) check_rng_below(&rng, (uint32_t) n_slots);
                     for (int32_t j = 0; j < k; ++j) {
                         if (want[t * n_used + j] == s) {
                             s = -1;
