@@ -330,7 +330,8 @@ def format_table(results: dict[str, PolicyResult], baseline: str) -> str:
     header = (
         f"{'policy':<{width}} {'prefill tok/s':>13} {'x ' + baseline:>11} {'TPOT ms':>9} {'best':>8} "
         f"{'x ' + baseline:>11} {'spread':>7} {'hit':>6} {'dec hit':>7} {'fetch/host/surr':>17} "
-        f"{'MiB/tok':>8} {'stall ms/tok':>12} {'pol us/call':>11} {'wait us':>7} {'lag':>5} {'stale':>6} "
+        f"{'MiB/tok':>8} {'stall ms/tok':>12} {'pol us/call':>11} {'store us':>8} {'wait us':>7} {'lag':>5} "
+        f"{'stale':>6} "
         f"{'dev MiB':>9} {'same tokens':>11}"
     )
     lines = [header, "-" * len(header)]
@@ -352,12 +353,16 @@ def format_table(results: dict[str, PolicyResult], baseline: str) -> str:
         wait = (
             f"{st.get('planner_wait_us_per_decode_call', 0.0):.1f}" if planning.get("asynchronous") else "-"
         )
+        # the store's own time (issuing and polling copies, evicting): not deciding, but the hook
+        # thread's, and on a real GPU 9-18 us per copy (docs/results/cuda-h200-2026-12-04.md)
+        store = (st.get("per_call_decode") or st.get("per_call") or {}).get("store_us", 0.0)
         lines.append(
             f"{res.shown:<{width}} {pps:>13.1f} {pps_ratio:>11} {tpot:>9.3f} {tpot_best:>8.3f} "
             f"{tpot_ratio:>11} {spread(res.tpot_ms):>6.1%} {st.get('hit_rate', 0.0):>6.3f} "
             f"{st.get('decode_hit_rate', 0.0):>7.3f} {outcome:>17} "
             f"{st.get('bytes_per_token', 0.0) / 2**20:>8.2f} {st.get('stall_ms_per_token', 0.0):>12.3f} "
-            f"{median(res.policy_us) if res.policy_us else 0.0:>11.1f} {wait:>7} {lag:>5} {stale:>6} "
+            f"{median(res.policy_us) if res.policy_us else 0.0:>11.1f} {store:>8.1f} {wait:>7} {lag:>5} "
+            f"{stale:>6} "
             f"{res.device.get('total', 0) / 2**20:>9.1f} {_same_tokens(res, base):>11}"
         )
     lines.append(
@@ -366,7 +371,9 @@ def format_table(results: dict[str, PolicyResult], baseline: str) -> str:
         "decode steps only; misses as fetched/host/surrogate; "
         "pol us/call: the hook thread's deciding time per decode hook call (the policy when "
         "synchronous; posting snapshots, applying plans and the rule when asynchronous), median of "
-        "the repeats; wait us: the hook thread waiting per decode hook call for a plan due now "
+        "the repeats; store us: the store's own time per decode hook call (issuing and polling copies, "
+        "evicting; not deciding), last repeat; wait us: the hook thread waiting per decode hook call "
+        "for a plan due now "
         "(deterministic planning, NAME@detK and the lossy levels' default), last repeat; "
         "lag: layers from a snapshot to its plan's use, stale: plans dropped as too late; "
         "dev MiB: device memory as llama.cpp reports its buffers (weights, KV cache, compute) plus "
