@@ -108,6 +108,14 @@ _FIELDS = (
 )
 
 
+# What only a run on the hardware itself shows (docs/results/cuda-h200-2026-12-04.md): the
+# hook's thread's time per copy it starts, the device's time per activation beyond reading
+# the expert's bytes, and how much slower the host runs its misses while the bus copies. A
+# profile without them gets 0: copies free to the hook's thread and the host, a device
+# activation as fast as its bytes.
+_MEASURED_ONLY = ("copy_issue_us", "device_act_overhead_us", "bus_host_slowdown")
+
+
 @dataclass(frozen=True)
 class HardwareProfile:
     name: str
@@ -126,6 +134,12 @@ class HardwareProfile:
 
     def __getitem__(self, key: str) -> float:
         return self.values[key].value
+
+    def optional(self, key: str) -> float:
+        """A value only measured profiles give (_MEASURED_ONLY), 0 where a profile lacks it."""
+        if key not in _MEASURED_ONLY:
+            raise KeyError(f"{key!r} is a value every profile gives: index the profile")
+        return self.values[key].value if key in self.values else 0.0
 
     @staticmethod
     def from_json(doc: dict[str, Any]) -> HardwareProfile:
@@ -336,6 +350,9 @@ def target_costs(profile: HardwareProfile, target: TargetModel, workload: Worklo
         hook_us=profile["hook_us"],
         python_call_us=profile["python_call_us"],
         surrogate_us=0.0,
+        copy_issue_us=profile.optional("copy_issue_us"),
+        device_act_overhead_us=profile.optional("device_act_overhead_us"),
+        bus_host_slowdown=profile.optional("bus_host_slowdown"),
         device_shares_host=False,
         layer_scale=scale,
     )

@@ -108,6 +108,10 @@ class Costs:
     hook_us: float = 0.0  # reaching the policy and applying its plan, per hook call
     python_call_us: float = 0.0  # extra per call for a Python policy (views, plan conversion)
     surrogate_us: float = 0.0  # device: one surrogate activation
+    # measured on a real GPU (docs/results/cuda-h200-2026-12-04.md); 0 where not measured:
+    copy_issue_us: float = 0.0  # the hook's thread, per copy it starts (CUDA calls, polling)
+    device_act_overhead_us: float = 0.0  # device: per activation beyond reading its bytes
+    bus_host_slowdown: float = 0.0  # host expert work is this much slower while the bus copies
     device_shares_host: bool = False  # emulated device: its compute is the host's
     fill_gbps: float = 0.0  # emulated device: host copy into a slot on first use (0: none)
     wake_us: float = 0.0  # emulated device: a wait that sleeps wakes this much late
@@ -229,6 +233,11 @@ class _Tally:
 
     def part(self, name: str, ns: float) -> None:
         self.parts[name] = self.parts.get(name, 0.0) + ns
+
+
+def _copies_started(tier: SimTier | None) -> int:
+    """Copies the tier has started so far (each one CUDA calls on the hook's thread)."""
+    return sum(c.device_copies for c in tier.counters) if tier is not None else 0
 
 
 def _us(v: float) -> int:
@@ -553,6 +562,7 @@ class Simulator:
             if call is None:
                 continue
             ids = call.ids
+            started = _copies_started(tier)
             if tier is not None:
                 tier.now_ns = t
                 residency, hit = begin_call(tier, il, ids)
@@ -607,6 +617,10 @@ class Simulator:
             if tier is not None:
                 tier.now_ns = t
                 t, actions = self._apply(tier, il, ids, actions, plan, t, tally)
+            if costs.copy_issue_us > 0:  # the copies this call started, issued on the hook's thread
+                issuing = _us((_copies_started(tier) - started) * costs.copy_issue_us)
+                t += issuing
+                tally.part("copy issue", issuing)
             if planner is not None and planner.posting:  # the snapshot, residency as the plan left it
                 planner.post(self._hook_call(call, tier.states() if tier is not None else None), t)
             if isinstance(tier, SimDiskTier):
@@ -622,8 +636,13 @@ class Simulator:
             else:  # a batch: each expert's weights are read once for its own tokens
                 dev_work = self._per_expert_us(ids, is_dev, self._dev_per_expert)
                 host_work = self._per_expert_us(ids, is_host, self._host_per_expert)
+            dev_work += int(is_dev.sum()) * costs.device_act_overhead_us
             dev = _us(dev_work + int((actions == ACTION_SURROGATE).sum()) * costs.surrogate_us)
             host = _us(host_work + (costs.host_call_us if n_host else 0.0))
+            if costs.bus_host_slowdown > 0 and tier is not None and host > 0:
+                # copies share the host's memory bandwidth with the misses it runs
+                busy = tier.bus_busy_ns(applied, applied + host) / host
+                host = _us(host / 1e3 * (1.0 + costs.bus_host_slowdown * busy))
             if tier is None:  # no device tier: everything runs on the host executor
                 host, dev = host + dev, 0
             if costs.device_shares_host:

@@ -24,6 +24,7 @@ drives both with the same operations and compares them):
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -103,6 +104,9 @@ class SimTier:
     use_clock: int = 0
     call_layer: int = -1  # the hook call in progress (device operations count against it)
     bus_free_ns: int = 0  # the emulated bus: when the last started copy lands
+    # the bus's busy spans (start, end) of started copies, oldest first, for what bus traffic
+    # costs the host (Costs.bus_host_slowdown); spans older than the last query are dropped
+    busy_spans: deque[tuple[int, int]] = field(default_factory=deque)
     n_slots: int = 0  # slot records (set from the budget, as spice_store_create does)
     slot_bytes: int = 0  # every slot's size and each held expert's charge: the largest expert
     _seq: int = 0
@@ -147,6 +151,15 @@ class SimTier:
         c.start_ns = max(self.bus_free_ns, c.issue_ns)
         c.end_ns = c.start_ns + self.occupancy_ns(c.nbytes)
         self.bus_free_ns = c.end_ns
+        self.busy_spans.append((c.start_ns, c.end_ns))
+
+    def bus_busy_ns(self, t0: int, t1: int) -> int:
+        """How long the bus is busy within [t0, t1) with the copies started so far (one
+        serial bus: the spans do not overlap). Spans ending before t0 are forgotten."""
+        spans = self.busy_spans
+        while spans and spans[0][1] <= t0:
+            spans.popleft()
+        return sum(max(0, min(end, t1) - max(start, t0)) for start, end in spans if start < t1)
 
     def _landed_by(self, c: Copy, now: int) -> bool:
         """copy_poll: a started copy has landed by now."""

@@ -234,3 +234,45 @@ def test_a_policy_that_preloads_starts_with_the_tier_filled_in_layer_order() -> 
     assert not (cold.seen == RESIDENCY_RESIDENT).any()
     assert not make_policy("spice:exact").preloads_tier  # type: ignore[union-attr]  # off by default
     assert not getattr(make_policy("lru"), "preloads_tier", False)
+
+
+def test_measured_copy_costs_charge_what_a_real_gpu_showed() -> None:
+    """What the H200 lease measured (Costs.copy_issue_us, device_act_overhead_us,
+    bus_host_slowdown; docs/results/cuda-h200-2026-12-04.md): the hook's thread pays for
+    each copy it starts, a device activation costs more than its bytes, and host work
+    slows while the bus copies. A policy that copies nothing pays none of the copy terms."""
+    wl = workload(prompt=0, tokens=6)
+    budget = N_LAYERS * N_EXPERT * 10_000
+
+    def tpot(policy: str, **kw: object) -> float:
+        return Simulator(wl, costs(**kw), budget).run(policy, make_policy(policy), policy_us=0.0).tpot_ms
+
+    # ondemand copies every selection: 6 tokens x 4 layers x 2 experts, 10 us each
+    issued = tpot("ondemand", copy_issue_us=10.0) - tpot("ondemand")
+    assert issued == pytest.approx(N_LAYERS * K * 10.0 / 1e3)
+    assert tpot("host", copy_issue_us=10.0) == tpot("host")  # no copies, no charge
+    # every ondemand activation runs on the device: 50 us more each
+    assert tpot("ondemand", device_act_overhead_us=50.0) - tpot("ondemand") == pytest.approx(
+        N_LAYERS * K * 50.0 / 1e3
+    )
+
+    class HostWhileCopying:
+        """Runs every miss on the host while prefetching the next layer's experts, so
+        the bus is busy during host work."""
+
+        name = "host-while-copying"
+
+        def decide(self, call: HookCall) -> Plan:
+            nxt = (call.layer + 1) % N_LAYERS
+            return Plan(
+                actions=np.full(call.ids.shape, 1, np.int32),
+                prefetch=[(nxt, e) for e in range(N_EXPERT)],
+                evict=[(call.layer, e) for e in range(N_EXPERT)],
+            )
+
+    slow_bus = costs(bus_gbps=0.1)  # 100 us a copy: the bus stays busy
+    base = Simulator(wl, slow_bus, budget).run("p", HostWhileCopying(), policy_us=0.0).tpot_ms
+    slowed = costs(bus_gbps=0.1, bus_host_slowdown=0.5)
+    contended = Simulator(wl, slowed, budget).run("p", HostWhileCopying(), policy_us=0.0).tpot_ms
+    assert contended > base
+    assert tpot("host", bus_host_slowdown=0.5) == tpot("host")  # no copies, no contention
