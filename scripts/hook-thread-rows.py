@@ -9,7 +9,8 @@ and the decode steps' (bench since session 44); then the accounting check: how m
 row's whole hook time over `exact`'s is neither deciding, nor the store's bookkeeping
 and copy work, nor waits for copies (the residual; 0 when the counters account for
 everything the hook thread does). The last column takes each row's expert execution
-out first (per_call exec_us: thread 0 from the end of planning to return), which the
+out first (per_call exec_us: thread 0 from the end of planning to return, and launch_us:
+queueing the device's pairs just before that), which the
 issue's arithmetic assumes equal to `exact`'s; it is not where a row runs its experts
 from slots instead of the host's weights, or runs fewer of them (surrogates). Where
 the record has per_call call_us (the steps every policy's calls take alike: reading
@@ -52,7 +53,12 @@ def residual(row: dict[str, Any], exact: dict[str, Any], n_moe: int, less_named:
 
     def hook_us(r: dict[str, Any]) -> float:
         pc = per_call(r)
-        named = pc.get("exec_us", 0.0) + pc.get("call_us", 0.0) if less_named else 0.0
+        # launch_us: queueing the device's pairs, which thread 0 does after the first barrier
+        # and before exec_us starts (launch_device_work): expert execution too, on a GPU
+        # 5-60 us a call, on an emulated tier none
+        named = (
+            pc.get("exec_us", 0.0) + pc.get("call_us", 0.0) + pc.get("launch_us", 0.0) if less_named else 0.0
+        )
         return float(pc["hook_us"] - named)
 
     hook = hook_us(row) - hook_us(exact)
