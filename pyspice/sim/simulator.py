@@ -562,7 +562,7 @@ class Simulator:
             if call is None:
                 continue
             ids = call.ids
-            started = _copies_started(tier)
+            started = _copies_started(tier) if costs.copy_issue_us > 0 else 0
             if tier is not None:
                 tier.now_ns = t
                 residency, hit = begin_call(tier, il, ids)
@@ -639,9 +639,12 @@ class Simulator:
             dev_work += int(is_dev.sum()) * costs.device_act_overhead_us
             dev = _us(dev_work + int((actions == ACTION_SURROGATE).sum()) * costs.surrogate_us)
             host = _us(host_work + (costs.host_call_us if n_host else 0.0))
+            # the host runs its misses while the device's copies are awaited (the engine's
+            # launch_device_work), except where it reads them from disk first
+            host_from = t if isinstance(tier, SimDiskTier) else applied
             if costs.bus_host_slowdown > 0 and tier is not None and host > 0:
                 # copies share the host's memory bandwidth with the misses it runs
-                busy = tier.bus_busy_ns(applied, applied + host) / host
+                busy = tier.bus_busy_ns(host_from, host_from + host) / host
                 host = _us(host / 1e3 * (1.0 + costs.bus_host_slowdown * busy))
             if tier is None:  # no device tier: everything runs on the host executor
                 host, dev = host + dev, 0
@@ -649,9 +652,6 @@ class Simulator:
                 t += dev + host
                 tally.part("expert compute", dev + host)
             else:
-                # the host runs its misses while the device's copies are awaited (the engine's
-                # launch_device_work), except where it reads them from disk first
-                host_from = t if isinstance(tier, SimDiskTier) else applied
                 end = max(t + dev, host_from + host)
                 tally.part("expert compute", end - t)
                 t = end
