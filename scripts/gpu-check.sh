@@ -75,6 +75,18 @@ if [ ! -s $M ]; then
 fi
 [ -s $M ] || { say "no model: stopping before the model steps"; exit 1; }
 
+# ---- 2b. tolerance, first: the pool fix of 082ace1 was unconfirmed on a GPU. Logits against
+# the reference with the device's rows in use (the tests
+# alone: under SPICE_CUDA_VERIFY the host's rows are the ones used, which made these
+# tests pass vacuously on 2026-12-04); then the device's rows against the host's for the
+# same pairs, per executor, on the tiny models' tests and on the real-shape model ----
+step tolerance 100 $PY -m pytest -q -s -p no:cacheprovider tests/native/test_cuda_device.py \
+    tests/native/test_pool_executor.py >"$O/verify.txt"
+for executor in pool legacy; do
+    SPICE_CUDA_VERIFY=1 step "rows-$executor" 40 $PY -m pyspice generate -m $M -ngl 99 -n 8 -p "one two three four five six seven eight nine ten eleven twelve thirteen fourteen" \
+        --temp 0 --policy exact --device-budget 50% --device-executor $executor 2>&1 | grep -E "SPICE_CUDA_VERIFY|==" >>"$O/verify.txt"
+done
+
 # ---- 3. decode: pool vs legacy executor at 25%, the pool at 50%, against the upstream rows ----
 REPLAY=""
 [ -e .gpu/routing-trace ] && REPLAY="--replay-routing .gpu/routing-trace"
@@ -128,17 +140,6 @@ for row in stock exact; do
         --policy $row $extra >"/tmp/sched-$row.txt"
     { echo "### $row: split headers and their inputs (first 60 lines)"
       grep -E "^## SPLIT|inputs" "/tmp/sched-$row.txt" | head -60; } >>"$O/sched.txt"
-done
-
-# ---- 5. tolerance: logits against the reference with the device's rows in use (the tests
-# alone: under SPICE_CUDA_VERIFY the host's rows are the ones used, which made these
-# tests pass vacuously on 2026-12-04); then the device's rows against the host's for the
-# same pairs, per executor, on the tiny models' tests and on the real-shape model ----
-step tolerance 100 $PY -m pytest -q -s -p no:cacheprovider tests/native/test_cuda_device.py \
-    tests/native/test_pool_executor.py >"$O/verify.txt"
-for executor in pool legacy; do
-    SPICE_CUDA_VERIFY=1 step "rows-$executor" 40 $PY -m pyspice generate -m $M -ngl 99 -n 8 -p "one two three" \
-        --temp 0 --policy exact --device-budget 50% --device-executor $executor 2>&1 | grep -E "SPICE_CUDA_VERIFY|==" >>"$O/verify.txt"
 done
 
 # ---- 6. prefill: 512-token prompts, upstream's path above 32 tokens (the default) vs all through the hook ----
