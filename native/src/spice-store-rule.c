@@ -299,25 +299,34 @@ static int evictable(const spice_store * s, int32_t il, int32_t e) {
  * never one in `keep` or on the bus. */
 static void fit_layer(spice_store * s, spice_policy_call * call, int32_t il, int32_t incoming, const uint8_t * keep) {
     spice_store_rule * r = &s->rule;
-    int32_t held = 0;
-    for (int32_t e = 0; e < s->n_expert[il]; ++e) {
-        held += state_of(s, il, e) != SPICE_RES_ABSENT && !r->chosen[spice_store_cell(s, il, e)];
+    const int32_t n_e = s->n_expert[il];
+    const size_t base = spice_store_cell(s, il, 0);
+    const int8_t * states = s->states + base;
+    const uint8_t * chosen = r->chosen + base;
+    const uint64_t * last_use = s->last_use + base;
+    /* one pass: the layer's count and its candidates; then each victim is the
+     * oldest candidate left, the lowest id on a tie (the order of one scan of
+     * the layer per victim, as the simulator's twin takes them, at a fraction
+     * of the reads: on DeepSeek-V2-Lite's 64 experts a call evicts up to 6) */
+    int32_t cand[n_e > 0 ? n_e : 1];
+    int32_t held = 0, n_cand = 0;
+    for (int32_t e = 0; e < n_e; ++e) {
+        const int st = states[e];
+        held += st != SPICE_RES_ABSENT && !chosen[e];
+        if ((st == SPICE_RES_RESIDENT || st == SPICE_RES_QUEUED) && !keep[e] && !chosen[e]) {
+            cand[n_cand++] = e;
+        }
     }
-    int32_t over = held + incoming - r->capacity[il];
-    const uint64_t * last_use = s->last_use + spice_store_cell(s, il, 0);
-    while (over > 0) {
-        int32_t victim = -1;
-        for (int32_t e = 0; e < s->n_expert[il]; ++e) {
-            if (!keep[e] && !r->chosen[spice_store_cell(s, il, e)] && evictable(s, il, e) &&
-                (victim < 0 || last_use[e] < last_use[victim])) {
-                victim = e;
+    for (int32_t over = held + incoming - r->capacity[il]; over > 0 && n_cand > 0; --over) {
+        int32_t at = 0;
+        for (int32_t i = 1; i < n_cand; ++i) {
+            const int32_t e = cand[i], v = cand[at];
+            if (last_use[e] < last_use[v] || (last_use[e] == last_use[v] && e < v)) {
+                at = i;
             }
         }
-        if (victim < 0) {
-            return;
-        }
-        add_evict(call, r->chosen, s, il, victim);
-        over--;
+        add_evict(call, r->chosen, s, il, cand[at]);
+        cand[at] = cand[--n_cand];
     }
 }
 

@@ -6,12 +6,14 @@
  * L layers x E experts, half the experts' bytes as budget.
  *
  *   spice-rule-bench [--layers L] [--experts E] [--used K] [--embd D]
- *                    [--budget SHARE] [--calls N] [--cold]
+ *                    [--budget SHARE] [--calls N] [--cold] [--only RULE]
  *
  * --cold touches 8 MiB between calls, as ggml's kernels do between two hook
  * calls in a real graph, so the rule runs on cold caches. Prints the median
  * and the mean ns per call of the rule alone and of begin_call + apply, and
- * the hit rate (selected experts resident when their call began). */
+ * the hit rate (selected experts resident when their call began). --only
+ * runs one rule (ondemand, lru, adapmoe, adapmoe-g: adapmoe with the next
+ * layer's logits from the graph, as on a model), for a profiler. */
 #include "spice.h"
 
 #include <math.h>
@@ -44,6 +46,7 @@ typedef struct options {
     int32_t layers, experts, used, embd, calls;
     double budget;
     int cold;
+    const char * only; /* one rule's name, or NULL: all (to profile one) */
 } options;
 
 /* k distinct experts, the lower ids more likely (a Zipf-like skew, per layer
@@ -65,7 +68,14 @@ static void route(const options * o, int32_t il, int32_t * ids, float * weights)
     }
 }
 
-static int run(const options * o, const char * name, spice_rule * rule, volatile uint8_t * sink, size_t sink_bytes) {
+/* graph_logits: each call carries the next MoE layer's router logits, as the
+ * patched graph hands them over (LLAMA_MOE_HOOK_WANT_NEXT_LOGITS; adapmoe on a
+ * model), so the rule ranks them instead of reading its router */
+static int run(const options * o, const char * name, spice_rule * rule, int graph_logits, volatile uint8_t * sink,
+               size_t sink_bytes) {
+    if (o->only != NULL && strcmp(o->only, name) != 0) {
+        return 0;
+    }
     int32_t n_expert[o->layers];
     uint64_t expert_bytes[o->layers];
     for (int32_t il = 0; il < o->layers; ++il) {
@@ -91,6 +101,7 @@ static int run(const options * o, const char * name, spice_rule * rule, volatile
     int32_t * evict = calloc((size_t) cap, sizeof(int32_t));
     int32_t * evict_from = calloc((size_t) o->layers, sizeof(int32_t));
     float * hidden = calloc((size_t) o->embd, sizeof(float));
+    float * next_logits = calloc((size_t) o->experts, sizeof(float));
     uint64_t * rule_ns = calloc((size_t) o->calls, sizeof(uint64_t));
     uint64_t * store_ns = calloc((size_t) o->calls, sizeof(uint64_t));
     uint8_t hit[64];
@@ -121,6 +132,16 @@ static int run(const options * o, const char * name, spice_rule * rule, volatile
         call.evict = evict;     call.cap_evict = cap;
         call.evict_from = evict_from; call.cap_evict_from = o->layers;
         call.resume_il = -1;
+        call.il_next = -1;
+        if (graph_logits && il + 1 < o->layers) {
+            for (int32_t e = 0; e < o->experts; ++e) {
+                next_logits[e] = (float) uniform();
+            }
+            call.next_logits = next_logits;
+            call.next_logits_nb1 = (size_t) o->experts * sizeof(float);
+            call.il_next = il + 1;
+            call.n_expert_next = o->experts;
+        }
         if (o->cold) {
             for (size_t i = 0; i < sink_bytes; i += 64) {
                 sink[i]++;
@@ -154,13 +175,13 @@ static int run(const options * o, const char * name, spice_rule * rule, volatile
            (double) store_ns[o->calls / 2], store_mean,
            (double) hits / (double) activations);
     spice_store_free(store);
-    free(actions); free(fetch); free(prefetch); free(evict); free(evict_from); free(hidden);
+    free(actions); free(fetch); free(prefetch); free(evict); free(evict_from); free(hidden); free(next_logits);
     free(rule_ns); free(store_ns);
     return 0;
 }
 
 int main(int argc, char ** argv) {
-    options o = { 30, 32, 4, 576, 20000, 0.5, 0 };
+    options o = { 30, 32, 4, 576, 20000, 0.5, 0, NULL };
     for (int i = 1; i < argc; ++i) {
         const char * a = argv[i];
         const char * v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -178,9 +199,11 @@ int main(int argc, char ** argv) {
             o.calls = atoi(v), ++i;
         } else if (v != NULL && strcmp(a, "--budget") == 0) {
             o.budget = atof(v), ++i;
+        } else if (v != NULL && strcmp(a, "--only") == 0) {
+            o.only = v, ++i;
         } else {
             fprintf(stderr, "usage: spice-rule-bench [--layers L] [--experts E] [--used K] [--embd D] "
-                            "[--budget SHARE] [--calls N] [--cold]\n");
+                            "[--budget SHARE] [--calls N] [--cold] [--only RULE]\n");
             return 2;
         }
     }
@@ -216,9 +239,10 @@ int main(int argc, char ** argv) {
     adapmoe.prefetch_next = 1;
     adapmoe.routers = (const float * const *) routers;
     adapmoe.n_embd = o.embd;
-    int rc = run(&o, "ondemand", &ondemand, sink, sink_bytes);
-    rc |= run(&o, "lru", &lru, sink, sink_bytes);
-    rc |= run(&o, "adapmoe", &adapmoe, sink, sink_bytes);
+    int rc = run(&o, "ondemand", &ondemand, 0, sink, sink_bytes);
+    rc |= run(&o, "lru", &lru, 0, sink, sink_bytes);
+    rc |= run(&o, "adapmoe", &adapmoe, 0, sink, sink_bytes);
+    rc |= run(&o, "adapmoe-g", &adapmoe, 1, sink, sink_bytes); /* the next layer's logits from the graph */
     for (int32_t il = 0; il < o.layers; ++il) {
         free(routers[il]);
     }

@@ -1,7 +1,9 @@
 """spice-rule-bench (native/tools/spice-rule-bench.c): the shipped rules alone through
 libspice's public API. The timings are not judged (they belong in a benchmark); what
 each rule keeps is: ondemand keeps nothing between calls (no hits), lru and adapmoe
-keep half the experts under skewed routing (most selections hit)."""
+keep half the experts under skewed routing (most selections hit), adapmoe as well when
+the next layer's logits come with the call as the graph hands them over (adapmoe-g);
+--only runs one rule."""
 
 from __future__ import annotations
 
@@ -15,10 +17,18 @@ def test_rule_bench_runs_every_rule_and_each_keeps_what_it_should() -> None:
     done = subprocess.run([str(tool), "--calls", "600"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = {line.split()[0]: line.split() for line in done.stdout.splitlines()[2:]}
-    assert set(rows) == {"ondemand", "lru", "adapmoe"}, done.stdout
+    assert set(rows) == {"ondemand", "lru", "adapmoe", "adapmoe-g"}, done.stdout
     hit = {name: float(cols[-1]) for name, cols in rows.items()}
     assert hit["ondemand"] == 0.0
-    assert hit["lru"] > 0.3 and hit["adapmoe"] > 0.3, hit
+    assert hit["lru"] > 0.3 and hit["adapmoe"] > 0.3 and hit["adapmoe-g"] > 0.3, hit
+
+
+def test_rule_bench_runs_only_the_rule_asked_for() -> None:
+    tool = load_build_info().tool("spice-rule-bench")
+    done = subprocess.run([str(tool), "--calls", "200", "--only", "adapmoe-g"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert [line.split()[0] for line in done.stdout.splitlines()[2:]] == ["adapmoe-g"], done.stdout
 
 
 def test_rule_bench_refuses_a_bad_flag() -> None:
