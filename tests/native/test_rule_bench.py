@@ -25,8 +25,8 @@ def test_rule_bench_runs_every_rule_and_each_keeps_what_it_should() -> None:
 
 def test_rule_bench_runs_only_the_rule_asked_for() -> None:
     tool = load_build_info().tool("spice-rule-bench")
-    done = subprocess.run([str(tool), "--calls", "200", "--only", "adapmoe-g"], capture_output=True, text=True,
-                          timeout=60)
+    command = [str(tool), "--calls", "200", "--only", "adapmoe-g"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
     assert [line.split()[0] for line in done.stdout.splitlines()[2:]] == ["adapmoe-g"], done.stdout
 
