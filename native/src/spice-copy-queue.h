@@ -14,8 +14,8 @@
  * Threads: one producer (the hook's thread, which also waits and polls), the
  * copier. The issue function runs on either, never on both at once.
  *
- * The CUDA tier uses it only with SPICE_CUDA_COPY_THREAD=1 until a GPU run
- * has measured it (the copier needs a core the graph's threads do not spin on). */
+ * The CUDA tier uses it unless SPICE_CUDA_COPY_THREAD=0 (spice-cuda.c has the
+ * measurement behind that default). */
 #ifndef SPICE_COPY_QUEUE_H
 #define SPICE_COPY_QUEUE_H
 

@@ -7,6 +7,7 @@
  * compute streams; each slot has a start/end event pair, which gives both
  * completion (query/synchronize) and the copy's bus time. */
 #include "spice-cuda.h"
+#include "spice-clock.h"
 #include "spice-copy-queue.h"
 #include "spice-fifo-poll.h"
 #include "spice-pool-exec.h"
@@ -61,6 +62,11 @@ struct spice_cuda {
     int32_t n_rows;
     int32_t n_embd;
     int pending;
+
+    /* SPICE_CUDA_PROFILE=1: calls and time per executor's begin, printed when freed (the
+     * pool executor prints its own breakdown) */
+    int profile;
+    uint64_t prof_begins[2], prof_ns[2]; /* [0] pool, [1] per-expert graphs */
 
     void ** registered;              /* host ranges we page-locked (unlocked on free) */
     int32_t n_registered, cap_registered;
@@ -171,12 +177,16 @@ int spice_cuda_create(int device, const spice_pool_layout * layout, int32_t exec
             return fail(err, err_len, "cudaEventCreate", rc);
         }
     }
-    /* SPICE_CUDA_COPY_THREAD=1: copies issued off the hook's thread (spice-copy-queue.h). Opt-in
-     * until measured on a GPU: it saves the hook's thread 9-18 us a copy, but its thread needs a
-     * core the graph's threads do not spin on. Without it (or without a thread) copies are
-     * issued inline, on the hook's thread. */
+    /* Copies are issued off the hook's thread (spice-copy-queue.h) unless SPICE_CUDA_COPY_THREAD=0.
+     * On the H200 VM of 2026-12-04 issuing took the hook's thread 9-18 us a copy; with the copier
+     * the store's time per decode call fell 27-45 -> 4-13 us and lru, adapmoe and spice:exact ran
+     * 0.87-0.91x their TPOT over exact's (docs/results/cuda-h200-2026-12-04b.md). The copier parks
+     * on a condition variable between copies, so it takes no core while there is nothing to copy.
+     * Without it (or without a thread) copies are issued inline, on the hook's thread. */
+    const char * profile_env = getenv("SPICE_CUDA_PROFILE");
+    cu->profile = profile_env != NULL && profile_env[0] == '1';
     const char * thread_env = getenv("SPICE_CUDA_COPY_THREAD");
-    if (thread_env != NULL && thread_env[0] == '1') {
+    if (thread_env == NULL || thread_env[0] != '0') {
         if (spice_copy_queue_create(n_slots, issue_planned, cu, &cu->copier) != SPICE_OK) {
             cu->copier = NULL;
         }
@@ -200,6 +210,15 @@ int spice_cuda_create(int device, const spice_pool_layout * layout, int32_t exec
 void spice_cuda_free(spice_cuda * cu) {
     if (cu == NULL) {
         return;
+    }
+    if (cu->profile && cu->prof_begins[0] + cu->prof_begins[1] > 0) {
+        fprintf(stderr, "libspice: SPICE_CUDA_PROFILE: begins: pool %llu (%.1f us each), per-expert graphs %llu "
+                        "(%.1f us each); copies issued by %s\n",
+                (unsigned long long) cu->prof_begins[0],
+                cu->prof_begins[0] ? 1e-3 * (double) cu->prof_ns[0] / (double) cu->prof_begins[0] : 0.0,
+                (unsigned long long) cu->prof_begins[1],
+                cu->prof_begins[1] ? 1e-3 * (double) cu->prof_ns[1] / (double) cu->prof_begins[1] : 0.0,
+                cu->copier != NULL ? "the copier thread" : "the hook's thread");
     }
     spice_copy_queue_free(cu->copier); /* issues what is still queued, then stops */
     cu->copier = NULL;
@@ -564,12 +583,20 @@ int spice_cuda_exec_supports(spice_cuda * cu, const spice_expert_layer * L, int3
 
 int spice_cuda_exec_begin(spice_cuda * cu, const spice_device_job * job, char * err, size_t err_len) {
     cu->pending_pool = 0; /* an uncollected call (its layer failed) is finished by the executor's begin */
+    const uint64_t t0 = cu->profile ? spice_monotonic_ns() : 0;
+    const int which = cu->use_pool ? 0 : 1;
+    int rc;
     if (cu->use_pool) {
-        const int rc = spice_pool_exec_begin(cu->pool_exec, job, err, err_len);
+        rc = spice_pool_exec_begin(cu->pool_exec, job, err, err_len);
         cu->pending_pool = rc == SPICE_OK;
-        return rc;
+    } else {
+        rc = legacy_exec_begin(cu, job, err, err_len);
     }
-    return legacy_exec_begin(cu, job, err, err_len);
+    if (cu->profile) {
+        cu->prof_begins[which]++;
+        cu->prof_ns[which] += spice_monotonic_ns() - t0;
+    }
+    return rc;
 }
 
 static int legacy_exec_end(spice_cuda * cu, float * y) {

@@ -11,10 +11,10 @@ names the first failing input (replayable with its seed) and exits 1.
 - spice-fifo-poll-check: the CUDA tier's poll of copies in flight against a simulated
   in-order stream: exactly the landed copies reported, asking about the oldest
   unfinished one and no later one.
-- spice-copy-queue-check: the copier thread (SPICE_CUDA_COPY_THREAD=1) with a stand-in
-  for the CUDA calls: copies issued once each in queue order, by the copier or by a wait
-  that finds them queued; a wait returns once its copy is issued; a failed issue is
-  reported.
+- spice-copy-queue-check: the copier thread (the CUDA tier's default;
+  SPICE_CUDA_COPY_THREAD=0: inline) with a stand-in for the CUDA calls: copies
+  issued once each in queue order, by the copier or by a wait that finds them
+  queued; a wait returns once its copy is issued; a failed issue is reported.
 """
 
 from __future__ import annotations
