@@ -10,7 +10,7 @@
 #   sched.txt         the hooked layers' split inputs (GGML_SCHED_DEBUG=2), stock vs hook
 #   bench-decode.json decode bench on a real-shape DeepSeek-V2-Lite: pool vs legacy at 25%, pool at 50%;
 #                     stock and exact with the bus idle and busy; after `pyspice probe`, spice:exact with its profile;
-#                     the copying rows with copies issued inline and by a copier thread;
+#                     the copying rows with copies issued inline and by the copier thread (profiled);
 #                     then spice:exact sync, async and det1 at plan_every 4 and 1 (25%)
 #   bench-prefill.json  512-token prompts: upstream's path above 32 tokens vs every batch through the hook;
 #                     then a 32-token prompt (a chat turn, through the hook) at 25%
@@ -124,12 +124,15 @@ step probe 70 $PY -m pyspice probe -m $M -ngl 99 -t 15 --batch-sizes 1,8 --repea
 step "decode-50%-profiled" 50 $BENCH -m $M -n 48 --repeat 5 --device-budget 50% --policies stock,exact,lru,spice:exact \
     --json 2>&1 | grep -E '^\{"' >>"$O/bench-decode.json"
 
-# ---- 3c. copies issued off the hook's thread (SPICE_CUDA_COPY_THREAD=1, opt-in since 2026-12-04:
-# issuing a copy took the hook's thread 9-18 us there) against inline, the rows that copy,
-# own routing, 50%; appended to bench-decode.json ----
+# ---- 3c. copies issued off the hook's thread (the default since session 46: the copier took the
+# hook's copy work from 27-45 to 4-13 us a decode call) against inline (SPICE_CUDA_COPY_THREAD=0),
+# the rows that copy, own routing, 50%; with SPICE_CUDA_PROFILE=1 the log says per row which
+# executor launched and where a launch's time went (spice:exact's launches took 60-110 us on
+# 2026-12-04, the other rows' 12-20, unexplained); appended to bench-decode.json ----
 for copier in 0 1; do
-    SPICE_CUDA_COPY_THREAD=$copier step "decode-50%-copy-thread-$copier" 50 $BENCH -m $M -n 48 --repeat 5 \
-        --device-budget 50% --policies stock,exact,lru,adapmoe,spice:exact --json 2>&1 | grep -E '^\{"' >>"$O/bench-decode.json"
+    SPICE_CUDA_PROFILE=1 SPICE_CUDA_COPY_THREAD=$copier step "decode-50%-copy-thread-$copier" 50 $BENCH -m $M \
+        -n 48 --repeat 5 --device-budget 50% --policies stock,exact,lru,adapmoe,spice:exact,spice:exact@sync --json \
+        2>&1 | grep -E '^\{"' >>"$O/bench-decode.json"
 done
 
 # ---- 4. what crosses each hooked layer's split (inputs copied to the CPU split) ----

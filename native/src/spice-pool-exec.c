@@ -1,6 +1,7 @@
 /* Slot-pool executor (see spice-pool-exec.h). */
 #include "spice-pool-exec.h"
 
+#include "spice-clock.h"
 #include "spice-pool-ids.h"
 #include "spice.h"
 
@@ -52,6 +53,12 @@ struct spice_pool_exec {
     int32_t * want; int32_t * listed;
     int32_t cap_want;
     uint8_t * mark;                 /* [n_slots], zero between calls */
+
+    /* SPICE_CUDA_PROFILE=1: where a launch's time goes, printed when freed (on an H200
+     * spice:exact's launches took 60-110 us against 12-20 for the other rows; unexplained) */
+    int profile;
+    uint64_t prof_begins, prof_chunks, prof_unfinished;
+    uint64_t prof_ns[4];            /* staging (rows, ids), upload, graph launch, download queued */
 };
 
 static int fail(char * err, size_t err_len, const char * msg, int status) {
@@ -76,6 +83,8 @@ int spice_pool_exec_create(ggml_backend_t backend, ggml_backend_buffer_t pool, c
     px->base = (char *) ggml_backend_buffer_get_base(pool);
     px->layout = *layout;
     px->on_cpu = ggml_backend_is_cpu(backend);
+    const char * profile = getenv("SPICE_CUDA_PROFILE");
+    px->profile = profile != NULL && profile[0] == '1';
     px->mark = (uint8_t *) calloc((size_t) (layout->n_slots > 0 ? layout->n_slots : 1), 1);
     if (px->mark == NULL) {
         free(px);
@@ -109,6 +118,15 @@ void spice_pool_exec_free(spice_pool_exec * px) {
     }
     if (px->pending) {
         ggml_backend_synchronize(px->backend);
+    }
+    if (px->profile && px->prof_chunks > 0) {
+        const double n = (double) px->prof_chunks;
+        fprintf(stderr,
+                "libspice: SPICE_CUDA_PROFILE: pool executor: %llu calls, %llu launches; per launch: staging %.1f us, "
+                "upload %.1f, graph %.1f, download %.1f; %llu calls first finished an uncollected one\n",
+                (unsigned long long) px->prof_begins, (unsigned long long) px->prof_chunks, 1e-3 * px->prof_ns[0] / n,
+                1e-3 * px->prof_ns[1] / n, 1e-3 * px->prof_ns[2] / n, 1e-3 * px->prof_ns[3] / n,
+                (unsigned long long) px->prof_unfinished);
     }
     for (int32_t i = 0; i < px->n_graphs; ++i) {
         graph_free(&px->graphs[i]);
@@ -302,7 +320,9 @@ int spice_pool_exec_begin(spice_pool_exec * px, const spice_device_job * job, ch
     if (px->pending) { /* the last call's work was never collected (its layer failed): finish it first */
         ggml_backend_synchronize(px->backend);
         px->pending = 0;
+        px->prof_unfinished++;
     }
+    px->prof_begins++;
     const spice_expert_layer * L = job->layer;
     const int32_t n_pairs = job->n_tokens * job->n_used;
     if (n_pairs > px->cap_rows) {
@@ -346,7 +366,9 @@ int spice_pool_exec_begin(spice_pool_exec * px, const spice_device_job * job, ch
         px->listed = listed;
         px->cap_want = cap;
     }
+    uint64_t at[5] = { 0 }; /* SPICE_CUDA_PROFILE's timestamps */
     for (int32_t c = 0; c < n_chunks; ++c) {
+        at[0] = px->profile ? spice_monotonic_ns() : 0;
         char * in = px->in_host + (size_t) c * g->in_bytes;
         int32_t * sid = (int32_t *) (in + g->sid_offset);
         int32_t n_in_chunk = 0;
@@ -369,13 +391,23 @@ int spice_pool_exec_begin(spice_pool_exec * px, const spice_device_job * job, ch
         if (spice_pool_fill_ids(sid, px->want, n_in_chunk, bucket, job->n_used, n_slots, px->mark, px->listed) != 0) {
             return fail(err, err_len, "too few slots for distinct expert ids per token", SPICE_ERR_UNSUPPORTED);
         }
+        at[1] = px->profile ? spice_monotonic_ns() : 0;
         ggml_backend_tensor_set_async(px->backend, g->in, in, 0, g->in_bytes);
+        at[2] = px->profile ? spice_monotonic_ns() : 0;
         if (ggml_backend_graph_compute_async(px->backend, g->gf) != GGML_STATUS_SUCCESS) {
             ggml_backend_synchronize(px->backend);
             return fail(err, err_len, "the pool graph failed", SPICE_ERR_INTERNAL);
         }
         px->n_launches++;
+        at[3] = px->profile ? spice_monotonic_ns() : 0;
         ggml_backend_tensor_get_async(px->backend, g->y, px->y_host + (size_t) c * g->y_bytes, 0, g->y_bytes);
+        if (px->profile) {
+            at[4] = spice_monotonic_ns();
+            for (int k = 0; k < 4; ++k) {
+                px->prof_ns[k] += at[k + 1] - at[k];
+            }
+            px->prof_chunks++;
+        }
     }
     px->g = g;
     px->n_embd = L->n_embd;

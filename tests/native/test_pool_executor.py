@@ -7,6 +7,8 @@ and a steady-state decode call launches at most once and collects once."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -89,3 +91,30 @@ def test_a_device_failure_stops_the_decode_with_its_reason(synth_model, fault: i
         assert np.array_equal(again.logits, ref.logits)
     finally:
         llm.close()
+
+
+def test_the_profile_says_where_a_launch_goes_and_only_when_asked(synth_model, monkeypatch, capfd) -> None:
+    """SPICE_CUDA_PROFILE=1 (read when the executor is made) prints, when it is freed, the
+    executor's launches and their time by step: the diagnosis the 2026-12-04 H200 run
+    needed (spice:exact's launches took 60-110 us, the other rows' 12-20)."""
+    path = synth_model("qwen2moe", "tiny", "Q4_K")
+    for asked in (False, True):
+        if asked:
+            monkeypatch.setenv("SPICE_CUDA_PROFILE", "1")
+        else:
+            monkeypatch.delenv("SPICE_CUDA_PROFILE", raising=False)
+        llm = load(path)
+        try:
+            llm.set_device("100%", 8.0, 5.0, manual_clock=True, executor="pool")
+            greedy_run(llm, "exact", n_decode=2)
+        finally:
+            llm.close()
+        line = re.search(
+            r"SPICE_CUDA_PROFILE: pool executor: (\d+) calls, (\d+) launches; per launch: staging [\d.]+ us, "
+            r"upload [\d.]+, graph [\d.]+, download [\d.]+; 0 calls first finished an uncollected one",
+            capfd.readouterr().err,
+        )
+        if asked:
+            assert line is not None and int(line.group(2)) >= int(line.group(1)) > 0
+        else:
+            assert line is None
