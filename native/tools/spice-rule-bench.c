@@ -13,7 +13,8 @@
  * and the mean ns per call of the rule alone and of begin_call + apply, and
  * the hit rate (selected experts resident when their call began). --only
  * runs one rule (ondemand, lru, adapmoe, adapmoe-g: adapmoe with the next
- * layer's logits from the graph, as on a model), for a profiler. */
+ * layer's logits from the graph, as on a model; cost: spice:exact's
+ * asynchronous rule on a GPU), for a profiler. */
 #include "spice.h"
 
 #include <math.h>
@@ -228,7 +229,7 @@ int main(int argc, char ** argv) {
     printf("%d layers x %d experts, top-%d, n_embd %d, budget %.0f%%, %d calls%s\n", o.layers, o.experts, o.used,
            o.embd, 100.0 * o.budget, o.calls, o.cold ? ", cold caches" : "");
     printf("%-9s %10s %10s %12s %12s %9s\n", "rule", "rule p50", "rule mean", "store p50", "store mean", "hit");
-    spice_rule ondemand = { 0 }, lru = { 0 }, adapmoe = { 0 };
+    spice_rule ondemand = { 0 }, lru = { 0 }, adapmoe = { 0 }, cost = { 0 };
     ondemand.resident_action = lru.resident_action = adapmoe.resident_action = SPICE_ACTION_DEVICE;
     ondemand.miss = lru.miss = adapmoe.miss = SPICE_MISS_FETCH;
     ondemand.keep = SPICE_KEEP_NONE;
@@ -239,10 +240,20 @@ int main(int argc, char ** argv) {
     adapmoe.prefetch_next = 1;
     adapmoe.routers = (const float * const *) routers;
     adapmoe.n_embd = o.embd;
+    /* spice:exact's asynchronous rule on a GPU: misses weighed by a cost table, nothing evicted
+     * (its plans evict), so the tier fills once and stays */
+    cost.resident_action = SPICE_ACTION_DEVICE;
+    cost.miss = SPICE_MISS_COST;
+    cost.keep = SPICE_KEEP_ALL;
+    cost.host_us = 90.0;
+    cost.device_us = 55.0;
+    cost.margin = 0.1;
+    cost.overlap = 1;
     int rc = run(&o, "ondemand", &ondemand, 0, sink, sink_bytes);
     rc |= run(&o, "lru", &lru, 0, sink, sink_bytes);
     rc |= run(&o, "adapmoe", &adapmoe, 0, sink, sink_bytes);
     rc |= run(&o, "adapmoe-g", &adapmoe, 1, sink, sink_bytes); /* the next layer's logits from the graph */
+    rc |= run(&o, "cost", &cost, 0, sink, sink_bytes);
     for (int32_t il = 0; il < o.layers; ++il) {
         free(routers[il]);
     }

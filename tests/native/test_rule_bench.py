@@ -2,7 +2,8 @@
 libspice's public API. The timings are not judged (they belong in a benchmark); what
 each rule keeps is: ondemand keeps nothing between calls (no hits), lru and adapmoe
 keep half the experts under skewed routing (most selections hit), adapmoe as well when
-the next layer's logits come with the call as the graph hands them over (adapmoe-g);
+the next layer's logits come with the call as the graph hands them over (adapmoe-g), and
+spice:exact's asynchronous rule on a GPU (cost: misses weighed, nothing evicted);
 --only runs one rule."""
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ def test_rule_bench_runs_every_rule_and_each_keeps_what_it_should() -> None:
     done = subprocess.run([str(tool), "--calls", "600"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = {line.split()[0]: line.split() for line in done.stdout.splitlines()[2:]}
-    assert set(rows) == {"ondemand", "lru", "adapmoe", "adapmoe-g"}, done.stdout
+    assert set(rows) == {"ondemand", "lru", "adapmoe", "adapmoe-g", "cost"}, done.stdout
     hit = {name: float(cols[-1]) for name, cols in rows.items()}
     assert hit["ondemand"] == 0.0
     assert hit["lru"] > 0.3 and hit["adapmoe"] > 0.3 and hit["adapmoe-g"] > 0.3, hit
+    assert hit["cost"] > 0.3, hit  # keeps what it fetched (nothing evicts), so the skew hits
 
 
 def test_rule_bench_runs_only_the_rule_asked_for() -> None:
