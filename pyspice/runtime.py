@@ -73,6 +73,9 @@ _COUNTER_FIELDS = (
     "exec_ns",
     "call_ns",
     "async_wakes",
+    "rule_ns",
+    "async_take_ns",
+    "async_post_ns",
 )
 
 

@@ -61,6 +61,10 @@ class Counters:
     exec_ns: int = 0  # inside hook calls: running the experts (thread 0, after planning)
     call_ns: int = 0  # inside hook calls: reading it, checking ids, booking, preparing the executors
     async_wakes: int = 0  # posts that woke a parked planner (a futex wake on the hook's thread)
+    # of policy_ns: the engine's rule, and asynchronous planning's collecting plans and posting
+    rule_ns: int = 0
+    async_take_ns: int = 0
+    async_post_ns: int = 0
 
     def add(self, other: Counters) -> None:
         for f in fields(self):
@@ -157,6 +161,11 @@ def _per_call_record(c: Counters) -> dict[str, float]:
         "collects": _ratio(c.device_collects, n),
         "launch_us": _ratio(c.launch_ns / 1e3, n),
         "collect_us": _ratio(c.collect_ns / 1e3, n),
+        # deciding (policy_us_per_decode_call) by part: the rule, and asynchronous planning's
+        # taking plans and an entry, and posting the snapshot (the rest: merging plan lists)
+        "rule_us": _ratio(c.rule_ns / 1e3, n),
+        "take_us": _ratio(c.async_take_ns / 1e3, n),
+        "post_us": _ratio(c.async_post_ns / 1e3, n),
     }
 
 

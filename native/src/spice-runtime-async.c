@@ -157,7 +157,9 @@ int spice_async_before(spice_runtime * rt, spice_policy_call * call) {
         rt->async_post_seq = seq;
         c->policy_calls++;
     }
-    c->policy_ns += spice_monotonic_ns() - t0 - waited;
+    const uint64_t spent = spice_monotonic_ns() - t0 - waited;
+    c->policy_ns += spent;
+    c->async_take_ns += spent;
     return quiet;
 }
 
@@ -175,7 +177,9 @@ void spice_async_post(spice_runtime * rt, const spice_policy_call * call) {
         c->async_posted++;
         c->async_wakes += (uint64_t) woke;
     }
-    c->policy_ns += spice_monotonic_ns() - t0;
+    const uint64_t spent = spice_monotonic_ns() - t0;
+    c->policy_ns += spent;
+    c->async_post_ns += spent;
 }
 
 void spice_async_merge(spice_runtime * rt, spice_policy_call * call) {

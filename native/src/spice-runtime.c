@@ -174,7 +174,9 @@ static void rule_call(spice_runtime * rt, spice_policy_call * call, spice_counte
     if (rt->store != NULL) {
         const uint64_t t0 = spice_monotonic_ns();
         spice_store_rule_plan(rt->store, call);
-        c->policy_ns += spice_monotonic_ns() - t0;
+        const uint64_t spent = spice_monotonic_ns() - t0;
+        c->policy_ns += spent;
+        c->rule_ns += spent;
     }
 }
 

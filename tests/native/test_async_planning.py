@@ -473,3 +473,24 @@ def test_ctrl_c_stops_generation_planning_asynchronously(model: Any) -> None:
     err = proc.stderr.read()
     assert proc.returncode == 130, err
     assert "pyspice: interrupted" in err
+
+
+def test_deciding_time_is_split_into_its_parts(model: Any, reference: Any) -> None:
+    """policy_ns by part (issue 19's deciding time): the rule's planning, and asynchronous
+    planning's taking plans and an entry, and posting snapshots; the rest is merging
+    plan lists. A row with no policy decides by the rule alone."""
+    llm = load(model)
+    try:
+        llm.set_device("50%", 8.0, 5.0)
+        exact = greedy_run(llm, "exact", n_decode=N_DECODE).stats
+        part = exact["per_call"]
+        assert part["rule_us"] > 0 and part["take_us"] == 0 and part["post_us"] == 0
+        assert part["rule_us"] == pytest.approx(exact["policy_us_per_call"], rel=1e-9)
+
+        llm.spice_engine.set_planning(Planning(asynchronous=True))
+        spice = greedy_run(llm, "spice:exact", n_decode=N_DECODE).stats
+        part = spice["per_call"]
+        assert part["rule_us"] > 0 and part["take_us"] > 0 and part["post_us"] > 0
+        assert part["rule_us"] + part["take_us"] + part["post_us"] <= spice["policy_us_per_call"] * (1 + 1e-9)
+    finally:
+        llm.close()
