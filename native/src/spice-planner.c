@@ -144,9 +144,13 @@ static void * planner_main(void * arg) {
         spice_async_entry * next = NULL;
         for (int32_t i = 0; i < p->n_ring; ++i) {
             spice_async_entry * e = &p->ring[i];
-            if (e->state == SPICE_ENTRY_QUEUED && (next == NULL || e->seq < next->seq)) {
+            if (atomic_load(&e->state) == SPICE_ENTRY_QUEUED && (next == NULL || e->seq < next->seq)) {
                 next = e;
             }
+        }
+        int queued = SPICE_ENTRY_QUEUED;
+        if (next != NULL && !atomic_compare_exchange_strong(&next->state, &queued, SPICE_ENTRY_PLANNING)) {
+            continue; /* the hook's thread took it back to write a newer snapshot over it: look again */
         }
         if (next == NULL) {
             if (idle_since == 0) {
@@ -158,9 +162,12 @@ static void * planner_main(void * arg) {
                 pthread_mutex_lock(&p->mu);
                 waited = 1;
             } else {
-                p->sleeping = 1;
-                pthread_cond_wait(&p->work, &p->mu);
-                p->sleeping = 0;
+                /* announced before the last look, so a post either is seen here or sees this */
+                atomic_store(&p->sleeping, 1);
+                if (atomic_load(&p->queued) == 0 && !p->stop) {
+                    pthread_cond_wait(&p->work, &p->mu);
+                }
+                atomic_store(&p->sleeping, 0);
                 waited = 0;
             }
             continue;
@@ -171,7 +178,6 @@ static void * planner_main(void * arg) {
             spice_idle_budget_note(&p->idle, now, now - idle_since);
             idle_since = 0;
         }
-        next->state = SPICE_ENTRY_PLANNING;
         atomic_fetch_sub(&p->queued, 1);
         pthread_mutex_unlock(&p->mu);
         /* the policy: a Python callback takes the GIL here (cffi), never on the hook's thread */
@@ -189,7 +195,7 @@ static void * planner_main(void * arg) {
         pthread_mutex_lock(&p->mu);
         next->rc = rc;
         next->plan_ns = spent;
-        next->state = SPICE_ENTRY_DONE;
+        atomic_store(&next->state, SPICE_ENTRY_DONE);
         atomic_fetch_add(&p->done, 1);
         pthread_cond_broadcast(&p->planned);
     }
@@ -261,11 +267,20 @@ int spice_planner_start(spice_planner * p, spice_policy_fn fn, void * user_data,
      * one planned, one planning, one queued, one being posted */
     p->n_ring = params->deterministic ? params->lag + 2 : 4;
     p->ring = (spice_async_entry *) calloc((size_t) p->n_ring, sizeof(spice_async_entry));
-    if (p->ring == NULL || limits_copy(p, limits) != SPICE_OK) {
+    p->hook_free = (uint8_t *) malloc((size_t) p->n_ring);
+    p->posted = (int32_t *) calloc((size_t) p->n_ring, sizeof(int32_t));
+    if (p->ring == NULL || p->hook_free == NULL || p->posted == NULL || limits_copy(p, limits) != SPICE_OK) {
         free(p->ring);
+        free(p->hook_free);
+        free(p->posted);
         memset(p, 0, sizeof(*p));
         return SPICE_ERR_NO_MEMORY;
     }
+    for (int32_t i = 0; i < p->n_ring; ++i) {
+        atomic_init(&p->ring[i].state, SPICE_ENTRY_FREE);
+        p->hook_free[i] = 1;
+    }
+    atomic_init(&p->sleeping, 0);
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->work, NULL);
     pthread_cond_init(&p->planned, NULL);
@@ -274,6 +289,8 @@ int spice_planner_start(spice_planner * p, spice_policy_fn fn, void * user_data,
         pthread_cond_destroy(&p->work);
         pthread_mutex_destroy(&p->mu);
         free(p->ring);
+        free(p->hook_free);
+        free(p->posted);
         limits_free(p);
         memset(p, 0, sizeof(*p));
         return SPICE_ERR_NO_MEMORY;
@@ -296,6 +313,8 @@ void spice_planner_stop(spice_planner * p) {
         entry_free(&p->ring[i]);
     }
     free(p->ring);
+    free(p->hook_free);
+    free(p->posted);
     limits_free(p);
     pthread_cond_destroy(&p->planned);
     pthread_cond_destroy(&p->work);
@@ -303,32 +322,45 @@ void spice_planner_stop(spice_planner * p) {
     memset(p, 0, sizeof(*p));
 }
 
+/* The hook's list of posted entries: the i-th oldest, and taking one out. */
+static int32_t posted_at(const spice_planner * p, int32_t i) {
+    return p->posted[(p->posted_head + i) % p->n_ring];
+}
+
+static void posted_remove(spice_planner * p, int32_t i) {
+    if (i == 0) {
+        p->posted_head = (p->posted_head + 1) % p->n_ring;
+    } else {
+        for (int32_t j = i; j + 1 < p->n_posted; ++j) {
+            p->posted[(p->posted_head + j) % p->n_ring] = p->posted[(p->posted_head + j + 1) % p->n_ring];
+        }
+    }
+    p->n_posted--;
+}
+
 spice_async_entry * spice_planner_acquire(spice_planner * p, int * replaced) {
     *replaced = 0;
-    spice_async_entry * got = NULL;
-    pthread_mutex_lock(&p->mu);
-    for (int32_t i = 0; i < p->n_ring && got == NULL; ++i) {
-        if (p->ring[i].state == SPICE_ENTRY_FREE) {
-            got = &p->ring[i];
+    for (int32_t i = 0; i < p->n_ring; ++i) {
+        if (p->hook_free[i]) {
+            p->hook_free[i] = 0;
+            atomic_store(&p->ring[i].state, SPICE_ENTRY_WRITING);
+            return &p->ring[i];
         }
     }
-    if (got == NULL && !p->params.deterministic) {
-        for (int32_t i = 0; i < p->n_ring; ++i) {
-            spice_async_entry * e = &p->ring[i];
-            if (e->state == SPICE_ENTRY_QUEUED && (got == NULL || e->seq > got->seq)) {
-                got = e;
-            }
-        }
-        *replaced = got != NULL;
+    if (p->params.deterministic || p->n_posted == 0) {
+        return NULL;
     }
-    if (got != NULL) {
-        if (got->state == SPICE_ENTRY_QUEUED) {
-            atomic_fetch_sub(&p->queued, 1); /* its snapshot is written over */
-        }
-        got->state = SPICE_ENTRY_WRITING;
+    /* free-running: the newest posted, unless the planner has started it (then every
+     * older one is planned too: it takes them oldest first) */
+    spice_async_entry * e = &p->ring[posted_at(p, p->n_posted - 1)];
+    int queued = SPICE_ENTRY_QUEUED;
+    if (!atomic_compare_exchange_strong(&e->state, &queued, SPICE_ENTRY_WRITING)) {
+        return NULL;
     }
-    pthread_mutex_unlock(&p->mu);
-    return got;
+    atomic_fetch_sub(&p->queued, 1); /* its snapshot is written over */
+    posted_remove(p, p->n_posted - 1);
+    *replaced = 1;
+    return e;
 }
 
 /* rows of `width` 4-byte values from a strided source into a compact array */
@@ -390,61 +422,68 @@ int spice_planner_post(spice_planner * p, spice_async_entry * e, uint64_t seq, c
     sh->has_probs = has_probs;
     sh->has_shexp = has_shexp;
     e->seq = seq;
+    p->posted[(p->posted_head + p->n_posted) % p->n_ring] = (int32_t) (e - p->ring);
+    p->n_posted++;
 
-    pthread_mutex_lock(&p->mu);
-    e->state = SPICE_ENTRY_QUEUED;
+    atomic_store(&e->state, SPICE_ENTRY_QUEUED);
     atomic_fetch_add(&p->queued, 1);
-    if (p->sleeping) { /* a polling planner sees `queued`: no wake, no syscall on the hook's thread */
-        pthread_cond_signal(&p->work);
-        p->sleeping = 0; /* one wake is enough: posts until it runs must not signal again */
-        *woke = 1;
+    /* a polling planner sees `queued`: no lock, no wake, no syscall on the hook's thread */
+    if (atomic_load(&p->sleeping)) {
+        pthread_mutex_lock(&p->mu);
+        if (atomic_load(&p->sleeping)) {
+            pthread_cond_signal(&p->work);
+            atomic_store(&p->sleeping, 0); /* one wake is enough: posts until it runs must not signal again */
+            *woke = 1;
+        }
+        pthread_mutex_unlock(&p->mu);
     }
-    pthread_mutex_unlock(&p->mu);
     return SPICE_OK;
 }
 
 spice_async_entry * spice_planner_take_done(spice_planner * p) {
-    if (atomic_load(&p->done) == 0) { /* most calls: nothing finished, no lock taken */
+    if (atomic_load(&p->done) == 0 || p->n_posted == 0) { /* most calls: nothing finished */
         return NULL;
     }
-    spice_async_entry * got = NULL;
-    pthread_mutex_lock(&p->mu);
-    for (int32_t i = 0; i < p->n_ring; ++i) {
-        spice_async_entry * e = &p->ring[i];
-        if (e->state == SPICE_ENTRY_DONE && (got == NULL || e->seq < got->seq)) {
-            got = e;
+    /* the oldest planned: plans finish in posting order, so the first posted, but for a
+     * planner that chose by a snapshot's number just as the hook's thread wrote a newer
+     * snapshot over that entry (then only the compare-and-swap stopped it) */
+    for (int32_t i = 0; i < p->n_posted; ++i) {
+        spice_async_entry * e = &p->ring[posted_at(p, i)];
+        if (atomic_load(&e->state) == SPICE_ENTRY_DONE) {
+            posted_remove(p, i);
+            atomic_store(&e->state, SPICE_ENTRY_HELD);
+            atomic_fetch_sub(&p->done, 1);
+            return e;
         }
     }
-    if (got != NULL) {
-        got->state = SPICE_ENTRY_HELD;
-        atomic_fetch_sub(&p->done, 1);
-    }
-    pthread_mutex_unlock(&p->mu);
-    return got;
+    return NULL;
 }
 
 spice_async_entry * spice_planner_wait(spice_planner * p, uint64_t seq) {
-    spice_async_entry * got = NULL;
-    pthread_mutex_lock(&p->mu);
-    for (int32_t i = 0; i < p->n_ring; ++i) {
-        const int s = p->ring[i].state;
-        if (p->ring[i].seq == seq && (s == SPICE_ENTRY_QUEUED || s == SPICE_ENTRY_PLANNING || s == SPICE_ENTRY_DONE)) {
-            got = &p->ring[i];
+    int32_t at = -1;
+    for (int32_t i = 0; i < p->n_posted && at < 0; ++i) {
+        if (p->ring[posted_at(p, i)].seq == seq) {
+            at = i;
         }
     }
-    while (got != NULL && got->state != SPICE_ENTRY_DONE) {
-        pthread_cond_wait(&p->planned, &p->mu);
+    if (at < 0) {
+        return NULL;
     }
-    if (got != NULL) {
-        got->state = SPICE_ENTRY_HELD;
-        atomic_fetch_sub(&p->done, 1);
+    spice_async_entry * got = &p->ring[posted_at(p, at)];
+    if (atomic_load(&got->state) != SPICE_ENTRY_DONE) {
+        pthread_mutex_lock(&p->mu); /* the planner marks it DONE and broadcasts under the mutex */
+        while (atomic_load(&got->state) != SPICE_ENTRY_DONE) {
+            pthread_cond_wait(&p->planned, &p->mu);
+        }
+        pthread_mutex_unlock(&p->mu);
     }
-    pthread_mutex_unlock(&p->mu);
+    posted_remove(p, at);
+    atomic_store(&got->state, SPICE_ENTRY_HELD);
+    atomic_fetch_sub(&p->done, 1);
     return got;
 }
 
 void spice_planner_release(spice_planner * p, spice_async_entry * e) {
-    pthread_mutex_lock(&p->mu);
-    e->state = SPICE_ENTRY_FREE;
-    pthread_mutex_unlock(&p->mu);
+    atomic_store(&e->state, SPICE_ENTRY_FREE);
+    p->hook_free[e - p->ring] = 1;
 }

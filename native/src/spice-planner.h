@@ -5,9 +5,23 @@
  * QUEUED -> PLANNING (the planner thread calls the policy on it) -> DONE ->
  * HELD (the hook's thread applies or drops its plan) -> FREE. The planner
  * takes queued entries oldest first, so plans finish in the order their
- * calls came. The mutex guards the states only: neither thread holds it
- * while copying, planning or applying, so the hook's thread never waits for
- * the policy except when it asks to (spice_planner_wait).
+ * calls came. Neither thread holds a lock while copying, planning or
+ * applying, so the hook's thread never waits for the policy except when it
+ * asks to (spice_planner_wait).
+ *
+ * The hook's thread takes no lock on its usual path. Only it moves an entry
+ * out of FREE, WRITING, DONE and HELD, so it keeps its own list of the free
+ * entries and of those it posted, in order (plans finish in that order): a
+ * call reads the shared `done` count, and a post writes the entry's state
+ * and the `queued` count and reads `sleeping`. Before, it took the planner's
+ * mutex three times a call and read every entry's state, each a line the
+ * planner's core also writes: 1.4 us of a decode call's 4.7-6.0 on
+ * DeepSeek-V2-Lite's shape (docs/results/hook-thread-rules.md). The planner's
+ * own scan stays under the mutex, and takes an entry QUEUED -> PLANNING by
+ * compare-and-swap, as the hook's thread takes back the newest queued one to
+ * write a newer snapshot over it; the planner parks only after announcing it
+ * (`sleeping`) and finding nothing queued, and a post that then sees it
+ * parked wakes it under the mutex.
  *
  * The planner thread also checks each plan (spice_plan_check) against its
  * own copy of the limits, taken at start: the check is the plan's, not the
@@ -37,7 +51,7 @@ typedef struct spice_async_shape {
 } spice_async_shape;
 
 typedef struct spice_async_entry {
-    int state;
+    atomic_int state;
     uint64_t seq;            /* the hook call it was posted at */
     spice_async_shape shape; /* written with the arrays by the hook's thread */
     spice_policy_call call;  /* the planner thread's: pointers into the arrays below */
@@ -85,13 +99,18 @@ typedef struct spice_planner {
     pthread_cond_t work; /* an entry was queued, or stop */
     pthread_cond_t planned; /* an entry was planned */
     int stop;
-    int sleeping;          /* the planner is parked on `work`: a post must signal it */
+    atomic_int sleeping;   /* the planner parks on `work` (or is about to): a post must signal it */
     atomic_int queued;     /* entries QUEUED, read by an idle planner without the mutex */
     atomic_int done;       /* entries DONE, read by the hook's thread without the mutex */
     atomic_int stopping;   /* stop, as the idle planner reads it */
     spice_idle_budget idle; /* how long an idle planner polls before it parks (planner thread only) */
     spice_async_entry * ring;
     int32_t n_ring;
+    /* the hook's thread's own: which entries are free, and those posted and not taken back
+     * (their ring indices, oldest first) */
+    uint8_t * hook_free;   /* [n_ring] */
+    int32_t * posted;      /* [n_ring] a circular list */
+    int32_t posted_head, n_posted;
     /* list capacities of every plan: the runtime's */
     int32_t cap_fetch, cap_pairs, cap_layers;
     spice_plan_limits limits; /* pointing at the planner's own copies: */
