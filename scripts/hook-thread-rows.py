@@ -89,6 +89,17 @@ def print_host_cuts(hosts: dict[str, tuple[float, float | None]]) -> None:
         print(f"host cut of {name} against {lossless}: whole run {whole:.1%}, decode {decode}")
 
 
+def deciding_parts(records: list[dict[str, Any]]) -> str:
+    """The deciding time's parts, medians of the rounds (per_call_decode's rule_us, take_us,
+    post_us, since session 46; merging the plans' lists is the rest), or '-' for records
+    without them."""
+    per_call = [r.get("per_call_decode") or {} for r in records]
+    if not all("rule_us" in c for c in per_call):
+        return "-"
+    med = statistics.median
+    return " / ".join(f"{med(c[k] for c in per_call):.2f}" for k in ("rule_us", "take_us", "post_us"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("rounds", type=Path, nargs="+", help="bench --json files, one per round, same budget")
@@ -100,10 +111,11 @@ def main() -> None:
     names = [n for n in hooked if all(n in r for r in rounds)]
     med = statistics.median
     print(
-        "| row | hook us (rounds) | planner wait us | TPOT / exact | decode hit | host activations "
-        "(decode) | lag | stale | residual us (rounds) | residual less exec and call us (rounds) |"
+        "| row | hook us (rounds) | rule / take / post us | planner wait us | TPOT / exact | decode hit | "
+        "host activations (decode) | lag | stale | residual us (rounds) | "
+        "residual less exec and call us (rounds) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     hosts: dict[str, tuple[float, float | None]] = {}
     for name in names:
         us = [r[name]["policy_us_per_decode_call"] for r in rounds]
@@ -118,10 +130,11 @@ def main() -> None:
         dec = [r[name].get("decode_misses", {}).get("host") for r in rounds]
         dec_host = med(d for d in dec if d is not None) if all(d is not None for d in dec) else None
         hosts[name] = (host, dec_host)
+        parts = deciding_parts([r[name] for r in rounds])
         res = [residual(r[name], r["exact"], args.moe_layers) for r in rounds]
         rex = [residual(r[name], r["exact"], args.moe_layers, less_named=True) for r in rounds]
         print(
-            f"| {name} | {med(us):.2f} ({', '.join(f'{u:.2f}' for u in us)}) | "
+            f"| {name} | {med(us):.2f} ({', '.join(f'{u:.2f}' for u in us)}) | {parts} | "
             f"{f'{wait:.2f}' if is_async else '-'} | {med(ratio):.3f} | "
             f"{med(hit):.3f} | {host:.0f} ({'-' if dec_host is None else f'{dec_host:.0f}'}) | "
             f"{lag} | {stale} | "
