@@ -144,7 +144,9 @@ static void * planner_main(void * arg) {
         spice_async_entry * next = NULL;
         for (int32_t i = 0; i < p->n_ring; ++i) {
             spice_async_entry * e = &p->ring[i];
-            if (atomic_load(&e->state) == SPICE_ENTRY_QUEUED && (next == NULL || e->seq < next->seq)) {
+            if (atomic_load(&e->state) == SPICE_ENTRY_QUEUED &&
+                (next == NULL || atomic_load_explicit(&e->seq, memory_order_relaxed) <
+                                     atomic_load_explicit(&next->seq, memory_order_relaxed))) {
                 next = e;
             }
         }
@@ -421,7 +423,7 @@ int spice_planner_post(spice_planner * p, spice_async_entry * e, uint64_t seq, c
     sh->res_width = has_res ? call->res_width : 0;
     sh->has_probs = has_probs;
     sh->has_shexp = has_shexp;
-    e->seq = seq;
+    atomic_store_explicit(&e->seq, seq, memory_order_relaxed); /* published by the state's store below */
     p->posted[(p->posted_head + p->n_posted) % p->n_ring] = (int32_t) (e - p->ring);
     p->n_posted++;
 
@@ -462,7 +464,7 @@ spice_async_entry * spice_planner_take_done(spice_planner * p) {
 spice_async_entry * spice_planner_wait(spice_planner * p, uint64_t seq) {
     int32_t at = -1;
     for (int32_t i = 0; i < p->n_posted && at < 0; ++i) {
-        if (p->ring[posted_at(p, i)].seq == seq) {
+        if (atomic_load_explicit(&p->ring[posted_at(p, i)].seq, memory_order_relaxed) == seq) {
             at = i;
         }
     }

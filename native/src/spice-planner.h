@@ -52,7 +52,7 @@ typedef struct spice_async_shape {
 
 typedef struct spice_async_entry {
     atomic_int state;
-    uint64_t seq;            /* the hook call it was posted at */
+    _Atomic uint64_t seq;    /* the hook call it was posted at (the planner reads it while choosing) */
     spice_async_shape shape; /* written with the arrays by the hook's thread */
     spice_policy_call call;  /* the planner thread's: pointers into the arrays below */
     /* the snapshot's own arrays (grown as calls need, kept between uses) */

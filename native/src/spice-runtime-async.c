@@ -82,7 +82,7 @@ static void append(int32_t * dst, int32_t * n, int32_t cap, const int32_t * src,
 static void take_plan(spice_runtime * rt, spice_async_entry * e, uint64_t seq, spice_counters * c) {
     const spice_policy_call * plan = &e->call;
     c->planner_ns += e->plan_ns;
-    const uint64_t age = seq - e->seq;
+    const uint64_t age = seq - atomic_load_explicit(&e->seq, memory_order_relaxed);
     if (e->rc == SPICE_POLICY_ABORT) {
         atomic_store(&rt->abort_requested, 1);
         c->policy_fallbacks++;
@@ -110,7 +110,8 @@ static void take_plan(spice_runtime * rt, spice_async_entry * e, uint64_t seq, s
             }
             spice_runtime_take_plan_rule(rt, plan); /* this call's rule plan already uses it */
             /* decided in advance up to resume_il: only while no call of that layer came since */
-            if (plan->resume_il >= 0 && rt->layer_seq[plan->resume_il] <= e->seq) {
+            if (plan->resume_il >= 0 &&
+                rt->layer_seq[plan->resume_il] <= atomic_load_explicit(&e->seq, memory_order_relaxed)) {
                 rt->resume_il = plan->resume_il;
             }
             c->async_applied++;
