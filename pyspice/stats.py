@@ -154,6 +154,7 @@ def _per_call_record(c: Counters) -> dict[str, float]:
         "call_us": _ratio(c.call_ns / 1e3, n),
         "gap_us": _ratio(c.gap_ns / 1e3, n),
         "store_us": _ratio(c.store_ns / 1e3, n),
+        "stall_us": _ratio(c.stall_ns / 1e3, n),  # waiting for copies (per_call_decode: the decode calls')
         "polls": _ratio(c.store_polls, n),
         "copies": _ratio(c.device_copies, n),
         "waits": _ratio(c.device_waits, n),

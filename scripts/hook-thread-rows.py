@@ -48,7 +48,10 @@ def residual(row: dict[str, Any], exact: dict[str, Any], n_moe: int, less_named:
     """Hook time over exact's, less deciding, bookkeeping and copy waits (us per call);
     with less_named, each row's expert execution and shared per-call steps taken out of its
     hook time first."""
-    waits = row["stall_ms_per_token"] * 1e3 / n_moe  # a decoded token makes n_moe calls
+    if "stall_us" in per_call(row):  # the decode calls' own waits (records since session 46)
+        waits = per_call(row)["stall_us"] - per_call(exact)["stall_us"]
+    else:  # the whole run's, prompt included, over the decoded tokens' calls
+        waits = row["stall_ms_per_token"] * 1e3 / n_moe  # a decoded token makes n_moe calls
     waits += row.get("planner_wait_us_per_decode_call", 0.0)  # deterministic plans not done yet
 
     def hook_us(r: dict[str, Any]) -> float:
