@@ -340,6 +340,15 @@ static void posted_remove(spice_planner * p, int32_t i) {
     p->n_posted--;
 }
 
+/* The i-th oldest posted entry, planned: now the hook's (HELD). */
+static spice_async_entry * hold_posted(spice_planner * p, int32_t i) {
+    spice_async_entry * e = &p->ring[posted_at(p, i)];
+    posted_remove(p, i);
+    atomic_store(&e->state, SPICE_ENTRY_HELD);
+    atomic_fetch_sub(&p->done, 1);
+    return e;
+}
+
 spice_async_entry * spice_planner_acquire(spice_planner * p, int * replaced) {
     *replaced = 0;
     for (int32_t i = 0; i < p->n_ring; ++i) {
@@ -452,10 +461,7 @@ spice_async_entry * spice_planner_take_done(spice_planner * p) {
     for (int32_t i = 0; i < p->n_posted; ++i) {
         spice_async_entry * e = &p->ring[posted_at(p, i)];
         if (atomic_load(&e->state) == SPICE_ENTRY_DONE) {
-            posted_remove(p, i);
-            atomic_store(&e->state, SPICE_ENTRY_HELD);
-            atomic_fetch_sub(&p->done, 1);
-            return e;
+            return hold_posted(p, i);
         }
     }
     return NULL;
@@ -479,10 +485,7 @@ spice_async_entry * spice_planner_wait(spice_planner * p, uint64_t seq) {
         }
         pthread_mutex_unlock(&p->mu);
     }
-    posted_remove(p, at);
-    atomic_store(&got->state, SPICE_ENTRY_HELD);
-    atomic_fetch_sub(&p->done, 1);
-    return got;
+    return hold_posted(p, at);
 }
 
 void spice_planner_release(spice_planner * p, spice_async_entry * e) {

@@ -313,7 +313,7 @@ static void fit_layer(spice_store * s, spice_policy_call * call, int32_t il, int
     for (int32_t e = 0; e < n_e; ++e) {
         const int st = states[e];
         held += st != SPICE_RES_ABSENT && !chosen[e];
-        if ((st == SPICE_RES_RESIDENT || st == SPICE_RES_QUEUED) && !keep[e] && !chosen[e]) {
+        if (!keep[e] && !chosen[e] && evictable(s, il, e)) {
             cand[n_cand++] = e;
         }
     }
