@@ -128,7 +128,8 @@ step "decode-50%-profiled" 50 $BENCH -m $M -n 48 --repeat 5 --device-budget 50% 
 # hook's copy work from 27-45 to 4-13 us a decode call) against inline (SPICE_CUDA_COPY_THREAD=0),
 # the rows that copy, own routing, 50%; with SPICE_CUDA_PROFILE=1 the log says per row which
 # executor launched and where a launch's time went (spice:exact's launches took 60-110 us on
-# 2026-12-04, the other rows' 12-20; the third call put it in the graph launch): a device prints
+# 2026-12-04, the other rows' 12-20; the third call put it in the graph launch, session 47's log
+# filter takes the likely cause away -- is the asynchronous rows' graph time now 5-10 us?): a device prints
 # its line when it is closed, which for an asynchronous row can be a row later than it ran, so
 # tell the rows apart by their launch counts (the record's per_call launches x hook_calls: exact
 # about 0.57 a call, lru and adapmoe 1, spice:exact 0.86-0.89, @sync 0.98), prompt calls

@@ -55,7 +55,8 @@ struct spice_pool_exec {
     uint8_t * mark;                 /* [n_slots], zero between calls */
 
     /* SPICE_CUDA_PROFILE=1: where a launch's time goes, printed when freed (on an H200
-     * spice:exact's launches took 60-110 us against 12-20 for the other rows; unexplained) */
+     * spice:exact's launches took 60-110 us against 12-20 for the other rows, in the graph
+     * launch; likely its debug log line taking the GIL: spice-log-filter.h) */
     int profile;
     uint64_t prof_begins, prof_chunks, prof_unfinished;
     uint64_t prof_ns[4];            /* staging (rows, ids), upload, graph launch, download queued */

@@ -12,6 +12,7 @@
 #include "spice-experts.h"
 #include "spice-hook-call.h"
 #include "spice-host-exec.h"
+#include "spice-log-filter.h"
 #include "spice-planner.h"
 #include "spice-slot-copies.h"
 #include "spice-store.h"
@@ -119,6 +120,7 @@ struct spice_runtime {
     const void * plan_rule;   /* the last rule a plan installed (its address), or NULL */
 
     spice_routing_replay replay; /* routing replay; ids NULL: the router's ids */
+    spice_log_filter * log_filter; /* llama.cpp's log without debug lines while a hook is enabled */
 };
 
 /* Layer il's experts as the device tier's slots hold them: the low-precision

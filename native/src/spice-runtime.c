@@ -629,7 +629,8 @@ int spice_runtime_create(struct llama_context * lctx, spice_runtime ** out, char
     rt->layers = (spice_expert_layer *) calloc((size_t) (n_layers > 0 ? n_layers : 1), sizeof(spice_expert_layer));
     rt->counters = (spice_counters *) calloc((size_t) (n_layers > 0 ? n_layers : 1), sizeof(spice_counters));
     rt->layer_seq = (uint64_t *) calloc((size_t) (n_layers > 0 ? n_layers : 1), sizeof(uint64_t));
-    if (rt->layers == NULL || rt->counters == NULL || rt->layer_seq == NULL) {
+    rt->log_filter = (spice_log_filter *) calloc(1, sizeof(spice_log_filter));
+    if (rt->layers == NULL || rt->counters == NULL || rt->layer_seq == NULL || rt->log_filter == NULL) {
         spice_runtime_free(rt);
         write_err(err, err_len, "out of memory");
         return SPICE_ERR_NO_MEMORY;
@@ -708,6 +709,9 @@ void spice_runtime_free(spice_runtime * rt) {
     plan_free(&rt->plan);
     plan_free(&rt->async_lists);
     free(rt->layer_seq);
+    if (spice_log_filter_release(rt->log_filter)) {
+        free(rt->log_filter);
+    } /* else a callback installed over it may still hand it lines: it stays */
     free(rt->layers);
     free(rt->counters);
     free(rt->n_expert_of);
@@ -786,6 +790,7 @@ int spice_runtime_enable_ex(spice_runtime * rt, spice_policy_fn fn, void * user_
     rt->hook_max_tokens = max_tokens;
     llama_set_abort_callback(rt->lctx, abort_entry, rt);
     register_hook(rt);
+    spice_log_filter_ensure(rt->log_filter); /* no Python (GIL) per CUDA graph launch */
     return SPICE_OK;
 }
 

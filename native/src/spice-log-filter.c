@@ -1,0 +1,58 @@
+/* llama.cpp's log without its debug lines (spice-log-filter.h). */
+#include "spice-log-filter.h"
+
+#include "ggml.h"
+#include "llama.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+
+static void drop_debug(enum ggml_log_level level, const char * text, void * user_data) {
+    spice_log_filter * f = (spice_log_filter *) user_data;
+    if (level == GGML_LOG_LEVEL_DEBUG || (level == GGML_LOG_LEVEL_CONT && atomic_load(&f->dropping))) {
+        atomic_store(&f->dropping, 1);
+        return;
+    }
+    if (level != GGML_LOG_LEVEL_CONT) {
+        atomic_store(&f->dropping, 0);
+    }
+    if (f->next != NULL) {
+        f->next(level, text, f->next_data);
+    } else { /* llama.cpp's default */
+        fputs(text, stderr);
+        fflush(stderr);
+    }
+}
+
+void spice_log_filter_ensure(spice_log_filter * f) {
+    const char * keep = getenv("SPICE_LLAMA_DEBUG_LOG");
+    if (f == NULL || f->installed || (keep != NULL && keep[0] == '1')) {
+        return;
+    }
+    ggml_log_callback current = NULL;
+    void * current_data = NULL;
+    llama_log_get(&current, &current_data);
+    if (current == drop_debug) { /* another runtime's */
+        return;
+    }
+    f->next = current;
+    f->next_data = current_data;
+    atomic_init(&f->dropping, 0);
+    f->installed = 1;
+    llama_log_set(drop_debug, f);
+}
+
+int spice_log_filter_release(spice_log_filter * f) {
+    if (f == NULL || !f->installed) {
+        return 1;
+    }
+    ggml_log_callback current = NULL;
+    void * current_data = NULL;
+    llama_log_get(&current, &current_data);
+    if (current != drop_debug || current_data != f) {
+        return 0;
+    }
+    llama_log_set(f->next, f->next_data);
+    f->installed = 0;
+    return 1;
+}

@@ -1,0 +1,45 @@
+/* llama.cpp's log without its debug lines, while a runtime's hook is enabled.
+ *
+ * ggml-cuda logs a debug line at every launch of a CUDA graph it replays
+ * ("CUDA Graph id N reused"): each of the slot pool's launches and each of
+ * the decode graph's CUDA splits, every token. llama-cpp-python installs a
+ * Python function as llama.cpp's log callback, so each of those lines takes
+ * the GIL on the launching thread -- and while an asynchronous policy plans
+ * in Python on the planner thread, the launch waits for it. On an H200 the
+ * asynchronous rows' pool launches took 39-83 us in
+ * ggml_backend_graph_compute_async against 5-10 for every other row
+ * (docs/results/cuda-h200-2026-12-04b.md, section 6b). llama-cpp-python
+ * prints no debug line unless verbose, and pyspice never asks for that.
+ *
+ * The filter wraps the callback installed when a hook is enabled: a debug
+ * line (and the pieces that continue it) is dropped in C, every other line
+ * goes on to the wrapped callback. SPICE_LLAMA_DEBUG_LOG=1 keeps debug lines
+ * (GGML_SCHED_DEBUG's split dumps are debug lines). llama.cpp has one log
+ * callback per process: the filter is installed once, over whatever is
+ * installed, and put back on release only while it is still the one
+ * installed (a callback installed over it may hand lines on to it: then it
+ * stays, and its memory with it). */
+#ifndef SPICE_LOG_FILTER_H
+#define SPICE_LOG_FILTER_H
+
+#include "ggml.h"
+
+#include <stdatomic.h>
+
+typedef struct spice_log_filter {
+    ggml_log_callback next; /* the wrapped callback; NULL: llama.cpp's default */
+    void * next_data;
+    atomic_int dropping; /* the last piece was a dropped debug line: its continuations go too */
+    int installed;
+} spice_log_filter;
+
+/* Install f over llama.cpp's current log callback unless a filter is installed
+ * already or SPICE_LLAMA_DEBUG_LOG=1. */
+void spice_log_filter_ensure(spice_log_filter * f);
+
+/* Put back the callback f wraps if f is the one installed. Returns 1 when f
+ * may be freed (not installed, or taken out), 0 when another callback was
+ * installed over it (it may still hand lines to f). */
+int spice_log_filter_release(spice_log_filter * f);
+
+#endif /* SPICE_LOG_FILTER_H */

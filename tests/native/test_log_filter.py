@@ -1,0 +1,89 @@
+"""llama.cpp's debug lines stop in C while a runtime's hook is enabled
+(native/src/spice-log-filter.h): ggml-cuda logs one at every CUDA graph it replays,
+and a Python log callback made each of those launches take the GIL, waiting for a
+planner thread's policy. Every other level still reaches the callback installed
+before, and freeing the runtime puts that callback back."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Iterator
+from pathlib import Path
+
+import llama_cpp
+import pytest
+
+from .golden import greedy_run, load
+
+DEBUG, INFO, ERROR, CONT = 1, 2, 4, 5  # ggml_log_level
+
+
+def ggml_log() -> ctypes._CFuncPtr:
+    lib_dir = Path(llama_cpp.__file__).parent / "lib"
+    lib = ctypes.CDLL(str(sorted(lib_dir.glob("libggml-base.so*"))[0]))
+    fn = lib.ggml_log_internal
+    fn.restype = None
+    return fn
+
+
+def current_callback() -> int:
+    cb = llama_cpp.llama_log_callback()
+    data = ctypes.c_void_p()
+    llama_cpp.llama_log_get(ctypes.byref(cb), ctypes.byref(data))
+    return ctypes.cast(cb, ctypes.c_void_p).value or 0
+
+
+@pytest.fixture
+def recorded() -> Iterator[tuple[list[tuple[int, str]], int]]:
+    """A recording Python callback installed as llama.cpp's, the one before put back after."""
+    lines: list[tuple[int, str]] = []
+
+    @llama_cpp.llama_log_callback  # type: ignore[untyped-decorator]
+    def record(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+        lines.append((level, text.decode()))
+
+    previous = llama_cpp.llama_log_callback()
+    previous_data = ctypes.c_void_p()
+    llama_cpp.llama_log_get(ctypes.byref(previous), ctypes.byref(previous_data))
+    llama_cpp.llama_log_set(record, ctypes.c_void_p(0))
+    try:
+        yield lines, current_callback()
+    finally:
+        llama_cpp.llama_log_set(previous, previous_data)
+
+
+def test_debug_lines_stop_in_c_while_a_hook_is_enabled(synth_model, recorded) -> None:  # type: ignore[no-untyped-def]
+    lines, python_cb = recorded
+    log = ggml_log()
+    llm = load(synth_model("qwen2moe", "tiny", "Q4_K"))
+    try:
+        greedy_run(llm, "exact", n_decode=2)  # enables the hook: the filter goes over `record`
+        assert current_callback() != python_cb
+        lines.clear()
+        log(DEBUG, b"CUDA Graph id 7 reused\n")
+        log(CONT, b"... its continuation\n")
+        log(ERROR, b"an error\n")
+        log(CONT, b"... and its continuation\n")
+        log(INFO, b"some info\n")
+        assert lines == [(ERROR, "an error\n"), (CONT, "... and its continuation\n"), (INFO, "some info\n")]
+    finally:
+        llm.close()
+    # the runtime is gone: the callback it wrapped is llama.cpp's again, debug lines and all
+    assert current_callback() == python_cb
+    lines.clear()
+    log(DEBUG, b"after\n")
+    assert lines == [(DEBUG, "after\n")]
+
+
+def test_spice_llama_debug_log_keeps_them(synth_model, recorded, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("SPICE_LLAMA_DEBUG_LOG", "1")
+    lines, python_cb = recorded
+    llm = load(synth_model("qwen2moe", "tiny", "Q4_K"))
+    try:
+        greedy_run(llm, "exact", n_decode=2)
+        assert current_callback() == python_cb
+        lines.clear()
+        ggml_log()(DEBUG, b"kept\n")
+        assert lines == [(DEBUG, "kept\n")]
+    finally:
+        llm.close()
