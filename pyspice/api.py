@@ -134,6 +134,8 @@ class Llama(llama_cpp.Llama):
         if self._spice_runtime is not None:
             # runs before the context is freed (the stack unwinds last-in first-out)
             self._stack.callback(self._spice_runtime.close)
+            if self.verbose:  # llama.cpp's whole log was asked for, debug lines included
+                self._spice_runtime.keep_debug_log()
         arch = self.metadata.get("general.architecture", "")
         self.spice_engine = Engine(
             self._spice_runtime,

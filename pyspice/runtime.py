@@ -861,6 +861,13 @@ class Runtime:
         self._policy = None
         self._callback = None
 
+    def keep_debug_log(self, keep: bool = True) -> None:
+        """Let llama.cpp's debug log lines through to its log callback (a verbose model).
+        By default the runtime drops them in C: ggml-cuda logs one per CUDA graph it
+        replays, and llama-cpp-python's Python callback made each such launch take the
+        GIL (spice_runtime_keep_debug_log in spice.h)."""
+        self._check(self._n.lib.spice_runtime_keep_debug_log(self._rt, int(keep)), "keep_debug_log")
+
     def _hook_call(self, call: Any) -> HookCall:
         """The HookCall of this call, opened: one read of the call's head, then the cached
         HookCall of the same layer, sizes and buffers (its arrays are allocated on first

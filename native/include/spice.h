@@ -667,6 +667,15 @@ SPICE_API int spice_runtime_is_async(const spice_runtime * rt);
 /* Unregister the hook: the context computes exactly upstream's graph again. */
 SPICE_API int spice_runtime_disable(spice_runtime * rt);
 
+/* From the runtime's first enable or disable until it is freed, llama.cpp's
+ * debug log lines are dropped in C before they reach the installed log
+ * callback: ggml-cuda logs one at every CUDA graph it replays, and where that
+ * callback is Python (llama-cpp-python's) each launch took the GIL, waiting
+ * for a policy planning on the planner thread. keep = 1 keeps them (a verbose
+ * model; also where SPICE_LLAMA_DEBUG_LOG=1 or GGML_SCHED_DEBUG is set), and
+ * takes out a filter this runtime installed. */
+SPICE_API int spice_runtime_keep_debug_log(spice_runtime * rt, int keep);
+
 /* Give the runtime a device tier (params = NULL removes it). Without one,
  * every expert counts as resident and runs on the host executor. A tier of
  * SPICE_SLOT_4BIT or _5BIT first makes its low-precision expert copies (seconds for a

@@ -6,6 +6,7 @@
 
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 static void drop_debug(enum ggml_log_level level, const char * text, void * user_data) {
     spice_log_filter * f = (spice_log_filter *) user_data;
@@ -24,22 +25,32 @@ static void drop_debug(enum ggml_log_level level, const char * text, void * user
     }
 }
 
-void spice_log_filter_ensure(spice_log_filter * f) {
+int spice_log_debug_wanted(void) {
     const char * keep = getenv("SPICE_LLAMA_DEBUG_LOG");
-    if (f == NULL || f->installed || (keep != NULL && keep[0] == '1')) {
-        return;
+    const char * sched = getenv("GGML_SCHED_DEBUG");
+    return (keep != NULL && keep[0] == '1') || (sched != NULL && sched[0] != '\0' && strcmp(sched, "0") != 0);
+}
+
+spice_log_filter * spice_log_filter_ensure(spice_log_filter * f) {
+    if (spice_log_debug_wanted()) {
+        return f;
     }
     ggml_log_callback current = NULL;
     void * current_data = NULL;
     llama_log_get(&current, &current_data);
-    if (current == drop_debug) { /* another runtime's */
-        return;
+    if (current == drop_debug) { /* this one, or another runtime's */
+        return f;
     }
-    f->next = current;
-    f->next_data = current_data;
-    atomic_init(&f->dropping, 0);
-    f->installed = 1;
-    llama_log_set(drop_debug, f);
+    spice_log_filter * use = f != NULL && !f->installed ? f : (spice_log_filter *) calloc(1, sizeof(*use));
+    if (use == NULL) {
+        return f; /* no memory: the log stays as it is */
+    }
+    use->next = current;
+    use->next_data = current_data;
+    atomic_init(&use->dropping, 0);
+    use->installed = 1;
+    llama_log_set(drop_debug, use);
+    return use;
 }
 
 int spice_log_filter_release(spice_log_filter * f) {

@@ -13,8 +13,9 @@
  *
  * The filter wraps the callback installed when a hook is enabled: a debug
  * line (and the pieces that continue it) is dropped in C, every other line
- * goes on to the wrapped callback. SPICE_LLAMA_DEBUG_LOG=1 keeps debug lines
- * (GGML_SCHED_DEBUG's split dumps are debug lines). llama.cpp has one log
+ * goes on to the wrapped callback. Debug lines are kept where they were asked
+ * for: SPICE_LLAMA_DEBUG_LOG=1, GGML_SCHED_DEBUG (its split dumps are debug
+ * lines), a verbose model (spice_runtime_keep_debug_log). llama.cpp has one log
  * callback per process: the filter is installed once, over whatever is
  * installed, and put back on release only while it is still the one
  * installed (a callback installed over it may hand lines on to it: then it
@@ -33,13 +34,19 @@ typedef struct spice_log_filter {
     int installed;
 } spice_log_filter;
 
-/* Install f over llama.cpp's current log callback unless a filter is installed
- * already or SPICE_LLAMA_DEBUG_LOG=1. */
-void spice_log_filter_ensure(spice_log_filter * f);
+/* Whether debug lines were asked for through the environment. */
+int spice_log_debug_wanted(void);
+
+/* A filter over llama.cpp's current log callback unless one is installed already
+ * or spice_log_debug_wanted(). Returns the filter the caller keeps: f (NULL: none
+ * yet), or a new one where f went in once and is no longer the callback (put back
+ * under it by whoever installed one over it, or still beneath one that may hand
+ * it lines: f is then left allocated, and reinstalling it could make a loop). */
+spice_log_filter * spice_log_filter_ensure(spice_log_filter * f);
 
 /* Put back the callback f wraps if f is the one installed. Returns 1 when f
- * may be freed (not installed, or taken out), 0 when another callback was
- * installed over it (it may still hand lines to f). */
+ * may be freed (never installed, or taken out), 0 when it went in and another
+ * callback is installed now (it may still hand lines to f). */
 int spice_log_filter_release(spice_log_filter * f);
 
 #endif /* SPICE_LOG_FILTER_H */

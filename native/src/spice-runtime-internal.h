@@ -120,7 +120,9 @@ struct spice_runtime {
     const void * plan_rule;   /* the last rule a plan installed (its address), or NULL */
 
     spice_routing_replay replay; /* routing replay; ids NULL: the router's ids */
-    spice_log_filter * log_filter; /* llama.cpp's log without debug lines while a hook is enabled */
+    spice_log_filter * log_filter; /* llama.cpp's log without debug lines once a hook was enabled or
+                                      disabled (NULL: not yet) */
+    int keep_debug_log;            /* spice_runtime_keep_debug_log */
 };
 
 /* Layer il's experts as the device tier's slots hold them: the low-precision

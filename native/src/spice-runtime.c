@@ -629,8 +629,7 @@ int spice_runtime_create(struct llama_context * lctx, spice_runtime ** out, char
     rt->layers = (spice_expert_layer *) calloc((size_t) (n_layers > 0 ? n_layers : 1), sizeof(spice_expert_layer));
     rt->counters = (spice_counters *) calloc((size_t) (n_layers > 0 ? n_layers : 1), sizeof(spice_counters));
     rt->layer_seq = (uint64_t *) calloc((size_t) (n_layers > 0 ? n_layers : 1), sizeof(uint64_t));
-    rt->log_filter = (spice_log_filter *) calloc(1, sizeof(spice_log_filter));
-    if (rt->layers == NULL || rt->counters == NULL || rt->layer_seq == NULL || rt->log_filter == NULL) {
+    if (rt->layers == NULL || rt->counters == NULL || rt->layer_seq == NULL) {
         spice_runtime_free(rt);
         write_err(err, err_len, "out of memory");
         return SPICE_ERR_NO_MEMORY;
@@ -774,6 +773,13 @@ int spice_runtime_enable(spice_runtime * rt, spice_policy_fn fn, void * user_dat
     return spice_runtime_enable_ex(rt, fn, user_data, max_tokens, 0);
 }
 
+/* No Python (GIL) per CUDA graph launch: spice-log-filter.h */
+static void quiet_llama_log(spice_runtime * rt) {
+    if (!rt->keep_debug_log) {
+        rt->log_filter = spice_log_filter_ensure(rt->log_filter);
+    }
+}
+
 int spice_runtime_enable_ex(spice_runtime * rt, spice_policy_fn fn, void * user_data, int32_t max_tokens,
                             uint32_t flags) {
     if (rt == NULL || max_tokens < 0 ||
@@ -790,7 +796,7 @@ int spice_runtime_enable_ex(spice_runtime * rt, spice_policy_fn fn, void * user_
     rt->hook_max_tokens = max_tokens;
     llama_set_abort_callback(rt->lctx, abort_entry, rt);
     register_hook(rt);
-    spice_log_filter_ensure(rt->log_filter); /* no Python (GIL) per CUDA graph launch */
+    quiet_llama_log(rt);
     return SPICE_OK;
 }
 
@@ -818,6 +824,19 @@ int spice_runtime_disable(spice_runtime * rt) {
     rt->resume_il = -1;
     rt->policy_fn = NULL;
     rt->policy_user_data = NULL;
+    quiet_llama_log(rt); /* stock decodes through CUDA graphs too */
+    return SPICE_OK;
+}
+
+int spice_runtime_keep_debug_log(spice_runtime * rt, int keep) {
+    if (rt == NULL) {
+        return SPICE_ERR_INVALID_ARG;
+    }
+    rt->keep_debug_log = keep != 0;
+    if (rt->keep_debug_log && spice_log_filter_release(rt->log_filter)) {
+        free(rt->log_filter);
+        rt->log_filter = NULL;
+    }
     return SPICE_OK;
 }
 

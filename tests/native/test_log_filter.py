@@ -87,3 +87,58 @@ def test_spice_llama_debug_log_keeps_them(synth_model, recorded, monkeypatch) ->
         assert lines == [(DEBUG, "kept\n")]
     finally:
         llm.close()
+
+
+def test_stock_rows_get_it_too_and_a_callback_put_back_under_it_is_wrapped_again(  # type: ignore[no-untyped-def]
+    synth_model, recorded
+) -> None:
+    """`stock` disables the hook (a bench's stock row decodes through CUDA graphs too);
+    a log tap that, on leaving, puts back the callback it found (pyspice's around model
+    loads) takes the filter out: the next enable or disable wraps again, and a callback
+    installed over a filter never makes lines go round in a loop."""
+    lines, python_cb = recorded
+    log = ggml_log()
+    llm = load(synth_model("qwen2moe", "tiny", "Q4_K"))
+    try:
+        greedy_run(llm, "stock", n_decode=2)  # the runtime's first call: a disable
+        assert current_callback() != python_cb
+        # a tap that took the filter out when it left
+        cb, data = llama_cpp.llama_log_callback(), ctypes.c_void_p()
+        llama_cpp.llama_log_get(ctypes.byref(cb), ctypes.byref(data))
+        seen: list[str] = []
+
+        @llama_cpp.llama_log_callback  # type: ignore[untyped-decorator]
+        def over(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+            seen.append(text.decode())
+            cb(level, text, data)  # hands every line on to the filter beneath
+
+        llama_cpp.llama_log_set(over, ctypes.c_void_p(0))
+        greedy_run(llm, "exact", n_decode=2)  # wraps `over`, which hands on to the old filter
+        lines.clear()
+        seen.clear()
+        log(DEBUG, b"dropped\n")
+        log(ERROR, b"once\n")
+        assert seen == ["once\n"] and lines == [(ERROR, "once\n")]
+    finally:
+        llm.close()
+        llama_cpp.llama_log_set(cb, data)  # as the tap would on leaving
+    # the first filter stays allocated (`over` may still call it); nothing is lost
+    lines.clear()
+    log(ERROR, b"after\n")
+    assert lines == [(ERROR, "after\n")]
+
+
+def test_a_verbose_model_keeps_them(synth_model, recorded) -> None:  # type: ignore[no-untyped-def]
+    lines, python_cb = recorded
+    llm = load(synth_model("qwen2moe", "tiny", "Q4_K"))
+    try:
+        greedy_run(llm, "exact", n_decode=2)
+        assert current_callback() != python_cb
+        llm.spice_engine.runtime.keep_debug_log()  # what Llama(verbose=True) asks for: the filter goes
+        assert current_callback() == python_cb
+        greedy_run(llm, "exact", n_decode=2)
+        lines.clear()
+        ggml_log()(DEBUG, b"kept\n")
+        assert lines == [(DEBUG, "kept\n")]
+    finally:
+        llm.close()
