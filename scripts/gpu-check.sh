@@ -10,7 +10,7 @@
 #   sched.txt         the hooked layers' split inputs (GGML_SCHED_DEBUG=2), stock vs hook
 #   bench-decode.json decode bench on a real-shape DeepSeek-V2-Lite: pool vs legacy at 25%, pool at 50%;
 #                     stock and exact with the bus idle and busy; after `pyspice probe`, spice:exact with its profile;
-#                     the copying rows with copies issued inline and by the copier thread (profiled);
+#                     the copying rows with llama.cpp's debug log lines let through and dropped (profiled);
 #                     then spice:exact sync, async and det1 at plan_every 4 and 1 (25%)
 #   bench-prefill.json  512-token prompts: upstream's path above 32 tokens vs every batch through the hook;
 #                     then a 32-token prompt (a chat turn, through the hook) at 25%
@@ -124,18 +124,20 @@ step probe 70 $PY -m pyspice probe -m $M -ngl 99 -t 15 --batch-sizes 1,8 --repea
 step "decode-50%-profiled" 50 $BENCH -m $M -n 48 --repeat 5 --device-budget 50% --policies stock,exact,lru,spice:exact \
     --json 2>&1 | grep -E '^\{"' >>"$O/bench-decode.json"
 
-# ---- 3c. copies issued off the hook's thread (the default since session 46: the copier took the
-# hook's copy work from 27-45 to 4-13 us a decode call) against inline (SPICE_CUDA_COPY_THREAD=0),
-# the rows that copy, own routing, 50%; with SPICE_CUDA_PROFILE=1 the log says per row which
-# executor launched and where a launch's time went (spice:exact's launches took 60-110 us on
-# 2026-12-04, the other rows' 12-20; the third call put it in the graph launch, session 47's log
-# filter takes the likely cause away -- is the asynchronous rows' graph time now 5-10 us?): a device prints
-# its line when it is closed, which for an asynchronous row can be a row later than it ran, so
-# tell the rows apart by their launch counts (the record's per_call launches x hook_calls: exact
-# about 0.57 a call, lru and adapmoe 1, spice:exact 0.86-0.89, @sync 0.98), prompt calls
-# included; appended to bench-decode.json ----
-for copier in 0 1; do
-    SPICE_CUDA_PROFILE=1 SPICE_CUDA_COPY_THREAD=$copier step "decode-50%-copy-thread-$copier" 50 $BENCH -m $M \
+# ---- 3c. llama.cpp's debug log lines dropped in C (the default since session 47) against let
+# through to llama-cpp-python's Python callback (SPICE_LLAMA_DEBUG_LOG=1, as before): ggml-cuda
+# logs one at every CUDA graph replay, and the Python callback made each launch take the GIL,
+# waiting for the planner thread's policy -- the likely cause of spice:exact's slow launches
+# (60-110 us on 2026-12-04 against 12-20 for the other rows, in the graph launch; copies issued
+# inline did not change it, so session 46's copier A/B is not repeated). The rows that
+# copy, own routing, 50%. With SPICE_CUDA_PROFILE=1 the log says per row which executor launched
+# and where a launch's time went (`graph`: 5-10 us expected for every row with the filter): a
+# device prints its line when it is closed, which for an asynchronous row can be a row later than
+# it ran, so tell the rows apart by their launch counts (the record's per_call launches x
+# hook_calls: exact about 0.57 a call, lru and adapmoe 1, spice:exact 0.86-0.89, @sync 0.98),
+# prompt calls included; appended to bench-decode.json ----
+for keep in 1 0; do
+    SPICE_CUDA_PROFILE=1 SPICE_LLAMA_DEBUG_LOG=$keep step "decode-50%-debug-log-$keep" 50 $BENCH -m $M \
         -n 48 --repeat 5 --device-budget 50% --policies stock,exact,lru,adapmoe,spice:exact,spice:exact@sync --json \
         2>&1 | grep -E '^\{"' >>"$O/bench-decode.json"
 done
