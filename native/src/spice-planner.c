@@ -121,7 +121,7 @@ static int prepare_call(spice_planner * p, spice_async_entry * e) {
         c->shexp = e->shexp; c->shexp_nb1 = (size_t) sh->n_embd * 4;
     }
     if (sh->res_layers > 0) {
-        c->residency = e->residency;
+        c->residency = e->residency.rows;
         c->res_layers = sh->res_layers;
         c->res_width = sh->res_width;
     }
@@ -211,7 +211,7 @@ static void entry_free(spice_async_entry * e) {
     free(e->ids);
     free(e->weights);
     free(e->shexp);
-    free(e->residency);
+    spice_row_snapshot_free(&e->residency);
     free(e->actions);
     free(e->fetch);
     free(e->prefetch);
@@ -395,13 +395,13 @@ static int copy_rows(void ** dst, size_t * cap, const void * src, size_t nb1, in
  * deciding time per decode call fell from 1.80 to 1.69 us there
  * (docs/results/async-planning-smolmoe.md, session 43). */
 int spice_planner_post(spice_planner * p, spice_async_entry * e, uint64_t seq, const spice_policy_call * call,
-                       const int32_t * default_actions, int * woke) {
+                       const int32_t * default_actions, const uint32_t * res_version, uint64_t res_epoch,
+                       int * woke) {
     *woke = 0;
     const int32_t n = call->n_tokens, n_pairs = call->n_tokens * call->n_expert_used;
     const int has_probs = call->probs != NULL && p->params.with_probs;
     const int has_shexp = call->shexp != NULL && p->params.with_shexp;
     const int has_res = call->residency != NULL;
-    const size_t res_bytes = has_res ? (size_t) call->res_layers * (size_t) call->res_width : 0;
     int status = copy_rows((void **) &e->inp, &e->cap_inp, call->inp, call->inp_nb1, n, call->n_embd);
     status |= copy_rows((void **) &e->ids, &e->cap_ids, call->ids, call->ids_nb1, n, call->n_expert_used);
     status |= copy_rows((void **) &e->weights, &e->cap_weights, call->weights, call->weights_nb1, n,
@@ -412,14 +412,14 @@ int spice_planner_post(spice_planner * p, spice_async_entry * e, uint64_t seq, c
     if (has_shexp) {
         status |= copy_rows((void **) &e->shexp, &e->cap_shexp, call->shexp, call->shexp_nb1, n, call->n_embd);
     }
-    status |= grow((void **) &e->residency, &e->cap_residency, res_bytes + 1);
+    if (has_res && spice_row_snapshot_take(&e->residency, call->residency, res_version, res_epoch, call->res_layers,
+                                           call->res_width) < 0) {
+        status = SPICE_ERR_NO_MEMORY;
+    }
     status |= grow((void **) &e->actions, &e->cap_actions, (size_t) n_pairs * 4 + 4);
     if (status != SPICE_OK) {
         spice_planner_release(p, e);
         return SPICE_ERR_NO_MEMORY;
-    }
-    if (has_res) {
-        memcpy(e->residency, call->residency, res_bytes);
     }
     memcpy(e->actions, default_actions, (size_t) n_pairs * 4);
     spice_async_shape * sh = &e->shape;

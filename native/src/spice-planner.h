@@ -33,6 +33,7 @@
 #define SPICE_PLANNER_H
 
 #include "spice.h"
+#include "spice-row-snapshot.h"
 
 #include <pthread.h>
 #include <stdatomic.h>
@@ -61,7 +62,7 @@ typedef struct spice_async_entry {
     int32_t * ids;      size_t cap_ids;
     float * weights;    size_t cap_weights;
     float * shexp;      size_t cap_shexp;
-    int8_t * residency; size_t cap_residency;
+    spice_row_snapshot residency; /* rows taken again only where they changed since this entry held them */
     /* the plan the policy writes */
     int32_t * actions;  size_t cap_actions;
     int32_t * fetch;    size_t cap_fetch;
@@ -130,13 +131,15 @@ void spice_planner_stop(spice_planner * p);
  * when every entry is busy. The entry is the caller's until spice_planner_queue. */
 spice_async_entry * spice_planner_acquire(spice_planner * p, int * replaced);
 
-/* Copy the call (its input arrays, residency table of res_layers x res_width)
- * into the entry, with the default actions, and hand it to the planner;
+/* Copy the call (its input arrays, residency table of res_layers x res_width:
+ * the rows whose res_version changed since the entry last held them, all of them
+ * for another res_epoch or res_version NULL) into the entry, with the default actions, and hand it to the planner;
  * *woke = 1 where the planner was parked and had to be woken (a futex wake on
  * the caller's thread). SPICE_ERR_NO_MEMORY (the entry is freed again) when
  * its arrays cannot grow. */
 int spice_planner_post(spice_planner * p, spice_async_entry * e, uint64_t seq, const spice_policy_call * call,
-                       const int32_t * default_actions, int * woke);
+                       const int32_t * default_actions, const uint32_t * res_version, uint64_t res_epoch,
+                       int * woke);
 
 /* The oldest planned entry, now the caller's (HELD), or NULL. */
 spice_async_entry * spice_planner_take_done(spice_planner * p);

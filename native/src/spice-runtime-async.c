@@ -174,7 +174,10 @@ void spice_async_post(spice_runtime * rt, const spice_policy_call * call) {
     const uint64_t t0 = spice_monotonic_ns();
     /* call->residency is the store's own table: as of this call's plan, applied */
     int woke = 0;
-    if (spice_planner_post(&rt->planner, e, rt->async_post_seq, call, call->actions, &woke) == SPICE_OK) {
+    uint64_t epoch = 0;
+    const uint32_t * versions = spice_store_row_versions(rt->store, &epoch);
+    if (spice_planner_post(&rt->planner, e, rt->async_post_seq, call, call->actions, versions, epoch, &woke) ==
+        SPICE_OK) {
         c->async_posted++;
         c->async_wakes += (uint64_t) woke;
     }

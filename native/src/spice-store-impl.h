@@ -124,6 +124,11 @@ struct spice_store {
      * last looked (set by every state change and by spice_store_begin_call) */
     int32_t *layer_held;      /* [n_layers] */
     uint8_t *layer_changed;   /* [n_layers] */
+    /* every state change of a layer bumps its row's version, so that a copy of the table
+     * takes only the rows changed since it last took them (spice-row-snapshot.h); the
+     * epoch tells this store's versions from another's */
+    uint32_t *row_version;    /* [n_layers] */
+    uint64_t  epoch;
 
     spice_store_rule rule;    /* the per-activation rule for the calls no policy decides */
 

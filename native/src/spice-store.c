@@ -31,6 +31,7 @@ static void set_state(spice_store * s, int32_t il, int32_t e, int state) {
     int8_t * st = &s->states[spice_store_cell(s, il, e)];
     s->layer_held[il] += (state != SPICE_RES_ABSENT) - (*st != SPICE_RES_ABSENT);
     s->layer_changed[il] = 1;
+    s->row_version[il]++;
     *st = (int8_t) state;
 }
 
@@ -198,6 +199,7 @@ int spice_store_create_unattached(const spice_store_params * params, int32_t n_l
     s->last_use = (uint64_t *) calloc(cells, sizeof(uint64_t));
     s->layer_held = (int32_t *) calloc((size_t) n_layers, sizeof(int32_t));
     s->layer_changed = (uint8_t *) calloc((size_t) n_layers, 1);
+    s->row_version = (uint32_t *) calloc((size_t) n_layers, sizeof(uint32_t));
     s->scratch.need = (uint8_t *) calloc(width, 1);
     s->scratch.pinned = (uint8_t *) calloc(width, 1);
     s->scratch.kept = (uint8_t *) calloc(cells, 1);
@@ -205,7 +207,7 @@ int spice_store_create_unattached(const spice_store_params * params, int32_t n_l
     s->scratch.started = (int32_t *) calloc((size_t) s->n_slots, sizeof(int32_t));
     s->scratch.landed = (uint8_t *) calloc((size_t) s->n_slots, 1);
     if (!s->n_expert || !s->expert_bytes || !s->slot_of || !s->states || !s->sources || !s->slots ||
-        !s->free_slots || !s->copies || !s->counters || !s->last_use || !s->layer_held || !s->layer_changed || !s->scratch.need ||
+        !s->free_slots || !s->copies || !s->counters || !s->last_use || !s->layer_held || !s->layer_changed || !s->row_version || !s->scratch.need ||
         !s->scratch.pinned ||
         !s->scratch.kept || !s->scratch.rank || !s->scratch.started || !s->scratch.landed) {
         spice_store_free(s);
@@ -213,6 +215,7 @@ int spice_store_create_unattached(const spice_store_params * params, int32_t n_l
     }
     memcpy(s->n_expert, n_expert, (size_t) n_layers * sizeof(int32_t));
     memset(s->layer_changed, 1, (size_t) n_layers); /* no rule has looked yet */
+    s->epoch = spice_monotonic_ns() | 1u; /* nonzero, and another store's (created at another time) */
     memcpy(s->expert_bytes, expert_bytes, (size_t) n_layers * sizeof(uint64_t));
     if (spice_store_rule_init(s) != SPICE_OK) {
         spice_store_free(s);
@@ -288,6 +291,7 @@ void spice_store_free(spice_store * s) {
     free(s->last_use);
     free(s->layer_held);
     free(s->layer_changed);
+    free(s->row_version);
     free(s->scratch.need);
     free(s->scratch.pinned);
     free(s->scratch.kept);
@@ -665,6 +669,14 @@ const int8_t * spice_store_states(const spice_store * s, int32_t * n_layers, int
         *max_expert = s->max_expert;
     }
     return s->states;
+}
+
+const uint32_t * spice_store_row_versions(const spice_store * s, uint64_t * epoch) {
+    if (s == NULL) {
+        return NULL;
+    }
+    *epoch = s->epoch;
+    return s->row_version;
 }
 
 int spice_store_is_real(const spice_store * s) {

@@ -29,6 +29,10 @@ int spice_store_attach_device(spice_store * store, spice_device * dev);
  * runtime then asks llama.cpp for those logits (SPICE_HOOK_WANT_NEXT_LOGITS). */
 int spice_store_rule_prefetches_next(const spice_store * store);
 
+/* The residency table's row versions ([n_layers]; each state change of a layer
+ * bumps its row's) and the store's epoch (spice-row-snapshot.h); NULL without a store. */
+const uint32_t * spice_store_row_versions(const spice_store * store, uint64_t * epoch);
+
 /* The store's device (NULL: none attached) and clock. */
 spice_device * spice_store_device(spice_store * store);
 spice_clock * spice_store_clock(spice_store * store);

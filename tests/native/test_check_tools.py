@@ -15,6 +15,10 @@ names the first failing input (replayable with its seed) and exits 1.
   SPICE_CUDA_COPY_THREAD=0: inline) with a stand-in for the CUDA calls: copies
   issued once each in queue order, by the copier or by a wait that finds them
   queued; a wait returns once its copy is issued; a failed issue is reported.
+- spice-row-snapshot-check: the residency table an asynchronous snapshot carries, taken
+  again only where a row's version changed since the ring entry last held it: every
+  take equals the table, copies exactly the changed rows, and a new store, shape or a
+  take without versions copies it whole.
 """
 
 from __future__ import annotations
@@ -25,8 +29,15 @@ import pytest
 
 from pyspice.build_info import load_build_info
 
+TOOLS = [
+    "spice-pool-ids-check",
+    "spice-fifo-poll-check",
+    "spice-copy-queue-check",
+    "spice-row-snapshot-check",
+]
 
-@pytest.mark.parametrize("tool", ["spice-pool-ids-check", "spice-fifo-poll-check", "spice-copy-queue-check"])
+
+@pytest.mark.parametrize("tool", TOOLS)
 @pytest.mark.parametrize("seed", ["1", "2", "3"])
 def test_check_tool_passes(tool: str, seed: str) -> None:
     path = load_build_info().tool(tool)
