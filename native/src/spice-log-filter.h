@@ -1,4 +1,5 @@
-/* llama.cpp's log without its debug lines, while a runtime's hook is enabled.
+/* llama.cpp's log without its debug lines, from a runtime's first enable or
+ * disable of its hook until the runtime is freed.
  *
  * ggml-cuda logs a debug line at every launch of a CUDA graph it replays
  * ("CUDA Graph id N reused"): each of the slot pool's launches and each of
@@ -11,15 +12,18 @@
  * (docs/results/cuda-h200-2026-12-04b.md, section 6b). llama-cpp-python
  * prints no debug line unless verbose, and pyspice never asks for that.
  *
- * The filter wraps the callback installed when a hook is enabled: a debug
- * line (and the pieces that continue it) is dropped in C, every other line
- * goes on to the wrapped callback. Debug lines are kept where they were asked
- * for: SPICE_LLAMA_DEBUG_LOG=1, GGML_SCHED_DEBUG (its split dumps are debug
- * lines), a verbose model (spice_runtime_keep_debug_log). llama.cpp has one log
- * callback per process: the filter is installed once, over whatever is
- * installed, and put back on release only while it is still the one
- * installed (a callback installed over it may hand lines on to it: then it
- * stays, and its memory with it). */
+ * The filter wraps the callback installed then: a debug line (and the pieces
+ * that continue it) is dropped in C, every other line goes on to the wrapped
+ * callback. Debug lines are kept where they were asked for:
+ * SPICE_LLAMA_DEBUG_LOG=1, GGML_SCHED_DEBUG (its split dumps are debug lines),
+ * a verbose model (spice_runtime_keep_debug_log). llama.cpp has one log
+ * callback per process: a filter goes in only where no filter is the installed
+ * callback, and comes out on release only while it is still the one installed.
+ * One that whoever installed a callback over it took out again (pyspice's log
+ * taps around model loads put back what they found) is never reinstalled: the
+ * next enable or disable wraps the callback then installed with a new filter,
+ * so lines cannot go round in a loop, and the old one stays allocated (a
+ * callback may still hand lines to it). */
 #ifndef SPICE_LOG_FILTER_H
 #define SPICE_LOG_FILTER_H
 
