@@ -39,7 +39,8 @@ int spice_copy_queue_push(spice_copy_queue * q, int32_t slot, uint64_t seq);
 uint64_t spice_copy_queue_issued(spice_copy_queue * q);
 /* Issue, on the calling thread, every queued copy up to number seq (the
  * copier may take some); returns once seq is issued. SPICE_OK, or
- * SPICE_ERR_INTERNAL when a copy failed to issue or seq was never queued. */
+ * SPICE_ERR_INTERNAL when seq was never queued or any copy failed to issue so
+ * far (sticky: one the copier issued after seq included). */
 int spice_copy_queue_issue_through(spice_copy_queue * q, uint64_t seq);
 /* Whether any copy failed to issue. */
 int spice_copy_queue_failed(spice_copy_queue * q);
