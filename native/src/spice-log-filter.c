@@ -25,14 +25,15 @@ static void drop_debug(enum ggml_log_level level, const char * text, void * user
     }
 }
 
-int spice_log_debug_wanted(void) {
+/* Whether debug lines were asked for through the environment. */
+static int debug_wanted(void) {
     const char * keep = getenv("SPICE_LLAMA_DEBUG_LOG");
     const char * sched = getenv("GGML_SCHED_DEBUG");
     return (keep != NULL && keep[0] == '1') || (sched != NULL && sched[0] != '\0' && strcmp(sched, "0") != 0);
 }
 
 spice_log_filter * spice_log_filter_ensure(spice_log_filter * f) {
-    if (spice_log_debug_wanted()) {
+    if (debug_wanted()) {
         return f;
     }
     ggml_log_callback current = NULL;

@@ -38,11 +38,8 @@ typedef struct spice_log_filter {
     int installed;
 } spice_log_filter;
 
-/* Whether debug lines were asked for through the environment. */
-int spice_log_debug_wanted(void);
-
 /* A filter over llama.cpp's current log callback unless one is installed already
- * or spice_log_debug_wanted(). Returns the filter the caller keeps: f (NULL: none
+ * debug lines were asked for through the environment. Returns the filter the caller keeps: f (NULL: none
  * yet), or a new one where f went in once and is no longer the callback (put back
  * under it by whoever installed one over it, or still beneath one that may hand
  * it lines: f is then left allocated, and reinstalling it could make a loop). */

@@ -1,6 +1,7 @@
 /* The planner thread and its ring of snapshots (spice-planner.h). */
 #include "spice-planner.h"
 #include "spice-clock.h"
+#include "spice-grow.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -79,26 +80,13 @@ static void idle_wait(spice_planner * p, uint64_t t0) {
 }
 
 /* an entry's buffer at least need_bytes long (kept between uses) */
-static int grow(void ** buf, size_t * cap, size_t need_bytes) {
-    if (need_bytes <= *cap) {
-        return SPICE_OK;
-    }
-    void * nbuf = realloc(*buf, need_bytes);
-    if (nbuf == NULL) {
-        return SPICE_ERR_NO_MEMORY;
-    }
-    *buf = nbuf;
-    *cap = need_bytes;
-    return SPICE_OK;
-}
-
 /* On the planner thread, for an entry it took: the policy's call over the
  * snapshot's arrays, with room for every list a plan may write. */
 static int prepare_call(spice_planner * p, spice_async_entry * e) {
-    int status = grow((void **) &e->fetch, &e->cap_fetch, (size_t) p->cap_fetch * 4 + 4);
-    status |= grow((void **) &e->prefetch, &e->cap_prefetch, (size_t) p->cap_pairs * 4 + 4);
-    status |= grow((void **) &e->evict, &e->cap_evict, (size_t) p->cap_pairs * 4 + 4);
-    status |= grow((void **) &e->evict_from, &e->cap_evict_from, (size_t) p->cap_layers * 4 + 4);
+    int status = spice_grow_bytes((void **) &e->fetch, &e->cap_fetch, (size_t) p->cap_fetch * 4 + 4);
+    status |= spice_grow_bytes((void **) &e->prefetch, &e->cap_prefetch, (size_t) p->cap_pairs * 4 + 4);
+    status |= spice_grow_bytes((void **) &e->evict, &e->cap_evict, (size_t) p->cap_pairs * 4 + 4);
+    status |= spice_grow_bytes((void **) &e->evict_from, &e->cap_evict_from, (size_t) p->cap_layers * 4 + 4);
     if (status != SPICE_OK) {
         return SPICE_ERR_NO_MEMORY;
     }
@@ -377,7 +365,7 @@ spice_async_entry * spice_planner_acquire(spice_planner * p, int * replaced) {
 /* rows of `width` 4-byte values from a strided source into a compact array */
 static int copy_rows(void ** dst, size_t * cap, const void * src, size_t nb1, int32_t rows, int32_t width) {
     const size_t row = (size_t) (width > 0 ? width : 0) * 4;
-    if (grow(dst, cap, row * (size_t) (rows > 0 ? rows : 0) + 4) != SPICE_OK) {
+    if (spice_grow_bytes(dst, cap, row * (size_t) (rows > 0 ? rows : 0) + 4) != SPICE_OK) {
         return SPICE_ERR_NO_MEMORY;
     }
     for (int32_t t = 0; t < rows; ++t) {
@@ -416,7 +404,7 @@ int spice_planner_post(spice_planner * p, spice_async_entry * e, uint64_t seq, c
                                            call->res_width) < 0) {
         status = SPICE_ERR_NO_MEMORY;
     }
-    status |= grow((void **) &e->actions, &e->cap_actions, (size_t) n_pairs * 4 + 4);
+    status |= spice_grow_bytes((void **) &e->actions, &e->cap_actions, (size_t) n_pairs * 4 + 4);
     if (status != SPICE_OK) {
         spice_planner_release(p, e);
         return SPICE_ERR_NO_MEMORY;

@@ -132,8 +132,9 @@ void spice_planner_stop(spice_planner * p);
 spice_async_entry * spice_planner_acquire(spice_planner * p, int * replaced);
 
 /* Copy the call (its input arrays, residency table of res_layers x res_width:
- * the rows whose res_version changed since the entry last held them, all of them
- * for another res_epoch or res_version NULL) into the entry, with the default actions, and hand it to the planner;
+ * the rows whose res_version changed since the entry last held them, all of
+ * them for another res_epoch or res_version NULL) into the entry, with the
+ * default actions, and hand it to the planner;
  * *woke = 1 where the planner was parked and had to be woken (a futex wake on
  * the caller's thread). SPICE_ERR_NO_MEMORY (the entry is freed again) when
  * its arrays cannot grow. */

@@ -1,27 +1,17 @@
 /* A table copy that takes only the changed rows (spice-row-snapshot.h). */
 #include "spice-row-snapshot.h"
 
+#include "spice-grow.h"
+
 #include <stdlib.h>
 #include <string.h>
-
-static int grow(void ** buf, size_t * cap, size_t need) {
-    if (need <= *cap) {
-        return 0;
-    }
-    void * nbuf = realloc(*buf, need);
-    if (nbuf == NULL) {
-        return -1;
-    }
-    *buf = nbuf;
-    *cap = need;
-    return 0;
-}
 
 int32_t spice_row_snapshot_take(spice_row_snapshot * snap, const int8_t * src, const uint32_t * version,
                                 uint64_t epoch, int32_t n_layers, int32_t width) {
     const size_t bytes = (size_t) (n_layers > 0 ? n_layers : 0) * (size_t) (width > 0 ? width : 0);
-    if (grow((void **) &snap->rows, &snap->cap_rows, bytes + 1) != 0 ||
-        grow((void **) &snap->version, &snap->cap_version, (size_t) (n_layers > 0 ? n_layers : 0) * 4 + 4) != 0) {
+    if (spice_grow_bytes((void **) &snap->rows, &snap->cap_rows, bytes + 1) != 0 ||
+        spice_grow_bytes((void **) &snap->version, &snap->cap_version,
+                         (size_t) (n_layers > 0 ? n_layers : 0) * 4 + 4) != 0) {
         snap->epoch = 0;
         return -1;
     }

@@ -605,6 +605,8 @@ static bool abort_entry(void * user_data) {
 
 /* ---- C API ------------------------------------------------------------------- */
 
+static void unregister(spice_runtime * rt);
+
 int spice_runtime_create(struct llama_context * lctx, spice_runtime ** out, char * err, size_t err_len) {
     if (out == NULL) {
         return SPICE_ERR_INVALID_ARG;
@@ -693,7 +695,7 @@ void spice_runtime_free(spice_runtime * rt) {
         return;
     }
     if (rt->enabled) {
-        spice_runtime_disable(rt);
+        unregister(rt); /* not disable: no log filter to put in just before it comes out */
     }
     spice_async_stop(rt);
     spice_cuda_verify_report(rt->verify);
@@ -812,10 +814,8 @@ uint32_t spice_runtime_hook_flags(const spice_runtime * rt) {
     return rt != NULL && rt->enabled ? rt->hook_flags_registered : 0u;
 }
 
-int spice_runtime_disable(spice_runtime * rt) {
-    if (rt == NULL) {
-        return SPICE_ERR_INVALID_ARG;
-    }
+/* The hook unregistered, the planner stopped: what disable and free share. */
+static void unregister(spice_runtime * rt) {
     llama_set_moe_hook(rt->lctx, NULL, NULL, 0, 0);
     rt->hook_flags_registered = 0;
     llama_set_abort_callback(rt->lctx, NULL, NULL);
@@ -824,6 +824,13 @@ int spice_runtime_disable(spice_runtime * rt) {
     rt->resume_il = -1;
     rt->policy_fn = NULL;
     rt->policy_user_data = NULL;
+}
+
+int spice_runtime_disable(spice_runtime * rt) {
+    if (rt == NULL) {
+        return SPICE_ERR_INVALID_ARG;
+    }
+    unregister(rt);
     quiet_llama_log(rt); /* stock decodes through CUDA graphs too */
     return SPICE_OK;
 }

@@ -358,8 +358,9 @@ static void note_uses(spice_store * s, int32_t il) {
  * an expert may go is a coin toss at a partial budget, and a pooled cache
  * scans several layers a call. `spice-rule-bench --only lru`, DeepSeek-V2-Lite's
  * shape (26 x 64, top-6), 25% and 50%, rule p50 over two runs: 1.61-2.23 ->
- * 0.70-1.38 us warm, 1.92-2.14 -> 1.30-1.82 cold; same decisions. An expert that may not go gets the key UINT64_MAX, which no stamp
- * reaches (one per hook call). */
+ * 0.70-1.38 us warm, 1.92-2.14 -> 1.30-1.82 cold; same decisions. An expert
+ * that may not go gets the key UINT64_MAX, which no stamp reaches (one per
+ * hook call). */
 static int32_t least_recent_in_layer(const int8_t * states, const uint8_t * chosen, const uint8_t * skip,
                                      const uint64_t * last_use, int32_t n_e) {
     int32_t best = -1;
