@@ -76,6 +76,7 @@ _COUNTER_FIELDS = (
     "rule_ns",
     "async_take_ns",
     "async_post_ns",
+    "async_rows_by_hook",
 )
 
 

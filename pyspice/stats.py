@@ -65,6 +65,7 @@ class Counters:
     rule_ns: int = 0
     async_take_ns: int = 0
     async_post_ns: int = 0
+    async_rows_by_hook: int = 0  # snapshots whose hidden rows the hook's thread copied (planner busy)
 
     def add(self, other: Counters) -> None:
         for f in fields(self):
@@ -137,6 +138,7 @@ def _planning_record(c: Counters) -> dict[str, Any]:
         "applied": c.async_applied,
         "stale": c.async_stale,
         "wakes": c.async_wakes,
+        "rows_by_hook": c.async_rows_by_hook,
         "lag_layers": _ratio(c.async_lag_calls, c.async_applied),
         "wait_us_per_call": _ratio(c.async_wait_ns / 1e3, c.hook_calls),
         "planner_us_per_plan": _ratio(c.planner_ns / 1e3, c.async_applied + c.async_stale),

@@ -197,6 +197,8 @@ typedef struct spice_counters {
     uint64_t rule_ns;
     uint64_t async_take_ns;
     uint64_t async_post_ns;
+    uint64_t async_rows_by_hook; /* snapshots whose hidden rows the hook's thread copied itself: the
+                                  * planner had not taken them by the time the call's experts ran */
 } spice_counters;
 
 /* Add each activation's outcome (DESIGN section 11) to c: n actions with,

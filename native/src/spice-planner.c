@@ -79,7 +79,44 @@ static void idle_wait(spice_planner * p, uint64_t t0) {
     }
 }
 
-/* an entry's buffer at least need_bytes long (kept between uses) */
+/* rows of `width` 4-byte values from a strided source into a compact array */
+static int copy_rows(void ** dst, size_t * cap, const void * src, size_t nb1, int32_t rows, int32_t width) {
+    const size_t row = (size_t) (width > 0 ? width : 0) * 4;
+    if (spice_grow_bytes(dst, cap, row * (size_t) (rows > 0 ? rows : 0) + 4) != SPICE_OK) {
+        return SPICE_ERR_NO_MEMORY;
+    }
+    for (int32_t t = 0; t < rows; ++t) {
+        memcpy((char *) *dst + (size_t) t * row, (const char *) src + (size_t) t * nb1, row);
+    }
+    return SPICE_OK;
+}
+
+/* The lent rows into the entry's own arrays, by the thread that claimed them. */
+static void copy_lent_rows(spice_async_entry * e) {
+    const spice_async_shape * sh = &e->shape;
+    int status = copy_rows((void **) &e->inp, &e->cap_inp, e->lent_inp, e->lent_inp_nb1, sh->n_tokens, sh->n_embd);
+    if (sh->has_shexp) {
+        status |= copy_rows((void **) &e->shexp, &e->cap_shexp, e->lent_shexp, e->lent_shexp_nb1, sh->n_tokens,
+                            sh->n_embd);
+    }
+    e->lent_inp = e->lent_shexp = NULL; /* the call's buffers are not ours past its return */
+    atomic_store(&e->rows, status == SPICE_OK ? SPICE_ROWS_OWN : SPICE_ROWS_FAILED);
+}
+
+/* Either thread: copy the rows if they are still lent (1), else wait for the
+ * other's copy, a few microseconds at most (0). */
+static int settle_rows(spice_async_entry * e) {
+    int lent = SPICE_ROWS_LENT;
+    if (atomic_compare_exchange_strong(&e->rows, &lent, SPICE_ROWS_COPYING)) {
+        copy_lent_rows(e);
+        return 1;
+    }
+    while (atomic_load(&e->rows) == SPICE_ROWS_COPYING) {
+        cpu_relax();
+    }
+    return 0;
+}
+
 /* On the planner thread, for an entry it took: the policy's call over the
  * snapshot's arrays, with room for every list a plan may write. */
 static int prepare_call(spice_planner * p, spice_async_entry * e) {
@@ -174,7 +211,10 @@ static void * planner_main(void * arg) {
         const uint64_t t0 = spice_monotonic_ns();
         int rc = SPICE_POLICY_FAILED;
         next->err[0] = '\0';
-        if (prepare_call(p, next) == SPICE_OK) {
+        settle_rows(next); /* while the posting call's experts run, if it has not returned yet */
+        if (atomic_load(&next->rows) == SPICE_ROWS_FAILED) {
+            snprintf(next->err, sizeof(next->err), "out of memory for the snapshot's hidden rows");
+        } else if (prepare_call(p, next) == SPICE_OK) {
             rc = p->fn(&next->call, p->user_data);
         } else {
             snprintf(next->err, sizeof(next->err), "out of memory for the plan's lists");
@@ -362,20 +402,8 @@ spice_async_entry * spice_planner_acquire(spice_planner * p, int * replaced) {
     return e;
 }
 
-/* rows of `width` 4-byte values from a strided source into a compact array */
-static int copy_rows(void ** dst, size_t * cap, const void * src, size_t nb1, int32_t rows, int32_t width) {
-    const size_t row = (size_t) (width > 0 ? width : 0) * 4;
-    if (spice_grow_bytes(dst, cap, row * (size_t) (rows > 0 ? rows : 0) + 4) != SPICE_OK) {
-        return SPICE_ERR_NO_MEMORY;
-    }
-    for (int32_t t = 0; t < rows; ++t) {
-        memcpy((char *) *dst + (size_t) t * row, (const char *) src + (size_t) t * nb1, row);
-    }
-    return SPICE_OK;
-}
-
-/* The hook's thread writes only the snapshot: the call's arrays and its
- * shape. The planner thread builds the policy's call struct and sizes the
+/* The hook's thread writes only the snapshot: the call's small arrays and
+ * its shape, and lends the hidden rows (SPICE_ROWS_*). The planner thread builds the policy's call struct and sizes the
  * plan's lists (prepare_call) when it takes the entry. Those are lines the
  * planner wrote last (the policy's counts, its lists): written from the
  * hook's thread they cost a transfer each from the planner's core, timed at
@@ -390,15 +418,11 @@ int spice_planner_post(spice_planner * p, spice_async_entry * e, uint64_t seq, c
     const int has_probs = call->probs != NULL && p->params.with_probs;
     const int has_shexp = call->shexp != NULL && p->params.with_shexp;
     const int has_res = call->residency != NULL;
-    int status = copy_rows((void **) &e->inp, &e->cap_inp, call->inp, call->inp_nb1, n, call->n_embd);
-    status |= copy_rows((void **) &e->ids, &e->cap_ids, call->ids, call->ids_nb1, n, call->n_expert_used);
+    int status = copy_rows((void **) &e->ids, &e->cap_ids, call->ids, call->ids_nb1, n, call->n_expert_used);
     status |= copy_rows((void **) &e->weights, &e->cap_weights, call->weights, call->weights_nb1, n,
                         call->n_expert_used);
     if (has_probs) {
         status |= copy_rows((void **) &e->probs, &e->cap_probs, call->probs, call->probs_nb1, n, call->n_expert);
-    }
-    if (has_shexp) {
-        status |= copy_rows((void **) &e->shexp, &e->cap_shexp, call->shexp, call->shexp_nb1, n, call->n_embd);
     }
     if (has_res && spice_row_snapshot_take(&e->residency, call->residency, res_version, res_epoch, call->res_layers,
                                            call->res_width) < 0) {
@@ -420,6 +444,12 @@ int spice_planner_post(spice_planner * p, spice_async_entry * e, uint64_t seq, c
     sh->res_width = has_res ? call->res_width : 0;
     sh->has_probs = has_probs;
     sh->has_shexp = has_shexp;
+    e->lent_inp = call->inp;
+    e->lent_inp_nb1 = call->inp_nb1;
+    e->lent_shexp = has_shexp ? call->shexp : NULL;
+    e->lent_shexp_nb1 = has_shexp ? call->shexp_nb1 : 0;
+    atomic_store_explicit(&e->rows, SPICE_ROWS_LENT, memory_order_relaxed); /* published with the state */
+    p->lent = e;
     atomic_store_explicit(&e->seq, seq, memory_order_relaxed); /* published by the state's store below */
     p->posted[(p->posted_head + p->n_posted) % p->n_ring] = (int32_t) (e - p->ring);
     p->n_posted++;
@@ -437,6 +467,15 @@ int spice_planner_post(spice_planner * p, spice_async_entry * e, uint64_t seq, c
         pthread_mutex_unlock(&p->mu);
     }
     return SPICE_OK;
+}
+
+int spice_planner_settle(spice_planner * p) {
+    spice_async_entry * e = p->lent;
+    if (e == NULL) {
+        return 0;
+    }
+    p->lent = NULL;
+    return settle_rows(e);
 }
 
 spice_async_entry * spice_planner_take_done(spice_planner * p) {

@@ -43,6 +43,16 @@
 enum { SPICE_ENTRY_FREE, SPICE_ENTRY_WRITING, SPICE_ENTRY_QUEUED, SPICE_ENTRY_PLANNING, SPICE_ENTRY_DONE,
        SPICE_ENTRY_HELD };
 
+/* An entry's hidden rows (and shared-expert rows). A post only lends them:
+ * the hook's call keeps reading them while its experts run, so the planner,
+ * if it takes the entry meanwhile, copies them on its own core, and the
+ * hook's thread copies them itself only if the planner has not started by
+ * the time the call returns (spice_planner_settle). Whoever moves LENT ->
+ * COPYING first copies; the other waits for OWN (or FAILED: no memory).
+ * Copied on the hook's thread, the rows were most of a post: 1.2-1.3 us of
+ * 2.2 for DeepSeek-V2-Lite's 8 KiB row (docs/results/hook-thread-rules.md). */
+enum { SPICE_ROWS_OWN, SPICE_ROWS_LENT, SPICE_ROWS_COPYING, SPICE_ROWS_FAILED };
+
 /* What the hook's thread writes of a call besides its arrays: the planner
  * builds the policy's spice_policy_call from it (spice_planner_post). */
 typedef struct spice_async_shape {
@@ -55,6 +65,9 @@ typedef struct spice_async_entry {
     atomic_int state;
     _Atomic uint64_t seq;    /* the hook call it was posted at (the planner reads it while choosing) */
     spice_async_shape shape; /* written with the arrays by the hook's thread */
+    atomic_int rows;         /* SPICE_ROWS_*: whether inp and shexp below hold the call's rows yet */
+    const void * lent_inp;   size_t lent_inp_nb1;   /* while LENT: the call's own rows */
+    const void * lent_shexp; size_t lent_shexp_nb1;
     spice_policy_call call;  /* the planner thread's: pointers into the arrays below */
     /* the snapshot's own arrays (grown as calls need, kept between uses) */
     float * inp;        size_t cap_inp;
@@ -112,6 +125,7 @@ typedef struct spice_planner {
     uint8_t * hook_free;   /* [n_ring] */
     int32_t * posted;      /* [n_ring] a circular list */
     int32_t posted_head, n_posted;
+    spice_async_entry * lent; /* posted by the call in progress, its rows still lent (settle before return) */
     /* list capacities of every plan: the runtime's */
     int32_t cap_fetch, cap_pairs, cap_layers;
     spice_plan_limits limits; /* pointing at the planner's own copies: */
@@ -134,13 +148,20 @@ spice_async_entry * spice_planner_acquire(spice_planner * p, int * replaced);
 /* Copy the call (its input arrays, residency table of res_layers x res_width:
  * the rows whose res_version changed since the entry last held them, all of
  * them for another res_epoch or res_version NULL) into the entry, with the
- * default actions, and hand it to the planner;
+ * default actions, and hand it to the planner; the hidden and shared-expert
+ * rows are lent, not copied: spice_planner_settle before the call returns;
  * *woke = 1 where the planner was parked and had to be woken (a futex wake on
  * the caller's thread). SPICE_ERR_NO_MEMORY (the entry is freed again) when
  * its arrays cannot grow. */
 int spice_planner_post(spice_planner * p, spice_async_entry * e, uint64_t seq, const spice_policy_call * call,
                        const int32_t * default_actions, const uint32_t * res_version, uint64_t res_epoch,
                        int * woke);
+
+/* Before the hook call that posted returns: the posted entry's rows copied,
+ * on this thread unless the planner has taken them (then waiting for the
+ * copy it started). 1 when this thread copied them, else 0 (nothing lent,
+ * or the planner copied). */
+int spice_planner_settle(spice_planner * p);
 
 /* The oldest planned entry, now the caller's (HELD), or NULL. */
 spice_async_entry * spice_planner_take_done(spice_planner * p);

@@ -186,6 +186,20 @@ void spice_async_post(spice_runtime * rt, const spice_policy_call * call) {
     c->async_post_ns += spent;
 }
 
+uint64_t spice_async_settle(spice_runtime * rt) {
+    spice_async_entry * e = rt->planner.lent;
+    if (e == NULL) {
+        return 0;
+    }
+    spice_counters * c = &rt->counters[e->shape.il];
+    const uint64_t t0 = spice_monotonic_ns();
+    c->async_rows_by_hook += (uint64_t) spice_planner_settle(&rt->planner);
+    const uint64_t spent = spice_monotonic_ns() - t0;
+    c->policy_ns += spent;
+    c->async_post_ns += spent;
+    return spent;
+}
+
 void spice_async_merge(spice_runtime * rt, spice_policy_call * call) {
     const spice_plan_buffers * l = &rt->async_lists;
     append(call->prefetch, &call->n_prefetch, call->cap_prefetch, l->prefetch, rt->n_async_prefetch);

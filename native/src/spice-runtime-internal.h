@@ -156,6 +156,12 @@ int spice_async_before(spice_runtime * rt, spice_policy_call * call);
  * around room already taken -- and the actions as carried out. */
 void spice_async_post(spice_runtime * rt, const spice_policy_call * call);
 
+/* Thread 0, before the call returns: the posted snapshot's hidden rows, which
+ * the post only lent (spice-planner.h), copied by now. Counted as deciding
+ * time (and posting); returns the nanoseconds it took, 0 when nothing was
+ * posted. */
+uint64_t spice_async_settle(spice_runtime * rt);
+
 /* Append the collected plans' lists to the call's plan (after the rule's). */
 void spice_async_merge(spice_runtime * rt, spice_policy_call * call);
 

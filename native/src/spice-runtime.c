@@ -576,6 +576,9 @@ static void hook_entry(const struct llama_moe_hook_call * lc, void * user_data) 
         for (int32_t t = hc->ith; t < hc->n_tokens; t += hc->nth) {
             memset((char *) hc->out + (size_t) t * hc->out_nb1, 0, (size_t) hc->n_embd * sizeof(float));
         }
+        if (hc->ith == 0) {
+            spice_async_settle(rt); /* a snapshot posted before the call failed still borrows its rows */
+        }
         return;
     }
     spice_host_exec_run(&rt->host, hc->ith, hc->nth, &rt->barrier);
@@ -591,10 +594,13 @@ static void hook_entry(const struct llama_moe_hook_call * lc, void * user_data) 
         spice_surrogate_exec_combine(&rt->surrogate_exec, hc->ith, hc->nth);
     }
     if (hc->ith == 0 && served) {
+        /* the hidden rows stay valid until this call returns: the planner has
+         * copied them meanwhile, or thread 0 does now (deciding, not executing) */
+        const uint64_t settled = spice_async_settle(rt);
         rt->hook_end_ns = spice_monotonic_ns();
         rt->hook_end_il = hc->il;
         rt->counters[hc->il].hook_ns += rt->hook_end_ns - t_entry;
-        rt->counters[hc->il].exec_ns += rt->hook_end_ns - t_exec;
+        rt->counters[hc->il].exec_ns += rt->hook_end_ns - t_exec - settled;
     }
 }
 

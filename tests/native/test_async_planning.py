@@ -288,6 +288,62 @@ def test_stale_plans_are_dropped_and_counted(model: Any, reference: Any) -> None
         llm.close()
 
 
+class Recorder(Targets):
+    """Records each call's hidden and shared-expert rows; sleeps on odd calls when
+    asked, so that the next snapshot comes while the planner is busy."""
+
+    reads_shared = True
+
+    def __init__(self, sleep_odd_s: float = 0.0) -> None:
+        super().__init__(n_targets=0)
+        self.sleep_odd_s = sleep_odd_s
+        self.shared: list[np.ndarray] = []
+
+    def decide(self, call: HookCall) -> Plan:
+        plan = super().decide(call)
+        assert call.shared is not None
+        self.shared.append(call.shared.copy())
+        if self.sleep_odd_s and len(self.calls) % 2:
+            time.sleep(self.sleep_odd_s)
+        return plan
+
+
+@pytest.mark.parametrize("copier", ["planner", "hook"])
+def test_the_planner_sees_each_calls_own_rows_whichever_thread_copies_them(model: Any, copier: str) -> None:
+    """A post lends the call's hidden and shared-expert rows: the planner copies them
+    while the call's experts run, or, when it is busy with an older snapshot, the
+    hook's thread copies them before the call returns (counted). Either way the policy
+    sees exactly what a synchronous policy sees at the same call."""
+    llm = load(model)
+    try:
+        runtime = _fresh_tier(llm)
+        inline = Recorder()
+        runtime.enable_policy(inline)  # type: ignore[arg-type]
+        _decode(llm, 3)
+        if copier == "planner":  # polls, and is idle whenever a call posts
+            policy, params = Recorder(), AsyncParams(deterministic_lag=1, idle_poll=True)
+        else:  # still planning call c - 1 when call c returns
+            policy, params = Recorder(sleep_odd_s=0.002), AsyncParams(deterministic_lag=2)
+        runtime.enable_policy(policy, asynchronous=params)  # type: ignore[arg-type]
+        _decode(llm, 3)
+        runtime.disable()
+        planning = llm.spice_stats()["planning"]
+        # the snapshots the planner had not taken when the hook waited for the last plan
+        assert len(inline.calls) - 2 <= len(policy.calls) <= len(inline.calls)
+        for c, got in enumerate(policy.calls):
+            want = inline.calls[c]
+            assert got.layer == want.layer, c
+            assert np.array_equal(got.hidden, want.hidden), c
+            assert np.array_equal(policy.shared[c], inline.shared[c]), c
+        by_hook = planning["rows_by_hook"]
+        if copier == "planner":
+            assert by_hook < planning["posted"], planning
+        else:
+            assert by_hook >= planning["posted"] // 4, planning
+    finally:
+        llm.close()
+
+
 def _decode_planning_badly(model: Any, reference: Any, capfd: Any, policy: Any) -> tuple[dict[str, Any], str]:
     """Decode with `policy` planning on the planner thread, none of whose plans is used:
     the tokens stay the reference's and every call falls back to the rule. Returns the
