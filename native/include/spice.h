@@ -618,7 +618,10 @@ SPICE_API int spice_runtime_sync_hook(spice_runtime * rt);
  * of the hook's thread: each hook call that would call the policy copies its
  * snapshot (layer, hidden rows, ids, gate weights, the probabilities when
  * with_probs, the shared expert's rows when with_shexp, residency as the
- * call began) into arrays the snapshot owns, hands it to the planner and runs
+ * call began) into arrays the snapshot owns (the hidden and shared-expert
+ * rows copied by the planner thread while the call's experts run, or by the
+ * hook's thread before the call returns where the planner is still busy:
+ * async_rows_by_hook), hands it to the planner and runs
  * by the installed rule (spice_rule) at once. A plan the planner finished is validated
  * (spice_plan_check) and applied by the hook's thread at a later hook call:
  * its prefetch, evict and evict_from lists join that call's plan, and its
