@@ -403,13 +403,14 @@ spice_async_entry * spice_planner_acquire(spice_planner * p, int * replaced) {
 }
 
 /* The hook's thread writes only the snapshot: the call's small arrays and
- * its shape, and lends the hidden rows (SPICE_ROWS_*). The planner thread builds the policy's call struct and sizes the
- * plan's lists (prepare_call) when it takes the entry. Those are lines the
- * planner wrote last (the policy's counts, its lists): written from the
- * hook's thread they cost a transfer each from the planner's core, timed at
- * 0.29 us of a post's 0.62 (-t 1, plan_every 1); moved, spice:exact's
- * deciding time per decode call fell from 1.80 to 1.69 us there
- * (docs/results/async-planning-smolmoe.md, session 43). */
+ * its shape, and lends the hidden rows (SPICE_ROWS_*). The planner thread
+ * builds the policy's call struct and sizes the plan's lists (prepare_call)
+ * when it takes the entry. Those are lines the planner wrote last (the
+ * policy's counts, its lists): written from the hook's thread they cost a
+ * transfer each from the planner's core, timed at 0.29 us of a post's 0.62
+ * (-t 1, plan_every 1); moved, spice:exact's deciding time per decode call
+ * fell from 1.80 to 1.69 us there (docs/results/async-planning-smolmoe.md,
+ * session 43). */
 int spice_planner_post(spice_planner * p, spice_async_entry * e, uint64_t seq, const spice_policy_call * call,
                        const int32_t * default_actions, const uint32_t * res_version, uint64_t res_epoch,
                        int * woke) {
