@@ -38,11 +38,12 @@ typedef struct spice_log_filter {
     int installed;
 } spice_log_filter;
 
-/* A filter over llama.cpp's current log callback unless one is installed already
- * debug lines were asked for through the environment. Returns the filter the caller keeps: f (NULL: none
- * yet), or a new one where f went in once and is no longer the callback (put back
- * under it by whoever installed one over it, or still beneath one that may hand
- * it lines: f is then left allocated, and reinstalling it could make a loop). */
+/* A filter over llama.cpp's current log callback, unless a filter is the
+ * installed callback already or debug lines were asked for through the
+ * environment. Returns the filter the caller keeps: f (NULL: none yet), or a
+ * new one where f went in once and is no longer the callback (put back under
+ * it by whoever installed one over it, or still beneath one that may hand it
+ * lines: f is then left allocated, and reinstalling it could make a loop). */
 spice_log_filter * spice_log_filter_ensure(spice_log_filter * f);
 
 /* Put back the callback f wraps if f is the one installed. Returns 1 when f

@@ -613,6 +613,15 @@ static bool abort_entry(void * user_data) {
 
 static void unregister(spice_runtime * rt);
 
+/* The runtime's log filter out, and freed unless a callback installed over it
+ * may still hand it lines (then it stays allocated: spice-log-filter.h). */
+static void release_log_filter(spice_runtime * rt) {
+    if (spice_log_filter_release(rt->log_filter)) {
+        free(rt->log_filter);
+        rt->log_filter = NULL;
+    }
+}
+
 int spice_runtime_create(struct llama_context * lctx, spice_runtime ** out, char * err, size_t err_len) {
     if (out == NULL) {
         return SPICE_ERR_INVALID_ARG;
@@ -716,9 +725,7 @@ void spice_runtime_free(spice_runtime * rt) {
     plan_free(&rt->plan);
     plan_free(&rt->async_lists);
     free(rt->layer_seq);
-    if (spice_log_filter_release(rt->log_filter)) {
-        free(rt->log_filter);
-    } /* else a callback installed over it may still hand it lines: it stays */
+    release_log_filter(rt);
     free(rt->layers);
     free(rt->counters);
     free(rt->n_expert_of);
@@ -846,9 +853,8 @@ int spice_runtime_keep_debug_log(spice_runtime * rt, int keep) {
         return SPICE_ERR_INVALID_ARG;
     }
     rt->keep_debug_log = keep != 0;
-    if (rt->keep_debug_log && spice_log_filter_release(rt->log_filter)) {
-        free(rt->log_filter);
-        rt->log_filter = NULL;
+    if (rt->keep_debug_log) {
+        release_log_filter(rt);
     }
     return SPICE_OK;
 }

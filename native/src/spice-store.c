@@ -207,9 +207,9 @@ int spice_store_create_unattached(const spice_store_params * params, int32_t n_l
     s->scratch.started = (int32_t *) calloc((size_t) s->n_slots, sizeof(int32_t));
     s->scratch.landed = (uint8_t *) calloc((size_t) s->n_slots, 1);
     if (!s->n_expert || !s->expert_bytes || !s->slot_of || !s->states || !s->sources || !s->slots ||
-        !s->free_slots || !s->copies || !s->counters || !s->last_use || !s->layer_held || !s->layer_changed || !s->row_version || !s->scratch.need ||
-        !s->scratch.pinned ||
-        !s->scratch.kept || !s->scratch.rank || !s->scratch.started || !s->scratch.landed) {
+        !s->free_slots || !s->copies || !s->counters || !s->last_use || !s->layer_held || !s->layer_changed ||
+        !s->row_version || !s->scratch.need || !s->scratch.pinned || !s->scratch.kept || !s->scratch.rank ||
+        !s->scratch.started || !s->scratch.landed) {
         spice_store_free(s);
         return SPICE_ERR_NO_MEMORY;
     }
