@@ -112,9 +112,15 @@ class Workload:
 def from_trace(path: Path) -> Workload:
     """A trace directory written by pyspice.formats.trace (`generate/bench --trace`). Every
     token is a decode step, unless meta.extra names `prompt_tokens`: those first
-    tokens then form one prompt step (it warms the tier, it is not timed)."""
+    tokens then form one prompt step (it warms the tier, it is not timed). A trace of
+    decode steps only (`generate/bench --trace`, which skip the prompt's rows and say
+    how many in `prompt_rows_skipped`) holds none of them."""
     reader = TraceReader(path)
     meta = reader.meta
+    extra = meta.extra
+    prompt_rows = max(
+        0, int(extra.get("prompt_tokens", 0) or 0) - int(extra.get("prompt_rows_skipped", 0) or 0)
+    )
     fields = tuple(f for f in ("ids", "weights", "probs", "hidden") if f in meta.fields)
     arrays = {il: reader.layer(il, fields) for il in meta.moe_layers}
 
@@ -131,6 +137,6 @@ def from_trace(path: Path) -> Workload:
         stack("weights"),
         probs=stack("probs"),
         hidden=stack("hidden"),
-        prompt_tokens=int(meta.extra.get("prompt_tokens", 0) or 0),
+        prompt_tokens=prompt_rows,
         source=str(path),
     )

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from pyspice.formats.trace import TraceError, TraceMeta, TraceReader, TraceWriter, scan_chunks
+from pyspice.sim.workload import from_trace
 
 N_EMBD, N_EXPERT, K = 8, 6, 2
 LAYERS = [1, 2, 4]
@@ -226,3 +227,19 @@ def test_a_damaged_trace_is_a_trace_error_naming_the_file(tmp_path: Path, damage
         r.routing()
         list(r.calls())
     assert str(path) in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("extra", "decoded"),
+    [({}, 12), ({"prompt_tokens": 4}, 8), ({"prompt_tokens": 4, "prompt_rows_skipped": 4}, 12)],
+)
+def test_the_simulator_decodes_every_row_of_a_trace_that_skipped_its_prompt(
+    tmp_path: Path, extra: dict[str, int], decoded: int
+) -> None:
+    """bench/generate --trace record decode steps only and name the prompt they skipped:
+    none of the trace's rows is that prompt (the simulator once took the first
+    prompt_tokens rows for it, and found nothing left to decode in a 63-token trace
+    after a 128-token prompt)."""
+    with TraceWriter(tmp_path / "t", meta(extra=extra), chunk_tokens=8) as w:
+        write_calls(w, records(12), [1] * 12)
+    assert from_trace(tmp_path / "t").decoded_tokens == decoded
