@@ -290,8 +290,9 @@ struct spice_rule {
     int32_t prefetch_next;         /* 1: prefetch the next MoE layer's router top-k (n_expert_used) */
     const uint8_t * next_layers;   /* [n_layers] the layers whose calls prefetch_next (1) or NULL: every layer */
     int32_t next_room;             /* 1: prefetch_next may take room from the layers that run again last
-                                      (evict_from: this call's layer, then the MoE layers before it, half of
-                                      them); 0: free room only (or a LAYER_LRU capacity) */
+                                      first (evict_from: this call's layer, then the MoE layers before it,
+                                      wrapping: every MoE layer, the next one last); 0: free room only (or a
+                                      LAYER_LRU capacity) */
     const float * const * routers; /* [n_layers] router weights [n_expert][n_embd] f32, NULL entries allowed;
                                       the store keeps them in int16 (a scale per row) and scales each
                                       input row to 15 bits: the top-k is of those exact integer logits */

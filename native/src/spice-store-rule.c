@@ -828,12 +828,16 @@ static void miss_actions(spice_store * s, spice_policy_call * call, int32_t il, 
 }
 
 /* next_room: the plan's evict_from is this layer, then the MoE layers before
- * it (wrapping), half the MoE layers in all: those a decode step needs again
- * last, as SPICE's planner lists them (pyspice/policy/spice/planner.py). The
- * store takes each one's least recently selected expert that this call does
- * not pin. */
+ * it (wrapping): every MoE layer, the one a decode step needs again last first,
+ * as SPICE's planner lists them (pyspice/policy/spice/planner.py). The next
+ * layer comes last, so its prefetches take from every other one; the store
+ * takes the least recently selected expert, not pinned by this call, of the
+ * first listed layer that has one. Only half the layers were listed until
+ * session 49: on a model of 3 MoE layers that was this layer alone, which its
+ * own call had emptied, and the first failed prefetch dropped the lagged plan's
+ * after it (docs/results/hook-thread-rules.md). */
 static void room_from_past_layers(const spice_store * s, spice_policy_call * call, int32_t il) {
-    const int32_t want = s->rule.n_moe / 2 > 0 ? s->rule.n_moe / 2 : 1;
+    const int32_t want = s->rule.n_moe > 0 ? s->rule.n_moe : 1;
     call->n_evict_from = 0;
     for (int32_t i = 0, l = il; i < s->n_layers && call->n_evict_from < want; ++i, l = l > 0 ? l - 1 : s->n_layers - 1) {
         if (s->n_expert[l] > 0) {

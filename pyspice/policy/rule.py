@@ -33,8 +33,8 @@ all its absent experts at its call and runs on the device; with
 `prefetch_next` the next MoE layer's router, applied to the call's input,
 names experts to prefetch (within that layer's capacity; only at the calls of
 `next_layers` where given; with `next_room` taking room from the layers that
-run again last -- this call's, then the MoE layers before it, half of them --
-as a policy's Plan.evict_from would). The engine keeps the
+run again last first -- this call's, then the MoE layers before it, every MoE
+layer with the next one last -- as a policy's Plan.evict_from would). The engine keeps the
 routers in int16 with a scale per row and scales each input row to 15 bits
 (half the bytes it would read per call in float32, and the same logits on
 every build: pyspice.sim.rule.quantize_rows); a prefetch is a guess, and an

@@ -356,10 +356,8 @@ def rule_plan(
 
 
 def _past_layers(tier: SimTier, layer: int) -> list[int]:
-    """next_room's evict_from: `layer`, then the MoE layers before it (wrapping), half
-    the MoE layers in all (room_from_past_layers in spice-store-rule.c)."""
-    moe = [il for il in range(tier.n_layers) if tier.n_expert[il] > 0]
-    want = max(1, len(moe) // 2)
+    """next_room's evict_from: `layer`, then the MoE layers before it (wrapping), every
+    MoE layer (room_from_past_layers in spice-store-rule.c)."""
     order = [il for il in range(layer, -1, -1) if tier.n_expert[il] > 0]
     order += [il for il in range(tier.n_layers - 1, layer, -1) if tier.n_expert[il] > 0]
-    return order[:want]
+    return order

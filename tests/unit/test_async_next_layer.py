@@ -121,10 +121,10 @@ def test_host_points_libspice_would_refuse_are_refused_here(points: tuple[tuple[
         Rule(host_points=points)
 
 
-def test_the_rules_prefetch_takes_room_from_the_layers_just_run() -> None:
+def test_the_rules_prefetch_takes_room_from_the_layers_just_run_first() -> None:
     """A full tier of 4 slots: layers 1, 2 (just run) and 6, 7 (coming) hold one
     expert each. The rule at layer 2 prefetches layer 3's top-2 (3 and 4), taking
-    room from layer 2, then layer 1, never from the layers to come."""
+    room from layer 2, then layer 1; the layers to come, listed after them, keep theirs."""
     rule = Rule(
         prefetch_next=True,
         routers=tuple(router(il) for il in range(N_LAYERS)),
@@ -144,7 +144,37 @@ def test_the_rules_prefetch_takes_room_from_the_layers_just_run() -> None:
         actions, plan = rule_plan(tier, state, il, ids, np.ones((1, 2), np.float32), hidden)
         assert plan.prefetch == expect_prefetch, f"layer {il}: {plan.prefetch}"
         sim_plan.apply_plan(tier, il, ids, actions.copy(), plan)
-    assert plan.evict_from == [2, 1, 0, 7]  # half the MoE layers, the one just run first
+    assert plan.evict_from == [2, 1, 0, 7, 6, 5, 4, 3]  # the one just run first, the next one last
     assert tier.state(3, 3) != RESIDENCY_ABSENT and tier.state(3, 4) != RESIDENCY_ABSENT  # on their way
     assert tier.state(2, 5) == RESIDENCY_ABSENT and tier.state(1, 5) == RESIDENCY_ABSENT
     assert tier.state(6, 5) == RESIDENCY_RESIDENT and tier.state(7, 5) == RESIDENCY_RESIDENT
+
+
+def test_the_rules_prefetch_takes_room_from_the_farthest_layer_to_come_when_those_just_run_are_empty() -> (
+    None
+):
+    """A full tier of 2 slots held by layers 6 and 7 (coming). The rule at layer 2
+    prefetches layer 3's top-2, taking room from layer 7 (which runs after 6) first,
+    then from 6: with half the layers listed (2, 1, 0, 7) layer 6 kept its expert
+    and the second prefetch was dropped."""
+    rule = Rule(
+        prefetch_next=True,
+        routers=tuple(router(il) for il in range(N_LAYERS)),
+        next_layers=(2,),
+        next_room=True,
+    )
+    tier = SimTier((N_EXPERT,) * N_LAYERS, (EXPERT_BYTES,) * N_LAYERS, 2 * EXPERT_BYTES, 1.0, 0.0)
+    state = RuleState(rule, N_LAYERS)
+    for il in (6, 7):
+        tier.request(il, 5, 1)
+    tier.now_ns += 10**9
+    tier.poll()
+    ids = np.array([[0, 1]], np.int32)
+    tier.begin_call(2, ids)
+    actions, plan = rule_plan(
+        tier, state, 2, ids, np.ones((1, 2), np.float32), np.eye(1, N_EMBD, dtype=np.float32)
+    )
+    assert plan.prefetch == [(3, 3), (3, 4)]
+    sim_plan.apply_plan(tier, 2, ids, actions.copy(), plan)
+    assert tier.state(3, 3) != RESIDENCY_ABSENT and tier.state(3, 4) != RESIDENCY_ABSENT
+    assert tier.state(7, 5) == RESIDENCY_ABSENT and tier.state(6, 5) == RESIDENCY_ABSENT

@@ -544,3 +544,28 @@ def test_a_token_s_last_plan_prefetches_the_first_layer_s_most_picked_experts() 
         # the other planning layer is mid-token: the look-ahead alone
         mid = policy.decide(hook_call(0, [[6, 3]], [0.5, 0.5], residency, 8))
         assert all(p[0] != 0 for p in mid.prefetch)
+
+
+@pytest.mark.parametrize("lag", [0, 1, 2])
+def test_a_late_plan_prefetches_the_first_layer_from_a_layer_it_still_lands_within_the_token(
+    lag: int,
+) -> None:
+    """A plan applied `lag` MoE layers late lands at the next token's first layer if it was
+    made at the token's last one: the prior's prefetch then comes too late for that layer,
+    which (session 49, the 4-layer DeepSeek-V2-Lite at 25%) then held nothing at all. The
+    prior goes with the last planning layer whose plan lands within the token."""
+    predictor = ScriptedPredictor(8)
+    predictor.future = {il: [il, il + 1] for il in range(4)}
+    ctx = context(budget_experts=24, predictor=predictor, prof=profile(12.0, 5.0, 5.0, emulated=True))
+    policy = SpicePolicy(replace(spice_config("spice:exact"), plan_every=1, plan_every_async=1))
+    policy.plan_lag = lag
+    policy.attach(ctx)
+    residency = np.zeros((4, 8), np.int8)
+    for ids in ([[3, 6]], [[6, 1]], [[6, 3]]):  # the prior: 6, then 3
+        policy.decide(hook_call(0, ids, [0.5, 0.5], residency, 8))
+    with_prior = {
+        il
+        for il in (1, 2, 3)
+        if (0, 6) in policy.decide(hook_call(il, [[0, 1]], [0.5, 0.5], residency, 8)).prefetch
+    }
+    assert with_prior == {3 - lag}

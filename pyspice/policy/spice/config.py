@@ -57,8 +57,9 @@ class SpiceConfig:
     # that layer's experts itself, by the next router on this call's input (from the graph),
     # taking room from the layers that run again last, as the planner's own plans do
     rule_next: bool = True
-    # the last planning layer of a token also prefetches the next token's first MoE layer,
-    # which no look-ahead reaches: this many x top-k of the experts it picked most lately
+    # the token's last planning layer whose plan still lands within the token (the last
+    # one, planning synchronously) also prefetches the next token's first MoE layer, which
+    # no look-ahead reaches: this many x top-k of the experts it picked most lately
     # (lookahead.FirstLayerPrior; 0: off)
     first_layer_share: float = 2.0
     # --- misses ---

@@ -144,11 +144,16 @@ class SpicePolicy(PolicyBase):
         # up to (the next token's first planning layer; -1 where some layer decides misses)
         firsts = [il for il in moe if self.plans[il]]
         self.token_resume = firsts[0] if firsts and all(self.misses.default_step[il] for il in moe) else -1
-        # the next token's first MoE layer, prefetched by the token's last plan from a prior
+        # the next token's first MoE layer, prefetched from a prior by the token's last plan
+        # that still lands within the token: a plan applied `lag` layers late (asynchronous)
+        # made at the token's last layer lands at the next token's first call, too late for
+        # it (session 49: on the 4-layer DeepSeek-V2-Lite, free-running at every layer, that
+        # layer then held no expert at all and 25% hit 0.346 against sync's 0.532)
         self.first_moe = moe[0] if moe else -1
         self.first_prior = FirstLayerPrior(ctx.n_expert[self.first_moe] if moe else 1)
         self.n_first = round(cfg.first_layer_share * k)
-        self.token_end = firsts[-1] if firsts and len(moe) > 1 and self.n_first > 0 else -1
+        in_time = [il for i, il in enumerate(moe) if self.plans[il] and i + lag < len(moe)]
+        self.token_end = (in_time or firsts)[-1] if firsts and len(moe) > 1 and self.n_first > 0 else -1
 
     def asynchronous_rule(self) -> Rule:
         """What the engine runs each call by while this policy plans on libspice's
