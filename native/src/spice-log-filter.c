@@ -10,7 +10,9 @@
 
 static void drop_debug(enum ggml_log_level level, const char * text, void * user_data) {
     spice_log_filter * f = (spice_log_filter *) user_data;
-    if (level == GGML_LOG_LEVEL_DEBUG || (level == GGML_LOG_LEVEL_CONT && atomic_load(&f->dropping))) {
+    if (atomic_load(&f->passing)) {
+        /* released, or buried under a callback: lines only go on */
+    } else if (level == GGML_LOG_LEVEL_DEBUG || (level == GGML_LOG_LEVEL_CONT && atomic_load(&f->dropping))) {
         atomic_store(&f->dropping, 1);
         return;
     }
@@ -39,8 +41,19 @@ spice_log_filter * spice_log_filter_ensure(spice_log_filter * f) {
     ggml_log_callback current = NULL;
     void * current_data = NULL;
     llama_log_get(&current, &current_data);
-    if (current == drop_debug) { /* this one, or another runtime's */
-        return f;
+    if (current == drop_debug) {
+        spice_log_filter * top = (spice_log_filter *) current_data;
+        if (top == f) { /* this one: filtering again if it had stopped */
+            atomic_store(&f->passing, 0);
+            return f;
+        }
+        if (!atomic_load(&top->passing)) { /* another runtime's, filtering */
+            return f;
+        }
+        /* another runtime's that only hands lines on: wrapped like any callback */
+    }
+    if (f != NULL && f->installed) {
+        atomic_store(&f->passing, 1); /* buried under another callback: it only hands lines on now */
     }
     spice_log_filter * use = f != NULL && !f->installed ? f : (spice_log_filter *) calloc(1, sizeof(*use));
     if (use == NULL) {
@@ -49,6 +62,7 @@ spice_log_filter * spice_log_filter_ensure(spice_log_filter * f) {
     use->next = current;
     use->next_data = current_data;
     atomic_init(&use->dropping, 0);
+    atomic_init(&use->passing, 0);
     use->installed = 1;
     llama_log_set(drop_debug, use);
     return use;
@@ -62,6 +76,7 @@ int spice_log_filter_release(spice_log_filter * f) {
     void * current_data = NULL;
     llama_log_get(&current, &current_data);
     if (current != drop_debug || current_data != f) {
+        atomic_store(&f->passing, 1); /* a callback over it may still hand it lines: they go on whole */
         return 0;
     }
     llama_log_set(f->next, f->next_data);

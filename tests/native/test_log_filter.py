@@ -122,10 +122,12 @@ def test_stock_rows_get_it_too_and_a_callback_put_back_under_it_is_wrapped_again
     finally:
         llm.close()
         llama_cpp.llama_log_set(cb, data)  # as the tap would on leaving
-    # the first filter stays allocated (`over` may still call it); nothing is lost
+    # the first filter stays allocated (`over` may still call it) and, its runtime gone,
+    # hands every line on: nothing is lost, debug lines included
     lines.clear()
     log(ERROR, b"after\n")
-    assert lines == [(ERROR, "after\n")]
+    log(DEBUG, b"debug after\n")
+    assert lines == [(ERROR, "after\n"), (DEBUG, "debug after\n")]
 
 
 def test_a_verbose_model_keeps_them(synth_model, recorded) -> None:  # type: ignore[no-untyped-def]
@@ -142,3 +144,29 @@ def test_a_verbose_model_keeps_them(synth_model, recorded) -> None:  # type: ign
         assert lines == [(DEBUG, "kept\n")]
     finally:
         llm.close()
+
+
+def test_a_verbose_model_keeps_them_under_a_callback_installed_over_the_filter(  # type: ignore[no-untyped-def]
+    synth_model, recorded
+) -> None:
+    """The filter cannot come out while a callback installed over it may still hand it
+    lines; keep then makes it hand every line on, debug lines included."""
+    lines, python_cb = recorded
+    llm = load(synth_model("qwen2moe", "tiny", "Q4_K"))
+    cb, data = llama_cpp.llama_log_callback(), ctypes.c_void_p()
+    try:
+        greedy_run(llm, "exact", n_decode=2)  # the filter goes over `record`
+        llama_cpp.llama_log_get(ctypes.byref(cb), ctypes.byref(data))
+
+        @llama_cpp.llama_log_callback  # type: ignore[untyped-decorator]
+        def over(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+            cb(level, text, data)  # hands every line on to the filter beneath
+
+        llama_cpp.llama_log_set(over, ctypes.c_void_p(0))
+        llm.spice_engine.runtime.keep_debug_log()
+        lines.clear()
+        ggml_log()(DEBUG, b"kept\n")
+        assert lines == [(DEBUG, "kept\n")]
+    finally:
+        llm.close()
+        llama_cpp.llama_log_set(cb, data)
