@@ -151,7 +151,7 @@ def test_a_verbose_model_keeps_them_under_a_callback_installed_over_the_filter( 
 ) -> None:
     """The filter cannot come out while a callback installed over it may still hand it
     lines; keep then makes it hand every line on, debug lines included."""
-    lines, python_cb = recorded
+    lines, _ = recorded
     llm = load(synth_model("qwen2moe", "tiny", "Q4_K"))
     cb, data = llama_cpp.llama_log_callback(), ctypes.c_void_p()
     try:
