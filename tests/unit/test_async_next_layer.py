@@ -121,22 +121,28 @@ def test_host_points_libspice_would_refuse_are_refused_here(points: tuple[tuple[
         Rule(host_points=points)
 
 
-def test_the_rules_prefetch_takes_room_from_the_layers_just_run_first() -> None:
-    """A full tier of 4 slots: layers 1, 2 (just run) and 6, 7 (coming) hold one
-    expert each. The rule at layer 2 prefetches layer 3's top-2 (3 and 4), taking
-    room from layer 2, then layer 1; the layers to come, listed after them, keep theirs."""
+def full_tier_for_layer_2s_next_room(holders: tuple[int, ...]) -> tuple[SimTier, RuleState]:
+    """A tier with one slot per layer in `holders`, each holding that layer's expert 5
+    (landed), and the state of a rule whose layer-2 calls prefetch layer 3 with next_room."""
     rule = Rule(
         prefetch_next=True,
         routers=tuple(router(il) for il in range(N_LAYERS)),
         next_layers=(2,),
         next_room=True,
     )
-    tier = SimTier((N_EXPERT,) * N_LAYERS, (EXPERT_BYTES,) * N_LAYERS, 4 * EXPERT_BYTES, 1.0, 0.0)
-    state = RuleState(rule, N_LAYERS)
-    for il in (7, 6, 1, 2):
+    tier = SimTier((N_EXPERT,) * N_LAYERS, (EXPERT_BYTES,) * N_LAYERS, len(holders) * EXPERT_BYTES, 1.0, 0.0)
+    for il in holders:
         tier.request(il, 5, 1)
     tier.now_ns += 10**9
     tier.poll()
+    return tier, RuleState(rule, N_LAYERS)
+
+
+def test_the_rules_prefetch_takes_room_from_the_layers_just_run_first() -> None:
+    """A full tier of 4 slots: layers 1, 2 (just run) and 6, 7 (coming) hold one
+    expert each. The rule at layer 2 prefetches layer 3's top-2 (3 and 4), taking
+    room from layer 2, then layer 1; the layers to come, listed after them, keep theirs."""
+    tier, state = full_tier_for_layer_2s_next_room(holders=(7, 6, 1, 2))
     hidden = np.eye(1, N_EMBD, dtype=np.float32)
     for il, expect_prefetch in ((1, []), (2, [(3, 3), (3, 4)])):
         ids = np.array([[0, 1]], np.int32)
@@ -157,18 +163,7 @@ def test_the_rules_prefetch_takes_room_from_the_farthest_layer_to_come_when_thos
     prefetches layer 3's top-2, taking room from layer 7 (which runs after 6) first,
     then from 6: with half the layers listed (2, 1, 0, 7) layer 6 kept its expert
     and the second prefetch was dropped."""
-    rule = Rule(
-        prefetch_next=True,
-        routers=tuple(router(il) for il in range(N_LAYERS)),
-        next_layers=(2,),
-        next_room=True,
-    )
-    tier = SimTier((N_EXPERT,) * N_LAYERS, (EXPERT_BYTES,) * N_LAYERS, 2 * EXPERT_BYTES, 1.0, 0.0)
-    state = RuleState(rule, N_LAYERS)
-    for il in (6, 7):
-        tier.request(il, 5, 1)
-    tier.now_ns += 10**9
-    tier.poll()
+    tier, state = full_tier_for_layer_2s_next_room(holders=(6, 7))
     ids = np.array([[0, 1]], np.int32)
     tier.begin_call(2, ids)
     actions, plan = rule_plan(
