@@ -522,6 +522,21 @@ def test_a_late_plan_queues_the_layers_it_still_reaches_first(lag: int) -> None:
     assert [il for il, _ in plan.prefetch] == [il for il in order for _ in range(2)][:4]
 
 
+@pytest.mark.parametrize(("lag", "room"), [(0, [0, 3, 2, 1]), (1, [1, 0, 3, 2]), (2, [2, 1, 0, 3])])
+def test_a_late_plan_takes_room_from_the_layers_needed_last_where_it_lands(lag: int, room: list[int]) -> None:
+    """evict_from lists the layers farthest first counted from the layer where the plan
+    lands: `lag` layers on, the layer that landed it has run and is needed again last.
+    Counted from the planning layer, the landing layer was listed last and never gave
+    room (1-4% more TPOT in the simulator on the targets' sizes, session 49)."""
+    from pyspice.policy.spice.lookahead import NO_CONFIDENCE, Predictions
+    from pyspice.policy.spice.planner import PrefetchPlanner
+
+    planner = PrefetchPlanner(context(budget_experts=32), queue_max=8, lag=lag)
+    pred = Predictions(layers=[1, 2, 3], experts=[[0, 1], [2, 3], [4, 5]], confidence=NO_CONFIDENCE)
+    plan = planner.plan(0, pred, np.zeros((4, 8), np.int8), busy=[])
+    assert list(plan.evict_from) == room
+
+
 def test_a_token_s_last_plan_prefetches_the_first_layer_s_most_picked_experts() -> None:
     """No look-ahead reaches the next token's first MoE layer: the token's last planning
     layer prefetches the experts that layer picked most lately (FirstLayerPrior), after

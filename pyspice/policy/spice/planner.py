@@ -16,7 +16,8 @@
   layer cycle first (the layers just run are needed again only at the next
   token, the next token's first layers soon), and a victim must be needed
   later than the expert it makes room for. The plan says so declaratively:
-  Plan.evict_from lists the layers farthest first (only those beyond the
+  Plan.evict_from lists the layers farthest first, counted from the layer
+  where the plan lands (`lag` layers after its own; only those beyond the
   horizon while they are at least as many as the horizon's; else all, and
   the prefetch list also names the resident predictions, which keeps them);
   the engine then picks within a layer the expert selected least recently. The
@@ -78,6 +79,13 @@ class PrefetchPlanner:
             d[cur] = n_moe
             distance[cur] = d
             self.farthest[cur] = array("i", sorted(moe, key=lambda il: -int(d[il])))
+        # a plan's room is ordered from the layer where it lands (`lag` MoE layers on): by
+        # then that layer has run and is the one needed again last. Ordered from the layer
+        # that planned, it was listed last (never a victim) and the planning layer first. In
+        # the simulator, planning at every layer one layer late, landing order cut TPOT in all
+        # 8 target x profile x budget cells: 2.8-3.6% at 25%, 0.4-1.9% at 50% (session 49,
+        # docs/results/hook-thread-rules.md)
+        self.room_order = {cur: self.farthest[moe[(i + max(0, lag)) % n_moe]] for i, cur in enumerate(moe)}
         self.distance_lists: list[list[int]] = distance.tolist()
         self.n_moe = n_moe
         self.reset()
@@ -138,7 +146,7 @@ class PrefetchPlanner:
         # predictions too, which keeps them (a prefetch only takes from layers needed later)
         reach = dist[layers[-1]]
         beyond = self.n_moe - reach
-        evict_from = self.farthest[current]
+        evict_from = self.room_order[current]
         keep_resident = beyond < reach
         if not keep_resident:
             evict_from = evict_from[:beyond]
