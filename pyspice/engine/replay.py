@@ -98,10 +98,7 @@ def geometry_note(meta: TraceMeta, n_tokens: int, moe: list[LayerInfo], k: int) 
 
 def decode_start_of(meta: TraceMeta, n_tokens: int) -> int:
     """The trace token of the first decode step (see the module's docstring)."""
-    if meta.extra.get("prompt_rows_skipped") is not None:  # bench/generate --trace: decode steps only
-        return 0
-    prompt = meta.extra.get("prompt_tokens", 0)
-    return int(prompt) % n_tokens if isinstance(prompt, int) and prompt > 0 else 0
+    return meta.prompt_rows % n_tokens if n_tokens > 0 else 0
 
 
 def load_routing_replay(path: Path, layers: list[LayerInfo], n_expert_used: int) -> RoutingReplay:

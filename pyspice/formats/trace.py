@@ -87,6 +87,16 @@ class TraceMeta:
             raise TraceError(f"trace source must be one of {SOURCES}, got {self.source!r}")
         self.moe_layers = [int(il) for il in self.moe_layers]
 
+    @property
+    def prompt_rows(self) -> int:
+        """How many of the trace's first tokens are a prompt's rows: `extra['prompt_tokens']`
+        less the rows the recorder skipped (`extra['prompt_rows_skipped']`: generate/bench
+        --trace keep decode steps only, so none), 0 when the meta names no prompt. The
+        simulator's prompt step and routing replay's first decode step both read it."""
+        prompt = self.extra.get("prompt_tokens", 0)
+        skipped = self.extra.get("prompt_rows_skipped", 0)
+        return max(0, int(prompt or 0) - int(skipped or 0))
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1) + "\n"
 

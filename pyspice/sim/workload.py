@@ -117,10 +117,7 @@ def from_trace(path: Path) -> Workload:
     how many in `prompt_rows_skipped`) holds none of them."""
     reader = TraceReader(path)
     meta = reader.meta
-    extra = meta.extra
-    prompt_rows = max(
-        0, int(extra.get("prompt_tokens", 0) or 0) - int(extra.get("prompt_rows_skipped", 0) or 0)
-    )
+    prompt_rows = meta.prompt_rows
     fields = tuple(f for f in ("ids", "weights", "probs", "hidden") if f in meta.fields)
     arrays = {il: reader.layer(il, fields) for il in meta.moe_layers}
 

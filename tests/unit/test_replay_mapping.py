@@ -75,3 +75,11 @@ def test_decode_steps_start_after_a_recorded_prompt() -> None:
     assert decode_start_of(_meta(prompt_tokens=128, prompt_rows_skipped=128), 31) == 0  # bench --trace
     assert decode_start_of(_meta(), 50) == 0  # calibration text
     assert decode_start_of(_meta(prompt_tokens=40), 32) == 8  # wraps as the positions do
+
+
+def test_a_partly_skipped_prompt_starts_decode_where_its_kept_rows_end() -> None:
+    """The replay and the simulator read one rule (TraceMeta.prompt_rows): a recorder
+    that kept 6 of a 10-token prompt's rows decodes from the trace's 7th token."""
+    meta = _meta(prompt_tokens=10, prompt_rows_skipped=4)
+    assert meta.prompt_rows == 6
+    assert decode_start_of(meta, 20) == 6

@@ -243,3 +243,13 @@ def test_the_simulator_decodes_every_row_of_a_trace_that_skipped_its_prompt(
     with TraceWriter(tmp_path / "t", meta(extra=extra), chunk_tokens=8) as w:
         write_calls(w, records(12), [1] * 12)
     assert from_trace(tmp_path / "t").decoded_tokens == decoded
+
+
+def test_the_simulator_takes_a_partly_skipped_prompts_kept_rows_as_its_prompt(tmp_path: Path) -> None:
+    """6 of a 10-token prompt's rows recorded, then 6 decode steps: the replay starts
+    decoding at the 7th row (TraceMeta.prompt_rows), and so does the simulator."""
+    with TraceWriter(
+        tmp_path / "t", meta(extra={"prompt_tokens": 10, "prompt_rows_skipped": 4}), chunk_tokens=8
+    ) as w:
+        write_calls(w, records(12), [1] * 12)
+    assert from_trace(tmp_path / "t").decoded_tokens == 6
