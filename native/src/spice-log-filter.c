@@ -10,9 +10,9 @@
 
 static void drop_debug(enum ggml_log_level level, const char * text, void * user_data) {
     spice_log_filter * f = (spice_log_filter *) user_data;
-    if (atomic_load(&f->passing)) {
-        /* released, or buried under a callback: lines only go on */
-    } else if (level == GGML_LOG_LEVEL_DEBUG || (level == GGML_LOG_LEVEL_CONT && atomic_load(&f->dropping))) {
+    /* a passing filter (released, or buried under a callback) only hands lines on */
+    if (!atomic_load(&f->passing) &&
+        (level == GGML_LOG_LEVEL_DEBUG || (level == GGML_LOG_LEVEL_CONT && atomic_load(&f->dropping)))) {
         atomic_store(&f->dropping, 1);
         return;
     }

@@ -82,7 +82,6 @@ typedef struct spice_store_rule {
                                 used) evictable expert
                                 (-1: none) as of the last look, valid while layer_changed says so */
     uint8_t * predicted;     /* [max_expert] scratch */
-    int32_t n_moe;           /* layers with routed experts (fixed at creation) */
     double * uses;           /* [n_layers * max_expert] KEEP_DECAYED: decayed use counts, zero at set_rule */
 } spice_store_rule;
 

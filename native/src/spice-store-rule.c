@@ -18,9 +18,6 @@ int spice_store_rule_init(spice_store * s) {
     spice_store_rule * r = &s->rule;
     memset(r, 0, sizeof(*r));
     r->rule.resident_action = SPICE_ACTION_DEVICE;
-    for (int32_t l = 0; l < s->n_layers; ++l) {
-        r->n_moe += s->n_expert[l] > 0;
-    }
     const size_t width = (size_t) (s->max_expert > 0 ? s->max_expert : 1);
     const size_t cells = (size_t) s->n_layers * width;
     r->misses = (int32_t *) calloc((size_t) s->n_layers, sizeof(int32_t));
@@ -837,9 +834,8 @@ static void miss_actions(spice_store * s, spice_policy_call * call, int32_t il, 
  * own call had emptied, and the first failed prefetch dropped the lagged plan's
  * after it (docs/results/hook-thread-rules.md). */
 static void room_from_past_layers(const spice_store * s, spice_policy_call * call, int32_t il) {
-    const int32_t want = s->rule.n_moe > 0 ? s->rule.n_moe : 1;
     call->n_evict_from = 0;
-    for (int32_t i = 0, l = il; i < s->n_layers && call->n_evict_from < want; ++i, l = l > 0 ? l - 1 : s->n_layers - 1) {
+    for (int32_t i = 0, l = il; i < s->n_layers; ++i, l = l > 0 ? l - 1 : s->n_layers - 1) {
         if (s->n_expert[l] > 0) {
             int32_t * at = list_slot(call->evict_from, &call->n_evict_from, call->cap_evict_from, 1);
             if (at == NULL) {
