@@ -67,7 +67,7 @@ SMOLMOE_B_LEVELS = TunedLevels(
     tokens=8192,
     lore_rank=8,
     # retuned (session 50) once a lagged plan's room was ordered from where it lands
-    # (7fb89c0): balanced's 0.5 had read +1.20% on the held-out split at 50% (past its
+    # (dfb06f8): balanced's 0.5 had read +1.20% on the held-out split at 50% (past its
     # 1%), +1.66% with that order. Each level's cells with its own slots (balanced 5-bit,
     # fast 4-bit), planning det1, errors 0.45-0.55 on 6 calibration chunks: balanced 0.55
     # is past its margin (+0.61% at 25%), 0.45 keeps the larger host cut (24.6% / 54.5%)
