@@ -6,11 +6,15 @@
  * L layers x E experts, half the experts' bytes as budget.
  *
  *   spice-rule-bench [--layers L] [--experts E] [--used K] [--embd D]
- *                    [--budget SHARE] [--calls N] [--cold] [--only RULE]
+ *                    [--budget SHARE] [--calls N] [--cold] [--cold-mib M]
+ *                    [--only RULE]
  *
- * --cold touches 8 MiB between calls, as ggml's kernels do between two hook
- * calls in a real graph, so the rule runs on cold caches. Prints the median
- * and the mean ns per call of the rule alone and of begin_call + apply, and
+ * --cold touches 8 MiB between calls (--cold-mib: M MiB), as ggml's kernels
+ * do between two hook calls in a real graph, so the rule runs on cold
+ * caches; this machine's rule times grow with M up to about 100 MiB, what a
+ * decode step of a real-shape model reads between two calls
+ * (docs/results/hook-thread-rules.md, session 51). Prints the median and the
+ * mean ns per call of the rule alone and of begin_call + apply, and
  * the hit rate (selected experts resident when their call began). --only
  * runs one rule (ondemand, lru, adapmoe, adapmoe-g: adapmoe with the next
  * layer's logits from the graph, as on a model; cost: spice:exact's
@@ -47,6 +51,7 @@ typedef struct options {
     int32_t layers, experts, used, embd, calls;
     double budget;
     int cold;
+    int32_t cold_mib; /* MiB touched between calls with --cold */
     const char * only; /* one rule's name, or NULL: all (to profile one) */
 } options;
 
@@ -182,12 +187,14 @@ static int run(const options * o, const char * name, spice_rule * rule, int grap
 }
 
 int main(int argc, char ** argv) {
-    options o = { 30, 32, 4, 576, 20000, 0.5, 0, NULL };
+    options o = { 30, 32, 4, 576, 20000, 0.5, 0, 8, NULL };
     for (int i = 1; i < argc; ++i) {
         const char * a = argv[i];
         const char * v = i + 1 < argc ? argv[i + 1] : NULL;
         if (strcmp(a, "--cold") == 0) {
             o.cold = 1;
+        } else if (v != NULL && strcmp(a, "--cold-mib") == 0) {
+            o.cold = 1, o.cold_mib = atoi(v), ++i;
         } else if (v != NULL && strcmp(a, "--layers") == 0) {
             o.layers = atoi(v), ++i;
         } else if (v != NULL && strcmp(a, "--experts") == 0) {
@@ -204,17 +211,17 @@ int main(int argc, char ** argv) {
             o.only = v, ++i;
         } else {
             fprintf(stderr, "usage: spice-rule-bench [--layers L] [--experts E] [--used K] [--embd D] "
-                            "[--budget SHARE] [--calls N] [--cold] [--only RULE]\n");
+                            "[--budget SHARE] [--calls N] [--cold] [--cold-mib M] [--only RULE]\n");
             return 2;
         }
     }
     if (o.layers < 2 || o.experts < 1 || o.used < 1 || o.used > 64 || o.used > o.experts || o.embd < 1 ||
-        o.calls < 10 || !(o.budget > 0.0 && o.budget <= 1.0)) {
+        o.calls < 10 || !(o.budget > 0.0 && o.budget <= 1.0) || o.cold_mib < 1 || o.cold_mib > 4096) {
         fprintf(stderr, "spice-rule-bench: --layers >= 2, 1 <= --used <= min(64, --experts), --calls >= 10, "
-                        "0 < --budget <= 1\n");
+                        "0 < --budget <= 1, 1 <= --cold-mib <= 4096\n");
         return 2;
     }
-    const size_t sink_bytes = (size_t) 8 << 20;
+    const size_t sink_bytes = (size_t) o.cold_mib << 20;
     uint8_t * sink_buf = calloc(sink_bytes, 1);
     volatile uint8_t * sink = sink_buf; /* volatile: the touches must happen */
     float ** routers = calloc((size_t) o.layers, sizeof(float *));
@@ -226,8 +233,12 @@ int main(int argc, char ** argv) {
         }
         capacity[il] = (int32_t) (o.budget * o.experts);
     }
-    printf("%d layers x %d experts, top-%d, n_embd %d, budget %.0f%%, %d calls%s\n", o.layers, o.experts, o.used,
-           o.embd, 100.0 * o.budget, o.calls, o.cold ? ", cold caches" : "");
+    printf("%d layers x %d experts, top-%d, n_embd %d, budget %.0f%%, %d calls", o.layers, o.experts, o.used, o.embd,
+           100.0 * o.budget, o.calls);
+    if (o.cold) {
+        printf(", cold caches (%d MiB touched between calls)", o.cold_mib);
+    }
+    printf("\n");
     printf("%-9s %10s %10s %12s %12s %9s\n", "rule", "rule p50", "rule mean", "store p50", "store mean", "hit");
     spice_rule ondemand = { 0 }, lru = { 0 }, adapmoe = { 0 }, cost = { 0 };
     ondemand.resident_action = lru.resident_action = adapmoe.resident_action = SPICE_ACTION_DEVICE;
