@@ -5,21 +5,14 @@ experts 15-16 us under on DeepSeek-V2-Lite's shape."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.unit.script_module import load_script as load_script_file
 
 
 def load_script() -> ModuleType:
-    path = ROOT / "scripts" / "hook-thread-rows.py"
-    spec = importlib.util.spec_from_file_location("hook_thread_rows", path)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script_file("hook-thread-rows.py")
 
 
 def record(

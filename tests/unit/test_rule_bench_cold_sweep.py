@@ -4,14 +4,13 @@ sweep's markdown (a row per amount touched), and bad input refused with what to 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.unit.script_module import load_script as load_script_file
 
 BENCH_OUTPUT = """3 layers x 64 experts, top-6, n_embd 2048, budget 25%, 50 calls, cold caches (2 MiB ...)
 rule        rule p50  rule mean    store p50   store mean       hit
@@ -21,12 +20,7 @@ lru              611        640         1240         1401     0.332
 
 
 def load_script() -> ModuleType:
-    path = ROOT / "scripts" / "rule-bench-cold-sweep.py"
-    spec = importlib.util.spec_from_file_location("rule_bench_cold_sweep", path)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script_file("rule-bench-cold-sweep.py")
 
 
 def test_rows_are_read_per_rule() -> None:

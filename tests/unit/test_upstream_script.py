@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.unit.script_module import load_script as load_script_file
 
 
 def load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("upstream_script", ROOT / "scripts" / "upstream.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script_file("upstream.py")
 
 
 def make_patch(tmp: Path, name: str, old: str, new: str) -> Path:
