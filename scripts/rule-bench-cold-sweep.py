@@ -47,6 +47,11 @@ def parse_rows(stdout: str) -> dict[str, dict[str, float]]:
     return rows
 
 
+def shape_of(header: str) -> str:
+    """The bench's header without the amount touched: what every point of a sweep shares."""
+    return header.split(", cold caches")[0]
+
+
 def markdown(sweep: list[dict[str, Any]]) -> str:
     """One row per amount touched, one column per rule: rule p50 in ns."""
     rules = list(sweep[0]["rules"])
@@ -104,7 +109,7 @@ def main() -> int:
         if args.plot is None:
             ap.error("--replot draws a saved sweep: give --plot FILE too")
         saved = json.loads(args.replot.read_text())
-        plot(saved["sweep"], args.plot, saved["bench"].split(", cold caches")[0])
+        plot(saved["sweep"], args.plot, shape_of(saved["bench"]))
         print(markdown(saved["sweep"]))
         print(f"wrote {args.plot}")
         return 0
@@ -123,13 +128,14 @@ def main() -> int:
             return 1
         header = done.stdout.splitlines()[0]
         sweep.append({"mib": mib, "rules": parse_rows(done.stdout)})
-    print(header.split(", cold caches")[0])
+    shape = shape_of(header)
+    print(shape)
     print(markdown(sweep))
     if args.json is not None:
         args.json.write_text(json.dumps({"bench": header, "sweep": sweep}, indent=1) + "\n")
         print(f"wrote {args.json}")
     if args.plot is not None:
-        plot(sweep, args.plot, header.split(", cold caches")[0])
+        plot(sweep, args.plot, shape)
         print(f"wrote {args.plot}")
     return 0
 
