@@ -8,6 +8,15 @@
 #include <string.h>
 #include <time.h>
 
+#if defined(__linux__) && defined(__has_include)
+#    if __has_include(<linux/membarrier.h>)
+#        include <linux/membarrier.h>
+#        include <sys/syscall.h>
+#        include <unistd.h>
+#        define SPICE_HAVE_MEMBARRIER 1
+#    endif
+#endif
+
 /* How an idle planner waits for the next snapshot. Parked on the condition
  * variable, it costs the hook's thread a futex wake at the next post --
  * microseconds in a VM, and the woken planner may preempt the hook's thread
@@ -31,9 +40,11 @@
  * windows), within 5 ms .. 250 ms: a pause in the decode (a user reading)
  * keeps it polling for at most a quarter second, and only for the next two
  * seconds. */
-#define SPICE_PLANNER_SPIN_NS 50000ull         /* busy-wait this long: a post usually follows soon */
-#define SPICE_PLANNER_IDLE_MIN_NS 5000000ull   /* then short sleeps for at least this long, then park */
-#define SPICE_PLANNER_IDLE_MAX_NS 250000000ull /* ... and for at most this long */
+#ifndef SPICE_PLANNER_SPIN_NS /* spice-planner-check shrinks these three, so its planner parks often */
+#    define SPICE_PLANNER_SPIN_NS 50000ull         /* busy-wait this long: a post usually follows soon */
+#    define SPICE_PLANNER_IDLE_MIN_NS 5000000ull   /* then short sleeps for at least this long, then park */
+#    define SPICE_PLANNER_IDLE_MAX_NS 250000000ull /* ... and for at most this long */
+#endif
 #define SPICE_PLANNER_WINDOW_NS 1000000000ull  /* the gaps remembered: this window and the last */
 
 static void cpu_relax(void) {
@@ -60,10 +71,49 @@ void spice_idle_budget_note(spice_idle_budget * b, uint64_t now_ns, uint64_t gap
     b->budget_ns = want > SPICE_PLANNER_IDLE_MIN_NS ? want : SPICE_PLANNER_IDLE_MIN_NS;
 }
 
+/* Whether an entry is QUEUED: the ring is a few entries, and only this thread polls it. */
+static int any_queued(spice_planner * p) {
+    for (int32_t i = 0; i < p->n_ring; ++i) {
+        if (atomic_load_explicit(&p->ring[i].state, memory_order_acquire) == SPICE_ENTRY_QUEUED) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* Whether a post must fence before it reads `sleeping` (spice-planner.h): not
+ * where the planner parks rarely and can fence every thread of the process
+ * when it does. */
+static int hook_must_fence(const spice_async_params * params) {
+#ifdef SPICE_HAVE_MEMBARRIER
+    if (params->idle_poll && syscall(SYS_membarrier, MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED, 0, 0) == 0) {
+        return 0;
+    }
+#else
+    (void) params;
+#endif
+    return 1;
+}
+
+/* The planner's side of a post's unfenced QUEUED-then-`sleeping`: after it
+ * announced `sleeping`, a full fence on every thread of the process, so a
+ * post either has its QUEUED seen by the look that follows, or sees
+ * `sleeping`. 0 when that could not be done (then the park is a short one). */
+static int fence_every_thread(const spice_planner * p) {
+    if (p->hook_fences) {
+        return 1; /* the posts fence themselves */
+    }
+#ifdef SPICE_HAVE_MEMBARRIER
+    return syscall(SYS_membarrier, MEMBARRIER_CMD_PRIVATE_EXPEDITED, 0, 0) == 0;
+#else
+    return 0;
+#endif
+}
+
 /* Unlocked: until an entry is queued, stop is asked, or the idle budget since t0 runs out. */
 static void idle_wait(spice_planner * p, uint64_t t0) {
     for (;;) {
-        if (atomic_load(&p->queued) > 0 || atomic_load(&p->stopping)) {
+        if (any_queued(p) || atomic_load(&p->stopping)) {
             return;
         }
         const uint64_t idle = spice_monotonic_ns() - t0;
@@ -100,14 +150,17 @@ static void copy_lent_rows(spice_async_entry * e) {
                             sh->n_embd);
     }
     e->lent_inp = e->lent_shexp = NULL; /* the call's buffers are not ours past its return */
-    atomic_store(&e->rows, status == SPICE_OK ? SPICE_ROWS_OWN : SPICE_ROWS_FAILED);
+    atomic_store_explicit(&e->rows, status == SPICE_OK ? SPICE_ROWS_OWN : SPICE_ROWS_FAILED, memory_order_release);
 }
 
 /* Either thread: copy the rows if they are still lent (1), else wait for the
  * other's copy, a few microseconds at most (0). */
 static int settle_rows(spice_async_entry * e) {
     int lent = SPICE_ROWS_LENT;
-    if (atomic_compare_exchange_strong(&e->rows, &lent, SPICE_ROWS_COPYING)) {
+    /* looked at first: the hook's thread usually finds them taken, and a failed
+     * compare-and-swap is a locked instruction all the same */
+    if (atomic_load_explicit(&e->rows, memory_order_acquire) == SPICE_ROWS_LENT &&
+        atomic_compare_exchange_strong(&e->rows, &lent, SPICE_ROWS_COPYING)) {
         copy_lent_rows(e);
         return 1;
     }
@@ -191,8 +244,18 @@ static void * planner_main(void * arg) {
             } else {
                 /* announced before the last look, so a post either is seen here or sees this */
                 atomic_store(&p->sleeping, 1);
-                if (atomic_load(&p->queued) == 0 && !p->stop) {
-                    pthread_cond_wait(&p->work, &p->mu);
+                const int fenced = fence_every_thread(p);
+                if (!any_queued(p) && !p->stop) {
+                    if (fenced) {
+                        pthread_cond_wait(&p->work, &p->mu);
+                    } else { /* a post may have missed `sleeping`: look again within a millisecond */
+                        struct timespec until;
+                        clock_gettime(CLOCK_REALTIME, &until);
+                        until.tv_nsec += 1000000;
+                        until.tv_sec += until.tv_nsec / 1000000000;
+                        until.tv_nsec %= 1000000000;
+                        pthread_cond_timedwait(&p->work, &p->mu, &until);
+                    }
                 }
                 atomic_store(&p->sleeping, 0);
                 waited = 0;
@@ -205,7 +268,6 @@ static void * planner_main(void * arg) {
             spice_idle_budget_note(&p->idle, now, now - idle_since);
             idle_since = 0;
         }
-        atomic_fetch_sub(&p->queued, 1);
         pthread_mutex_unlock(&p->mu);
         /* the policy: a Python callback takes the GIL here (cffi), never on the hook's thread */
         const uint64_t t0 = spice_monotonic_ns();
@@ -225,8 +287,10 @@ static void * planner_main(void * arg) {
         pthread_mutex_lock(&p->mu);
         next->rc = rc;
         next->plan_ns = spent;
-        atomic_store(&next->state, SPICE_ENTRY_DONE);
-        atomic_fetch_add(&p->done, 1);
+        atomic_store_explicit(&next->state, SPICE_ENTRY_DONE, memory_order_release);
+        /* its only writer: the hook's thread, reading it, finds the state DONE */
+        atomic_store_explicit(&p->n_planned, atomic_load_explicit(&p->n_planned, memory_order_relaxed) + 1,
+                              memory_order_release);
         pthread_cond_broadcast(&p->planned);
     }
     pthread_mutex_unlock(&p->mu);
@@ -283,8 +347,7 @@ static int limits_copy(spice_planner * p, const spice_plan_limits * src) {
 int spice_planner_start(spice_planner * p, spice_policy_fn fn, void * user_data, const spice_async_params * params,
                         int32_t cap_fetch, int32_t cap_pairs, int32_t cap_layers, const spice_plan_limits * limits) {
     memset(p, 0, sizeof(*p));
-    atomic_init(&p->queued, 0);
-    atomic_init(&p->done, 0);
+    atomic_init(&p->n_planned, 0);
     atomic_init(&p->stopping, 0);
     p->params = *params;
     spice_idle_budget_init(&p->idle, spice_monotonic_ns());
@@ -311,6 +374,7 @@ int spice_planner_start(spice_planner * p, spice_policy_fn fn, void * user_data,
         p->hook_free[i] = 1;
     }
     atomic_init(&p->sleeping, 0);
+    p->hook_fences = hook_must_fence(params);
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->work, NULL);
     pthread_cond_init(&p->planned, NULL);
@@ -372,8 +436,8 @@ static void posted_remove(spice_planner * p, int32_t i) {
 static spice_async_entry * hold_posted(spice_planner * p, int32_t i) {
     spice_async_entry * e = &p->ring[posted_at(p, i)];
     posted_remove(p, i);
-    atomic_store(&e->state, SPICE_ENTRY_HELD);
-    atomic_fetch_sub(&p->done, 1);
+    atomic_store_explicit(&e->state, SPICE_ENTRY_HELD, memory_order_relaxed); /* the planner looks for QUEUED only */
+    p->n_taken++;
     return e;
 }
 
@@ -382,7 +446,7 @@ spice_async_entry * spice_planner_acquire(spice_planner * p, int * replaced) {
     for (int32_t i = 0; i < p->n_ring; ++i) {
         if (p->hook_free[i]) {
             p->hook_free[i] = 0;
-            atomic_store(&p->ring[i].state, SPICE_ENTRY_WRITING);
+            atomic_store_explicit(&p->ring[i].state, SPICE_ENTRY_WRITING, memory_order_relaxed);
             return &p->ring[i];
         }
     }
@@ -396,7 +460,6 @@ spice_async_entry * spice_planner_acquire(spice_planner * p, int * replaced) {
     if (!atomic_compare_exchange_strong(&e->state, &queued, SPICE_ENTRY_WRITING)) {
         return NULL;
     }
-    atomic_fetch_sub(&p->queued, 1); /* its snapshot is written over */
     posted_remove(p, p->n_posted - 1);
     *replaced = 1;
     return e;
@@ -455,10 +518,16 @@ int spice_planner_post(spice_planner * p, spice_async_entry * e, uint64_t seq, c
     p->posted[(p->posted_head + p->n_posted) % p->n_ring] = (int32_t) (e - p->ring);
     p->n_posted++;
 
-    atomic_store(&e->state, SPICE_ENTRY_QUEUED);
-    atomic_fetch_add(&p->queued, 1);
-    /* a polling planner sees `queued`: no lock, no wake, no syscall on the hook's thread */
-    if (atomic_load(&p->sleeping)) {
+    atomic_store_explicit(&e->state, SPICE_ENTRY_QUEUED, memory_order_release);
+    /* QUEUED before `sleeping` is read: a fence here, or the planner's membarrier before it
+     * parks (spice-planner.h); the compiler keeps the order either way */
+    if (p->hook_fences) {
+        atomic_thread_fence(memory_order_seq_cst);
+    } else {
+        atomic_signal_fence(memory_order_seq_cst);
+    }
+    /* a polling planner sees the entry: no lock, no wake, no syscall on the hook's thread */
+    if (atomic_load_explicit(&p->sleeping, memory_order_relaxed)) {
         pthread_mutex_lock(&p->mu);
         if (atomic_load(&p->sleeping)) {
             pthread_cond_signal(&p->work);
@@ -480,7 +549,8 @@ int spice_planner_settle(spice_planner * p) {
 }
 
 spice_async_entry * spice_planner_take_done(spice_planner * p) {
-    if (atomic_load(&p->done) == 0 || p->n_posted == 0) { /* most calls: nothing finished */
+    if (atomic_load_explicit(&p->n_planned, memory_order_acquire) == p->n_taken || p->n_posted == 0) {
+        /* most calls: nothing finished */
         return NULL;
     }
     /* the oldest planned: plans finish in posting order, so the first posted, but for a
@@ -517,6 +587,6 @@ spice_async_entry * spice_planner_wait(spice_planner * p, uint64_t seq) {
 }
 
 void spice_planner_release(spice_planner * p, spice_async_entry * e) {
-    atomic_store(&e->state, SPICE_ENTRY_FREE);
+    atomic_store_explicit(&e->state, SPICE_ENTRY_FREE, memory_order_relaxed); /* the planner looks for QUEUED only */
     p->hook_free[e - p->ring] = 1;
 }

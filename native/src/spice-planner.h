@@ -12,16 +12,29 @@
  * The hook's thread takes no lock on its usual path. Only it moves an entry
  * out of FREE, WRITING, DONE and HELD, so it keeps its own list of the free
  * entries and of those it posted, in order (plans finish in that order): a
- * call reads the shared `done` count, and a post writes the entry's state
- * and the `queued` count and reads `sleeping`. Before, it took the planner's
- * mutex three times a call and read every entry's state, each a line the
- * planner's core also writes: 1.4 us of a decode call's 4.7-6.0 on
+ * call reads the planner's `n_planned` count against its own `n_taken`, and a
+ * post writes the entry's state and reads `sleeping`. Before, it took the
+ * planner's mutex three times a call and read every entry's state, each a
+ * line the planner's core also writes: 1.4 us of a decode call's 4.7-6.0 on
  * DeepSeek-V2-Lite's shape (docs/results/hook-thread-rules.md). The planner's
  * own scan stays under the mutex, and takes an entry QUEUED -> PLANNING by
  * compare-and-swap, as the hook's thread takes back the newest queued one to
  * write a newer snapshot over it; the planner parks only after announcing it
  * (`sleeping`) and finding nothing queued, and a post that then sees it
  * parked wakes it under the mutex.
+ *
+ * No locked instruction on the hook's usual path either. Every count has one
+ * writer, and the hook's stores are plain (release) stores: on x86 a locked
+ * instruction or a sequentially consistent store waits until every earlier
+ * store has reached the cache, and the entry's lines were last written by the
+ * planner's core, so each such store waited for those lines to come over.
+ * The one order that needs a full fence -- a post's QUEUED before its read of
+ * `sleeping`, against the planner's `sleeping` before its look for QUEUED --
+ * gets it from the planner's side where the planner polls before it parks
+ * (params.idle_poll, so parking is rare): membarrier(2) makes every thread of
+ * the process pass a full fence at that point. Where the planner parks
+ * whenever it runs out of work, or membarrier is not available, the hook's
+ * thread fences itself (`hook_fences`).
  *
  * The planner thread also checks each plan (spice_plan_check) against its
  * own copy of the limits, taken at start: the check is the plan's, not the
@@ -113,10 +126,14 @@ typedef struct spice_planner {
     pthread_cond_t work; /* an entry was queued, or stop */
     pthread_cond_t planned; /* an entry was planned */
     int stop;
-    atomic_int sleeping;   /* the planner parks on `work` (or is about to): a post must signal it */
-    atomic_int queued;     /* entries QUEUED, read by an idle planner without the mutex */
-    atomic_int done;       /* entries DONE, read by the hook's thread without the mutex */
-    atomic_int stopping;   /* stop, as the idle planner reads it */
+    int hook_fences; /* a post fences before it reads `sleeping` (see above) */
+    /* written by the planner's thread (stopping: by the one that stops it), read without the
+     * mutex; a line apart from the hook's own fields, so neither thread's writes move the other's */
+    char pad_before[64];
+    atomic_int sleeping;           /* the planner parks on `work` (or is about to): a post must signal it */
+    atomic_int stopping;           /* stop, as the idle planner reads it */
+    atomic_uint_least64_t n_planned; /* entries the planner has made DONE, ever */
+    char pad_after[64];
     spice_idle_budget idle; /* how long an idle planner polls before it parks (planner thread only) */
     spice_async_entry * ring;
     int32_t n_ring;
@@ -125,6 +142,7 @@ typedef struct spice_planner {
     uint8_t * hook_free;   /* [n_ring] */
     int32_t * posted;      /* [n_ring] a circular list */
     int32_t posted_head, n_posted;
+    uint64_t n_taken; /* entries taken DONE -> HELD, ever: `n_planned` - `n_taken` are waiting */
     spice_async_entry * lent; /* posted by the call in progress, its rows still lent (settle before return) */
     /* list capacities of every plan: the runtime's */
     int32_t cap_fetch, cap_pairs, cap_layers;

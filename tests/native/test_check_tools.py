@@ -19,6 +19,13 @@ names the first failing input (replayable with its seed) and exits 1.
   again only where a row's version changed since the ring entry last held it: every
   take equals the table, copies exactly the changed rows, and a new store, shape or a
   take without versions copies it whole.
+- spice-planner-check: asynchronous planning's planner thread and ring, with a policy
+  in C and the idle budget shrunk so that the planner parks thousands of times: every
+  plan is its own call's (its ids, its lent hidden row, never one overwritten after
+  settle), plans come back in posting order, deterministic mode hands back exactly
+  call c - lag, every post is planned, and no wake-up is lost (a watchdog names a
+  hang). Free-running and deterministic, polling (the post does not fence; the planner
+  fences every thread with membarrier before it parks) and parking at once.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ TOOLS = [
     "spice-fifo-poll-check",
     "spice-copy-queue-check",
     "spice-row-snapshot-check",
+    "spice-planner-check",
 ]
 
 
