@@ -23,6 +23,8 @@
 #include "spice-pool-layout.h"
 #include "spice.h"
 
+#include "bench-util.h"
+
 #include "ggml-backend.h"
 #include "ggml-cpu.h"
 
@@ -36,17 +38,6 @@
 #define N_FF 1408
 #define N_USED 6
 #define N_LAYERS 2
-
-static uint64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t) ts.tv_sec * 1000000000ull + (uint64_t) ts.tv_nsec;
-}
-
-static int cmp_u64(const void * a, const void * b) {
-    const uint64_t x = *(const uint64_t *) a, y = *(const uint64_t *) b;
-    return x < y ? -1 : x > y;
-}
 
 static double median_us(uint64_t * v, int n) {
     qsort(v, (size_t) n, sizeof(*v), cmp_u64);

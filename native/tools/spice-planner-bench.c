@@ -18,21 +18,12 @@
 #include "spice-planner.h"
 #include "spice.h"
 
+#include "bench-util.h"
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-
-static uint64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t) ts.tv_sec * 1000000000ull + (uint64_t) ts.tv_nsec;
-}
-
-static int cmp_u64(const void * a, const void * b) {
-    const uint64_t x = *(const uint64_t *) a, y = *(const uint64_t *) b;
-    return x < y ? -1 : x > y;
-}
 
 typedef struct options {
     int32_t layers, experts, used, embd, calls, cold_mib;
@@ -103,18 +94,7 @@ static int run(options * o) {
         spice_async_entry * e = spice_planner_acquire(&p, &replaced);
         if (e != NULL) {
             spice_policy_call call;
-            memset(&call, 0, sizeof(call));
-            call.il = il;
-            call.n_tokens = 1;
-            call.n_embd = o->embd;
-            call.n_expert = o->experts;
-            call.n_expert_used = o->used;
-            call.inp = row;
-            call.inp_nb1 = (size_t) o->embd * sizeof(float);
-            call.ids = ids;
-            call.ids_nb1 = (size_t) o->used * sizeof(int32_t);
-            call.weights = weights;
-            call.weights_nb1 = (size_t) o->used * sizeof(float);
+            bench_one_token_call(&call, il, o->embd, o->experts, o->used, row, ids, weights);
             call.residency = residency;
             call.res_layers = o->layers;
             call.res_width = o->experts;

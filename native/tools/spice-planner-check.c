@@ -19,6 +19,7 @@
 #include "spice-planner.h"
 #include "spice.h"
 
+#include "bench-util.h"
 #include "check-rng.h"
 
 #include <signal.h>
@@ -42,11 +43,8 @@ static int32_t id_of(uint64_t seq, int32_t k) {
 }
 
 static void spin_ns(uint64_t ns) {
-    struct timespec a, b;
-    clock_gettime(CLOCK_MONOTONIC, &a);
-    do {
-        clock_gettime(CLOCK_MONOTONIC, &b);
-    } while ((uint64_t) (b.tv_sec - a.tv_sec) * 1000000000ull + (uint64_t) (b.tv_nsec - a.tv_nsec) < ns);
+    for (const uint64_t t0 = now_ns(); now_ns() - t0 < ns;) {
+    }
 }
 
 static void fail_policy(check_policy * cp, const char * why, uint64_t seq) {
@@ -181,18 +179,7 @@ static int run(check_rng * rng, long n_posts, run_params rp, long * parked_posts
             row[j] = (float) seq;
         }
         spice_policy_call call;
-        memset(&call, 0, sizeof(call));
-        call.il = (int32_t) (seq % N_LAYERS);
-        call.n_tokens = 1;
-        call.n_embd = N_EMBD;
-        call.n_expert = N_EXPERT;
-        call.n_expert_used = N_USED;
-        call.inp = row;
-        call.inp_nb1 = N_EMBD * sizeof(float);
-        call.ids = ids;
-        call.ids_nb1 = sizeof(ids);
-        call.weights = weights;
-        call.weights_nb1 = sizeof(weights);
+        bench_one_token_call(&call, (int32_t) (seq % N_LAYERS), N_EMBD, N_EXPERT, N_USED, row, ids, weights);
         int woke = 0;
         if (spice_planner_post(&p, e, seq, &call, actions, NULL, 0, &woke) != SPICE_OK) {
             fprintf(stderr, "spice-planner-check: post %llu failed\n", (unsigned long long) seq);

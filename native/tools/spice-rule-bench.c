@@ -21,17 +21,13 @@
  * asynchronous rule on a GPU), for a profiler. */
 #include "spice.h"
 
+#include "bench-util.h"
+
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-
-static uint64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t) ts.tv_sec * 1000000000ull + (uint64_t) ts.tv_nsec;
-}
 
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
 
@@ -40,11 +36,6 @@ static double uniform(void) { /* xorshift64*: reproducible, no libc state */
     rng_state ^= rng_state << 25;
     rng_state ^= rng_state >> 27;
     return (double) ((rng_state * 0x2545f4914f6cdd1dull) >> 11) / 9007199254740992.0;
-}
-
-static int cmp_u64(const void * a, const void * b) {
-    const uint64_t x = *(const uint64_t *) a, y = *(const uint64_t *) b;
-    return x < y ? -1 : x > y;
 }
 
 typedef struct options {
@@ -123,15 +114,7 @@ static int run(const options * o, const char * name, spice_rule * rule, int grap
         route(o, il, ids, weights);
         hidden[c % o->embd] = (float) (uniform() - 0.5); /* a new token now and then */
         spice_policy_call call;
-        memset(&call, 0, sizeof(call));
-        call.il = il;
-        call.n_tokens = 1;
-        call.n_embd = o->embd;
-        call.n_expert = o->experts;
-        call.n_expert_used = o->used;
-        call.inp = hidden;     call.inp_nb1 = (size_t) o->embd * sizeof(float);
-        call.ids = ids;        call.ids_nb1 = (size_t) o->used * sizeof(int32_t);
-        call.weights = weights; call.weights_nb1 = (size_t) o->used * sizeof(float);
+        bench_one_token_call(&call, il, o->embd, o->experts, o->used, hidden, ids, weights);
         call.actions = actions; call.cap_actions = o->used;
         call.fetch = fetch;     call.cap_fetch = o->experts;
         call.prefetch = prefetch; call.cap_prefetch = cap;
