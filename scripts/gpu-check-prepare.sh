@@ -29,6 +29,8 @@ cp -P build/cuda/bin/lib*.so* .gpu/stage/llama_cpp/lib/
 cp native/include/spice.h .gpu/stage/llama_cpp/lib/
 cp build/cuda/bin/spice-exec-bench build/cuda/bin/llama-quantize .gpu/stage/bin/ 2>/dev/null ||
     cp build/cuda/bin/spice-exec-bench .gpu/stage/bin/
+cp build/cuda/bin/spice-planner-bench .gpu/stage/bin/ 2>/dev/null ||
+    echo "gpu-check-prepare: no build/cuda/bin/spice-planner-bench (an older cuda build): step 1b will be skipped"
 # what synth needs of the upstream tree (vocabularies), and the build's facts for
 # pyspice-build.json, whose paths gpu-check.sh fills in there
 mkdir -p .gpu/stage/upstream/models

@@ -66,6 +66,12 @@ step env 60 bash -c "nvidia-smi; lscpu | grep -E 'Model name|Thread|Core|Socket'
 step exec 100 spice-exec-bench --iters 2000 --json "$O/exec.json"
 GGML_CUDA_DISABLE_GRAPHS=1 step exec-nographs 60 spice-exec-bench --iters 500 --only pool --json "$O/exec-nographs.json"
 
+# ---- 1b. asynchronous planning's hand-off on this host's CPU (issue 19's post_us and take_us,
+# less the rule; 5b8ff91 took the locked instructions out of it): seconds ----
+if command -v spice-planner-bench >/dev/null; then
+    step planner-bench 40 bash -c 'for m in 0 8 96; do spice-planner-bench --cold-mib $m; done'
+fi
+
 # ---- 2. a real-shape model, built here (1.5-3 GB cannot travel) ----
 M=/tmp/dsv2lite-8L-Q4_K_M.gguf
 step synth-8 180 $PY -m pyspice models synth --arch deepseek2 --shape deepseek-v2-lite --layers 8 --quant Q4_K_M -o $M
