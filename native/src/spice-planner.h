@@ -127,8 +127,9 @@ typedef struct spice_planner {
     pthread_cond_t planned; /* an entry was planned */
     int stop;
     int hook_fences; /* a post fences before it reads `sleeping` (see above) */
-    /* written by the planner's thread (stopping: by the one that stops it), read without the
-     * mutex; a line apart from the hook's own fields, so neither thread's writes move the other's */
+    /* written by the planner's thread (stopping: by the one that stops it; sleeping cleared
+     * too by a post that wakes the planner, under the mutex), read without the mutex; a line
+     * apart from the hook's own fields, so neither thread's usual writes move the other's */
     char pad_before[64];
     atomic_int sleeping;           /* the planner parks on `work` (or is about to): a post must signal it */
     atomic_int stopping;           /* stop, as the idle planner reads it */
