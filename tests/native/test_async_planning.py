@@ -11,6 +11,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -269,20 +270,49 @@ def test_free_running_spice_is_lossless(model: Any, reference: Any) -> None:
         llm.close()
 
 
+class Gated(Targets):
+    """Holds its first plan until the test opens `gate`: the hook calls meanwhile find
+    the planner busy, and that plan, once done, is older than any lag."""
+
+    def __init__(self) -> None:
+        super().__init__(n_targets=4)
+        self.gate = threading.Event()
+        self.first_done = threading.Event()
+
+    def decide(self, call: HookCall) -> Plan:
+        if not self.first_done.is_set():
+            self.gate.wait(timeout=60.0)  # bounded: a broken test fails, it never hangs
+            plan = super().decide(call)
+            self.first_done.set()
+            return plan
+        return super().decide(call)
+
+
 def test_stale_plans_are_dropped_and_counted(model: Any, reference: Any) -> None:
-    llm = load(model)
+    """Free-running, a plan older than max_lag when it could be applied is dropped and
+    counted, and a snapshot the planner has not started is replaced by a newer one.
+    The first plan is held back by the test, not by a sleep, so neither depends on how
+    fast this machine decodes."""
+    llm: Any = load(model)
     try:
         runtime = _fresh_tier(llm)
-        # far slower than a hook call: a plan is done only after its token's later calls,
-        # by the next token's first call it is more than one call old
-        policy = Targets(n_targets=4, sleep_s=0.02)
+        policy = Gated()
         runtime.enable_policy(policy, asynchronous=AsyncParams(max_lag=1))  # type: ignore[arg-type]
-        tokens = _decode(llm, 3, pause_s=0.05)
+        llm.reset()
+        llm.spice_reset_stats()
+        llm.eval(llm.tokenize(PROMPT.encode(), add_bos=True))  # the planner holds the first call's plan
+        tokens = [int(np.argmax(llm.scores[llm.n_tokens - 1]))]
+        llm.eval(tokens[-1:])  # a token's calls more, each posted while the planner is held
+        policy.gate.set()
+        assert policy.first_done.wait(timeout=60.0), "the planner never finished its first plan"
+        for _ in range(2):  # the next calls find that plan done, and many calls old
+            tokens.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+            llm.eval(tokens[-1:])
         runtime.disable()
         assert tokens == reference.tokens[:3]
         planning = llm.spice_stats()["planning"]
         assert planning["stale"] > 0
-        assert planning["skipped"] > 0  # the planner lags: newer snapshots replace queued ones
+        assert planning["skipped"] > 0  # the planner was held: newer snapshots replaced queued ones
         assert planning["posted"] >= planning["applied"] + planning["stale"]
     finally:
         llm.close()
