@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -103,16 +104,21 @@ def _fresh_tier(llm: Any, budget: str = "100%") -> Any:
     return runtime
 
 
-def _decode(llm: Any, n: int, pause_s: float = 0.0) -> list[int]:
+def _decode(
+    llm: Any, n: int, pause_s: float = 0.0, after_token: Callable[[int], None] | None = None
+) -> list[int]:
+    """The prompt, then n greedy tokens; after_token(i) runs once token i is decoded."""
     llm.reset()
     llm.spice_reset_stats()
     llm.eval(llm.tokenize(PROMPT.encode(), add_bos=True))
     tokens = []
-    for _ in range(n):
+    for i in range(n):
         time.sleep(pause_s)
         token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
         tokens.append(token)
         llm.eval([token])
+        if after_token is not None:
+            after_token(i)
     return tokens
 
 
@@ -282,10 +288,9 @@ class Gated(Targets):
     def decide(self, call: HookCall) -> Plan:
         if not self.first_done.is_set():
             self.gate.wait(timeout=60.0)  # bounded: a broken test fails, it never hangs
-            plan = super().decide(call)
-            self.first_done.set()
-            return plan
-        return super().decide(call)
+        plan = super().decide(call)
+        self.first_done.set()
+        return plan
 
 
 def test_stale_plans_are_dropped_and_counted(model: Any, reference: Any) -> None:
@@ -293,21 +298,20 @@ def test_stale_plans_are_dropped_and_counted(model: Any, reference: Any) -> None
     counted, and a snapshot the planner has not started is replaced by a newer one.
     The first plan is held back by the test, not by a sleep, so neither depends on how
     fast this machine decodes."""
-    llm: Any = load(model)
+    llm = load(model)
     try:
         runtime = _fresh_tier(llm)
         policy = Gated()
         runtime.enable_policy(policy, asynchronous=AsyncParams(max_lag=1))  # type: ignore[arg-type]
-        llm.reset()
-        llm.spice_reset_stats()
-        llm.eval(llm.tokenize(PROMPT.encode(), add_bos=True))  # the planner holds the first call's plan
-        tokens = [int(np.argmax(llm.scores[llm.n_tokens - 1]))]
-        llm.eval(tokens[-1:])  # a token's calls more, each posted while the planner is held
-        policy.gate.set()
-        assert policy.first_done.wait(timeout=60.0), "the planner never finished its first plan"
-        for _ in range(2):  # the next calls find that plan done, and many calls old
-            tokens.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
-            llm.eval(tokens[-1:])
+
+        def release_after_first_token(i: int) -> None:
+            # the prompt's and the first token's calls were all posted while the planner was
+            # held; the next token's calls find the first plan done, and many calls old
+            if i == 0:
+                policy.gate.set()
+                assert policy.first_done.wait(timeout=60.0), "the planner never finished its first plan"
+
+        tokens = _decode(llm, 3, after_token=release_after_first_token)
         runtime.disable()
         assert tokens == reference.tokens[:3]
         planning = llm.spice_stats()["planning"]
