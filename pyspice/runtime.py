@@ -639,6 +639,25 @@ class Runtime:
         self._check(lib.spice_runtime_slot_copies_size(self._rt, precision, size), "slot_copies_size")
         return int(size[0])
 
+    def load_slot_copies(self, precision: int, path: str | os.PathLike[str], model_key: str) -> None:
+        """Read the slots' copies of `precision` (SLOT_*) from `path`, a file save_slot_copies
+        wrote for this model under `model_key`, instead of making them; no device tier may be
+        set. SpiceError (with the reason) where the file is missing or not for these copies."""
+        lib = self._n.lib
+        status = lib.spice_runtime_slot_copies_load(
+            self._rt, precision, os.fsencode(path), model_key.encode()
+        )
+        if status != lib.SPICE_OK:
+            raise SpiceError(status, self.last_error())
+
+    def save_slot_copies(self, path: str | os.PathLike[str], model_key: str) -> None:
+        """Write the slots' copies the runtime holds to `path` under `model_key` (whole or not
+        at all). SpiceError where it holds none or the file cannot be written."""
+        lib = self._n.lib
+        status = lib.spice_runtime_slot_copies_save(self._rt, os.fsencode(path), model_key.encode())
+        if status != lib.SPICE_OK:
+            raise SpiceError(status, self.last_error())
+
     def device_is_real(self) -> bool:
         """Whether the device tier's slots are on a real (CUDA) device."""
         store = self._n.lib.spice_runtime_get_store(self._rt)

@@ -701,6 +701,28 @@ SPICE_API int spice_runtime_slot_copies(const spice_runtime * rt, int32_t * prec
  * them: so a caller can check they fit before asking for such a tier. */
 SPICE_API int spice_runtime_slot_copies_size(const spice_runtime * rt, int32_t precision, uint64_t * bytes);
 
+/* Read the low-precision copies for slots of `precision` from `path`, a file
+ * spice_runtime_slot_copies_save wrote for this model, instead of making
+ * them: later tiers of that precision use them as made ones (seconds: the
+ * time reading took). `model_key` is the caller's name for the model (pyspice:
+ * its sidecar fingerprint); the file must carry the same key, have been
+ * quantized by this build's ggml, and hold exactly the matrices and types the
+ * copies take. Where it does not -- missing, truncated, another model, another
+ * build -- SPICE_ERR_INVALID_ARG says which in the last error and the runtime
+ * holds no copies (make them with spice_runtime_set_store). SPICE_ERR_STATE
+ * while a device tier is set (its slots may read the copies: remove it
+ * first); SPICE_ERR_UNSUPPORTED where a tier could not use them (see
+ * spice_runtime_set_store: SPICE_CUDA_VERIFY). */
+SPICE_API int spice_runtime_slot_copies_load(spice_runtime * rt, int32_t precision, const char * path,
+                                             const char * model_key);
+
+/* Write the low-precision copies the runtime holds to `path` (a GGUF, each
+ * copied matrix named after its source plus ".slot"), under `model_key`, for
+ * spice_runtime_slot_copies_load. The file appears whole or not at all.
+ * SPICE_ERR_STATE where the runtime holds no copies; SPICE_ERR_INVALID_ARG
+ * (the last error says why) where it cannot be written. */
+SPICE_API int spice_runtime_slot_copies_save(spice_runtime * rt, const char * path, const char * model_key);
+
 /* The runtime's store (NULL: none), for reading residency and the clock. */
 SPICE_API spice_store * spice_runtime_get_store(spice_runtime * rt);
 

@@ -63,6 +63,17 @@ static int bind_file_offsets(spice_runtime * rt, const char * path, spice_store_
     return status;
 }
 
+/* Whether SPICE_CUDA_VERIFY rules out copies of `precision` (said in last_error). */
+static int verify_refuses(spice_runtime * rt, int32_t precision) {
+    if (precision == SPICE_SLOT_EXACT || rt->verify == NULL) {
+        return 0;
+    }
+    snprintf(rt->last_error, sizeof(rt->last_error),
+             "SPICE_CUDA_VERIFY compares device rows with the exact host rows: it cannot check "
+             "low-precision slots; unset it or use exact slots");
+    return 1;
+}
+
 /* The slots' expert copies for the tier's precision: made once, kept while
  * later tiers ask for the same precision. */
 static int make_slot_copies(spice_runtime * rt, const spice_store_params * params) {
@@ -73,10 +84,7 @@ static int make_slot_copies(spice_runtime * rt, const spice_store_params * param
                  "use exact slots there");
         return SPICE_ERR_UNSUPPORTED;
     }
-    if (precision != SPICE_SLOT_EXACT && rt->verify != NULL) {
-        snprintf(rt->last_error, sizeof(rt->last_error),
-                 "SPICE_CUDA_VERIFY compares device rows with the exact host rows: it cannot check "
-                 "low-precision slots; unset it or use exact slots");
+    if (verify_refuses(rt, precision)) {
         return SPICE_ERR_UNSUPPORTED;
     }
     if (precision == rt->slot_copies.precision) {
@@ -101,6 +109,31 @@ int spice_runtime_slot_copies(const spice_runtime * rt, int32_t * precision, uin
         *seconds = rt->slot_copies.seconds;
     }
     return SPICE_OK;
+}
+
+int spice_runtime_slot_copies_load(spice_runtime * rt, int32_t precision, const char * path, const char * model_key) {
+    if (rt == NULL || path == NULL || model_key == NULL || !spice_slot_precision_valid(precision)) {
+        return SPICE_ERR_INVALID_ARG;
+    }
+    if (rt->store != NULL) {
+        snprintf(rt->last_error, sizeof(rt->last_error),
+                 "slot copies are loaded before a device tier is set (its slots may read the copies held now): "
+                 "remove the tier first");
+        return SPICE_ERR_STATE;
+    }
+    if (verify_refuses(rt, precision)) {
+        return SPICE_ERR_UNSUPPORTED;
+    }
+    spice_slot_copies_free(&rt->slot_copies);
+    return spice_slot_copies_read(&rt->slot_copies, rt->layers, rt->n_layers, precision, path, model_key,
+                                  rt->last_error, sizeof(rt->last_error));
+}
+
+int spice_runtime_slot_copies_save(spice_runtime * rt, const char * path, const char * model_key) {
+    if (rt == NULL || path == NULL || model_key == NULL) {
+        return SPICE_ERR_INVALID_ARG;
+    }
+    return spice_slot_copies_write(&rt->slot_copies, path, model_key, rt->last_error, sizeof(rt->last_error));
 }
 
 int spice_runtime_slot_copies_size(const spice_runtime * rt, int32_t precision, uint64_t * bytes) {

@@ -3,6 +3,7 @@
 #include "spice-slot-copies.h"
 
 #include "spice-clock.h"
+#include "spice-slot-cache.h"
 #include "spice.h"
 
 #include "ggml-alloc.h"
@@ -146,8 +147,66 @@ static int run_conversion(const convert_item * items, int32_t n_items, int32_t n
     return atomic_load(&w.failed) ? SPICE_ERR_NO_MEMORY : SPICE_OK;
 }
 
-int spice_slot_copies_make(spice_slot_copies * sc, const spice_expert_layer * host, int32_t n_layers,
-                           int32_t precision, int32_t n_threads, char * err, size_t err_len) {
+/* How a copy's bytes are filled, once its tensors are allocated: made[i] is
+ * the copy of made_from[i], each ne[2] experts deep. */
+typedef int (*fill_copies_fn)(struct ggml_tensor * const * made, const struct ggml_tensor * const * made_from,
+                              int32_t n_made, const void * arg, char * err, size_t err_len);
+
+static int fill_by_converting(struct ggml_tensor * const * made, const struct ggml_tensor * const * made_from,
+                              int32_t n_made, const void * arg, char * err, size_t err_len) {
+    int32_t n_threads = *(const int32_t *) arg;
+    int32_t n_items = 0;
+    for (int32_t m = 0; m < n_made; ++m) {
+        n_items += (int32_t) made[m]->ne[2];
+    }
+    convert_item * items = (convert_item *) calloc((size_t) n_items, sizeof(*items));
+    if (items == NULL) {
+        snprintf(err, err_len, "out of memory converting experts to low precision");
+        return SPICE_ERR_NO_MEMORY;
+    }
+    int32_t n = 0;
+    for (int32_t m = 0; m < n_made; ++m) {
+        ggml_quantize_init(made[m]->type); /* once, before threads share its tables */
+        for (int32_t e = 0; e < (int32_t) made[m]->ne[2]; ++e) {
+            items[n].src = made_from[m];
+            items[n].dst = made[m];
+            items[n].e = e;
+            n++;
+        }
+    }
+    if (n_threads <= 0) {
+        /* the cores this process may use (taskset, cpusets), as pyspice's estimate counts them */
+        cpu_set_t allowed;
+        const long online = sysconf(_SC_NPROCESSORS_ONLN);
+        n_threads = sched_getaffinity(0, sizeof(allowed), &allowed) == 0 ? CPU_COUNT(&allowed)
+                    : online > 0                                          ? (int32_t) online
+                                                                          : 1;
+    }
+    const int status = run_conversion(items, n_items, n_threads);
+    free(items);
+    if (status != SPICE_OK) {
+        snprintf(err, err_len, "out of memory converting experts to low precision");
+    }
+    return status;
+}
+
+typedef struct read_args {
+    const char * path;
+    const char * model_key;
+    int32_t precision;
+} read_args;
+
+static int fill_from_file(struct ggml_tensor * const * made, const struct ggml_tensor * const * made_from,
+                          int32_t n_made, const void * arg, char * err, size_t err_len) {
+    (void) made_from;
+    const read_args * a = (const read_args *) arg;
+    return spice_slot_cache_read(a->path, a->model_key, a->precision, made, n_made, err, err_len);
+}
+
+/* The copies of `precision` for host's MoE layers: their tensors in one host
+ * buffer, filled by `fill`, then bound to each layer as its slots' experts. */
+static int build_copies(spice_slot_copies * sc, const spice_expert_layer * host, int32_t n_layers, int32_t precision,
+                        fill_copies_fn fill, const void * fill_arg, char * err, size_t err_len) {
     memset(sc, 0, sizeof(*sc));
     if (!spice_slot_precision_valid(precision)) {
         snprintf(err, err_len, "slot_precision %d is not a spice_slot_precision (0 exact, 1 4-bit, 2 5-bit)",
@@ -172,7 +231,7 @@ int spice_slot_copies_make(spice_slot_copies * sc, const spice_expert_layer * ho
     /* the copies' tensors first (one buffer holds them all), then their bytes */
     const struct ggml_tensor * made_from[3 * (n_layers > 0 ? n_layers : 1)];
     struct ggml_tensor * made[3 * (n_layers > 0 ? n_layers : 1)];
-    int32_t n_made = 0, n_items = 0;
+    int32_t n_made = 0;
     for (int32_t il = 0; il < n_layers; ++il) {
         const spice_expert_layer * L = &host[il];
         sc->layers[il] = *L;
@@ -190,7 +249,6 @@ int spice_slot_copies_make(spice_slot_copies * sc, const spice_expert_layer * ho
             ggml_format_name(c, "%s.slot", t->name);
             made_from[n_made] = t;
             made[n_made++] = c;
-            n_items += L->n_expert;
         }
     }
     if (n_made == 0) {
@@ -198,40 +256,14 @@ int spice_slot_copies_make(spice_slot_copies * sc, const spice_expert_layer * ho
         return SPICE_OK; /* every matrix is already 4-bit or smaller */
     }
     sc->buf = ggml_backend_alloc_ctx_tensors_from_buft(sc->ctx, ggml_backend_cpu_buffer_type());
-    convert_item * items = (convert_item *) calloc((size_t) n_items, sizeof(*items));
-    if (sc->buf == NULL || items == NULL) {
+    if (sc->buf == NULL) {
         snprintf(err, err_len, "out of host memory for the slots' low-precision expert copies (%zu bytes)",
                  ggml_backend_alloc_ctx_tensors_from_buft_size(sc->ctx, ggml_backend_cpu_buffer_type()));
-        free(items);
         spice_slot_copies_free(sc);
         return SPICE_ERR_NO_MEMORY;
     }
     sc->bytes = ggml_backend_buffer_get_size(sc->buf);
-    int32_t n = 0;
-    for (int32_t m = 0; m < n_made; ++m) {
-        ggml_quantize_init(made[m]->type); /* once, before threads share its tables */
-        for (int32_t e = 0; e < (int32_t) made[m]->ne[2]; ++e) {
-            items[n].src = made_from[m];
-            items[n].dst = made[m];
-            items[n].e = e;
-            n++;
-        }
-    }
-    if (n_threads <= 0) {
-        /* the cores this process may use (taskset, cpusets), as pyspice's estimate counts them */
-        cpu_set_t allowed;
-        const long online = sysconf(_SC_NPROCESSORS_ONLN);
-        n_threads = sched_getaffinity(0, sizeof(allowed), &allowed) == 0 ? CPU_COUNT(&allowed)
-                    : online > 0                                          ? (int32_t) online
-                                                                          : 1;
-    }
-    int status = run_conversion(items, n_items, n_threads);
-    free(items);
-    if (status != SPICE_OK) {
-        snprintf(err, err_len, "out of memory converting experts to low precision");
-        spice_slot_copies_free(sc);
-        return status;
-    }
+    int status = fill(made, made_from, n_made, fill_arg, err, err_len);
     /* bind each layer to its copies (matrices without one keep the host tensor) */
     int32_t m = 0;
     for (int32_t il = 0; il < n_layers && status == SPICE_OK; ++il) {
@@ -253,6 +285,39 @@ int spice_slot_copies_make(spice_slot_copies * sc, const spice_expert_layer * ho
     }
     sc->seconds = (double) (spice_monotonic_ns() - t0) * 1e-9;
     return SPICE_OK;
+}
+
+int spice_slot_copies_make(spice_slot_copies * sc, const spice_expert_layer * host, int32_t n_layers,
+                           int32_t precision, int32_t n_threads, char * err, size_t err_len) {
+    return build_copies(sc, host, n_layers, precision, fill_by_converting, &n_threads, err, err_len);
+}
+
+int spice_slot_copies_read(spice_slot_copies * sc, const spice_expert_layer * host, int32_t n_layers,
+                           int32_t precision, const char * path, const char * model_key, char * err,
+                           size_t err_len) {
+    if (precision == SPICE_SLOT_EXACT) {
+        memset(sc, 0, sizeof(*sc));
+        snprintf(err, err_len, "exact slots hold the model's own bytes: there are no copies to read");
+        return SPICE_ERR_INVALID_ARG;
+    }
+    const read_args a = { path, model_key, precision };
+    const int status = build_copies(sc, host, n_layers, precision, fill_from_file, &a, err, err_len);
+    if (status == SPICE_OK && sc->bytes == 0) {
+        snprintf(err, err_len, "this model's experts have no matrix that %d-bit slots shrink: nothing to read",
+                 precision == SPICE_SLOT_4BIT ? 4 : 5);
+        spice_slot_copies_free(sc);
+        return SPICE_ERR_INVALID_ARG;
+    }
+    return status;
+}
+
+int spice_slot_copies_write(const spice_slot_copies * sc, const char * path, const char * model_key, char * err,
+                            size_t err_len) {
+    if (sc->bytes == 0 || sc->ctx == NULL) {
+        snprintf(err, err_len, "no low-precision slot copies are held: nothing to save");
+        return SPICE_ERR_STATE;
+    }
+    return spice_slot_cache_write(path, model_key, sc->precision, sc->ctx, err, err_len);
 }
 
 void spice_slot_copies_free(spice_slot_copies * sc) {

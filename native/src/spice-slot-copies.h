@@ -54,6 +54,21 @@ uint64_t spice_slot_copies_size(const spice_expert_layer * host, int32_t n_layer
 int spice_slot_copies_make(spice_slot_copies * sc, const spice_expert_layer * host, int32_t n_layers,
                            int32_t precision, int32_t n_threads, char * err, size_t err_len);
 
+/* The same copies read back from `path`, a file spice_slot_copies_write wrote
+ * for this model: the caller's `model_key` names the model (pyspice: its
+ * sidecar fingerprint), and the file must hold exactly the tensors, types and
+ * sizes these copies take, made by this build's quantizers
+ * (spice-slot-cache.h). Where it does not, nothing is kept and err says why:
+ * the caller makes them instead. `seconds` is then the time reading took. */
+int spice_slot_copies_read(spice_slot_copies * sc, const spice_expert_layer * host, int32_t n_layers,
+                           int32_t precision, const char * path, const char * model_key, char * err,
+                           size_t err_len);
+
+/* Write the copies sc holds to `path` for spice_slot_copies_read, under
+ * `model_key`. SPICE_ERR_STATE where it holds none. */
+int spice_slot_copies_write(const spice_slot_copies * sc, const char * path, const char * model_key, char * err,
+                            size_t err_len);
+
 void spice_slot_copies_free(spice_slot_copies * sc);
 
 #endif /* SPICE_SLOT_COPIES_H */

@@ -32,6 +32,7 @@ from pyspice.engine.host_memory import release_free_heap
 from pyspice.engine.planning import Planning, planner_may_poll, virtual_layer_ns
 from pyspice.engine.profile import profile_for_tier, saved_disk, saved_profile
 from pyspice.engine.replay import RoutingReplay, load_routing_replay
+from pyspice.engine.slot_cache import SlotCache
 from pyspice.engine.slot_tier import set_tier
 from pyspice.engine.surrogates import (
     SURROGATE_BUDGET_SHARE,
@@ -118,6 +119,8 @@ class Engine:
         # how the policy in use plans, every default taken (None: no Python policy plans)
         self.planning_used: Planning | None = None
         self.replay: RoutingReplay | None = None  # recorded expert ids the hook uses (timing only)
+        # where lossy levels' low-precision slot copies are kept between runs (None: made each run)
+        self.slot_cache: SlotCache | None = SlotCache.from_environment()
 
     def require_runtime(self) -> Runtime:
         if self.runtime is None:
@@ -275,7 +278,8 @@ class Engine:
         if self.device_params is not None:
             runtime = self.require_runtime()
             on_disk = self.experts_on_disk
-            set_tier(runtime, self.device_params, precision, self.layers(), on_disk, self._note_once)
+            kept = self.slot_cache.for_model(self.model_path) if self.slot_cache is not None else None
+            set_tier(runtime, self.device_params, precision, self.layers(), on_disk, self._note_once, kept)
 
     # ---- surrogates ------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from pyspice.engine.host_memory import ADVICE_USABLE, memory_for_this_process
+from pyspice.engine.slot_cache import KeptCopies
 from pyspice.runtime import SLOT_EXACT, SLOT_PRECISIONS, LayerInfo, Runtime, SpiceError, StoreParams
 from pyspice.units import format_bytes
 
@@ -51,10 +52,12 @@ def set_tier(
     layers: Sequence[LayerInfo],
     on_disk: bool,
     say: Callable[[str], None],
+    kept: KeptCopies | None = None,
 ) -> None:
     """Give `runtime` the tier `params` describes with slots of `precision` ("exact",
     "4bit" or "5bit"), or exact ones where those cannot be had (said through `say`, which says a
-    line once)."""
+    line once). Copies in `kept` are read instead of made, and copies made are kept
+    there (slot_cache.py)."""
     wanted = SLOT_PRECISIONS[precision]
     if wanted != SLOT_EXACT and on_disk:
         say(
@@ -64,6 +67,7 @@ def set_tier(
         wanted = SLOT_EXACT
     # copies of this precision already made (a bench's earlier row) are kept and reused
     reused = wanted != SLOT_EXACT and runtime.slot_copies_precision() == wanted
+    loaded = False
     if wanted != SLOT_EXACT and not reused:
         experts = sum(info.bytes_per_expert * info.n_expert for info in layers if info.is_moe)
         need = runtime.slot_copies_size(wanted)
@@ -71,6 +75,8 @@ def set_tier(
         if refusal is not None:
             say(refusal)
             wanted = SLOT_EXACT
+        elif kept is not None and kept.load(runtime, wanted, precision, say):
+            loaded = True
         else:
             cores = len(os.sched_getaffinity(0))
             eta = copies_estimate_s(precision, need, cores)
@@ -90,10 +96,15 @@ def set_tier(
         return
     size, seconds = runtime.slot_copies()
     if size > 0 and not reused:
-        model = sum(info.bytes_per_expert for info in layers if info.is_moe)
+        model_bytes = sum(info.bytes_per_expert for info in layers if info.is_moe)
         slots = sum(b for b in runtime.slot_expert_bytes() if b > 0)
+        how = f"made in {seconds:.1f} s"
+        if loaded and kept is not None:
+            how = f"read in {seconds:.1f} s from {kept.path(precision)}"
         say(
             f"{precision} slots: every routed expert re-quantized for the device tier "
-            f"({format_bytes(size)} of host memory, made in {seconds:.1f} s); the budget holds "
-            f"{model / max(1, slots):.2f}x the experts it would at the model's precision (lossy)"
+            f"({format_bytes(size)} of host memory, {how}); the budget holds "
+            f"{model_bytes / max(1, slots):.2f}x the experts it would at the model's precision (lossy)"
         )
+        if kept is not None and not loaded:
+            kept.save(runtime, precision, say)

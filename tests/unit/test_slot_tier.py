@@ -31,3 +31,29 @@ def test_the_copies_time_is_estimated_from_their_size_and_the_cores() -> None:
     assert copies_estimate_s("4bit", 4 << 20, 2) == 1.0  # 2 MiB per core per second
     assert copies_estimate_s("4bit", 4 << 20, 0) == 2.0  # at least one core
     assert copies_estimate_s("5bit", 4 << 20, 2) < 0.1  # Q5_0 searches no scales
+
+
+def test_the_slot_cache_is_where_the_environment_says(tmp_path) -> None:
+    from pyspice.engine.slot_cache import SlotCache
+
+    assert SlotCache.from_environment({"PYSPICE_SLOT_CACHE": "off"}) is None
+    assert SlotCache.from_environment({"PYSPICE_SLOT_CACHE": " OFF "}) is None
+    assert SlotCache.from_environment({"PYSPICE_SLOT_CACHE": str(tmp_path)}) == SlotCache(tmp_path)
+    default = SlotCache.from_environment({})
+    assert default is not None and default.directory.name == "slot-copies"
+
+
+def test_kept_copies_are_one_file_per_model_file_and_precision(tmp_path) -> None:
+    from pyspice.engine.slot_cache import SlotCache
+
+    cache = SlotCache(tmp_path / "slots")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    for d in ("a", "b"):
+        (tmp_path / d / "m.gguf").write_bytes(b"x")
+    a, b = cache.for_model(tmp_path / "a" / "m.gguf"), cache.for_model(tmp_path / "b" / "m.gguf")
+    assert a is not None and b is not None
+    assert a.path("4bit").name.startswith("m-") and a.path("4bit").name.endswith(".4bit-slots.gguf")
+    assert a.path("4bit") != a.path("5bit")
+    assert a.path("4bit") != b.path("4bit")  # two models of one name elsewhere do not meet
+    assert cache.for_model(tmp_path / "missing.gguf") is None  # no file: nothing to key copies by

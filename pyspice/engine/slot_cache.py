@@ -1,0 +1,120 @@
+"""The lossy levels' low-precision slot copies, kept on disk between runs.
+
+Making them re-quantizes every routed expert: about 5 MiB/s on two cores (858 MiB
+took 164 s for a 3-MoE-layer slice of DeepSeek-V2-Lite), so a whole model would wait
+tens of minutes at every start of `spice:fast`. libspice writes the copies it made to
+a GGUF (spice_runtime_slot_copies_save) and reads them back at disk speed
+(spice_runtime_slot_copies_load), using a file only where it was made from the same
+model file by the same ggml build; otherwise the copies are made again and the file
+replaced.
+
+Where: $PYSPICE_SLOT_CACHE, a directory, or `off` to make them at every run; by
+default the `slot-copies` folder of pyspice's cache directory (pyspice.paths). A file
+is named after the model file (its name and a hash of where it is) and the
+precision; deleting the folder only
+costs the next run the time to make them again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from pyspice.formats.sidecar import fingerprint
+from pyspice.paths import cache_dir
+from pyspice.runtime import Runtime, SpiceError
+from pyspice.units import format_bytes
+
+ENV = "PYSPICE_SLOT_CACHE"
+OFF = "off"
+# room left free on the cache's disk after a save: copies never fill it
+FREE_MARGIN = 1 << 30
+
+
+@dataclass(frozen=True)
+class SlotCache:
+    """A folder of slot copies, one GGUF per model file and precision."""
+
+    directory: Path
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str] = os.environ) -> SlotCache | None:
+        """The cache $PYSPICE_SLOT_CACHE names (None for `off`), else the default folder."""
+        value = environ.get(ENV, "").strip()
+        if value.lower() == OFF:
+            return None
+        return cls(Path(value).expanduser() if value else cache_dir() / "slot-copies")
+
+    def for_model(self, model: Path) -> KeptCopies | None:
+        """The copies kept for the model file `model` (None where it is no file: nothing to key them by)."""
+        return KeptCopies(self, model) if model.is_file() else None
+
+
+@dataclass(frozen=True)
+class KeptCopies:
+    """One model file's copies in a SlotCache."""
+
+    cache: SlotCache
+    model: Path
+
+    def path(self, precision: str) -> Path:
+        """One file per model file (its name and where it is) and precision: a model
+        rewritten in place replaces its own copies, two of one name elsewhere do not meet."""
+        name = self.model.name
+        stem = name[: -len(".gguf")] if name.endswith(".gguf") else name
+        where = hashlib.sha256(os.fsencode(self.model.resolve())).hexdigest()[:8]
+        return self.cache.directory / f"{stem}-{where}.{precision}-slots.gguf"
+
+    def model_key(self) -> str:
+        """What names the model to libspice: its fingerprint (tensors and sampled bytes) and
+        the file's size and modification time, so that a file rewritten in place is a new
+        model even where the sampled blocks did not change."""
+        st = self.model.stat()
+        return f"{fingerprint(self.model)} size {st.st_size} mtime_ns {st.st_mtime_ns}"
+
+    def load(self, runtime: Runtime, wanted: int, precision: str, say: Callable[[str], None]) -> bool:
+        """Give `runtime` the copies kept at `precision` (SLOT_* `wanted`); False where
+        there are none to use (a stale file is said, then made again; set_tier says what
+        was read). The runtime's device
+        tier is removed first: its slots may read the copies held now."""
+        path = self.path(precision)
+        if not path.is_file():
+            return False
+        runtime.set_device(None)
+        try:
+            runtime.load_slot_copies(wanted, path, self.model_key())
+        except (SpiceError, OSError) as err:
+            say(f"{precision} slots: the kept copies are not used ({err}); making them again")
+            return False
+        return True
+
+    def save(self, runtime: Runtime, precision: str, say: Callable[[str], None]) -> None:
+        """Keep the copies `runtime` made for the next run, where the disk has room; a
+        failure is said and costs only the next run's time to make them."""
+        size, _ = runtime.slot_copies()
+        path = self.path(precision)
+        directory = self.cache.directory
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            free = shutil.disk_usage(directory).free
+            if free < size + FREE_MARGIN:
+                say(
+                    f"{precision} slots: the copies are not kept for the next run: {directory} has "
+                    f"{format_bytes(free)} free, they take {format_bytes(size)} "
+                    f"(set {ENV} to a folder with room, or to off)"
+                )
+                return
+            t0 = time.monotonic()
+            runtime.save_slot_copies(path, self.model_key())
+        except (SpiceError, OSError) as err:
+            say(f"{precision} slots: the copies are not kept for the next run ({err})")
+            return
+        say(
+            f"{precision} slots: copies kept in {path} ({format_bytes(size)}, written in "
+            f"{time.monotonic() - t0:.1f} s); the next run reads them instead of making them"
+        )
