@@ -639,6 +639,15 @@ class Runtime:
         self._check(lib.spice_runtime_slot_copies_size(self._rt, precision, size), "slot_copies_size")
         return int(size[0])
 
+    def slot_copies_progress(self) -> tuple[int, int]:
+        """(bytes done, bytes in all) of the slot copies being made or read, else of the
+        last ones; (0, 0) before any. Safe from another thread while set_device or
+        load_slot_copies makes or reads them (its one use: a progress bar)."""
+        ffi, lib = self._n.ffi, self._n.lib
+        done, total = ffi.new("uint64_t *"), ffi.new("uint64_t *")
+        self._check(lib.spice_runtime_slot_copies_progress(self._rt, done, total), "slot_copies_progress")
+        return int(done[0]), int(total[0])
+
     def load_slot_copies(self, precision: int, path: str | os.PathLike[str], model_key: str) -> None:
         """Read the slots' copies of `precision` (SLOT_*) from `path`, a file save_slot_copies
         wrote for this model under `model_key`, instead of making them; no device tier may be

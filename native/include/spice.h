@@ -723,6 +723,13 @@ SPICE_API int spice_runtime_slot_copies_load(spice_runtime * rt, int32_t precisi
  * (the last error says why) where it cannot be written. */
 SPICE_API int spice_runtime_slot_copies_save(spice_runtime * rt, const char * path, const char * model_key);
 
+/* How far the low-precision copies being made or read are (or the last ones
+ * made or read: done == total once they all were): bytes done and bytes in
+ * all; both 0 before any. The one call that may come from another thread
+ * while spice_runtime_set_store or spice_runtime_slot_copies_load runs on
+ * this runtime: for a progress bar over what can take minutes. */
+SPICE_API int spice_runtime_slot_copies_progress(const spice_runtime * rt, uint64_t * done, uint64_t * total);
+
 /* The runtime's store (NULL: none), for reading residency and the clock. */
 SPICE_API spice_store * spice_runtime_get_store(spice_runtime * rt);
 

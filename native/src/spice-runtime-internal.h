@@ -72,6 +72,11 @@ struct spice_runtime {
 
     spice_store * store;       /* device tier; NULL: none (every expert counts as resident) */
     spice_slot_copies slot_copies; /* the experts as low-precision slots hold them (precision 0: none) */
+    /* bytes of slot copies made or read so far, of copies_total, while set_store or
+     * slot_copies_load fills them (then the last fill's): read by another thread
+     * (spice_runtime_slot_copies_progress) */
+    _Atomic uint64_t copies_done;
+    _Atomic uint64_t copies_total;
 
     spice_barrier barrier;
     spice_host_exec host;

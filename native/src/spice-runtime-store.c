@@ -74,6 +74,12 @@ static int verify_refuses(spice_runtime * rt, int32_t precision) {
     return 1;
 }
 
+/* Copies of `precision` about to be made or read: none done of all their bytes. */
+static void start_progress(spice_runtime * rt, int32_t precision) {
+    atomic_store(&rt->copies_done, 0);
+    atomic_store(&rt->copies_total, spice_slot_copies_size(rt->layers, rt->n_layers, precision));
+}
+
 /* The slots' expert copies for the tier's precision: made once, kept while
  * later tiers ask for the same precision. */
 static int make_slot_copies(spice_runtime * rt, const spice_store_params * params) {
@@ -91,8 +97,10 @@ static int make_slot_copies(spice_runtime * rt, const spice_store_params * param
         return SPICE_OK;
     }
     spice_slot_copies_free(&rt->slot_copies);
-    return spice_slot_copies_make(&rt->slot_copies, rt->layers, rt->n_layers, precision, 0, rt->last_error,
-                                  sizeof(rt->last_error));
+    start_progress(rt, precision);
+    const int status = spice_slot_copies_make(&rt->slot_copies, rt->layers, rt->n_layers, precision, 0,
+                                              &rt->copies_done, rt->last_error, sizeof(rt->last_error));
+    return status;
 }
 
 int spice_runtime_slot_copies(const spice_runtime * rt, int32_t * precision, uint64_t * bytes, double * seconds) {
@@ -125,8 +133,10 @@ int spice_runtime_slot_copies_load(spice_runtime * rt, int32_t precision, const 
         return SPICE_ERR_UNSUPPORTED;
     }
     spice_slot_copies_free(&rt->slot_copies);
-    return spice_slot_copies_read(&rt->slot_copies, rt->layers, rt->n_layers, precision, path, model_key,
-                                  rt->last_error, sizeof(rt->last_error));
+    start_progress(rt, precision);
+    const int status = spice_slot_copies_read(&rt->slot_copies, rt->layers, rt->n_layers, precision, path,
+                                              model_key, &rt->copies_done, rt->last_error, sizeof(rt->last_error));
+    return status;
 }
 
 int spice_runtime_slot_copies_save(spice_runtime * rt, const char * path, const char * model_key) {
@@ -134,6 +144,15 @@ int spice_runtime_slot_copies_save(spice_runtime * rt, const char * path, const 
         return SPICE_ERR_INVALID_ARG;
     }
     return spice_slot_copies_write(&rt->slot_copies, path, model_key, rt->last_error, sizeof(rt->last_error));
+}
+
+int spice_runtime_slot_copies_progress(const spice_runtime * rt, uint64_t * done, uint64_t * total) {
+    if (rt == NULL || done == NULL || total == NULL) {
+        return SPICE_ERR_INVALID_ARG;
+    }
+    *done = atomic_load(&rt->copies_done);
+    *total = atomic_load(&rt->copies_total);
+    return SPICE_OK;
 }
 
 int spice_runtime_slot_copies_size(const spice_runtime * rt, int32_t precision, uint64_t * bytes) {

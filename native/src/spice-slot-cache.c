@@ -109,7 +109,8 @@ static int write_fully(int fd, const void * src, size_t len, uint64_t offset) {
 }
 
 int spice_slot_cache_read(const char * path, const char * model_key, int32_t precision,
-                          struct ggml_tensor * const * tensors, int32_t n, char * err, size_t err_len) {
+                          struct ggml_tensor * const * tensors, int32_t n, _Atomic uint64_t * progress, char * err,
+                          size_t err_len) {
     if (path == NULL || model_key == NULL || (n > 0 && tensors == NULL)) {
         snprintf(err, err_len, "reading slot copies needs a path and a model key");
         return SPICE_ERR_INVALID_ARG;
@@ -138,6 +139,8 @@ int spice_slot_cache_read(const char * path, const char * model_key, int32_t pre
         if (at + len > (uint64_t) st.st_size || !read_fully(fd, tensors[i]->data, len, at)) {
             snprintf(err, err_len, "%s ends before %s's bytes (truncated?)", path, tensors[i]->name);
             status = SPICE_ERR_INVALID_ARG;
+        } else if (progress != NULL) {
+            atomic_fetch_add_explicit(progress, (uint64_t) len, memory_order_relaxed);
         }
     }
     if (fd >= 0) {

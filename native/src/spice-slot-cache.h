@@ -18,14 +18,17 @@
 
 #include "ggml.h"
 
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 
-/* Fill the n tensors (allocated, in host memory) from `path`. SPICE_OK, or
+/* Fill the n tensors (allocated, in host memory) from `path`, adding each
+ * tensor's bytes to *progress (NULL: not counted) once read. SPICE_OK, or
  * SPICE_ERR_INVALID_ARG where the file is missing, unreadable, truncated or
  * for other copies (err says which); tensors may then hold partial bytes. */
 int spice_slot_cache_read(const char * path, const char * model_key, int32_t precision,
-                          struct ggml_tensor * const * tensors, int32_t n, char * err, size_t err_len);
+                          struct ggml_tensor * const * tensors, int32_t n, _Atomic uint64_t * progress, char * err,
+                          size_t err_len);
 
 /* Write every tensor of ctx (allocated) to `path` with the keys above. The
  * file appears whole or not at all: it is written beside `path` under a

@@ -93,6 +93,7 @@ typedef struct convert_work {
     int32_t n_items;
     atomic_int next;
     atomic_int failed;
+    _Atomic uint64_t * progress; /* bytes of copies made (NULL: not counted) */
 } convert_work;
 
 /* Dequantize an expert's matrix, then quantize it to the copy's type, row by
@@ -122,15 +123,20 @@ static void * convert_thread(void * arg) {
         }
         char * dst = (char *) it->dst->data + (size_t) it->e * it->dst->nb[2];
         ggml_quantize_chunk(it->dst->type, rows, dst, 0, n_rows, n_cols, NULL);
+        if (w->progress != NULL) {
+            atomic_fetch_add_explicit(w->progress, (uint64_t) it->dst->nb[2], memory_order_relaxed);
+        }
     }
     free(rows);
     return NULL;
 }
 
-static int run_conversion(const convert_item * items, int32_t n_items, int32_t n_threads) {
+static int run_conversion(const convert_item * items, int32_t n_items, int32_t n_threads,
+                          _Atomic uint64_t * progress) {
     convert_work w;
     w.items = items;
     w.n_items = n_items;
+    w.progress = progress;
     atomic_init(&w.next, 0);
     atomic_init(&w.failed, 0);
     pthread_t threads[16];
@@ -148,12 +154,15 @@ static int run_conversion(const convert_item * items, int32_t n_items, int32_t n
 }
 
 /* How a copy's bytes are filled, once its tensors are allocated: made[i] is
- * the copy of made_from[i], each ne[2] experts deep. */
+ * the copy of made_from[i], each ne[2] experts deep; *progress counts the
+ * bytes filled (NULL: not counted). */
 typedef int (*fill_copies_fn)(struct ggml_tensor * const * made, const struct ggml_tensor * const * made_from,
-                              int32_t n_made, const void * arg, char * err, size_t err_len);
+                              int32_t n_made, const void * arg, _Atomic uint64_t * progress, char * err,
+                              size_t err_len);
 
 static int fill_by_converting(struct ggml_tensor * const * made, const struct ggml_tensor * const * made_from,
-                              int32_t n_made, const void * arg, char * err, size_t err_len) {
+                              int32_t n_made, const void * arg, _Atomic uint64_t * progress, char * err,
+                              size_t err_len) {
     int32_t n_threads = *(const int32_t *) arg;
     int32_t n_items = 0;
     for (int32_t m = 0; m < n_made; ++m) {
@@ -182,7 +191,7 @@ static int fill_by_converting(struct ggml_tensor * const * made, const struct gg
                     : online > 0                                          ? (int32_t) online
                                                                           : 1;
     }
-    const int status = run_conversion(items, n_items, n_threads);
+    const int status = run_conversion(items, n_items, n_threads, progress);
     free(items);
     if (status != SPICE_OK) {
         snprintf(err, err_len, "out of memory converting experts to low precision");
@@ -197,16 +206,18 @@ typedef struct read_args {
 } read_args;
 
 static int fill_from_file(struct ggml_tensor * const * made, const struct ggml_tensor * const * made_from,
-                          int32_t n_made, const void * arg, char * err, size_t err_len) {
+                          int32_t n_made, const void * arg, _Atomic uint64_t * progress, char * err,
+                          size_t err_len) {
     (void) made_from;
     const read_args * a = (const read_args *) arg;
-    return spice_slot_cache_read(a->path, a->model_key, a->precision, made, n_made, err, err_len);
+    return spice_slot_cache_read(a->path, a->model_key, a->precision, made, n_made, progress, err, err_len);
 }
 
 /* The copies of `precision` for host's MoE layers: their tensors in one host
  * buffer, filled by `fill`, then bound to each layer as its slots' experts. */
 static int build_copies(spice_slot_copies * sc, const spice_expert_layer * host, int32_t n_layers, int32_t precision,
-                        fill_copies_fn fill, const void * fill_arg, char * err, size_t err_len) {
+                        fill_copies_fn fill, const void * fill_arg, _Atomic uint64_t * progress, char * err,
+                        size_t err_len) {
     memset(sc, 0, sizeof(*sc));
     if (!spice_slot_precision_valid(precision)) {
         snprintf(err, err_len, "slot_precision %d is not a spice_slot_precision (0 exact, 1 4-bit, 2 5-bit)",
@@ -263,7 +274,7 @@ static int build_copies(spice_slot_copies * sc, const spice_expert_layer * host,
         return SPICE_ERR_NO_MEMORY;
     }
     sc->bytes = ggml_backend_buffer_get_size(sc->buf);
-    int status = fill(made, made_from, n_made, fill_arg, err, err_len);
+    int status = fill(made, made_from, n_made, fill_arg, progress, err, err_len);
     /* bind each layer to its copies (matrices without one keep the host tensor) */
     int32_t m = 0;
     for (int32_t il = 0; il < n_layers && status == SPICE_OK; ++il) {
@@ -288,20 +299,21 @@ static int build_copies(spice_slot_copies * sc, const spice_expert_layer * host,
 }
 
 int spice_slot_copies_make(spice_slot_copies * sc, const spice_expert_layer * host, int32_t n_layers,
-                           int32_t precision, int32_t n_threads, char * err, size_t err_len) {
-    return build_copies(sc, host, n_layers, precision, fill_by_converting, &n_threads, err, err_len);
+                           int32_t precision, int32_t n_threads, _Atomic uint64_t * progress, char * err,
+                           size_t err_len) {
+    return build_copies(sc, host, n_layers, precision, fill_by_converting, &n_threads, progress, err, err_len);
 }
 
 int spice_slot_copies_read(spice_slot_copies * sc, const spice_expert_layer * host, int32_t n_layers,
-                           int32_t precision, const char * path, const char * model_key, char * err,
-                           size_t err_len) {
+                           int32_t precision, const char * path, const char * model_key,
+                           _Atomic uint64_t * progress, char * err, size_t err_len) {
     if (precision == SPICE_SLOT_EXACT) {
         memset(sc, 0, sizeof(*sc));
         snprintf(err, err_len, "exact slots hold the model's own bytes: there are no copies to read");
         return SPICE_ERR_INVALID_ARG;
     }
     const read_args a = { path, model_key, precision };
-    const int status = build_copies(sc, host, n_layers, precision, fill_from_file, &a, err, err_len);
+    const int status = build_copies(sc, host, n_layers, precision, fill_from_file, &a, progress, err, err_len);
     if (status == SPICE_OK && sc->bytes == 0) {
         snprintf(err, err_len, "this model's experts have no matrix that %d-bit slots shrink: nothing to read",
                  precision == SPICE_SLOT_4BIT ? 4 : 5);

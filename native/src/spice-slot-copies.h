@@ -24,6 +24,7 @@
 
 #include "ggml-backend.h"
 
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -44,25 +45,29 @@ bool spice_slot_precision_valid(int32_t precision);
 /* The type matrix m takes in slots of `precision` (its own type where none fits). */
 enum ggml_type spice_slot_type(const spice_expert_matrix * m, int32_t precision);
 
-/* Make the copies of every MoE layer of `host` for `precision`, on up to
- * n_threads threads (<= 0: the cores this process may use). SPICE_OK, or a
- * status with the reason in err. */
 /* Bytes the copies of `precision` of host's MoE layers take (before
  * alignment padding), 0 where none would be made. */
 uint64_t spice_slot_copies_size(const spice_expert_layer * host, int32_t n_layers, int32_t precision);
 
+/* Make the copies of every MoE layer of `host` for `precision`, on up to
+ * n_threads threads (<= 0: the cores this process may use). SPICE_OK, or a
+ * status with the reason in err. Each expert matrix finished adds its bytes
+ * to *progress (NULL: not counted), which another thread may read meanwhile;
+ * at the end it holds spice_slot_copies_size. */
 int spice_slot_copies_make(spice_slot_copies * sc, const spice_expert_layer * host, int32_t n_layers,
-                           int32_t precision, int32_t n_threads, char * err, size_t err_len);
+                           int32_t precision, int32_t n_threads, _Atomic uint64_t * progress, char * err,
+                           size_t err_len);
 
 /* The same copies read back from `path`, a file spice_slot_copies_write wrote
  * for this model: the caller's `model_key` names the model (pyspice: its
  * sidecar fingerprint), and the file must hold exactly the tensors, types and
  * sizes these copies take, made by this build's quantizers
  * (spice-slot-cache.h). Where it does not, nothing is kept and err says why:
- * the caller makes them instead. `seconds` is then the time reading took. */
+ * the caller makes them instead. `seconds` is then the time reading took;
+ * *progress counts the bytes read as make's counts those made. */
 int spice_slot_copies_read(spice_slot_copies * sc, const spice_expert_layer * host, int32_t n_layers,
-                           int32_t precision, const char * path, const char * model_key, char * err,
-                           size_t err_len);
+                           int32_t precision, const char * path, const char * model_key,
+                           _Atomic uint64_t * progress, char * err, size_t err_len);
 
 /* Write the copies sc holds to `path` for spice_slot_copies_read, under
  * `model_key`. SPICE_ERR_STATE where it holds none. */

@@ -8,8 +8,13 @@ tier keeps exact slots, which is never less exact, and says why once."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
+
+from tqdm import tqdm
 
 from pyspice.engine.host_memory import ADVICE_USABLE, memory_for_this_process
 from pyspice.engine.slot_cache import KeptCopies
@@ -20,7 +25,8 @@ from pyspice.units import format_bytes
 # scales per 32-weight block (smolmoe-b, Q8_0: 28.5 MiB in 5-9 s on 2 cores). 5bit:
 # Q5_0's does not (34.8 MiB in 0.1 s); Q5_K's (from Q6_K experts) is not measured.
 COPY_BYTES_PER_CORE_S = {"4bit": 2 << 20, "5bit": 128 << 20}
-ANNOUNCE_AFTER_S = 2.0  # say beforehand when making the copies takes longer than this
+ANNOUNCE_AFTER_S = 2.0  # say beforehand, and show progress, when the copies take longer than this
+READ_BYTES_S = 1 << 30  # kept copies read back from disk (slot_cache): about 1 GB/s
 
 
 def copies_estimate_s(precision: str, need: int, cores: int) -> float:
@@ -68,6 +74,7 @@ def set_tier(
     # copies of this precision already made (a bench's earlier row) are kept and reused
     reused = wanted != SLOT_EXACT and runtime.slot_copies_precision() == wanted
     loaded = False
+    making, need = 0.0, 0  # seconds set_device is expected to spend making `need` bytes of copies
     if wanted != SLOT_EXACT and not reused:
         experts = sum(info.bytes_per_expert * info.n_expert for info in layers if info.is_moe)
         need = runtime.slot_copies_size(wanted)
@@ -75,19 +82,23 @@ def set_tier(
         if refusal is not None:
             say(refusal)
             wanted = SLOT_EXACT
-        elif kept is not None and kept.load(runtime, wanted, precision, say):
-            loaded = True
         else:
-            cores = len(os.sched_getaffinity(0))
-            eta = copies_estimate_s(precision, need, cores)
-            if eta > ANNOUNCE_AFTER_S:
-                # made in one native call that reports nothing until done: say what to expect
-                say(
-                    f"{precision} slots: re-quantizing every routed expert for the device tier "
-                    f"({format_bytes(need)}, about {eta:.0f} s on {cores} cores; once per run)"
-                )
+            if kept is not None:
+                with copies_progress(runtime, f"{precision} slots: reading", need, need / READ_BYTES_S):
+                    loaded = kept.load(runtime, wanted, precision, say)
+            if not loaded:
+                cores = len(os.sched_getaffinity(0))
+                eta = copies_estimate_s(precision, need, cores)
+                making = eta
+                if eta > ANNOUNCE_AFTER_S:
+                    say(
+                        f"{precision} slots: re-quantizing every routed expert for the device tier "
+                        f"({format_bytes(need)}, about {eta:.0f} s on {cores} cores; "
+                        + ("kept for later runs)" if kept is not None else "once per run)")
+                    )
     try:
-        runtime.set_device(replace(params, slot_precision=wanted))
+        with copies_progress(runtime, f"{precision} slots: re-quantizing", need, making):
+            runtime.set_device(replace(params, slot_precision=wanted))
     except SpiceError as err:
         if wanted == SLOT_EXACT:
             raise
@@ -108,3 +119,33 @@ def set_tier(
         )
         if kept is not None and not loaded:
             kept.save(runtime, precision, say)
+
+
+@contextmanager
+def copies_progress(runtime: Runtime, desc: str, need: int, eta_s: float) -> Iterator[None]:
+    """A progress bar on stderr over the `need` bytes of slot copies libspice makes or
+    reads while the body runs (one native call that returns when done), where that is
+    expected to take over ANNOUNCE_AFTER_S; a thread polls the runtime meanwhile."""
+    if eta_s <= ANNOUNCE_AFTER_S:
+        yield
+        return
+    stop = threading.Event()
+
+    def poll() -> None:
+        with tqdm(total=need, unit="B", unit_scale=True, desc=desc, file=sys.stderr, mininterval=1.0) as bar:
+            while True:
+                stopping = stop.wait(0.5)
+                done, total = runtime.slot_copies_progress()
+                if total > 0:
+                    bar.total = total
+                    bar.update(done - bar.n)
+                if stopping:
+                    return
+
+    thread = threading.Thread(target=poll, name="pyspice-copies-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
+from pyspice.engine import slot_tier
 from pyspice.engine.slot_cache import SlotCache
 from pyspice.runtime import SLOT_4BIT, SLOT_5BIT, SpiceError
 
@@ -98,6 +99,8 @@ def test_copies_of_another_model_precision_or_state_are_refused(model: Path, tmp
         assert runtime.slot_copies() == (0, 0.0)  # a refused file leaves no copies behind
         runtime.load_slot_copies(SLOT_4BIT, path, key)
         assert runtime.slot_copies_precision() == SLOT_4BIT
+        need = runtime.slot_copies_size(SLOT_4BIT)
+        assert runtime.slot_copies_progress() == (need, need)  # every byte read counted
         llm.set_device("50%", 8.0, 5.0, manual_clock=True)
         with pytest.raises(SpiceError, match="remove the tier first"):
             runtime.load_slot_copies(SLOT_4BIT, path, key)
@@ -116,3 +119,15 @@ def test_copies_that_cannot_be_kept_cost_only_a_line(model: Path, tmp_path: Path
     made, said = _run_4bit(model, SlotCache(blocker / "slots"), capsys)  # a folder under a file
     assert "the copies are not kept for the next run" in said and "made in" in said
     assert made.shape[0] > 0
+
+
+def test_making_and_reading_copies_show_progress(model: Path, tmp_path: Path, capsys, monkeypatch) -> None:
+    """Long work shows progress: a bar over the bytes libspice has made or read, polled
+    from a thread while the one native call runs (shown here for copies that take well
+    under the threshold a real model's exceed)."""
+    monkeypatch.setattr(slot_tier, "ANNOUNCE_AFTER_S", -1.0)
+    cache = SlotCache(tmp_path / "slots")
+    _, said = _run_4bit(model, cache, capsys)
+    assert "4bit slots: re-quantizing" in said and "100%" in said and "kept for later runs" in said
+    _, said = _run_4bit(model, cache, capsys)
+    assert "4bit slots: reading" in said and "100%" in said and "re-quantizing every" not in said
