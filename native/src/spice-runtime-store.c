@@ -98,9 +98,8 @@ static int make_slot_copies(spice_runtime * rt, const spice_store_params * param
     }
     spice_slot_copies_free(&rt->slot_copies);
     start_progress(rt, precision);
-    const int status = spice_slot_copies_make(&rt->slot_copies, rt->layers, rt->n_layers, precision, 0,
-                                              &rt->copies_done, rt->last_error, sizeof(rt->last_error));
-    return status;
+    return spice_slot_copies_make(&rt->slot_copies, rt->layers, rt->n_layers, precision, 0, &rt->copies_done,
+                                  rt->last_error, sizeof(rt->last_error));
 }
 
 int spice_runtime_slot_copies(const spice_runtime * rt, int32_t * precision, uint64_t * bytes, double * seconds) {
@@ -134,9 +133,8 @@ int spice_runtime_slot_copies_load(spice_runtime * rt, int32_t precision, const 
     }
     spice_slot_copies_free(&rt->slot_copies);
     start_progress(rt, precision);
-    const int status = spice_slot_copies_read(&rt->slot_copies, rt->layers, rt->n_layers, precision, path,
-                                              model_key, &rt->copies_done, rt->last_error, sizeof(rt->last_error));
-    return status;
+    return spice_slot_copies_read(&rt->slot_copies, rt->layers, rt->n_layers, precision, path, model_key,
+                                  &rt->copies_done, rt->last_error, sizeof(rt->last_error));
 }
 
 int spice_runtime_slot_copies_save(spice_runtime * rt, const char * path, const char * model_key) {

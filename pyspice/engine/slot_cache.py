@@ -10,9 +10,8 @@ replaced.
 
 Where: $PYSPICE_SLOT_CACHE, a directory, or `off` to make them at every run; by
 default the `slot-copies` folder of pyspice's cache directory (pyspice.paths). A file
-is named after the model file (its name and a hash of where it is) and the
-precision; deleting the folder only
-costs the next run the time to make them again.
+is named after the model file (its name and a hash of where it is) and the precision;
+deleting the folder only costs the next run the time to make them again.
 """
 
 from __future__ import annotations
@@ -80,8 +79,8 @@ class KeptCopies:
     def load(self, runtime: Runtime, wanted: int, precision: str, say: Callable[[str], None]) -> bool:
         """Give `runtime` the copies kept at `precision` (SLOT_* `wanted`); False where
         there are none to use (a stale file is said, then made again; set_tier says what
-        was read). The runtime's device
-        tier is removed first: its slots may read the copies held now."""
+        was read). The runtime's device tier is removed first: its slots may read the
+        copies held now."""
         path = self.path(precision)
         if not path.is_file():
             return False

@@ -88,12 +88,11 @@ def set_tier(
                     loaded = kept.load(runtime, wanted, precision, say)
             if not loaded:
                 cores = len(os.sched_getaffinity(0))
-                eta = copies_estimate_s(precision, need, cores)
-                making = eta
-                if eta > ANNOUNCE_AFTER_S:
+                making = copies_estimate_s(precision, need, cores)
+                if making > ANNOUNCE_AFTER_S:
                     say(
                         f"{precision} slots: re-quantizing every routed expert for the device tier "
-                        f"({format_bytes(need)}, about {eta:.0f} s on {cores} cores; "
+                        f"({format_bytes(need)}, about {making:.0f} s on {cores} cores; "
                         + ("kept for later runs)" if kept is not None else "once per run)")
                     )
     try:
