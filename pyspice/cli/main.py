@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pyspice import __version__
 from pyspice.cli import (
     bench_cmd,
+    cache_cmd,
     calibrate_cmd,
     chat_cmd,
     eval_cmd,
@@ -63,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         eval_cmd,
         probe_cmd,
         sim_cmd,
+        cache_cmd,
     ):
         module.register(sub)
     for command in sub.choices.values():

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable, Mapping
@@ -72,9 +73,13 @@ class KeptCopies:
     def model_key(self) -> str:
         """What names the model to libspice: its fingerprint (tensors and sampled bytes) and
         the file's size and modification time, so that a file rewritten in place is a new
-        model even where the sampled blocks did not change."""
+        model even where the sampled blocks did not change; then where the file is, last,
+        so that `pyspice cache` can tell copies whose model is gone (kept_source)."""
         st = self.model.stat()
-        return f"{fingerprint(self.model)} size {st.st_size} mtime_ns {st.st_mtime_ns}"
+        return (
+            f"{fingerprint(self.model)} size {st.st_size} mtime_ns {st.st_mtime_ns} "
+            f"path {self.model.resolve()}"
+        )
 
     def load(self, runtime: Runtime, wanted: int, precision: str, say: Callable[[str], None]) -> bool:
         """Give `runtime` the copies kept at `precision` (SLOT_* `wanted`); False where
@@ -117,3 +122,33 @@ class KeptCopies:
             f"{precision} slots: copies kept in {path} ({format_bytes(size)}, written in "
             f"{time.monotonic() - t0:.1f} s); the next run reads them instead of making them"
         )
+
+
+@dataclass(frozen=True)
+class KeptSource:
+    """The model file a kept copy was made from, as its model key names it."""
+
+    path: Path
+    size: int
+    mtime_ns: int
+
+    def status(self) -> str:
+        """`current` (the file is there as it was), `changed` (rewritten since: the next run
+        makes the copies again) or `missing` (moved or deleted: nothing will read them)."""
+        try:
+            st = self.path.stat()
+        except OSError:
+            return "missing"
+        return "current" if (st.st_size, st.st_mtime_ns) == (self.size, self.mtime_ns) else "changed"
+
+
+_KEY = re.compile(r"^\S+ size (?P<size>\d+) mtime_ns (?P<mtime>\d+) path (?P<path>.+)$", re.DOTALL)
+
+
+def kept_source(model_key: str) -> KeptSource | None:
+    """Where the copies under `model_key` (KeptCopies.model_key) came from; None for a key
+    of a pyspice before the path was part of it (the next run refuses those copies)."""
+    m = _KEY.match(model_key)
+    if m is None:
+        return None
+    return KeptSource(Path(m["path"]), int(m["size"]), int(m["mtime"]))
