@@ -17,20 +17,18 @@ a file an interrupted save left behind; `pyspice cache clear --stale` removes on
 from __future__ import annotations
 
 import os
-import re
 import shutil
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from pyspice.engine.slot_cache import ENV, SlotCache, kept_source
+from pyspice.engine.slot_cache import SlotCache, is_kept_file, kept_source
 from pyspice.paths import cache_dir
+from pyspice.runtime import SLOT_4BIT, SLOT_5BIT
 
 KINDS = ("slot-copies", "models", "profiles", "calibration", "other")
 _FOLDERS = {"models": "models", "profiles": "profiles", "calibrate": "calibration"}
-_PRECISIONS = {1: "4-bit", 2: "5-bit"}  # spice_slot_precision, as spice.h numbers them
-# KeptCopies.path's names, and a save's temporary file beside one (spice-slot-cache.c)
-_SLOT_FILE = re.compile(r".+\.[45]bit-slots\.gguf(\.tmp-\d+)?$")
+_PRECISIONS = {SLOT_4BIT: "4-bit", SLOT_5BIT: "5-bit"}  # a file's spice.slot_copies.precision
 
 
 @dataclass(frozen=True)
@@ -47,11 +45,7 @@ class CacheEntry:
 def slot_copies_dir(environ: Mapping[str, str] = os.environ) -> Path:
     """Where slot copies are kept: $PYSPICE_SLOT_CACHE's folder, else the default one (also
     where $PYSPICE_SLOT_CACHE is `off`: copies kept before it was turned off are still there)."""
-    cache = SlotCache.from_environment(environ)
-    if cache is None:
-        cache = SlotCache.from_environment({k: v for k, v in environ.items() if k != ENV})
-    assert cache is not None  # without the variable there is always a folder
-    return cache.directory
+    return (SlotCache.from_environment(environ) or SlotCache.default()).directory
 
 
 def cache_entries(root: Path | None = None, slot_dir: Path | None = None) -> list[CacheEntry]:
@@ -62,7 +56,7 @@ def cache_entries(root: Path | None = None, slot_dir: Path | None = None) -> lis
     entries: list[CacheEntry] = []
     if slot_dir.is_dir():
         # only the files a save names: $PYSPICE_SLOT_CACHE may name a folder of the user's own
-        entries += [_slot_entry(p) for p in sorted(slot_dir.iterdir()) if _SLOT_FILE.match(p.name)]
+        entries += [_slot_entry(p) for p in sorted(slot_dir.iterdir()) if is_kept_file(p.name)]
     if root.is_dir():
         for top in sorted(root.iterdir()):
             if top.resolve() == slot_dir.resolve():

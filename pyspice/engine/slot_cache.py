@@ -43,16 +43,31 @@ class SlotCache:
     directory: Path
 
     @classmethod
+    def default(cls) -> SlotCache:
+        """The `slot-copies` folder of pyspice's cache directory."""
+        return cls(cache_dir() / "slot-copies")
+
+    @classmethod
     def from_environment(cls, environ: Mapping[str, str] = os.environ) -> SlotCache | None:
         """The cache $PYSPICE_SLOT_CACHE names (None for `off`), else the default folder."""
         value = environ.get(ENV, "").strip()
         if value.lower() == OFF:
             return None
-        return cls(Path(value).expanduser() if value else cache_dir() / "slot-copies")
+        return cls(Path(value).expanduser()) if value else cls.default()
 
     def for_model(self, model: Path) -> KeptCopies | None:
         """The copies kept for the model file `model` (None where it is no file: nothing to key them by)."""
         return KeptCopies(self, model) if model.is_file() else None
+
+
+# the names KeptCopies.path gives, and a save's temporary file beside one
+# (spice_slot_cache_write writes PATH.tmp-PID, then renames it)
+_KEPT_FILE = re.compile(r".+\.[45]bit-slots\.gguf(\.tmp-\d+)?$")
+
+
+def is_kept_file(name: str) -> bool:
+    """Whether a file name is one a save of slot copies makes (or writes first)."""
+    return _KEPT_FILE.match(name) is not None
 
 
 @dataclass(frozen=True)
