@@ -2,7 +2,7 @@
 
 SPICE (speculative expert prefetching, low-rank expert surrogates and
 cost-aware CPU/GPU orchestration) on a patched llama.cpp. See README.md and
-DESIGN.md for the map. Importing this package imports no native code; the
+docs/architecture.md for the map. Importing this package imports no native code; the
 modules that do (runtime, api) load on first use.
 """
 

@@ -2,7 +2,7 @@
 
 Switching an app is one import: `from pyspice import Llama` (or
 `pyspice.api.Llama`) accepts everything `llama_cpp.Llama` does, plus
-`policy=` (DESIGN section 6) and `max_hook_tokens=`. The model is loaded with
+`policy=` (docs/design.md section 6) and `max_hook_tokens=`. The model is loaded with
 the settings the hook needs: routed-expert tensors in plain host memory,
 never repacked (pinned host memory on GPU builds), everything else where
 llama.cpp puts it. One model, one context, one library in the process.
@@ -258,7 +258,7 @@ class Llama(llama_cpp.Llama):
         return self.spice_engine.device
 
     def automatic_device_budget(self) -> int:
-        """Bytes for a real device tier when none is given (DESIGN section 11): the
+        """Bytes for a real device tier when none is given (docs/design.md section 11): the
         GPU's free memory now (after this model's other weights and KV cache are
         allocated), less the margin ggml's buffers need, and never more than all
         routed experts."""
@@ -357,7 +357,7 @@ class Llama(llama_cpp.Llama):
         return self.spice_engine.snapshot()
 
     def spice_stats(self) -> dict[str, Any]:
-        """The stats record of DESIGN section 11 since the last reset."""
+        """The stats record of docs/design.md section 11 since the last reset."""
         return self.spice_engine.stats()
 
     def spice_reset_stats(self) -> None:

@@ -4,7 +4,7 @@ The only module that touches the C API. The cffi declarations are derived
 from the installed `spice.h`, so the two cannot drift apart. Arrays handed to
 a Python policy are zero-copy numpy views, valid only during the call.
 
-Failure rules (DESIGN section 6): a policy's `Exception` or an invalid plan
+Failure rules (docs/design.md section 6): a policy's `Exception` or an invalid plan
 runs that call exactly and is reported once; `KeyboardInterrupt` asks the
 runtime to abort the running llama_decode and is re-raised by the API layer.
 """

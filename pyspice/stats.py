@@ -1,4 +1,4 @@
-"""The one stats record (DESIGN section 11), built from raw counters.
+"""The one stats record (docs/design.md section 11), built from raw counters.
 
 The native runtime counts events (hook calls, activations, hits, misses by
 outcome, bytes, nanoseconds); the API measures wall time of prefill and
@@ -173,7 +173,7 @@ def _per_call_record(c: Counters) -> dict[str, float]:
 
 
 def stats_record(snapshot: StatsSnapshot) -> dict[str, Any]:
-    """The DESIGN section 11 record. Per-token figures divide by decoded tokens only."""
+    """The docs/design.md section 11 record. Per-token figures divide by decoded tokens only."""
     t = snapshot.timing
     record: dict[str, Any] = {
         "tpot_ms": _ratio(t.decode_s * 1e3, t.decoded_tokens),

@@ -201,7 +201,7 @@ typedef struct spice_counters {
                                   * planner had not taken them by the time the call's experts ran */
 } spice_counters;
 
-/* Add each activation's outcome (DESIGN section 11) to c: n actions with,
+/* Add each activation's outcome (docs/design.md section 11) to c: n actions with,
  * per activation, whether its expert was resident as the call began. A
  * device or host action is a hit when resident, else a fetched (device) or
  * host miss; surrogate and drop actions are never hits. */

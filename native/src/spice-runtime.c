@@ -100,7 +100,7 @@ static void plan_free(spice_plan_buffers * p) {
 
 /* ---- outcomes ------------------------------------------------------------------ */
 
-/* DESIGN section 11: a hit when its expert was resident as the call began
+/* docs/design.md section 11: a hit when its expert was resident as the call began
  * (without a device tier every expert is) and it ran exactly; otherwise a
  * miss by what happened to it. Lossy actions are never hits, resident or not. */
 void spice_counters_add_outcomes(spice_counters * c, const int32_t * actions, const uint8_t * hit, int32_t n) {

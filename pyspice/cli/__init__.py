@@ -1,1 +1,1 @@
-"""The `pyspice` command line (DESIGN section 11)."""
+"""The `pyspice` command line (docs/design.md section 11)."""

@@ -96,7 +96,7 @@ def store_params(
 
 
 def automatic_budget(whole_tier: int) -> int:
-    """Bytes for a real device tier when none is given (DESIGN section 11): the
+    """Bytes for a real device tier when none is given (docs/design.md section 11): the
     GPU's free memory now, less the margin ggml's buffers need, and never more
     than all routed experts."""
     free, _ = device_memory(0)

@@ -561,7 +561,7 @@ class Engine:
         return snap
 
     def stats(self) -> dict[str, Any]:
-        """The stats record of DESIGN section 11 since the last reset."""
+        """The stats record of docs/design.md section 11 since the last reset."""
         record = stats_record(self.snapshot())
         record["policy"] = self.policy_name
         return record

@@ -1,4 +1,4 @@
-"""The sidecar GGUF (`<model>.spice.gguf`, DESIGN section 5).
+"""The sidecar GGUF (`<model>.spice.gguf`, docs/design.md section 5).
 
 Written and read with the `gguf` package. Keys (`spice.*`): format version,
 the target model's name and fingerprint, calibration corpus and token count,

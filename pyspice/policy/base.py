@@ -1,4 +1,4 @@
-"""The data a policy sees and returns (DESIGN section 6)."""
+"""The data a policy sees and returns (docs/design.md section 6)."""
 
 from __future__ import annotations
 

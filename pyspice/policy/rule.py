@@ -1,5 +1,5 @@
 """The per-activation rule a policy declares and the engine applies by itself
-(spice_rule in native/include/spice.h; DESIGN section 3a).
+(spice_rule in native/include/spice.h; docs/design.md section 3a).
 
 A policy that is fully described by a rule (the shipped baselines) is never
 called per hook call: the engine plans every call from the rule, in C, and the

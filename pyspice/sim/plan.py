@@ -236,7 +236,7 @@ def _check_pairs(what: str, pairs: list[int], n_expert: Sequence[int], cap: int)
 
 @dataclass(frozen=True)
 class Outcomes:
-    """Activations by outcome, as the stats record counts them (DESIGN section 11)."""
+    """Activations by outcome, as the stats record counts them (docs/design.md section 11)."""
 
     hits: int = 0
     fetched: int = 0  # waited on a demand copy

@@ -5,7 +5,7 @@ clearly that this build has none. The rest need a CUDA build and a GPU
 (`make build CMAKE_ARGS=-DGGML_CUDA=ON`, then `pytest tests/native/test_cuda_device.py -s`);
 they print the numbers the tolerance statement in README rests on.
 
-Exactness on CUDA (DESIGN section 6): the device executor runs ggml's CUDA
+Exactness on CUDA (docs/design.md section 6): the device executor runs ggml's CUDA
 kernels, which quantize activations to q8_1 (the CPU uses q8_0 or, for K-quants,
 q8_K with one scale per 256 values) and sum in another order, so logits are
 equal within a tolerance, not bit for bit. Everything that stays on the host

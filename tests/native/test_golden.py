@@ -1,6 +1,6 @@
 """Golden tests: every lossless policy is bit-identical to the reference.
 
-Reference (DESIGN section 6) = this build with the hook unregistered, routed
+Reference (docs/design.md section 6) = this build with the hook unregistered, routed
 experts loaded unrepacked, ggml's tiled K-quant matmul off (tests/conftest.py).
 For both architectures, every expert type the executor supports, and a
 fixture whose expert width is not a multiple of 256, a prompt batch and 64

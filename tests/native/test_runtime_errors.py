@@ -1,4 +1,4 @@
-"""Failure handling (DESIGN section 6, issue acceptance): bad policies, bad plans,
+"""Failure handling (docs/design.md section 6, issue acceptance): bad policies, bad plans,
 Ctrl-C, a dense model, a model loaded with settings the hook cannot use."""
 
 from __future__ import annotations

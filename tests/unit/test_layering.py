@@ -1,4 +1,4 @@
-"""The layering of DESIGN section 1, enforced: every module of pyspice/ has one layer,
+"""The layering of docs/design.md section 1, enforced: every module of pyspice/ has one layer,
 and imports point down (or sideways, without a cycle).
 
 Every import counts: at module level, inside functions, under TYPE_CHECKING, and

@@ -1,4 +1,4 @@
-"""The stats record of DESIGN section 11, from raw counters."""
+"""The stats record of docs/design.md section 11, from raw counters."""
 
 from __future__ import annotations
 
