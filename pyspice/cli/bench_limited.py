@@ -9,12 +9,13 @@ to the row's RunConfig as `ram_budget`. A --ram-budget given to the whole
 command reaches every pyspice row through the same RunConfig; `upstream`
 never has one.
 
-`--memory-limit rule` takes the limit edge mode is judged at (issue 21): the
-cgroup peak of `exact` at the smallest RAM budget, run first as the other rows
-run (same sidecar, prompt and threads) under no effective limit, plus half the
-routed-expert bytes. Measuring that row apart invites a mismatch (one run took
-it without the sidecar the rows then loaded, and every row thrashed), and the
-peak moves between runs with what the page cache already holds.
+`--memory-limit rule` takes the limit edge mode is judged at
+(pyspice.measure.memory_rule): the highest cgroup peak among floor rows, `exact`
+and each row's policy at the smallest RAM budget, run first as the rows run (same
+sidecar, prompt and threads) under no effective limit, plus half the
+routed-expert bytes. Floor rows run in the same command because the peak moves
+with what a row loads (a sidecar, SPICE's draft maps) and with what the page
+cache already holds.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import dataclasses
 import json
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,13 +38,23 @@ from pyspice.measure.isolated_row import UPSTREAM, RowSpec, config_fields
 from pyspice.measure.limited_bench import RowOutcome, run_limited_bench, tokenize
 from pyspice.measure.limited_report import format_limited_table, limited_document, limited_plot
 from pyspice.measure.memlimit import system_layout
+from pyspice.measure.memory_rule import (
+    RAM_KEY,
+    RULE,
+    RULE_MIN_BUDGET,
+    RuleLimit,
+    floor_policies,
+    floor_row_name,
+    format_rss_bounds,
+    over_limit_rows,
+    rss_bounds,
+    rule_limit,
+    rule_warning,
+)
 from pyspice.measure.upstream_rows import UPSTREAM_CPU_EXPS, UPSTREAM_NCMOE
 from pyspice.policy import policy_spec
-from pyspice.units import format_bytes, parse_budget
+from pyspice.units import format_bytes
 
-RAM_KEY = "@ram="
-RULE = "rule"  # --memory-limit rule: exact's minimum + half the routed-expert bytes
-RULE_MIN_BUDGET = "1%"  # "exact at its minimum": the smallest RAM budget a row takes as a share
 GPU_ROWS = (UPSTREAM_NCMOE, UPSTREAM_CPU_EXPS)
 
 
@@ -93,72 +103,6 @@ def parse_memory_limit(text: str) -> int | str:
     return byte_size("or 'rule': exact's minimum plus half the routed-expert bytes")(text)
 
 
-def physical_memory() -> int:
-    return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
-
-
-def rule_limit(
-    spec: RowSpec, whole_tier: int, measure: Callable[[RowSpec, int], RowOutcome]
-) -> tuple[int, RowOutcome]:
-    """The limit by the rule, from `spec` (exact at RULE_MIN_BUDGET) run by `measure`
-    under the machine's whole memory: its cgroup peak + half of `whole_tier`, rounded up
-    to a MiB. A row that does not end well cannot set a limit: an error saying so."""
-    outcome = measure(spec, physical_memory())
-    if outcome.status != "ok" or not outcome.cgroup_peak:
-        raise RuntimeError(
-            f"--memory-limit {RULE}: the {spec.row} row that sets the limit ended {outcome.status}"
-            + (f" ({outcome.message})" if outcome.message else "")
-            + "; give the limit in bytes instead"
-        )
-    mib = 1 << 20
-    limit = -(-(outcome.cgroup_peak + whole_tier // 2) // mib) * mib
-    return limit, outcome
-
-
-def rule_warning(outcome: RowOutcome) -> str | None:
-    """Why the floor row's peak may be low: model pages the drop could not evict (another
-    process has them mapped) were never charged to its cgroup."""
-    if outcome.cached_before <= 0:
-        return None
-    return (
-        f"warning: {format_bytes(outcome.cached_before)} of the model stayed in the page cache after "
-        "the drop (another process has it mapped), so the floor row was not charged for them and "
-        "this limit is low: take the rule on an otherwise idle machine"
-    )
-
-
-RSS_SLACK = 0.05  # issue 21: peak RSS at most the RAM budget + the floor's overhead, +5%
-
-
-def rss_bounds(
-    rows: list[Row], outcomes: list[RowOutcome], floor: RowOutcome, whole_tier: int
-) -> dict[str, dict[str, int | bool]]:
-    """Each pyspice row's peak RSS against the bound the rule implies: its RAM budget
-    plus the overhead of the floor row (its peak RSS less its own budget), +5%. Rows
-    without a RAM budget (upstream, a device tier) have no such bound."""
-    overhead = floor.vm_hwm - parse_budget(RULE_MIN_BUDGET).resolve(whole_tier)
-    bounds: dict[str, dict[str, int | bool]] = {}
-    for row, outcome in zip(rows, outcomes, strict=True):
-        if row.ram_budget is None or not outcome.vm_hwm:
-            continue
-        bound = int((parse_budget(row.ram_budget).resolve(whole_tier) + overhead) * (1 + RSS_SLACK))
-        bounds[row.name] = {"vm_hwm": outcome.vm_hwm, "bound": bound, "met": outcome.vm_hwm <= bound}
-    return bounds
-
-
-def format_rss_bounds(bounds: dict[str, dict[str, int | bool]], floor: RowOutcome, name: str) -> str:
-    lines = [
-        f"peak RSS against RAM budget + {name}'s overhead (its peak RSS {format_bytes(floor.vm_hwm)} "
-        f"less its budget), +{RSS_SLACK:.0%}:"
-    ]
-    for row, b in bounds.items():
-        verdict = "met" if b["met"] else f"over by {format_bytes(int(b['vm_hwm']) - int(b['bound']))}"
-        lines.append(
-            f"  {row}: {format_bytes(int(b['vm_hwm']))} against {format_bytes(int(b['bound']))}: {verdict}"
-        )
-    return "\n".join(lines)
-
-
 def row_config(args: argparse.Namespace, row: Row, threads: int) -> RunConfig:
     if row.policy == UPSTREAM:  # plain llama.cpp from its mmap: no tier of any kind
         args = argparse.Namespace(**{**vars(args), "ram_budget": None, "device_budget": None})
@@ -196,50 +140,57 @@ def run(args: argparse.Namespace) -> int:
     sidecar = args.sidecar or default_sidecar_path(model)
     files = [model] + ([sidecar] if sidecar.is_file() else [])
     limit = args.memory_limit
-    rule: dict[str, Any] = {}
-    floor_outcome: RowOutcome | None = None
+    rule: RuleLimit | None = None
+    budgets = [
+        (row.name, row.policy, None if row.policy == UPSTREAM else spec.config.get("ram_budget"))
+        for row, spec in zip(rows, specs, strict=True)
+    ]
     if limit == RULE:
-        floor = Row(f"exact{RAM_KEY}{RULE_MIN_BUDGET}", "exact", RULE_MIN_BUDGET)
+        floors = [
+            Row(floor_row_name(p), p, RULE_MIN_BUDGET) for p in floor_policies([r.policy for r in rows])
+        ]
         whole = inspect_model(model).whole_tier_bytes
-        stderr_progress(f"the limit by the rule: first {floor.name}, whose cgroup peak sets it")
+        stderr_progress(
+            "the limit by the rule: first "
+            + ", ".join(f.name for f in floors)
+            + ", the highest cgroup peak of which sets it"
+        )
 
         def measure(spec: RowSpec, roomy: int) -> RowOutcome:
             return run_limited_bench([spec], layout, roomy, files, stderr_progress)[0]
 
-        limit, outcome = rule_limit(spec_of(floor), whole, measure)
-        assert outcome.cgroup_peak is not None
-        floor_outcome = outcome
-        rule = {
-            "row": floor.name,
-            "cgroup_peak": outcome.cgroup_peak,
-            "vm_hwm": outcome.vm_hwm,
-            "routed_bytes": whole,
-            "cached_after_drop": outcome.cached_before,
-        }
-        stderr_progress(
-            f"memory limit {format_bytes(limit)}: {floor.name}'s cgroup peak "
-            f"{format_bytes(outcome.cgroup_peak)} + half of {format_bytes(whole)} of routed experts "
-            "(rounded up to a MiB)"
+        rule = rule_limit([spec_of(f) for f in floors], whole, measure)
+        limit = rule.limit
+        peaks = ", ".join(
+            f"{floor_row_name(p)} {format_bytes(o.cgroup_peak or 0)}" for p, o in rule.floors.items()
         )
-        warning = rule_warning(outcome)
-        if warning:
-            stderr_progress(warning)
+        stderr_progress(
+            f"memory limit {format_bytes(limit)}: {floor_row_name(rule.highest)}'s cgroup peak "
+            f"{format_bytes(rule.highest_outcome.cgroup_peak or 0)} + half of {format_bytes(whole)} "
+            f"of routed experts (rounded up to a MiB); floor peaks: {peaks}"
+        )
+        for line in filter(None, [rule_warning(o) for o in rule.floors.values()]):
+            stderr_progress(line)
+        for line in over_limit_rows(rule, budgets):
+            stderr_progress(line)
     stderr_progress(
         f"{model.name}: {len(prompt)} prompt tokens, {args.n_predict} decoded, 1 cold + {args.repeat - 1} "
         f"warm runs per row, {threads} threads, memory limit {format_bytes(limit)} "
         f"(cgroup v{layout.version} under {layout.parent})"
     )
     outcomes = run_limited_bench(specs, layout, limit, files, stderr_progress)
-    if floor_outcome is not None:
-        bounds = rss_bounds(rows, outcomes, floor_outcome, int(rule["routed_bytes"]))
-        rule["rss_bounds"] = bounds
+    rule_record: dict[str, Any] = {}
+    if rule is not None:
+        rule_record = rule.record()
+        bounds = rss_bounds(budgets, outcomes, rule)
+        rule_record["rss_bounds"] = bounds
         if bounds:
-            stderr_progress(format_rss_bounds(bounds, floor_outcome, str(rule["row"])))
+            stderr_progress(format_rss_bounds(bounds))
     if args.json:
         header = {
             "model": str(model),
             "memory_limit": limit,
-            **({"memory_limit_rule": rule} if rule else {}),
+            **({"memory_limit_rule": rule_record} if rule_record else {}),
             "cgroup_version": layout.version,
             "prompt_tokens": len(prompt),
             "n_predict": args.n_predict,

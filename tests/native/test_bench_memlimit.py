@@ -91,3 +91,34 @@ def test_the_rule_limit_is_measured_first_and_printed(smolmoe: Path) -> None:
     bound = rule["rss_bounds"]["exact@ram=50%"]
     assert bound["vm_hwm"] == doc["rows"]["exact@ram=50%"]["vm_hwm"] and rule["vm_hwm"] > 0
     assert bound["bound"] > rule["vm_hwm"] and "peak RSS against RAM budget" in err
+
+
+# A SPICE row under the rule's limit takes at most this many times lru's limit hits per
+# decoded token, plus an allowance per token for the few a row that fits still takes. With
+# the limit set by exact's floor alone, SPICE's draft maps put it 9-11 MiB over the limit
+# on smolmoe-b at a 50% RAM budget and it took ~16,000 hits per token to lru's 0
+# (docs/results/edge-mode-smolmoe.md, "The rule's floor").
+LIMIT_HITS_FACTOR = 4
+LIMIT_HITS_ALLOWANCE = 64
+
+
+def test_spice_under_the_rule_limit_pages_no_more_than_lru(builtin_model: ModelFactory) -> None:
+    try:
+        system_layout()
+    except CgroupError as exc:
+        pytest.skip(str(exc))
+    model = builtin_model("smolmoe-b")  # with its sidecar (made on first use): SPICE's draft maps
+    n, runs = 8, 2
+    cmd = [sys.executable, "-m", "pyspice", "bench", "-m", "smolmoe-b", "-n", str(n), "--repeat", str(runs)]
+    cmd += ["--prompt-tokens", "32", "-t", "2", "--json", "--policies", "lru,spice:exact"]
+    cmd += ["--ram-budget", "50%", "--memory-limit", "rule"]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    doc = json.loads(out.stdout)
+    assert doc["model"] == str(model)
+    floors = doc["memory_limit_rule"]["floors"]
+    assert set(floors) == {"exact@ram=1%", "lru@ram=1%", "spice:exact@ram=1%"}
+    hits = {name: row["limit_hits"] / (n * runs) for name, row in doc["rows"].items()}
+    assert all(row["status"] == "ok" for row in doc["rows"].values()), doc["rows"]
+    assert hits["spice:exact"] <= LIMIT_HITS_FACTOR * hits["lru"] + LIMIT_HITS_ALLOWANCE, hits
+    assert doc["rows"]["spice:exact"]["tokens"] == doc["rows"]["lru"]["tokens"]  # both lossless

@@ -12,7 +12,7 @@ from pyspice.cli import bench_limited
 from pyspice.cli.main import build_parser
 from pyspice.cli.numbers import byte_size
 from pyspice.engine.config import RunConfig
-from pyspice.measure import pagecache
+from pyspice.measure import memory_rule, pagecache
 from pyspice.measure.isolated_row import RowSpec, config_fields, run_config
 from pyspice.measure.limited_bench import RowOutcome
 from pyspice.measure.limited_report import format_limited_table, limited_document
@@ -136,49 +136,78 @@ def test_memory_limit_takes_sizes_not_shares() -> None:
         build_parser().parse_args(["bench", "--memory-limit", "50%"])
 
 
-def test_memory_limit_rule_is_exacts_minimum_plus_half_the_routed_experts() -> None:
-    assert build_parser().parse_args(["bench", "--memory-limit", "rule"]).memory_limit == bench_limited.RULE
-    assert bench_limited.parse_memory_limit(" Rule ") == bench_limited.RULE
-    spec = RowSpec("exact@ram=1%", "exact", {}, [1, 2], 2, 2)
+def test_memory_limit_rule_is_the_highest_floor_plus_half_the_routed_experts() -> None:
+    assert build_parser().parse_args(["bench", "--memory-limit", "rule"]).memory_limit == memory_rule.RULE
+    assert bench_limited.parse_memory_limit(" Rule ") == memory_rule.RULE
+    # exact always has a floor row; every other pyspice policy among the rows one of its own
+    assert memory_rule.floor_policies(["upstream", "lru", "spice:exact", "lru"]) == [
+        "exact",
+        "lru",
+        "spice:exact",
+    ]
+    assert memory_rule.floor_policies(["upstream"]) == ["exact"]
+    mib = 2**20
+    peaks = {"exact": 200 * mib + 5, "spice:exact": 209 * mib}
+    specs = [RowSpec(memory_rule.floor_row_name(p), p, {}, [1, 2], 2, 2) for p in peaks]
     seen: list[tuple[str, int]] = []
 
     def measure(row: RowSpec, limit: int) -> RowOutcome:
         seen.append((row.row, limit))
-        return RowOutcome(row, cgroup_peak=200 * 2**20 + 5)
+        return RowOutcome(row, cgroup_peak=peaks[row.policy], vm_hwm=peaks[row.policy] + 20 * mib)
 
-    limit, outcome = bench_limited.rule_limit(spec, 54 * 2**20, measure)
-    # 200 MiB + 5 bytes + 27 MiB, up to the next MiB
-    assert limit == 228 * 2**20 and outcome.cgroup_peak == 200 * 2**20 + 5
-    assert seen == [("exact@ram=1%", bench_limited.physical_memory())]
+    rule = memory_rule.rule_limit(specs, 54 * mib, measure)
+    # the higher floor (SPICE's, with its draft maps) + 27 MiB, up to the next MiB
+    assert rule.limit == 236 * mib and rule.highest == "spice:exact"
+    assert seen == [(s.row, memory_rule.physical_memory()) for s in specs]
+    record = rule.record()
+    assert record["row"] == "spice:exact@ram=1%" and record["cgroup_peak"] == 209 * mib
+    assert set(record["floors"]) == {"exact@ram=1%", "spice:exact@ram=1%"}  # type: ignore[arg-type]
+    # a row's need: its own floor's peak + its budget beyond the floor's 1%
+    assert rule.need("spice:exact", "50%") == 209 * mib + int(54 * mib * 0.5) - int(54 * mib * 0.01)
+    assert rule.need("spice:exact", None) is None and rule.need("upstream", "50%") is None
+    assert memory_rule.over_limit_rows(rule, [("spice:exact", "spice:exact", "50%")]) == []
+    (over,) = memory_rule.over_limit_rows(rule, [("spice:exact@ram=80%", "spice:exact", "80%")])
+    assert "row spice:exact@ram=80% needs about" in over and "over the limit 236.00 MiB" in over
 
     def oom(row: RowSpec, limit: int) -> RowOutcome:
         return RowOutcome(row, status="oom-killed", message="the kernel killed it")
 
     with pytest.raises(RuntimeError, match=r"exact@ram=1% row that sets the limit ended oom-killed"):
-        bench_limited.rule_limit(spec, 54 * 2**20, oom)
+        memory_rule.rule_limit(specs, 54 * mib, oom)
     # model pages another process kept cached were never charged to the floor row
-    assert bench_limited.rule_warning(outcome) is None
-    held = RowOutcome(spec, cgroup_peak=113 * 2**20, cached_before=126 * 2**20)
-    assert "126.00 MiB of the model stayed in the page cache" in (bench_limited.rule_warning(held) or "")
+    assert memory_rule.rule_warning(rule.highest_outcome) is None
+    held = RowOutcome(specs[0], cgroup_peak=113 * mib, cached_before=126 * mib)
+    assert "126.00 MiB of the model stayed in the page cache" in (memory_rule.rule_warning(held) or "")
 
 
-def test_rss_bound_is_the_budget_plus_the_floors_overhead_plus_five_percent() -> None:
+def test_rss_bound_is_the_budget_plus_its_policys_floor_overhead_plus_five_percent() -> None:
     mib = 2**20
     whole = 100 * mib  # the floor's 1% budget is 1 MiB of it
-    floor = RowOutcome(RowSpec("exact@ram=1%", "exact", {}, [1], 2, 2), vm_hwm=201 * mib)
-    rows = bench_limited.parse_rows("upstream,exact@ram=50%,spice:exact@ram=25%")
-    outcomes = [
-        RowOutcome(RowSpec(r.name, r.policy, {}, [1], 2, 2), vm_hwm=hwm * mib)
-        for r, hwm in zip(rows, (300, 262, 237), strict=True)
+    floors = {
+        "exact": RowOutcome(RowSpec("exact@ram=1%", "exact", {}, [1], 2, 2), cgroup_peak=1, vm_hwm=201 * mib),
+        "spice:exact": RowOutcome(
+            RowSpec("spice:exact@ram=1%", "spice:exact", {}, [1], 2, 2), cgroup_peak=1, vm_hwm=206 * mib
+        ),
+    }
+    rule = memory_rule.RuleLimit(300 * mib, floors, "spice:exact", whole)
+    rows = [
+        ("upstream", "upstream", None),
+        ("exact@ram=50%", "exact", "50%"),
+        ("spice:exact", "spice:exact", "25%"),
     ]
-    bounds = bench_limited.rss_bounds(rows, outcomes, floor, whole)
+    outcomes = [
+        RowOutcome(RowSpec(name, policy, {}, [1], 2, 2), vm_hwm=hwm * mib)
+        for (name, policy, _), hwm in zip(rows, (300, 262, 242), strict=True)
+    ]
+    bounds = memory_rule.rss_bounds(rows, outcomes, rule)
     assert "upstream" not in bounds  # no RAM budget, no bound
     assert bounds["exact@ram=50%"] == {"vm_hwm": 262 * mib, "bound": int(250 * mib * 1.05), "met": True}
-    assert bounds["spice:exact@ram=25%"]["bound"] == int(225 * mib * 1.05)
-    assert bounds["spice:exact@ram=25%"]["met"] is False
-    text = bench_limited.format_rss_bounds(bounds, floor, "exact@ram=1%")
+    # SPICE's own floor, with its draft maps, sets its overhead
+    assert bounds["spice:exact"]["bound"] == int(230 * mib * 1.05)
+    assert bounds["spice:exact"]["met"] is False
+    text = memory_rule.format_rss_bounds(bounds)
     assert "exact@ram=50%: 262.00 MiB against 262.50 MiB: met" in text
-    assert "spice:exact@ram=25%: 237.00 MiB against 236.25 MiB: over by 768.00 KiB" in text
+    assert "spice:exact: 242.00 MiB against 241.50 MiB: over by 512.00 KiB" in text
 
 
 def test_rows() -> None:
