@@ -116,9 +116,10 @@ def test_spice_under_the_rule_limit_pages_no_more_than_lru(builtin_model: ModelF
     assert out.returncode == 0, out.stderr[-2000:]
     doc = json.loads(out.stdout)
     assert doc["model"] == str(model)
-    floors = doc["memory_limit_rule"]["floors"]
-    assert set(floors) == {"exact@ram=1%", "lru@ram=1%", "spice:exact@ram=1%"}
     hits = {name: row["limit_hits"] / (n * runs) for name, row in doc["rows"].items()}
     assert all(row["status"] == "ok" for row in doc["rows"].values()), doc["rows"]
     assert hits["spice:exact"] <= LIMIT_HITS_FACTOR * hits["lru"] + LIMIT_HITS_ALLOWANCE, hits
+    # the limit came from every row's policy at its minimum
+    floors = doc["memory_limit_rule"]["floors"]
+    assert set(floors) == {"exact@ram=1%", "lru@ram=1%", "spice:exact@ram=1%"}
     assert doc["rows"]["spice:exact"]["tokens"] == doc["rows"]["lru"]["tokens"]  # both lossless
