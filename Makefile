@@ -4,6 +4,7 @@
 #   make test       build everything, then run the test suite (what CI runs)
 #   make build      venv + patched llama.cpp + libspice, installed into the venv
 #   make lint       ruff + mypy
+#   make results-check   docs/results holds what its pages cite, and nothing else
 #   make bench      pyspice bench on the largest synthetic model that is comfortable here
 #   make cuda-check      compile the CUDA variant (build/cuda), cuBLAS from PyPI if missing
 #   make check-patches   prove patches/series applies to a clean upstream tree
@@ -20,7 +21,7 @@ CMAKE := $(VENV)/bin/cmake
 
 
 .PHONY: all venv upstream build pristine test test-unit test-native lint format bench run \
-        check-patches patches-export cuda-check clean distclean
+        check-patches patches-export cuda-check results-check clean distclean
 
 all: build
 
@@ -99,8 +100,12 @@ RUN_ARGS   ?= -n 256 --repeat-penalty 1.3 -t $(JOBS)
 run: build
 	$(PY) -m pyspice chat --device-budget $(RUN_BUDGET) --policy $(RUN_POLICY) $(RUN_ARGS)
 
-test: build pristine
+test: build pristine results-check
 	$(PY) -m pytest tests
+
+# docs/results holds what its pages cite and nothing else (scripts/results-check.py)
+results-check:
+	$(PYTHON) scripts/results-check.py
 
 test-unit: venv
 	$(PY) -m pytest tests/unit
@@ -109,13 +114,13 @@ test-native: build pristine
 	$(PY) -m pytest tests/native
 
 lint: venv
-	$(VENV)/bin/ruff check pyspice tests scripts
-	$(VENV)/bin/ruff format --check pyspice tests scripts
+	$(VENV)/bin/ruff check pyspice tests scripts tools
+	$(VENV)/bin/ruff format --check pyspice tests scripts tools
 	$(VENV)/bin/mypy pyspice
 
 format: venv
-	$(VENV)/bin/ruff format pyspice tests scripts
-	$(VENV)/bin/ruff check --fix pyspice tests scripts
+	$(VENV)/bin/ruff format pyspice tests scripts tools
+	$(VENV)/bin/ruff check --fix pyspice tests scripts tools
 
 # The largest synthetic model comfortable on 2 cores / 24 GiB: DeepSeek-V2-Lite
 # shapes, 8 layers, Q4_K_M (about 2 GB). Run once with the reference's tiled

@@ -66,7 +66,7 @@ step env 60 bash -c "nvidia-smi; lscpu | grep -E 'Model name|Thread|Core|Socket'
 step exec 100 spice-exec-bench --iters 2000 --json "$O/exec.json"
 GGML_CUDA_DISABLE_GRAPHS=1 step exec-nographs 60 spice-exec-bench --iters 500 --only pool --json "$O/exec-nographs.json"
 
-# ---- 1b. asynchronous planning's hand-off on this host's CPU (issue 19's post_us and take_us,
+# ---- 1b. asynchronous planning's hand-off on this host's CPU (post_us and take_us,
 # less the rule; 5b8ff91 took the locked instructions out of it): seconds ----
 if command -v spice-planner-bench >/dev/null; then
     step planner-bench 40 bash -c 'for m in 0 8 96; do spice-planner-bench --cold-mib $m; done'
@@ -130,12 +130,12 @@ step probe 70 $PY -m pyspice probe -m $M -ngl 99 -t 15 --batch-sizes 1,8 --repea
 step "decode-50%-profiled" 50 $BENCH -m $M -n 48 --repeat 5 --device-budget 50% --policies stock,exact,lru,spice:exact \
     --json 2>&1 | grep -E '^\{"' >>"$O/bench-decode.json"
 
-# ---- 3c. llama.cpp's debug log lines dropped in C (the default since session 47) against let
+# ---- 3c. llama.cpp's debug log lines dropped in C (the default since) against let
 # through to llama-cpp-python's Python callback (SPICE_LLAMA_DEBUG_LOG=1, as before): ggml-cuda
 # logs one at every CUDA graph replay, and the Python callback made each launch take the GIL,
 # waiting for the planner thread's policy -- the likely cause of spice:exact's slow launches
 # (60-110 us on 2026-12-04 against 12-20 for the other rows, in the graph launch; copies issued
-# inline did not change it, so session 46's copier A/B is not repeated). The rows that
+# inline did not change it, so the copier A/B is not repeated). The rows that
 # copy, own routing, 50%. With SPICE_CUDA_PROFILE=1 the log says per row which executor launched
 # and where a launch's time went (`graph`: 5-10 us expected for every row with the filter): a
 # device prints its line when it is closed, which for an asynchronous row can be a row later than
@@ -170,7 +170,7 @@ step trace 60 $BENCH -m $M -n 32 --repeat 1 --device-budget 25% --policies lru -
 tar -C /tmp -cf "$O/trace.tar" trace.bin 2>>"$LOG"
 
 # ---- 8. SPICE planning on and off the hook's thread, and asynchronous at every layer (the
-# default since session 43: SpiceConfig.plan_every_async 1) against every fourth: the
+# default: SpiceConfig.plan_every_async 1) against every fourth: the
 # simulator says every layer wins when planning is asynchronous (async-planning-smolmoe.md),
 # except deterministically (det1, the lossy levels' default) on DeepSeek-V2-Lite at the h200's
 # speed, where the hook's thread would wait for plans longer than a layer: @det1 measures that;
@@ -181,7 +181,7 @@ for every in 4 1; do
         --policies stock,spice:exact@sync,spice:exact@async,spice:exact@det1 --json
 done 2>&1 | grep -E '^\{"' >>"$O/bench-decode.json"
 
-# ---- 9. issue 19 item 4 on this box: SPICE planning inline with every core decoding (what a
+# ---- 9. planning's placement on this box: SPICE planning inline with every core decoding (what a
 # user gets with no -t) against the planner on a core of its own (-t 15, step 8); stock in
 # both runs gives the ratio across them. Measured only on 2 cores so far, where inline won ----
 step "planning-all-cores" 70 $PY -m pyspice bench -ngl 99 -t "$(nproc)" -m $M -n 32 --repeat 2 --device-budget 25% \
@@ -189,7 +189,7 @@ step "planning-all-cores" 70 $PY -m pyspice bench -ngl 99 -t "$(nproc)" -m $M -n
     | grep -E '^\{"' >>"$O/bench-decode.json"
 
 # ---- 10. a chat turn's prompt (32 tokens: through the hook, PREFILL_HOOK_TOKENS) at 25%:
-# the rule weighs one copy against every token that picked an expert (session 44; the
+# the rule weighs one copy against every token that picked an expert (the
 # simulator puts its prefill at 0.97x the per-activation rule's, rule-batch-costs.md);
 # prefill tok/s against stock and exact, and the decode right after; appended to
 # bench-prefill.json ----

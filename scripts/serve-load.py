@@ -1,4 +1,4 @@
-"""Load on `pyspice serve` (issue 22): concurrent clients against 127.0.0.1 only, with
+"""Load on `pyspice serve`: concurrent clients against 127.0.0.1 only, with
 malformed requests, slow clients and disconnects mixed in; then a table of results
 by class (status counts, errors), latency percentiles of the answered requests, and
 the server's RSS at start and end. Starts its own server (`--serve-args` are passed

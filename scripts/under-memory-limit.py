@@ -3,9 +3,9 @@
 runs each row, and say how it fared: cgroup peak, times it hit the limit, OOM kills.
 
 For measurements other than bench's under a memory limit, e.g. the lossy levels'
-perplexity in edge mode (issue 21; eval ppl holds every position's logits, ~190 MiB
+perplexity in edge mode (eval ppl holds every position's logits, ~190 MiB
 more than a decode, so its limit is the rule applied to the eval process itself:
-docs/results/edge-mode-smolmoe.md, session 36):
+docs/results/edge-mode.md):
 
     .venv/bin/python scripts/under-memory-limit.py 433MiB --drop ~/.cache/pyspice/models/X.gguf -- \\
         .venv/bin/python -m pyspice eval ppl -m smolmoe-b -f text.txt --token-by-token ...

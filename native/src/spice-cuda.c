@@ -180,7 +180,7 @@ int spice_cuda_create(int device, const spice_pool_layout * layout, int32_t exec
     /* Copies are issued off the hook's thread (spice-copy-queue.h) unless SPICE_CUDA_COPY_THREAD=0.
      * On the H200 VM of 2026-12-04 issuing took the hook's thread 9-18 us a copy; with the copier
      * the store's time per decode call fell 27-66 -> 4-26 us, with no consistent TPOT change within
-     * those runs' noise (docs/results/cuda-h200-2026-12-04b.md, section 4). The copier parks
+     * those runs' noise (docs/results/gpu.md, section 4). The copier parks
      * on a condition variable between copies, so it takes no core while there is nothing to copy.
      * Without it (or without a thread) copies are issued inline, on the hook's thread. */
     const char * profile_env = getenv("SPICE_CUDA_PROFILE");

@@ -9,7 +9,7 @@
  * in Python on the planner thread, the launch waits for it. On an H200 the
  * asynchronous rows' pool launches took 39-83 us in
  * ggml_backend_graph_compute_async against 5-10 for every other row
- * (docs/results/cuda-h200-2026-12-04b.md, section 6b). llama-cpp-python
+ * (docs/results/gpu.md, section 6b). llama-cpp-python
  * prints no debug line unless verbose, and pyspice never asks for that.
  *
  * The filter wraps the callback installed then: a debug line (and the pieces

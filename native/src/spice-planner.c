@@ -27,7 +27,7 @@
  * the polling (a spin, then a wake-up every few tens of microseconds) takes
  * their time instead: on 2 cores at -t 2, spice:exact decoded at 14.1
  * ms/token polling and 11.4 parked at once on the emulated tier, 26.5 and
- * 22.8 in edge mode (docs/results/async-planning-smolmoe.md), so without
+ * 22.8 in edge mode (docs/results/planning.md), so without
  * idle_poll the planner parks as soon as it has nothing to do.
  *
  * How long "a while" is follows the decode: the longest gap between posts
@@ -472,7 +472,7 @@ spice_async_entry * spice_planner_acquire(spice_planner * p, int * replaced) {
  * policy's counts, its lists): written from the hook's thread they cost a
  * transfer each from the planner's core, timed at 0.29 us of a post's 0.62
  * (-t 1, plan_every 1); moved, spice:exact's deciding time per decode call
- * fell from 1.80 to 1.69 us there (docs/results/async-planning-smolmoe.md,
+ * fell from 1.80 to 1.69 us there (docs/results/planning.md,
  * session 43). */
 int spice_planner_post(spice_planner * p, spice_async_entry * e, uint64_t seq, const spice_policy_call * call,
                        const int32_t * default_actions, const uint32_t * res_version, uint64_t res_epoch,

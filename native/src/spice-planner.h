@@ -16,7 +16,7 @@
  * post writes the entry's state and reads `sleeping`. Before, it took the
  * planner's mutex three times a call and read every entry's state, each a
  * line the planner's core also writes: 1.4 us of a decode call's 4.7-6.0 on
- * DeepSeek-V2-Lite's shape (docs/results/hook-thread-rules.md). The planner's
+ * DeepSeek-V2-Lite's shape (docs/results/cpu-overhead.md). The planner's
  * own scan stays under the mutex, and takes an entry QUEUED -> PLANNING by
  * compare-and-swap, as the hook's thread takes back the newest queued one to
  * write a newer snapshot over it; the planner parks only after announcing it
@@ -63,7 +63,7 @@ enum { SPICE_ENTRY_FREE, SPICE_ENTRY_WRITING, SPICE_ENTRY_QUEUED, SPICE_ENTRY_PL
  * the time the call returns (spice_planner_settle). Whoever moves LENT ->
  * COPYING first copies; the other waits for OWN (or FAILED: no memory).
  * Copied on the hook's thread, the rows were most of a post: 1.2-1.3 us of
- * 2.2 for DeepSeek-V2-Lite's 8 KiB row (docs/results/hook-thread-rules.md). */
+ * 2.2 for DeepSeek-V2-Lite's 8 KiB row (docs/results/cpu-overhead.md). */
 enum { SPICE_ROWS_OWN, SPICE_ROWS_LENT, SPICE_ROWS_COPYING, SPICE_ROWS_FAILED };
 
 /* What the hook's thread writes of a call besides its arrays: the planner

@@ -10,7 +10,7 @@
  * snapshot taken before them, the plan asked for the same copies again and
  * planned around room already taken -- in the simulator on target-sized
  * experts, 0.006-0.046 of hit rate and up to 7% of TPOT; see
- * docs/results/async-planning-smolmoe.md). What the hook's thread spends on
+ * docs/results/planning.md). What the hook's thread spends on
  * this is deciding time (policy_ns); the planner's own is planner_ns. */
 #include "spice-runtime-internal.h"
 #include "spice-clock.h"

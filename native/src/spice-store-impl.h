@@ -47,7 +47,7 @@ typedef struct spice_store_scratch {
  * the two scales: every build, and the twin in numpy, get the same number
  * (pyspice/sim/rule.py). Fewer bits lose experts: routers' rows have weights
  * 40-200x their median, and int8 rows changed a quarter of some layers'
- * top-4 on smolmoe-b (docs/results/hook-thread-rules.md). */
+ * top-4 on smolmoe-b (docs/results/cpu-overhead.md). */
 typedef struct spice_router_q {
     int16_t * q;   /* [n_expert][n_embd] */
     float * scale; /* [n_expert] */

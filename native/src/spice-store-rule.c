@@ -832,7 +832,7 @@ static void miss_actions(spice_store * s, spice_policy_call * call, int32_t il, 
  * first listed layer that has one. Only half the layers were listed until
  * session 49: on a model of 3 MoE layers that was this layer alone, which its
  * own call had emptied, and the first failed prefetch dropped the lagged plan's
- * after it (docs/results/hook-thread-rules.md). */
+ * after it (docs/results/cpu-overhead.md). */
 static void room_from_past_layers(const spice_store * s, spice_policy_call * call, int32_t il) {
     call->n_evict_from = 0;
     for (int32_t i = 0, l = il; i < s->n_layers; ++i, l = l > 0 ? l - 1 : s->n_layers - 1) {

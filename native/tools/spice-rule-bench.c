@@ -13,7 +13,7 @@
  * do between two hook calls in a real graph, so the rule runs on cold
  * caches; this machine's rule times grow with M up to about 100 MiB, what a
  * decode step of a real-shape model reads between two calls
- * (docs/results/hook-thread-rules.md, session 51). Prints the median and the
+ * (docs/results/cpu-overhead.md, session 51). Prints the median and the
  * mean ns per call of the rule alone and of begin_call + apply, and
  * the hit rate (selected experts resident when their call began). --only
  * runs one rule (ondemand, lru, adapmoe, adapmoe-g: adapmoe with the next

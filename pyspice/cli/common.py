@@ -133,7 +133,7 @@ def add_context_args(p: argparse.ArgumentParser) -> None:
 
 def add_planning_args(p: argparse.ArgumentParser) -> None:
     """--planning and --plan-lag (planning_of reads them): add_context_args's, and
-    scripts/tune-quality-levels.py's, which tunes the lossy levels as they plan."""
+    tools/tune-quality-levels.py's, which tunes the lossy levels as they plan."""
     p.add_argument(
         "--planning",
         choices=("auto", "sync", "async"),

@@ -1,4 +1,4 @@
-"""What `pyspice serve` does between SIGTERM (or Ctrl-C) and its exit (issue 22).
+"""What `pyspice serve` does between SIGTERM (or Ctrl-C) and its exit.
 
 uvicorn stops accepting at once and gives the requests in flight `--grace`
 seconds before it cancels them. Cancelled mid-stream, an SSE answer just stops:

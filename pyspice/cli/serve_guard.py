@@ -1,4 +1,4 @@
-"""What `pyspice serve` puts in front of llama-cpp-python's routes (issue 22).
+"""What `pyspice serve` puts in front of llama-cpp-python's routes.
 
 llama-cpp-python's app checks the API key only on its own routes (not on
 /docs, /openapi.json or ours), answers malformed JSON and invalid fields with

@@ -68,7 +68,7 @@ class ModelDefaults:
     the targets route: few experts per token (smolmoe-b, 4 of 32, as
     Qwen2-57B-A14B's 8 of 64). Text for a reader (chat, generate, serve, eval
     ppl) runs the model with the better held-out perplexity, smolmoe (top-12):
-    docs/results/smolmoe-b.md has both."""
+    docs/results/models.md has both."""
 
     benchmark: str = "smolmoe-b"
     quality: str = "smolmoe"
@@ -240,7 +240,7 @@ class RunConfig:
     def _max_hook_tokens(self, gpu: bool, budget: str | int | None, policy: str, note: Note) -> int:
         """--max-hook-tokens when given; otherwise PREFILL_HOOK_TOKENS on a real GPU tier
         (prompt batches through the hook measured 0.24-0.79x of stock on an H200,
-        docs/results/cuda-h200.md; upstream's path runs them as stock does), else 0."""
+        docs/results/gpu.md; upstream's path runs them as stock does), else 0."""
         if self.max_hook_tokens is not None:
             return self.max_hook_tokens
         if (

@@ -5,7 +5,7 @@ page cache re-reading its weights at every token; edge mode (`--ram-budget`)
 keeps the routed experts in the file and reads the ones a token needs. The
 other way round, a model that fits runs faster from RAM: edge mode reads every
 missed expert from disk (on smolmoe-b it decoded at 0.5x upstream's speed with
-the file in RAM, docs/results/edge-mode-smolmoe.md). `memory_advice` says which
+the file in RAM, docs/results/edge-mode.md). `memory_advice` says which
 case a run is in, once, before the model loads.
 
 "The memory it may use" is the kernel's MemAvailable (free memory plus the page
@@ -25,7 +25,7 @@ from pyspice.units import format_bytes
 # model's weights and pool: the rest is the KV cache, buffers and the process itself
 ADVICE_USABLE = 0.8
 # and what the Python process running it holds besides the model (pyspice's floor row:
-# ~110 MiB anonymous on smolmoe-b, docs/results/edge-mode-smolmoe.md)
+# ~110 MiB anonymous on smolmoe-b, docs/results/edge-mode.md)
 PROCESS_BYTES = 128 << 20
 CGROUP_V1_UNLIMITED = 1 << 62  # v1 writes "no limit" as a page-rounded 2^63 - 1
 

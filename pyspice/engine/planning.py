@@ -16,7 +16,8 @@ from pyspice.policy import PolicyContext
 from pyspice.policy.spice.cost import CostModel
 from pyspice.runtime import AsyncParams
 
-# Issue 19 item 4, measured on the 2-core development machine. Where the decode takes
+# Measured on the 2-core development machine (docs/results/planning.md, "Synchronous
+# where the decode takes every core"). Where the decode takes
 # every core, planning inline beats giving the planner a core of its own: asynchronous
 # at -t 1 against synchronous at -t 2 (smolmoe, 50% emulated tier, TPOT ms) spice:exact
 # 18.7 vs 13.9, spice:balanced 23.3 vs 14.5, spice:fast 19.8 vs 13.8 -- the second graph
@@ -24,19 +25,19 @@ from pyspice.runtime import AsyncParams
 # cores, parked when idle) only equals synchronous (11.4 vs 11.4 on smolmoe-b). Where the
 # decode leaves a core free, the planner runs there at no cost to the graph and the hook
 # thread stops waiting for Python: at -t 1, smolmoe-b, emulated 25% and 50%, 3 rounds of
-# 2 repeats (session 37), asynchronous decoded in 0.91-0.95x synchronous's TPOT for every
+# 2 repeats, asynchronous decoded in 0.91-0.95x synchronous's TPOT for every
 # SPICE level. So the default follows the run: asynchronous when the decode's threads are
 # fewer than the cores this process may use, synchronous when they take every core.
 # The lossy levels too, but deterministically (Planning.chosen): free-running, which
 # experts a plan has landed by the time a call comes depends on the planner's timing,
 # and so which activations are substituted or run from low-precision slots. spice:fast
 # read +4.87% and +6.24% perplexity in two runs of the same command (fortunes-min, 6
-# chunks, token by token, 25%; sessions 38 and 40) -- the planner's timing, not the
+# chunks, token by token, 25%, two runs) -- the planner's timing, not the
 # text, moved it -- and thresholds tuned on one run's noise do not hold on the next.
 # Applied exactly one layer late (the free-running lag measured 1.01-1.03 layers), a
 # plan is the same in every run; the hook's thread then waits for a plan not done yet,
-# which for a ~40 us plan on a core of its own is seldom (bench column `wait us`; the
-# issue 19 note has the numbers). Which copies have landed when a call comes follows
+# which for a ~40 us plan on a core of its own is seldom (bench column `wait us`;
+# docs/results/planning.md). Which copies have landed when a call comes follows
 # the tier's clock: an emulated tier's then moves a modelled layer per call
 # (virtual_layer_ns), so a run repeats to the bit; a real device's copies take the
 # time they take.
@@ -130,7 +131,7 @@ class Planning:
 
     def expected_lag(self) -> int:
         """MoE layers from a call to its plan's use: the deterministic lag, else the one
-        measured free-running (1.0-1.1 on smolmoe, docs in the issue 19 note)."""
+        measured free-running (1.0-1.1 on smolmoe, docs/results/planning.md)."""
         return self.deterministic_lag if self.deterministic_lag > 0 else 1
 
     def params(
@@ -175,6 +176,6 @@ def virtual_layer_ns(ctx: PolicyContext) -> int:
     experts a call finds in their slots -- 5-bit or 4-bit copies for the lossy levels,
     the model's weights on the host otherwise -- decides its output. On the wall clock
     spice:balanced's perplexity change read +0.44% and -0.19% in two runs of one command
-    at det1 (fortunes-min, 6 chunks, 25%; session 44)."""
+    at det1 (fortunes-min, 6 chunks, 25%;)."""
     cost = CostModel.from_context(ctx)
     return max(1, round(cost.layer_us(max(1, ctx.n_expert_used)) * 1e3))

@@ -182,8 +182,8 @@ def decode_per_call(total: dict[str, Any], prompt: dict[str, Any]) -> dict[str, 
     """The per_call record of the decode hook calls alone (the whole run's less the
     prompt's). A prompt batch's call costs many decode calls' worth (asynchronous
     planning copies every row of its snapshot), so per_call, averaged over every call,
-    is not comparable with policy_us_per_decode_call: issue 19's accounting check
-    (scripts/hook-thread-rows.py) compares these."""
+    is not comparable with policy_us_per_decode_call: accounting check
+    (tools/hook-thread-rows.py) compares these."""
     return {
         key: _decode_mean(value, prompt["per_call"][key], total, prompt)
         for key, value in total["per_call"].items()
@@ -354,7 +354,7 @@ def format_table(results: dict[str, PolicyResult], baseline: str) -> str:
             f"{st.get('planner_wait_us_per_decode_call', 0.0):.1f}" if planning.get("asynchronous") else "-"
         )
         # the store's own time (issuing and polling copies, evicting): not deciding, but the hook
-        # thread's, and on a real GPU 9-18 us per copy (docs/results/cuda-h200-2026-12-04.md)
+        # thread's, and on a real GPU 9-18 us per copy (docs/results/gpu.md)
         store = (st.get("per_call_decode") or st.get("per_call") or {}).get("store_us", 0.0)
         lines.append(
             f"{res.shown:<{width}} {pps:>13.1f} {pps_ratio:>11} {tpot:>9.3f} {tpot_best:>8.3f} "

@@ -85,7 +85,7 @@ def device_bytes(report: BufferReport | None, slot_bytes: int = 0) -> dict[str, 
     return out
 
 
-# rows at "the same device bytes" differ by at most this share (issue 18)
+# rows at "the same device bytes" differ by at most this share
 SAME_BYTES = 0.05
 
 

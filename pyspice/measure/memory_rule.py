@@ -8,7 +8,7 @@ and the largest peak is the floor: a policy's own memory (SPICE's draft maps,
 its planner thread, a lossy level's surrogates) is then inside the limit, and
 the limit covers every row it is used for. With `exact`'s floor alone, SPICE
 rows at a 50% RAM budget ran 9-11 MiB over the limit on smolmoe-b and paged
-their own mapped weights, 100x slower than `lru` (docs/results/edge-mode-smolmoe.md,
+their own mapped weights, 100x slower than `lru` (docs/results/edge-mode.md,
 "The rule's floor").
 
 A row whose need (its floor's peak plus its RAM budget beyond the floor's) is

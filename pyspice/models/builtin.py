@@ -28,7 +28,7 @@ BENCH_NAME = "smolmoe-b"
 @dataclass(frozen=True)
 class TunedLevels:
     """The lossy levels' surrogate thresholds tuned for a built-in model's own sidecar
-    (scripts/tune-quality-levels.py on its calibration split), and which calibration
+    (tools/tune-quality-levels.py on its calibration split), and which calibration
     that sidecar was (corpus, tokens, LoRE rank): a sidecar of that calibration gets
     them written in (adopt_tuned_levels), one of another keeps the shared constants."""
 
@@ -51,8 +51,8 @@ class BuiltinModel:
     tuned: TunedLevels | None = None  # its quality levels' thresholds (None: the shared ones)
 
 
-# scripts/tune-quality-levels.py on each model's calibration split (grids, times and the
-# judging on text of no calibration source: docs/results/quality-levels-per-model.md)
+# tools/tune-quality-levels.py on each model's calibration split (grids, times and the
+# judging on text of no calibration source: docs/results/quality-levels.md)
 _TUNED_ON = "calibration split, 3/6 chunks of 512 token by token, budgets 25%,50%, margin 0.6, 2026-12-01"
 SMOLMOE_LEVELS = TunedLevels(
     corpus="pydoc_data.topics:calibration",
@@ -66,13 +66,13 @@ SMOLMOE_B_LEVELS = TunedLevels(
     corpus="smolmoe-b mix:calibration",
     tokens=8192,
     lore_rank=8,
-    # retuned (session 50) once a lagged plan's room was ordered from where it lands
+    # retuned once a lagged plan's room was ordered from where it lands
     # (dfb06f8): balanced's 0.5 had read +1.20% on the held-out split at 50% (past its
     # 1%), +1.66% with that order. Each level's cells with its own slots (balanced 5-bit,
     # fast 4-bit), planning det1, errors 0.45-0.55 on 6 calibration chunks: balanced 0.55
     # is past its margin (+0.61% at 25%), 0.45 keeps the larger host cut (24.6% / 54.5%)
     # and held on the held-out split (-0.09% / +0.77%); fast 0.55 is past its margin
-    # (+3.05% at 25%), 0.5 held there (+1.93% / +1.88%; docs/results/quality-levels-per-model.md)
+    # (+3.05% at 25%), 0.5 held there (+1.93% / +1.88%; docs/results/quality-levels.md)
     balanced=SurrogateThresholds(max_weight=0.05, max_error=0.45),
     fast=SurrogateThresholds(max_weight=0.05, max_error=0.5),
     tuned_on=(

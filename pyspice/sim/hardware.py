@@ -108,7 +108,7 @@ _FIELDS = (
 )
 
 
-# What only a run on the hardware itself shows (docs/results/cuda-h200-2026-12-04.md): the
+# What only a run on the hardware itself shows (docs/results/gpu.md): the
 # hook's thread's time per copy it starts, the device's time per activation beyond reading
 # the expert's bytes, and how much slower the host runs its misses while the bus copies. A
 # profile without them gets 0: copies free to the hook's thread and the host, a device

@@ -108,7 +108,7 @@ class Costs:
     hook_us: float = 0.0  # reaching the policy and applying its plan, per hook call
     python_call_us: float = 0.0  # extra per call for a Python policy (views, plan conversion)
     surrogate_us: float = 0.0  # device: one surrogate activation
-    # measured on a real GPU (docs/results/cuda-h200-2026-12-04.md); 0 where not measured:
+    # measured on a real GPU (docs/results/gpu.md); 0 where not measured:
     copy_issue_us: float = 0.0  # the hook's thread, per copy it starts (CUDA calls, polling)
     device_act_overhead_us: float = 0.0  # device: per activation beyond reading its bytes
     bus_host_slowdown: float = 0.0  # host expert work is this much slower while the bus copies

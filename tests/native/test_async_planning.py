@@ -566,7 +566,7 @@ def test_ctrl_c_stops_generation_planning_asynchronously(model: Any) -> None:
 
 
 def test_deciding_time_is_split_into_its_parts(model: Any, reference: Any) -> None:
-    """policy_ns by part (issue 19's deciding time): the rule's planning, and asynchronous
+    """policy_ns by part (deciding time): the rule's planning, and asynchronous
     planning's taking plans and an entry, and posting snapshots; the rest is merging
     plan lists. A row with no policy decides by the rule alone."""
     llm = load(model)

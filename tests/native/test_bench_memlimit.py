@@ -97,7 +97,7 @@ def test_the_rule_limit_is_measured_first_and_printed(smolmoe: Path) -> None:
 # decoded token, plus an allowance per token for the few a row that fits still takes. With
 # the limit set by exact's floor alone, SPICE's draft maps put it 9-11 MiB over the limit
 # on smolmoe-b at a 50% RAM budget and it took ~16,000 hits per token to lru's 0
-# (docs/results/edge-mode-smolmoe.md, "The rule's floor").
+# (docs/results/edge-mode.md, "The rule's floor").
 LIMIT_HITS_FACTOR = 4
 LIMIT_HITS_ALLOWANCE = 64
 

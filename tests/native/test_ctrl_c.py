@@ -1,5 +1,5 @@
 """Ctrl-C stops generation promptly under every policy and bus speed, prompts included
-(issue 22, rows 31, 80-82): a bus so slow that one expert copy takes minutes, SIGINT
+: a bus so slow that one expert copy takes minutes, SIGINT
 once, and the process must be gone within 30 s with exit 130 ("pyspice: interrupted").
 
 Before: under a rule policy (`lru`) or libspice's own (`exact`) nothing in Python ran

@@ -1,4 +1,4 @@
-"""The hook's graph input (issue 18): ONE packed source per MoE layer (hidden rows,
+"""The hook's graph input: ONE packed source per MoE layer (hidden rows,
 gate weights, ids as F32), the router probabilities and the shared-expert output
 only when the registered policy reads them, and the flags in llama.cpp's
 graph-reuse check, so a graph built without probabilities is never reused for a

@@ -1,4 +1,4 @@
-"""A HookCall's lifetime (issue 22): read after `decide` returns, it raises; arrays a
+"""A HookCall's lifetime: read after `decide` returns, it raises; arrays a
 policy took during a call stay memory-safe afterwards, even after `Llama.close()`
 (their contents are then unspecified). Before, the kept views pointed into the
 graph's buffers: stale data after the call, a segfault after close."""

@@ -317,7 +317,7 @@ def test_the_rules_router_keeps_float_top_k_where_int8_would_not() -> None:
     """Routers' rows hold weights 40-200x their median (smolmoe-b), and hidden rows a
     few outlier dimensions. On rows shaped so, the rule's int16 router picks the
     float64 top-4; int8 rows -- the negative control, tried first -- lose 7% of them
-    here and a quarter of some layers' on smolmoe-b (docs/results/hook-thread-rules.md)."""
+    here and a quarter of some layers' on smolmoe-b (docs/results/cpu-overhead.md)."""
     from pyspice.sim.rule import ROUTER_Q_LIMIT, quantize_rows, router_logits
 
     rng = np.random.default_rng(7)

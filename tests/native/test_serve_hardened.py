@@ -1,4 +1,4 @@
-"""`pyspice serve` hardened (issue 22), a real server on 127.0.0.1: the API key on every
+"""`pyspice serve` hardened, a real server on 127.0.0.1: the API key on every
 route, 4xx JSON errors without server paths, the body limit, CORS off, an absent
 max_tokens bounded, and SIGTERM letting an in-flight request finish, exit 0."""
 

@@ -336,7 +336,7 @@ def test_the_sidecar_beside_the_model_is_picked_up(tiny: Path, tmp_path: Path) -
     out = run(*argv, "--policy", "spice", "--device-budget", "50%", check=False)
     message = _one_line_error(out)
     assert "bad sidecar" in message and "pyspice calibrate" in message and "--no-sidecar" in message
-    # one that does not (exact, the CPU default): a warning, and the run goes on (issue 22, row 23)
+    # one that does not (exact, the CPU default): a warning, and the run goes on
     exact = run(*argv)
     assert "warning: ignoring" in exact.stderr and "m.spice.gguf" in exact.stderr
     # stock needs no sidecar and does not look for one

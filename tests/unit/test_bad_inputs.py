@@ -1,5 +1,5 @@
 """Bad inputs without native code: each is refused with one line naming the input and
-the fix, before any work, and no file is changed (issue 22; the classes of
+the fix, before any work, and no file is changed (the classes of
 shared/reviews/bad-inputs-2026-12-01.md)."""
 
 from __future__ import annotations

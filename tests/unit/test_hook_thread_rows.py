@@ -1,4 +1,4 @@
-"""scripts/hook-thread-rows.py, issue 19's accounting check: hook time over exact's less
+"""tools/hook-thread-rows.py, accounting check: hook time over exact's less
 deciding, store and copy waits. The waits are the decode calls' own where a record has
 them (per_call_decode.stall_us): the whole run's, prompt included, read rows with large
 experts 15-16 us under on DeepSeek-V2-Lite's shape."""

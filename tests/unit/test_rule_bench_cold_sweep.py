@@ -1,4 +1,4 @@
-"""scripts/rule-bench-cold-sweep.py: spice-rule-bench's table read back per rule, the
+"""tools/rule-bench-cold-sweep.py: spice-rule-bench's table read back per rule, the
 sweep's markdown (a row per amount touched), and bad input refused with what to do."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """pyspice serve's Guard (cli/serve_guard.py) driven as an ASGI app in-process: the key on
 every route, 4xx JSON errors without server paths, the 1 MiB body limit, the bounded
-queue, generic 500s, and the default max_tokens (issue 22, rows 61-64 and 69)."""
+queue, generic 500s, and the default max_tokens."""
 
 from __future__ import annotations
 

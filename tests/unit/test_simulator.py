@@ -237,8 +237,8 @@ def test_a_policy_that_preloads_starts_with_the_tier_filled_in_layer_order() -> 
 
 
 def test_measured_copy_costs_charge_what_a_real_gpu_showed() -> None:
-    """What the H200 lease measured (Costs.copy_issue_us, device_act_overhead_us,
-    bus_host_slowdown; docs/results/cuda-h200-2026-12-04.md): the hook's thread pays for
+    """What the lent H200 measured (Costs.copy_issue_us, device_act_overhead_us,
+    bus_host_slowdown; docs/results/gpu.md): the hook's thread pays for
     each copy it starts, a device activation costs more than its bytes, and host work
     slows while the bus copies. A policy that copies nothing pays none of the copy terms."""
     wl = workload(prompt=0, tokens=6)

@@ -527,7 +527,7 @@ def test_a_late_plan_takes_room_from_the_layers_needed_last_where_it_lands(lag: 
     """evict_from lists the layers farthest first counted from the layer where the plan
     lands: `lag` layers on, the layer that landed it has run and is needed again last.
     Counted from the planning layer, the landing layer was listed last and never gave
-    room (1-4% more TPOT in the simulator on the targets' sizes, session 49)."""
+    room (1-4% more TPOT in the simulator on the targets' sizes)."""
     from pyspice.policy.spice.lookahead import NO_CONFIDENCE, Predictions
     from pyspice.policy.spice.planner import PrefetchPlanner
 
@@ -567,7 +567,7 @@ def test_a_late_plan_prefetches_the_first_layer_from_a_layer_it_still_lands_with
 ) -> None:
     """A plan applied `lag` MoE layers late lands at the next token's first layer if it was
     made at the token's last one: the prior's prefetch then comes too late for that layer,
-    which (session 49, the 4-layer DeepSeek-V2-Lite at 25%) then held nothing at all. The
+    which (the 4-layer DeepSeek-V2-Lite at 25%) then held nothing at all. The
     prior goes with the last planning layer whose plan lands within the token."""
     predictor = ScriptedPredictor(8)
     predictor.future = {il: [il, il + 1] for il in range(4)}

@@ -34,7 +34,7 @@ class SpiceConfig:
     # smolmoe however little it does -- the entry from C, reading the predictor's maps
     # (one 32 x 576 float32 block per predicted layer), the look-ahead, the plan -- so
     # planning less often is what keeps the policy within 30 us per hook call of
-    # exact-py's (scripts/policy-cost.py --plain: +28 us at 4 against +38 at 3 and +48
+    # exact-py's (tools/policy-cost.py --plain: +28 us at 4 against +38 at 3 and +48
     # at 2, hit rate 0.62 against 0.64 and 0.66). Deep variants only, and only as far
     # apart as the device budget holds (plan_every + 1) layers' top-k twice over;
     # plan_every=1 plans (and rolls out) at every hook call, the letter of Algorithm 1
@@ -47,7 +47,7 @@ class SpiceConfig:
     # cell combinations (1-15%), level in one, +0.9% in one (spice:fast, DeepSeek-V2-Lite
     # h200 50%); deterministic (det1) faster in 20 of 24, slower in DeepSeek-V2-Lite h200
     # cells, where a layer is shorter than a plan and the hook's thread waits for each
-    # (+0.6..+9%; docs/results/async-planning-smolmoe.md, session 43). Not in edge mode
+    # (+0.6..+9%; docs/results/planning.md). Not in edge mode
     # (a tier that retains by use): there plan_every still applies; its plans issued no
     # prefetch in the simulator at either cadence (the rule fetches and keeps), so
     # planning more often would only add posts
@@ -70,7 +70,7 @@ class SpiceConfig:
     # it (fetching costs no more there), and room comes from the resident experts with
     # the lowest use count decayed by this at each call of their layer: a frequency that
     # forgets, which read 1.7-1.9x MIN's bytes in the simulator where recency read 2.1-2.7x
-    # (docs/results/edge-mode-sim.md; 0.99 was the best of 0.9/0.97/0.99/0.995 on
+    # (docs/results/edge-mode.md; 0.99 was the best of 0.9/0.97/0.99/0.995 on
     # calibration text)
     retention_decay: float = 0.99
     # --- surrogates (lossy; 0 disables) ---
@@ -84,7 +84,7 @@ class SpiceConfig:
     # misses on the model's own weights. "5bit": about 5.5 bits (SPICE_SLOT_5BIT: Q5_0
     # for a Q8_0 model), ~1.55x the experts. On smolmoe-b, every routed expert at IQ4_NL
     # moved perplexity by -0.62..+1.49% over three texts, at Q5_0 by -0.30..+0.33%
-    # (docs/results/quality-levels-per-model.md): so spice:balanced (+1% bound) holds
+    # (docs/results/quality-levels.md): so spice:balanced (+1% bound) holds
     # 5-bit slots and spice:fast (+5%) 4-bit ones
     slot_precision: SlotPrecision = "exact"
     # --- start ---
@@ -98,7 +98,7 @@ class SpiceConfig:
     # it uses, and a full start blocks that: in the simulator on Qwen2-57B's sizes
     # (h200, rtx4060; 25%, 50%) decode TPOT rose 0.5-9.2% for every level and decode hits
     # fell by up to 0.045, and a fill spread evenly over the layers in calibration-count
-    # order still cost up to 5% at 50% (docs/results/hook-thread-rules.md, session 42)
+    # order still cost up to 5% at 50% (docs/results/cpu-overhead.md)
     preload: bool = False
 
     @property
@@ -117,7 +117,7 @@ class SpiceConfig:
 @dataclass(frozen=True)
 class SurrogateThresholds:
     """A lossy level's two surrogate thresholds, tuned for one model (its sidecar
-    carries them: pyspice.formats.sidecar, written by scripts/tune-quality-levels.py)."""
+    carries them: pyspice.formats.sidecar, written by tools/tune-quality-levels.py)."""
 
     max_weight: float  # a miss whose gate weight is below this may be substituted ...
     max_error: float  # ... if its surrogate's held-out relative error is at most this
@@ -133,10 +133,10 @@ LEVEL_BOUNDS: dict[str, float] = {"spice:balanced": 0.01, "spice:fast": 0.05}
 
 # Quality levels. A lossy level's surrogate thresholds belong with the surrogates
 # they trust, so each model's come from its sidecar (`spice.levels.*`, see
-# level_config): scripts/tune-quality-levels.py chooses them on the CALIBRATION
+# level_config): tools/tune-quality-levels.py chooses them on the CALIBRATION
 # split of that model's corpus at 25% and 50% budgets, within 0.6 of the
 # level's bound on calibration text, and writes them there; they are judged on
-# text of no calibration source (docs/results/quality-levels-per-model.md).
+# text of no calibration source (docs/results/quality-levels.md).
 # The constants below are the fallback for a sidecar without tuned thresholds
 # (said once per level): smolmoe's first tuning, before per-model thresholds.
 QUALITY_LEVELS: dict[str, SpiceConfig] = {
@@ -196,7 +196,7 @@ def level_config(
             note(
                 f"{name}: the sidecar has no surrogate thresholds tuned for this model; using the "
                 f"shared ones (gate weight < {config.surrogate_max_weight:g}, error <= "
-                f"{config.surrogate_max_error:g}; scripts/tune-quality-levels.py --write tunes them)"
+                f"{config.surrogate_max_error:g}; tools/tune-quality-levels.py --write tunes them)"
             )
         return config
     tuned_config = replace(config, surrogate_max_weight=own.max_weight, surrogate_max_error=own.max_error)

@@ -83,8 +83,8 @@ class PrefetchPlanner:
         # then that layer has run and is the one needed again last. Ordered from the layer
         # that planned, it was listed last (never a victim) and the planning layer first. In
         # the simulator, planning at every layer one layer late, landing order cut TPOT in all
-        # 8 target x profile x budget cells: 2.8-3.6% at 25%, 0.4-1.9% at 50% (session 49,
-        # docs/results/hook-thread-rules.md)
+        # 8 target x profile x budget cells: 2.8-3.6% at 25%, 0.4-1.9% at 50%
+        # (docs/results/planning.md)
         self.room_order = {cur: self.farthest[moe[(i + max(0, lag)) % n_moe]] for i, cur in enumerate(moe)}
         self.distance_lists: list[list[int]] = distance.tolist()
         self.n_moe = n_moe

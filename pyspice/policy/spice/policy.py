@@ -96,7 +96,7 @@ class SpicePolicy(PolicyBase):
         # on a tier where a host action reads its expert first, misses are fetched and
         # kept by decayed use (asynchronous_rule), and a prefetch takes free room only: one
         # that took room by evict_from evicted what retention keeps, for 60-90% more bytes
-        # read and 1-2% of TPOT in the simulator (docs/results/edge-mode-sim.md)
+        # read and 1-2% of TPOT in the simulator (docs/results/edge-mode.md)
         self.retains = cfg.miss_mode == "cost" and self.cost.host_reads
         k = max(1, ctx.n_expert_used)
         moe = ctx.moe_layers
@@ -147,7 +147,7 @@ class SpicePolicy(PolicyBase):
         # the next token's first MoE layer, prefetched from a prior by the token's last plan
         # that still lands within the token: a plan applied `lag` layers late (asynchronous)
         # made at the token's last layer lands at the next token's first call, too late for
-        # it (session 49: on the 4-layer DeepSeek-V2-Lite, free-running at every layer, that
+        # it (on the 4-layer DeepSeek-V2-Lite, free-running at every layer, that
         # layer then held no expert at all and 25% hit 0.346 against sync's 0.532)
         self.first_moe = moe[0] if moe else -1
         self.first_prior = FirstLayerPrior(ctx.n_expert[self.first_moe] if moe else 1)
@@ -207,7 +207,7 @@ class SpicePolicy(PolicyBase):
         (a real bus and target-sized experts: H_min 5-24 in the simulator's Qwen2-57B and
         DeepSeek-V2-Lite tables), a guess one layer ahead lands after it is needed and only
         takes bus time and room from the plan's deeper prefetches: there the simulator
-        measured 0.05 fewer hits and 3-6% more TPOT with it (docs/results/async-planning-smolmoe.md)."""
+        measured 0.05 fewer hits and 3-6% more TPOT with it (docs/results/planning.md)."""
         assert self.ctx is not None
         cfg, moe, k = self.config, self.ctx.moe_layers, max(1, self.ctx.n_expert_used)
         if not (cfg.rule_next and cfg.prefetch):
