@@ -1,7 +1,8 @@
 """llama.cpp's own reason for refusing a model reaches the user's one line. Before
-engine.llama_log, llama-cpp-python's bare "Failed to load model from file" was all anyone saw: llama.cpp's reason went to a log sent to /dev/null. The file
-here passes read_header (every tensor it names is well formed) but lacks one llama.cpp
-needs, so only llama.cpp can say what is wrong."""
+engine.llama_log, llama-cpp-python's bare "Failed to load model from file" was all
+anyone saw: llama.cpp's reason went to a log sent to /dev/null. The file here passes
+read_header (every tensor it names is well formed) but lacks one llama.cpp needs, so
+only llama.cpp can say what is wrong."""
 
 from __future__ import annotations
 
