@@ -123,7 +123,7 @@ def memory_advice(
             f"warning: {name} is {size}, more than the {room_text} of memory this process may use: "
             "llama.cpp will read its weights back from disk at every token as the page cache drops "
             f"them; --ram-budget {share}% keeps the routed experts in the file and reads those a token "
-            f"needs into a {format_bytes(share * routed_bytes // 100)} RAM pool (README: Running a "
+            f"needs into a {format_bytes(share * routed_bytes // 100)} RAM pool (README.md, Running a "
             "model larger than RAM)"
         )
     if ram_budget_given and 2 * file_bytes <= available:

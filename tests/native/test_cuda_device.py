@@ -3,7 +3,7 @@
 On a CPU-only build only the first test runs: asking for a CUDA tier says
 clearly that this build has none. The rest need a CUDA build and a GPU
 (`make build CMAKE_ARGS=-DGGML_CUDA=ON`, then `pytest tests/native/test_cuda_device.py -s`);
-they print the numbers the tolerance statement in README rests on.
+they print the numbers the tolerance statement in docs/guide.md ("Building with CUDA") rests on.
 
 Exactness on CUDA (docs/design.md section 6): the device executor runs ggml's CUDA
 kernels, which quantize activations to q8_1 (the CPU uses q8_0 or, for K-quants,

@@ -4,7 +4,7 @@ corpus with byte-flip mutations (under ASan and UBSan where the compiler links t
 The contract: only SPICE_OK or SPICE_ERR_INVALID_PLAN, a NUL-terminated message, no
 read out of bounds, and every accepted plan in range. A second each; longer runs outside
 CI: `build/cmake/bin/spice-fuzz-plan-check fuzz/corpus/plan_check -runs=1000000`, or the
-libFuzzer build of README's "Fuzzing" (clang, build/fuzz-clang)."""
+libFuzzer build of docs/guide.md's "Fuzzing" (clang, build/fuzz-clang)."""
 
 from __future__ import annotations
 
