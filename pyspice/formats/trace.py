@@ -18,6 +18,15 @@ Fields (all [n, ...] over the chunk's tokens):
     shared     [n, n_embd]          optional: shared-expert output before its gate
     expert_out [n, k, n_embd]       optional: outputs of the selected experts
 
+An ids-only trace (`hidden_rows: false` in meta.json; fields ("ids",) or
+("ids", "weights")) holds routing alone, as a real model's routing recording
+gives it (`pyspice trace import`): no hidden, probs or expert rows, `n_embd`
+may be 0, and its header carries what a reader needs without a model (MoE
+layers, experts, k, and `sequence_starts`, the first token of each prompt).
+Anything that asks such a trace for hidden rows or probabilities gets a
+TraceError naming what is absent; `routing()` works on it (uniform gate
+weights when the recording has none).
+
 A chunk file appears under its final name only when it is completely written
 (written to a temporary name, then renamed), so an interrupted writer leaves
 whole chunks and a meta.json with `complete: false`; `TraceWriter(...,
@@ -28,6 +37,7 @@ layer buffer is flushed first), whatever the number of layers.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -47,10 +57,11 @@ from pyspice.policy.base import HookCall, Plan, Policy, PolicyBase, attach_polic
 from pyspice.policy.context import PolicyContext
 
 FORMAT = "pyspice-trace"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: ids-only traces (hidden_rows, sequence_starts); version 1 traces read as before
 FIELDS: tuple[str, ...] = ("hidden", "probs", "ids", "weights", "shared", "expert_out")
 REQUIRED_FIELDS: tuple[str, ...] = ("hidden", "probs", "ids", "weights")
-SOURCES = ("calibration", "decode")
+IDS_ONLY_FIELDS: tuple[tuple[str, ...], ...] = (("ids",), ("ids", "weights"))
+SOURCES = ("calibration", "decode", "imported")  # imported: another runtime's recording (trace import)
 _CHUNK_RE = re.compile(r"^L(\d{4})_T(\d{10})_N(\d{7})\.npz$")
 _F16_MAX = float(np.finfo(np.float16).max)
 
@@ -69,10 +80,14 @@ class TraceMeta:
     n_expert_used: int
     n_embd: int
     fields: list[str] = field(default_factory=lambda: list(REQUIRED_FIELDS))
-    source: str = "calibration"  # "calibration" | "decode"
+    source: str = "calibration"  # "calibration" | "decode" | "imported"
     n_tokens: int = 0  # tokens every MoE layer has (set by the writer)
     complete: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    # False for an ids-only trace: no hidden/probs rows exist (a recording of routing alone)
+    hidden_rows: bool = True
+    # the first token of each sequence (prompt) in the trace, ascending from 0; [] = one sequence
+    sequence_starts: list[int] = field(default_factory=list)
     format: str = FORMAT
     version: int = FORMAT_VERSION
 
@@ -80,12 +95,35 @@ class TraceMeta:
         unknown = [f for f in self.fields if f not in FIELDS]
         if unknown:
             raise TraceError(f"unknown trace fields {unknown}; known: {', '.join(FIELDS)}")
-        missing = [f for f in REQUIRED_FIELDS if f not in self.fields]
-        if missing:
-            raise TraceError(f"a trace needs the fields {', '.join(REQUIRED_FIELDS)}; missing {missing}")
+        if self.hidden_rows:
+            missing = [f for f in REQUIRED_FIELDS if f not in self.fields]
+            if missing:
+                raise TraceError(
+                    f"a trace needs the fields {', '.join(REQUIRED_FIELDS)}; missing {missing} "
+                    "(a trace of routing alone says so with hidden_rows: false)"
+                )
+        elif tuple(self.fields) not in IDS_ONLY_FIELDS:
+            allowed = " or ".join(str(list(f)) for f in IDS_ONLY_FIELDS)
+            raise TraceError(
+                f"an ids-only trace (hidden_rows: false) holds the fields {allowed}, not {self.fields}"
+            )
         if self.source not in SOURCES:
             raise TraceError(f"trace source must be one of {SOURCES}, got {self.source!r}")
         self.moe_layers = [int(il) for il in self.moe_layers]
+        self.sequence_starts = [int(t) for t in self.sequence_starts]
+
+    @property
+    def ids_only(self) -> bool:
+        """Routing alone: no hidden rows or probabilities (an imported recording)."""
+        return not self.hidden_rows
+
+    @property
+    def kind(self) -> str:
+        return "ids-only" if self.ids_only else "full"
+
+    @property
+    def has_weights(self) -> bool:
+        return "weights" in self.fields
 
     @property
     def prompt_rows(self) -> int:
@@ -118,7 +156,8 @@ class TraceMeta:
 
     def compatible_with(self, other: TraceMeta) -> bool:
         """Same model, geometry and fields (what resuming requires)."""
-        keys = ("model", "fingerprint", "n_layers", "moe_layers", "n_expert", "n_expert_used", "n_embd")
+        keys = ("model", "fingerprint", "n_layers", "moe_layers", "n_expert", "n_expert_used", "n_embd",
+                "hidden_rows")  # fmt: skip
         return all(getattr(self, k) == getattr(other, k) for k in keys) and set(self.fields) == set(
             other.fields
         )
@@ -128,7 +167,7 @@ _META_TYPES: dict[str, tuple[type, ...]] = {
     "model": (str,), "fingerprint": (str,), "n_layers": (int,), "moe_layers": (list,),
     "n_expert": (int,), "n_expert_used": (int,), "n_embd": (int,), "fields": (list,),
     "source": (str,), "n_tokens": (int,), "complete": (bool,), "extra": (dict,),
-    "version": (int,),
+    "version": (int,), "hidden_rows": (bool,), "sequence_starts": (list,),
 }  # fmt: skip
 _META_LIMIT = 1 << 24  # no model has more layers, experts or embedding width; bounds what a reader allocates
 
@@ -152,8 +191,10 @@ def _meta_problem(values: dict[str, Any]) -> str | None:
         if key not in values:
             return f"{key} is missing"
     for key in ("n_layers", "n_expert", "n_expert_used", "n_embd"):
-        if not 1 <= values[key] <= _META_LIMIT:
-            return f"{key} = {values[key]} is outside 1..{_META_LIMIT}"
+        # an ids-only trace may not know the model's width (nothing of that width is stored)
+        low = 0 if key == "n_embd" and values.get("hidden_rows") is False else 1
+        if not low <= values[key] <= _META_LIMIT:
+            return f"{key} = {values[key]} is outside {low}..{_META_LIMIT}"
     if values["n_expert_used"] > values["n_expert"]:
         return f"n_expert_used = {values['n_expert_used']} exceeds n_expert = {values['n_expert']}"
     if values.get("n_tokens", 0) < 0:
@@ -168,6 +209,11 @@ def _meta_problem(values: dict[str, Any]) -> str | None:
         return f"moe_layers must be distinct layer numbers in 0..{values['n_layers'] - 1}, not {layers!r:.60}"
     if "fields" in values and any(not isinstance(f, str) for f in values["fields"]):
         return f"fields must be names, not {values['fields']!r:.60}"
+    starts = values.get("sequence_starts", [])
+    if any(isinstance(t, bool) or not isinstance(t, int) for t in starts) or (
+        starts and (starts[0] != 0 or any(b <= a for a, b in itertools.pairwise(starts)))
+    ):
+        return f"sequence_starts must be ascending token numbers from 0, not {starts!r:.60}"
     return None
 
 
@@ -418,6 +464,32 @@ class TraceReader:
                 f"files hold {n} for every layer (files missing or renamed); record it again"
             )
         self.n_tokens = n if not self.meta.complete else min(n, self.meta.n_tokens)
+        starts = self.meta.sequence_starts
+        if self.meta.complete and starts and starts[-1] >= self.n_tokens:
+            raise TraceError(
+                f"{self.path}: sequence_starts names token {starts[-1]}, but the trace holds "
+                f"{self.n_tokens} tokens (a damaged meta.json: record or import it again)"
+            )
+
+    def _require(self, names: tuple[str, ...], purpose: str) -> None:
+        """A TraceError naming the fields this trace lacks for `purpose`."""
+        missing = [f for f in names if f not in self.meta.fields]
+        if not missing:
+            return
+        if self.meta.ids_only:
+            raise TraceError(
+                f"{self.path} is an ids-only trace (routing alone, hidden rows absent): it has no "
+                f"{', '.join(missing)} for {purpose}; use a trace recorded by pyspice "
+                "(calibrate, generate/bench --trace) for that"
+            )
+        raise TraceError(
+            f"{self.path}: the trace has no field(s) {missing} for {purpose} (it has {self.meta.fields})"
+        )
+
+    def sequences(self) -> list[tuple[int, int]]:
+        """(start, stop) token ranges of the trace's sequences (one when the meta names none)."""
+        starts = [t for t in self.meta.sequence_starts if t < self.n_tokens] or [0]
+        return list(zip(starts, [*starts[1:], self.n_tokens], strict=True))
 
     def _load(self, chunk: Chunk, fields: tuple[str, ...]) -> dict[str, np.ndarray]:
         """The chunk's fields, checked against the meta (dtype, shape, expert ids) before use;
@@ -459,9 +531,7 @@ class TraceReader:
     def layer(self, il: int, fields: tuple[str, ...] | None = None) -> dict[str, np.ndarray]:
         """Every token of one layer, concatenated over its chunks (stored dtypes)."""
         names = tuple(fields) if fields is not None else tuple(self.meta.fields)
-        missing = [f for f in names if f not in self.meta.fields]
-        if missing:
-            raise TraceError(f"the trace has no field(s) {missing} (it has {self.meta.fields})")
+        self._require(names, "reading a layer")
         parts: dict[str, list[np.ndarray]] = {k: [] for k in names}
         for c in self.chunks.get(il, []):
             if c.start >= self.n_tokens:
@@ -475,14 +545,17 @@ class TraceReader:
         return {k: np.concatenate(v, axis=0) for k, v in parts.items()}
 
     def routing(self) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.float32]]:
-        """ids and weights of every (token, MoE layer): [T, L_moe, k] each, token-major."""
+        """ids and weights of every (token, MoE layer): [T, L_moe, k] each, token-major.
+        A trace without weights (an ids-only recording that has none) gives 1/k each."""
         T, L, k = self.n_tokens, len(self.meta.moe_layers), self.meta.n_expert_used
         ids = np.zeros((T, L, k), dtype=np.int32)
-        weights = np.zeros((T, L, k), dtype=np.float32)
+        weights = np.full((T, L, k), 1.0 / k, dtype=np.float32)
+        names = ("ids", "weights") if self.meta.has_weights else ("ids",)
         for j, il in enumerate(self.meta.moe_layers):
-            d = self.layer(il, ("ids", "weights"))
+            d = self.layer(il, names)
             ids[:, j] = d["ids"]
-            weights[:, j] = d["weights"]
+            if "weights" in d:
+                weights[:, j] = d["weights"]
         return ids, weights
 
     def tokens(self, fields: tuple[str, ...] | None = None) -> Iterator[list[dict[str, np.ndarray]]]:
@@ -490,6 +563,7 @@ class TraceReader:
 
         Memory: one chunk per layer of the requested fields."""
         names = tuple(fields) if fields is not None else tuple(self.meta.fields)
+        self._require(names, "reading tokens")
         cursors = {il: iter(self.chunks.get(il, [])) for il in self.meta.moe_layers}
         current: dict[int, tuple[Chunk, dict[str, np.ndarray]]] = {}
         for t in range(self.n_tokens):
@@ -508,6 +582,7 @@ class TraceReader:
         """The trace replayed as one-token hook calls (float32 arrays), token by token, layer by layer."""
         has_shared = "shared" in self.meta.fields
         names = ("hidden", "probs", "ids", "weights", *(("shared",) if has_shared else ()))
+        self._require(names, "replaying hook calls")
         for record in self.tokens(names):
             for rec in record:
                 yield HookCall(
