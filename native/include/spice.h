@@ -192,7 +192,7 @@ typedef struct spice_counters {
                                * preparing the executors (not deciding, not the store) */
     uint64_t async_wakes;     /* snapshots whose post woke a parked planner thread (a futex wake
                                * on the hook's thread; see spice_async_params.idle_poll) */
-    /* of policy_ns, where deciding went (issue 19): the engine's rule planning calls, and
+    /* of policy_ns, where deciding went: the engine's rule planning calls, and
      * asynchronous planning's collecting plans and taking an entry, and posting snapshots */
     uint64_t rule_ns;
     uint64_t async_take_ns;

@@ -35,7 +35,7 @@
  * for smolmoe-b at -t 1 and more for a large vocabulary on a slow host.
  * A fixed 5 ms parked the planner there about once per token, and that
  * token's first post paid a futex wake: 2-3 us on average over the posts at
- * plan_every 4 (session 37). So the planner polls for twice the longest gap
+ * plan_every 4 (docs/results/planning.md). So the planner polls for twice the longest gap
  * it waited through in the last one to two seconds (two one-second
  * windows), within 5 ms .. 250 ms: a pause in the decode (a user reading)
  * keeps it polling for at most a quarter second, and only for the next two
@@ -472,8 +472,7 @@ spice_async_entry * spice_planner_acquire(spice_planner * p, int * replaced) {
  * policy's counts, its lists): written from the hook's thread they cost a
  * transfer each from the planner's core, timed at 0.29 us of a post's 0.62
  * (-t 1, plan_every 1); moved, spice:exact's deciding time per decode call
- * fell from 1.80 to 1.69 us there (docs/results/planning.md,
- * session 43). */
+ * fell from 1.80 to 1.69 us there (docs/results/planning.md). */
 int spice_planner_post(spice_planner * p, spice_async_entry * e, uint64_t seq, const spice_policy_call * call,
                        const int32_t * default_actions, const uint32_t * res_version, uint64_t res_epoch,
                        int * woke) {

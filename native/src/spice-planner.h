@@ -38,7 +38,8 @@
  *
  * The planner thread also checks each plan (spice_plan_check) against its
  * own copy of the limits, taken at start: the check is the plan's, not the
- * call's, and on the hook's thread it cost 0.3-0.5 us per plan (session 37).
+ * call's, and on the hook's thread it cost 0.3-0.5 us per plan
+ * (docs/results/planning.md).
  * A surrogate loaded after the start is one the planner's checks do not
  * know of; an asynchronous plan's actions are for a call the rule already
  * ran, and the engine loads its surrogates before it starts a planner. */

@@ -8,7 +8,7 @@
  * (the calls in between touched a few) are copied. The rows a post copied
  * were lines the planner's core had read last, each a transfer: 4 lines and
  * 0.63 us of a post on a 4-layer DeepSeek-V2-Lite, one line per layer on the
- * real model's 27 (docs/results/cpu-overhead.md, session 47).
+ * real model's 27 (docs/results/cpu-overhead.md).
  *
  * A source identified by another epoch (another store), another shape, or no
  * versions at all is copied whole. */

@@ -360,7 +360,7 @@ static void launch_device_work(spice_runtime * rt, const spice_hook_call * hc) {
     /* the store's work here -- issuing copies queued behind the awaited ones, landing
      * them, polling -- is its bookkeeping (store_ns); only blocking on a copy is a stall.
      * Uncounted, it was hook time no counter named: on an H200 3.9-16 us a decode call
-     * for lru and 22-43 for adapmoe with copies issued inline (issue 19's accounting) */
+     * for lru and 22-43 for adapmoe with copies issued inline (docs/results/gpu.md) */
     const uint64_t t0 = spice_monotonic_ns();
     uint64_t stalled = 0;
     for (int32_t i = 0; i < rt->plan.n_wait; ++i) {
@@ -505,7 +505,7 @@ static void plan_call(spice_runtime * rt, const spice_hook_call * hc) {
     }
     /* call_ns: the steps every policy's calls take alike, timed apart from
      * deciding (policy_ns) and the store (store_ns) so that the hook's time
-     * is accounted for (issue 19's check) */
+     * is accounted for in full */
     spice_counters * c = &rt->counters[hc->il];
     spice_policy_call call;
     uint64_t t = spice_monotonic_ns();

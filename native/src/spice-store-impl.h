@@ -42,7 +42,8 @@ typedef struct spice_store_scratch {
 /* A router as the rule keeps it: each row [n_embd] in int16 with its own
  * scale (w ~ scale * q), half the f32 bytes. The next layer's router is read
  * once per call on caches ggml's kernels have just emptied, so its bytes, not
- * its arithmetic, are most of the rule's time (issue 19). Each hidden row is
+ * its arithmetic, are most of the rule's time
+ * (docs/results/cpu-overhead.md). Each hidden row is
  * scaled to 15 bits the same way, so a logit is an exact integer sum times
  * the two scales: every build, and the twin in numpy, get the same number
  * (pyspice/sim/rule.py). Fewer bits lose experts: routers' rows have weights

@@ -607,7 +607,7 @@ static int has_next_logits(const spice_store * s, const spice_policy_call * call
  * 0.36 us per decode call at a planning layer (smolmoe-b, 32 experts, top-4,
  * the graph's logits), a third of the rule's time when every layer plans; one
  * pass took spice:exact's deciding time at every layer from 1.79 to 1.61 us
- * (session 43; the same picks, checked against the k-pass form on 200000
+ * (docs/results/planning.md; the same picks, checked against the k-pass form on 200000
  * random rows with ties and -inf). */
 static void mark_top_k(const double * logits, int32_t n, int32_t k, uint8_t * picked) {
     if (k <= 0) {
@@ -829,8 +829,8 @@ static void miss_actions(spice_store * s, spice_policy_call * call, int32_t il, 
  * as SPICE's planner lists them (pyspice/policy/spice/planner.py). The next
  * layer comes last, so its prefetches take from every other one; the store
  * takes the least recently selected expert, not pinned by this call, of the
- * first listed layer that has one. Only half the layers were listed until
- * session 49: on a model of 3 MoE layers that was this layer alone, which its
+ * first listed layer that has one. When only half the layers were listed,
+ * on a model of 3 MoE layers that was this layer alone, which its
  * own call had emptied, and the first failed prefetch dropped the lagged plan's
  * after it (docs/results/cpu-overhead.md). */
 static void room_from_past_layers(const spice_store * s, spice_policy_call * call, int32_t il) {

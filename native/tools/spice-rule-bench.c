@@ -1,6 +1,6 @@
 /* spice-rule-bench: the engine's per-activation rule alone, no model. Times
  * spice_store_rule_plan -- the hook thread's deciding time for the shipped
- * baselines (issue 19's 3 us target) -- for the rules `ondemand` (KEEP_NONE),
+ * baselines (3 us per call is the bar) -- for the rules `ondemand` (KEEP_NONE),
  * `lru` (KEEP_LRU) and `adapmoe` (LAYER_LRU + the next layer's router), over
  * a decode-like stream of one-token calls with skewed routing on a store of
  * L layers x E experts, half the experts' bytes as budget.
@@ -13,7 +13,7 @@
  * do between two hook calls in a real graph, so the rule runs on cold
  * caches; this machine's rule times grow with M up to about 100 MiB, what a
  * decode step of a real-shape model reads between two calls
- * (docs/results/cpu-overhead.md, session 51). Prints the median and the
+ * (docs/results/cpu-overhead.md). Prints the median and the
  * mean ns per call of the rule alone and of begin_call + apply, and
  * the hit rate (selected experts resident when their call began). --only
  * runs one rule (ondemand, lru, adapmoe, adapmoe-g: adapmoe with the next
