@@ -25,6 +25,7 @@ from pyspice.cli import (
     probe_cmd,
     serve_cmd,
     sim_cmd,
+    trace_cmd,
 )
 from pyspice.cli.errors import add_verbose_arg, run_command
 from pyspice.cli.version import version_report
@@ -65,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
         probe_cmd,
         sim_cmd,
         cache_cmd,
+        trace_cmd,
     ):
         module.register(sub)
     for command in sub.choices.values():
