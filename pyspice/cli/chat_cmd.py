@@ -25,6 +25,7 @@ from pyspice.cli.common import (
     add_sidecar_arg,
     open_model,
 )
+from pyspice.cli.stats_text import stats_lines
 from pyspice.units import format_bytes
 
 COMMANDS = "/stats [json], /reset, /quit (or Ctrl-D); Ctrl-C stops an answer"
@@ -156,20 +157,7 @@ class ChatSession:
         record = self.llm.spice_stats()
         if full:
             return json.dumps(record, indent=1)
-        lines = []
-        for key, value in record.items():
-            if key == "layers":
-                lines.append(f"  layers: {len(value)} MoE layers (/stats json shows each)")
-            elif isinstance(value, dict):
-                lines.append(f"  {key}: " + ", ".join(f"{k} {v}" for k, v in value.items()))
-            elif key.endswith("_rate"):
-                lines.append(f"  {key}: {value:.1%}")
-            elif key.startswith("bytes"):
-                lines.append(f"  {key}: {format_bytes(value)}")
-            elif isinstance(value, float):
-                lines.append(f"  {key}: {value:.4g}")
-            else:
-                lines.append(f"  {key}: {value}")
+        lines = stats_lines(record)
         return "stats since the last /reset:\n" + "\n".join(lines)
 
     def handle(self, line: str) -> bool:
