@@ -42,10 +42,13 @@ class ModelLoadError(ValueError):
 
 
 @contextmanager
-def llama_log_tap(on_line: Callable[[int, str], None], *, forward: bool = True) -> Iterator[None]:
+def llama_log_tap(
+    on_line: Callable[[int, str], None], *, forward: bool = True, drop: re.Pattern[str] | None = None
+) -> Iterator[None]:
     """Call on_line(level, text) for each piece of llama.cpp's log written in the block
     (CONT pieces carry the level of the piece they continue), then hand the piece to the
-    callback installed before (forward=False keeps it from it), restored on leaving."""
+    callback installed before (forward=False keeps every piece from it, `drop` the pieces
+    it matches), restored on leaving."""
     import llama_cpp  # lazy: importing llama_cpp loads libllama
 
     previous = llama_cpp.llama_log_callback()
@@ -59,7 +62,7 @@ def llama_log_tap(on_line: Callable[[int, str], None], *, forward: bool = True) 
             last_level[0] = level
         with contextlib.suppress(Exception):  # a log line must never raise into llama.cpp
             on_line(last_level[0], text.decode("utf-8", errors="replace"))
-        if not forward:
+        if not forward or (drop is not None and drop.search(text.decode("utf-8", errors="replace"))):
             return
         # nor may the callback before (llama-cpp-python's decodes strictly: a fuzzed tensor
         # name that is not UTF-8 would raise there)
@@ -89,6 +92,13 @@ def error_reason(pieces: list[str]) -> str:
     specific = [t for t in lines if not _GENERIC.search(t)] or lines
     reason = "; ".join(specific)
     return reason if len(reason) <= MAX_REASON_CHARS else reason[: MAX_REASON_CHARS - 3] + "..."
+
+
+@contextmanager
+def llama_log_dropping(pattern: re.Pattern[str]) -> Iterator[None]:
+    """The block's llama.cpp log as usual, less the pieces `pattern` matches."""
+    with llama_log_tap(lambda level, text: None, drop=pattern):
+        yield
 
 
 @contextmanager

@@ -64,3 +64,16 @@ def test_chat_answers_in_english(smolmoe: Path) -> None:
         assert llm.spice_stats()["hook_calls"] > 0  # the routed experts ran through the hook
     finally:
         llm.close()
+
+
+def test_capture_prints_no_stray_llama_line(
+    smolmoe: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Calibration's capture (every row's logits kept, the hook in the graph) outgrows the
+    compute buffer llama.cpp reserved, and llama.cpp warns of it when the context closes:
+    a line that is not the user's business, on the first use of the default model."""
+    from pyspice.calibrate.capture import CaptureConfig, capture
+
+    text = Path(__file__).read_text() * 4
+    capture(smolmoe, text, tmp_path / "t", CaptureConfig(tokens=320, n_ctx=256, threads=1), progress=False)
+    assert "does not match expectation" not in capfd.readouterr().err
