@@ -27,15 +27,30 @@ from pyspice.policy.spice.config import (
 )
 
 PolicyKind = Literal["stock", "native", "rule", "python"]
+PolicyInput = Literal["ids", "hidden"]  # what a policy reads of each hook call beyond its ids
+IDS: frozenset[PolicyInput] = frozenset({"ids"})
+IDS_AND_HIDDEN: frozenset[PolicyInput] = frozenset({"ids", "hidden"})
 
 
 @dataclass(frozen=True)
 class PolicySpec:
+    """Everything the engine, bench and the simulator need to know of a shipped policy
+    before making it: nothing else tests a policy's name."""
+
     name: str
     kind: PolicyKind
     lossless: bool
     description: str
     needs_device: bool = False  # makes no sense without --device-budget
+    factory: Callable[[], Policy | RulePolicy] | None = None  # python and rule policies
+    reads_sidecar: bool = False  # the draft predictor, surrogates or error tables
+    # what it reads of a call: a trace of routing alone (ids) runs only the "ids" ones
+    inputs: frozenset[PolicyInput] = IDS
+    asynchronous: bool = False  # can plan on the planner thread (`NAME@plan=async`)
+
+    def make(self) -> Policy | RulePolicy | None:
+        """A fresh policy object; None for stock and native policies (nothing to make)."""
+        return self.factory() if self.factory is not None else None
 
 
 class ExactPassThrough(PolicyBase):
@@ -44,48 +59,63 @@ class ExactPassThrough(PolicyBase):
     name = "exact-py"
 
 
+def _spice(name: str, lossless: bool, description: str) -> PolicySpec:
+    """A SPICE variant: deep prediction from the sidecar's draft, on any planner."""
+    return PolicySpec(
+        name,
+        "python",
+        lossless,
+        description,
+        True,
+        partial(SpicePolicy, name),
+        reads_sidecar=True,
+        inputs=IDS_AND_HIDDEN,
+        asynchronous=True,
+    )
+
+
 _SPECS: dict[str, PolicySpec] = {
     spec.name: spec
     for spec in (
         PolicySpec("stock", "stock", True, "hook unregistered: upstream's graph, the reference"),
         PolicySpec("exact", "native", True, "every routed expert executed exactly by libspice"),
-        PolicySpec("exact-py", "python", True, "exact, decided by a Python pass-through policy"),
-        PolicySpec("host", "rule", True, "every routed expert on the host (llama.cpp --cpu-moe)"),
-        PolicySpec("static", "rule", True, "whole layers resident up to the budget (--n-cpu-moe)", True),
-        PolicySpec("ondemand", "rule", True, "fetch each miss synchronously, keep nothing", True),
-        PolicySpec("lru", "rule", True, "slot cache, LRU eviction, synchronous fetch on miss", True),
-        PolicySpec("adapmoe", "rule", True, "next-layer gate prefetch, per-layer caches by miss cost", True),
-        PolicySpec("spice", "python", True, "SPICE at its default quality level (spice:exact)", True),
         PolicySpec(
-            "spice:exact", "python", True, "SPICE: deep prefetch + cost-aware fetch-or-host, lossless", True
+            "exact-py",
+            "python",
+            True,
+            "exact, decided by a Python pass-through policy",
+            factory=ExactPassThrough,
         ),
         PolicySpec(
+            "host", "rule", True, "every routed expert on the host (llama.cpp --cpu-moe)", factory=HostOnly
+        ),
+        PolicySpec(
+            "static", "rule", True, "whole layers resident up to the budget (--n-cpu-moe)", True, StaticLayers
+        ),
+        PolicySpec("ondemand", "rule", True, "fetch each miss synchronously, keep nothing", True, OnDemand),
+        PolicySpec(
+            "lru", "rule", True, "slot cache, LRU eviction, synchronous fetch on miss", True, LruCache
+        ),
+        # the next layer's gate applied to this layer's hidden row
+        PolicySpec(
+            "adapmoe",
+            "rule",
+            True,
+            "next-layer gate prefetch, per-layer caches by miss cost",
+            True,
+            AdapMoE,
+            inputs=IDS_AND_HIDDEN,
+        ),
+        _spice("spice", True, "SPICE at its default quality level (spice:exact)"),
+        _spice("spice:exact", True, "SPICE: deep prefetch + cost-aware fetch-or-host, lossless"),
+        _spice(
             "spice:balanced",
-            "python",
             False,
             "SPICE, lossy: 4-bit slots, surrogates for low-weight misses (<= +1% ppl)",
-            True,
         ),
-        PolicySpec(
-            "spice:fast",
-            "python",
-            False,
-            "SPICE, lossy: 4-bit slots, more surrogate substitution (<= +5% ppl)",
-            True,
-        ),
-        *(PolicySpec(name, "python", True, text, True) for name, text in ABLATION_DESCRIPTIONS.items()),
+        _spice("spice:fast", False, "SPICE, lossy: 4-bit slots, more surrogate substitution (<= +5% ppl)"),
+        *(_spice(name, True, text) for name, text in ABLATION_DESCRIPTIONS.items()),
     )
-}
-
-_FACTORIES: dict[str, Callable[[], Policy | RulePolicy]] = {
-    "exact-py": ExactPassThrough,
-    "host": HostOnly,
-    "static": StaticLayers,
-    "ondemand": OnDemand,
-    "lru": LruCache,
-    "adapmoe": AdapMoE,
-    **{name: partial(SpicePolicy, name) for name in ("spice", "spice:exact", "spice:balanced", "spice:fast")},
-    **{name: partial(SpicePolicy, name) for name in ABLATION_DESCRIPTIONS},
 }
 
 # decided in libspice with no Python per hook call (stock: nothing to decide)
@@ -127,8 +157,6 @@ def make_policy(
     SPICE level takes over the shared ones; where they are missing, `note` says so
     (config.level_config)."""
     spec = policy_spec(name)
-    if spec.kind not in ("python", "rule"):
-        return None
     if name in QUALITY_LEVELS and levels is not None:
         return SpicePolicy(level_config(name, levels, note))
-    return _FACTORIES[name]()
+    return spec.make()
