@@ -8,8 +8,10 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
+from pyspice.cli import trace_import_cmd
+
 # the actions of `pyspice trace`, each a module with register(actions)
-ACTIONS: tuple[ModuleType, ...] = ()
+ACTIONS: tuple[ModuleType, ...] = (trace_import_cmd,)
 
 
 def register(sub: Any) -> None:
