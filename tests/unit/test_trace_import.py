@@ -292,3 +292,24 @@ def test_the_command_refuses_what_it_cannot_import(
     assert "already exists; remove it" in capsys.readouterr().err
     assert main(["trace", "import", str(tmp_path / "none.csv"), "-o", str(tmp_path / "u")]) == 1
     assert "none.csv: no such file or folder" in capsys.readouterr().err
+
+
+def test_files_that_route_other_layers_or_another_k_are_refused(tmp_path: Path) -> None:
+    write_csv(tmp_path / "prompt_1_data.csv", routes(3, 0))
+    lines = (tmp_path / "prompt_1_data.csv").read_text().splitlines()
+    (tmp_path / "prompt_2_data.csv").write_text("\n".join(lines[:1] + lines[4:]) + "\n")  # no layer 1
+    wide = [lines[0], *(row.replace("]", ", 7]").replace("7, 7]", "6, 7]") for row in lines[1:])]
+    (tmp_path / "prompt_3_data.csv").write_text("\n".join(wide) + "\n")
+    with pytest.raises(
+        RecordingError, match=r"prompt_2_data\.csv:2: the sequence routes 2 layers, that of .*"
+    ):
+        import_recording(
+            [tmp_path / "prompt_1_data.csv", tmp_path / "prompt_2_data.csv"], tmp_path / "t", OPTIONS
+        )
+    with pytest.raises(
+        RecordingError, match=r"prompt_3_data\.csv:2: the rows select 3 experts per token.*mixed k"
+    ):
+        import_recording(
+            [tmp_path / "prompt_1_data.csv", tmp_path / "prompt_3_data.csv"], tmp_path / "t", OPTIONS
+        )
+    assert not (tmp_path / "t").exists()
