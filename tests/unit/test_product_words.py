@@ -1,7 +1,7 @@
 """The product speaks of itself: no tracked file says how its work was organised.
 
-A constant justified by "session 49" or "issue 19" is justified by nothing a reader
-can open; what justifies it is a measurement and the page that has it
+A constant justified by the number of a work log or a tracker entry is justified
+by nothing a reader can open; what justifies it is a measurement and the page that has it
 (docs/results/). The design the code cites is docs/design.md, in the repository.
 """
 
@@ -22,7 +22,7 @@ _WORK_WORDS = re.compile(
             r"\blease[sd]?\b",
             r"\b[Ss]top [0-9]",
             r"\bthis " + "session",
-            "DESIGN" + r"\.md|DESIGN section",
+            "DESIGN" + r"\.md|DESIGN" + " section",
         )
     )
 )
