@@ -1,7 +1,10 @@
 """`pyspice sim`: replay a recorded trace through policies on simulated hardware.
 
 The source model (-m) gives the policies their routers and the trace its
-geometry; --target gives the sizes to simulate (a 57B model on an RTX 4060),
+geometry; a trace of routing alone (`pyspice trace import`) needs none, its
+header carries layers, experts and k, and it runs every policy that reads
+expert ids only (SPICE with --history-predictor, adapmoe without its gate);
+--target gives the sizes to simulate (a 57B model on an RTX 4060),
 --profile the hardware (shipped profiles, a JSON file, `emulated`: this
 machine with its emulated device, from `pyspice probe`, or `disk`: edge mode
 on this machine, the source model's experts read from its file into a RAM slot
@@ -24,11 +27,15 @@ from pyspice.cli.common import add_model_args, note, resolve_model
 from pyspice.formats.profile import profile_path
 from pyspice.formats.routers import RouterReader
 from pyspice.formats.sidecar import Sidecar
+from pyspice.formats.trace import TraceReader
+from pyspice.policy.registry import policy_spec, split_planning
+from pyspice.policy.spice.history_lookahead import HistoryLookahead
+from pyspice.policy.spice.history_predictor import HistoryPredictor
 from pyspice.sim.hardware import DISK, EMULATED, load_profile
 from pyspice.sim.report import SimConfig, format_tables, plot, simulate_all, stderr_progress
 from pyspice.sim.targets import load_target, source_target
 from pyspice.sim.validate import compare, format_comparison, measured_policy_us, parse_compare
-from pyspice.sim.workload import from_trace
+from pyspice.sim.workload import Workload, from_trace
 
 
 def register(sub: Any) -> None:
@@ -37,7 +44,25 @@ def register(sub: Any) -> None:
     )
     add_model_args(p)
     p.add_argument("--sidecar", type=Path, help="the source model's sidecar (for policies that use one)")
-    p.add_argument("--trace", type=Path, help="trace directory (generate/bench --trace); required")
+    p.add_argument(
+        "--trace",
+        type=Path,
+        help="trace directory (generate/bench --trace, or `pyspice trace import`); required",
+    )
+    p.add_argument(
+        "--sequences",
+        type=_sequence_range,
+        metavar="FIRST-LAST",
+        help="replay only these sequences of the trace (1-based, inclusive: an imported recording's "
+        "prompts), e.g. the ones a --history-predictor was not fitted on",
+    )
+    p.add_argument(
+        "--history-predictor",
+        type=Path,
+        metavar="NPZ",
+        help="SPICE predicts from expert ids with this routing-history predictor "
+        "(`pyspice trace fit`); what SPICE needs on a trace of routing alone",
+    )
     p.add_argument(
         "--target",
         default="qwen2-57b-a14b:Q5_K_M",
@@ -99,6 +124,67 @@ def _split(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
+def _sequence_range(text: str) -> tuple[int, int]:
+    first, sep, last = text.partition("-")
+    try:
+        lo, hi = int(first), int(last if sep else first)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not FIRST-LAST (e.g. 800-999)") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"{text!r}: sequences count from 1, FIRST <= LAST")
+    return lo, hi
+
+
+def _ids_only_model(args: argparse.Namespace, profiles: tuple[str, ...]) -> None:
+    """A trace of routing alone without -m: say what it cannot do before simulating."""
+    if args.target == "source":
+        raise ValueError(
+            "a trace of routing alone has no model file to size: give --target NAME:QUANT "
+            "(e.g. deepseek-v2-lite:Q4_K_M), or -m with the model it was recorded on"
+        )
+    local = [n for n in profiles if n in (EMULATED, DISK)]
+    if local:
+        raise ValueError(
+            f"profile {local[0]!r} replays on this machine's copy of the model: give -m MODEL "
+            "(or a hardware profile such as h200)"
+        )
+    if args.sidecar is not None:
+        raise ValueError("--sidecar belongs to a model: give -m MODEL with it")
+
+
+def _check_ids_only_policies(rows: tuple[str, ...], history: bool) -> None:
+    """Refuse a policy that needs what a trace of routing alone lacks; say what falls back."""
+    for row in rows:
+        name = split_planning(row)[0]
+        spec = policy_spec(name)
+        if "hidden" not in spec.inputs:
+            continue
+        if spec.reads_sidecar:
+            if not history:
+                raise ValueError(
+                    f"policy {name!r} predicts from hidden rows, which this trace of routing alone "
+                    "lacks: fit a routing-history predictor with `pyspice trace fit TRACE -o P.npz` "
+                    "and pass --history-predictor P.npz"
+                )
+        elif name == "adapmoe":
+            note(
+                "adapmoe: the trace has no hidden rows for its next-layer gate, so it runs without "
+                "prefetch: its per-layer caches, sized by miss cost, alone"
+            )
+        else:
+            raise ValueError(f"policy {name!r} reads hidden rows, which this trace of routing alone lacks")
+
+
+def _note_geometry(workload: Workload, name: str, moe_layers: tuple[int, ...], n_expert: int, k: int) -> None:
+    """An imported trace replayed at another model's sizes: say so (the sizes still apply)."""
+    ours = (len(workload.moe_layers), max(workload.n_expert), workload.n_expert_used)
+    if ours != (len(moe_layers), n_expert, k):
+        note(
+            f"the trace routes {ours[0]} MoE layers x {ours[1]} experts, top-{ours[2]}; {name} has "
+            f"{len(moe_layers)} x {n_expert}, top-{k}: its sizes are scaled to the trace's layers"
+        )
+
+
 def source_expert_bytes(model: Path, n_layers: int) -> tuple[int, ...]:
     """Bytes of one routed expert per layer, read from the GGUF's expert tensors."""
     reader = gguf.GGUFReader(model)
@@ -118,17 +204,27 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.trace is None:
         raise ValueError("pyspice sim needs --trace DIR (a trace recorded with --trace)")
-    model = resolve_model(args, role="benchmark")  # the model the trace was recorded on, by default
+    names = _split(args.profile)
+    ids_only = TraceReader(args.trace).meta.ids_only
+    model: Path | None = None
+    if ids_only and not (args.model or args.model_pos):
+        _ids_only_model(args, names)
+    else:
+        model = resolve_model(args, role="benchmark")  # the model the trace was recorded on, by default
     if args.sidecar is not None and not args.sidecar.is_file():
         raise ValueError(f"sidecar {args.sidecar} does not exist")
-    workload = from_trace(args.trace)
+    if args.history_predictor is not None and not args.history_predictor.is_file():
+        raise ValueError(f"routing-history predictor {args.history_predictor} does not exist")
+    if ids_only:
+        _check_ids_only_policies(_split(args.policies), args.history_predictor is not None)
+    workload = from_trace(args.trace, args.sequences)
     if workload.decoded_tokens == 0:
         raise ValueError(f"{args.trace}: the trace has no decoded tokens to simulate")
-    names = _split(args.profile)
     probe_file = args.probe
     if probe_file is not None and not probe_file.is_file():
         raise ValueError(f"cost profile {probe_file} does not exist")
     if (EMULATED in names or DISK in names) and probe_file is None:
+        assert model is not None  # _ids_only_model refused these profiles without one
         probe_file = profile_path(model)
         if EMULATED in names and not probe_file.is_file():
             raise ValueError(f"no cost profile for {model.name}: run `pyspice probe -m {model}` first")
@@ -140,7 +236,9 @@ def run(args: argparse.Namespace) -> int:
                 f"{prof.values['bus_latency_us'].label()} us per read"
             )
     # "source": the recorded model's own sizes, for hardware profiles as well as `emulated`
-    target = source_target(model) if args.target == "source" else load_target(args.target)
+    target = source_target(model) if args.target == "source" and model else load_target(args.target)
+    if ids_only and target is not None:
+        _note_geometry(workload, target.name, target.moe_layers, target.n_expert, target.n_expert_used)
     policy_us: dict[str, float] = {}
     if args.policy_us_from is not None:
         measured = json.loads(args.policy_us_from.read_text()).get("policies", {})
@@ -148,7 +246,8 @@ def run(args: argparse.Namespace) -> int:
     for item in _split(args.policy_us):
         name, _, value = item.partition("=")
         policy_us[name.strip()] = float(value)
-    expert_bytes = source_expert_bytes(model, workload.n_layers)
+    # only the emulated and disk profiles, which need the model, read the source's sizes
+    expert_bytes = source_expert_bytes(model, workload.n_layers) if model else (0,) * workload.n_layers
     policy_us_by_budget = None
     if args.compare and args.policy_us_from is None:
         policy_us_by_budget = measured_policy_us(parse_compare(args.compare))
@@ -172,9 +271,10 @@ def run(args: argparse.Namespace) -> int:
             else ""
         )
     )
-    router = RouterReader(model)
+    # a trace without hidden rows gives a router nothing to read: gates stay off (adapmoe's note)
+    router = RouterReader(model) if model is not None and not ids_only else None
     extra: dict[str, Any] = {}
-    if args.sidecar is not None:
+    if args.sidecar is not None and model is not None:
         sidecar = Sidecar.load(args.sidecar, model)
         errors = sidecar.surrogate_error
         extra = {
@@ -184,10 +284,15 @@ def run(args: argparse.Namespace) -> int:
             "reserved_bytes": sidecar.surrogate_bytes() if errors else 0,
         }
         note(f"sidecar {args.sidecar}: draft predictor and {len(errors)} layers of surrogates")
+    if args.history_predictor is not None:
+        history = HistoryPredictor.load(args.history_predictor)
+        extra["predictor"] = HistoryLookahead(history, workload.moe_layers)
+        note(f"SPICE predicts from expert ids with {args.history_predictor}")
     rows = simulate_all(workload, cfg, router=router, context_extra=extra, progress=stderr_progress)
     if args.plot:
         sized = target is not None and any(not p.simulates_source for p in profiles)
-        plot(rows, args.plot, f"{target.name if sized and target else model.name}, trace {args.trace.name}")
+        title = target.name if sized and target else model.name if model else args.trace.name
+        plot(rows, args.plot, f"{title}, trace {args.trace.name}")
         note(f"plot written to {args.plot}")
     doc: dict[str, Any] = {"rows": rows, "simulated": True}
     if args.compare:

@@ -8,10 +8,10 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from pyspice.cli import trace_import_cmd, trace_stats_cmd
+from pyspice.cli import trace_fit_cmd, trace_import_cmd, trace_stats_cmd
 
 # the actions of `pyspice trace`, each a module with register(actions)
-ACTIONS: tuple[ModuleType, ...] = (trace_import_cmd, trace_stats_cmd)
+ACTIONS: tuple[ModuleType, ...] = (trace_import_cmd, trace_stats_cmd, trace_fit_cmd)
 
 
 def register(sub: Any) -> None:

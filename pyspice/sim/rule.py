@@ -119,19 +119,25 @@ def _fit_pool(
             return tier.last_use.get(key, 0)
 
     used = tier.used_bytes
+    if used + need <= tier.budget_bytes:
+        return
+    # nothing changes a rank or a state while victims are chosen, so one ordering of the
+    # held experts (rank, then (layer, expert)) gives them in turn: the pass over every
+    # expert of the model per victim that this replaces cost a real model's 1664 experts
+    # 10 ms per call
     taken = set(chosen)
-    while used + need > tier.budget_bytes:
-        victim: Key | None = None
-        for il in range(tier.n_layers):
-            for e in range(tier.n_expert[il]):
-                if (il == layer and e in selected) or (il, e) in taken or not _evictable(tier, il, e):
-                    continue
-                if victim is None or rank((il, e)) < rank(victim):
-                    victim = (il, e)
-        if victim is None:
+    candidates = sorted(
+        (
+            key
+            for key in set(tier.resident) | set(tier.copies)
+            if not (key[0] == layer and key[1] in selected) and key not in taken and _evictable(tier, *key)
+        ),
+        key=lambda key: (rank(key), key),
+    )
+    for victim in candidates:
+        if used + need <= tier.budget_bytes:
             return
         chosen.append(victim)
-        taken.add(victim)
         used -= tier.slot_bytes
 
 

@@ -109,22 +109,34 @@ class Workload:
         return wl
 
 
-def from_trace(path: Path) -> Workload:
+def from_trace(path: Path, sequences: tuple[int, int] | None = None) -> Workload:
     """A trace directory written by pyspice.formats.trace (`generate/bench --trace`). Every
     token is a decode step, unless meta.extra names `prompt_tokens`: those first
     tokens then form one prompt step (it warms the tier, it is not timed). A trace of
     decode steps only (`generate/bench --trace`, which skip the prompt's rows and say
-    how many in `prompt_rows_skipped`) holds none of them."""
+    how many in `prompt_rows_skipped`) holds none of them.
+
+    `sequences` (first, last), 1-based and inclusive, replays only those sequences of
+    the trace (an imported recording's prompts), one after another; the prompt step
+    then belongs to the first sequence only when it is the trace's first."""
     reader = TraceReader(path)
     meta = reader.meta
     prompt_rows = meta.prompt_rows
+    lo, hi = 0, reader.n_tokens
+    if sequences is not None:
+        spans = reader.sequences()
+        first, last = sequences
+        if not 1 <= first <= last <= len(spans):
+            raise ValueError(f"{path}: sequences {first}-{last} are outside the trace's 1-{len(spans)}")
+        lo, hi = spans[first - 1][0], spans[last - 1][1]
+        prompt_rows = min(prompt_rows, hi) if lo == 0 else 0
     fields = tuple(f for f in ("ids", "weights", "probs", "hidden") if f in meta.fields)
     arrays = {il: reader.layer(il, fields) for il in meta.moe_layers}
 
     def stack(name: str) -> npt.NDArray[Any] | None:
         if name not in fields:
             return None
-        return np.stack([np.asarray(arrays[il][name]) for il in meta.moe_layers], axis=1)
+        return np.stack([np.asarray(arrays[il][name])[lo:hi] for il in meta.moe_layers], axis=1)
 
     return Workload.from_arrays(
         meta.n_layers,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from math import exp
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -27,6 +28,9 @@ import numpy.typing as npt
 from pyspice.policy.context import AffinePredictor, PolicyContext, RoutePredictor
 
 F32 = npt.NDArray[np.float32]
+# what a rollout starts from: the call's input row(s), or its expert ids for a predictor
+# that reads ids (history_lookahead.HistoryLookahead)
+Anchor = npt.NDArray[Any]
 
 
 class RouterLookahead:
@@ -74,10 +78,10 @@ class Rollout:
         self.affine = predictor.affine_map if isinstance(predictor, AffinePredictor) else None
         self.maps: dict[int, tuple[list[int], F32, F32 | None, int]] = {}
 
-    def rollout_logits(self, layer: int, hidden: F32, depth: int) -> list[tuple[int, F32]]:
+    def rollout_logits(self, layer: int, hidden: Anchor, depth: int) -> list[tuple[int, F32]]:
         return self.predictor.rollout_logits(layer, hidden, depth)
 
-    def stacked_logits(self, layer: int, hidden: F32, depth: int) -> tuple[list[int], F32]:
+    def stacked_logits(self, layer: int, hidden: Anchor, depth: int) -> tuple[list[int], F32]:
         """(layers, logits [..., depth, n_expert]) for hidden [n_embd] or [n, n_embd]."""
         if self.affine is None:
             return _stack(self.predictor.rollout_logits(layer, hidden, depth))
@@ -158,7 +162,7 @@ def _stack(rolled: list[tuple[int, F32]]) -> tuple[list[int], F32]:
     return [m for m, _ in rolled], np.stack([lg for _, lg in rolled], axis=-2)
 
 
-def _stacked(predictor: RoutePredictor, layer: int, hidden: F32, depth: int) -> tuple[list[int], F32]:
+def _stacked(predictor: RoutePredictor, layer: int, hidden: Anchor, depth: int) -> tuple[list[int], F32]:
     """(layers, logits [..., depth, n_expert]) in one array, from either predictor interface."""
     if isinstance(predictor, Rollout):
         return predictor.stacked_logits(layer, hidden, depth)
@@ -168,7 +172,7 @@ def _stacked(predictor: RoutePredictor, layer: int, hidden: F32, depth: int) -> 
 def look_ahead(
     predictor: RoutePredictor,
     layer: int,
-    hidden: F32,
+    hidden: Anchor,
     k: int,
     h_min: int,
     h_max: int,
@@ -198,7 +202,7 @@ def look_ahead(
 
 
 def look_ahead_batch(
-    predictor: RoutePredictor, layer: int, hidden: F32, k: int, depth: int, voters: int = VOTERS
+    predictor: RoutePredictor, layer: int, hidden: Anchor, k: int, depth: int, voters: int = VOTERS
 ) -> Predictions:
     """A prompt batch: for each of the next `depth` MoE layers, the experts any token is
     predicted to pick, the most often predicted first (what that layer will need most).

@@ -37,6 +37,7 @@ from pyspice.policy.context import PolicyContext, RoutePredictor
 from pyspice.policy.rule import KEEP_ALL, KEEP_DECAYED, MISS_COST, MISS_FETCH, MISS_HOST, Rule
 from pyspice.policy.spice.config import SpiceConfig, spice_config
 from pyspice.policy.spice.cost import CostModel
+from pyspice.policy.spice.history_lookahead import HistoryLookahead
 from pyspice.policy.spice.lookahead import (
     FirstLayerPrior,
     Rollout,
@@ -126,6 +127,8 @@ class SpicePolicy(PolicyBase):
         predictor: RoutePredictor | None = ctx.predictor
         if predictor is None:
             predictor = RouterLookahead(ctx, max(self.h_max.values(), default=1))
+        # the routing-history predictor rolls out from the call's ids, the others from its input
+        self.reads_ids = isinstance(predictor, HistoryLookahead)
         self.predictor: RoutePredictor = Rollout(predictor)
         self.planner = PrefetchPlanner(ctx, lag=lag)
         errors = ctx.surrogate_error if ctx.surrogates_loaded else None
@@ -254,7 +257,7 @@ class SpicePolicy(PolicyBase):
         predictions = look_ahead(
             self.predictor,
             layer,
-            call.hidden[0],
+            call.ids[0] if self.reads_ids else call.hidden[0],
             self.k,
             self.h_min[layer],
             self.h_max[layer],
@@ -320,7 +323,11 @@ class SpicePolicy(PolicyBase):
         if not self.config.prefetch:
             return Plan(actions=decision.actions, fetch=decision.fetch)
         predictions = look_ahead_batch(
-            self.predictor, layer, call.hidden, self.ctx.n_expert_used, self.batch_depth[layer]
+            self.predictor,
+            layer,
+            call.ids if self.reads_ids else call.hidden,
+            self.ctx.n_expert_used,
+            self.batch_depth[layer],
         )
         prefetch = self.planner.plan(layer, predictions, residency, decision.busy, cells)
         evict_from = () if self.retains else prefetch.evict_from

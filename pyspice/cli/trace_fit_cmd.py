@@ -1,0 +1,90 @@
+"""`pyspice trace fit`: a routing-history predictor from a trace's expert ids.
+
+Fits SPICE's ids-only predictor (pyspice.policy.spice.history_predictor) on
+the calibration sequences of a trace (by default its first 80%), saves it as
+one .npz file, and prints its recall@k at each depth on the other sequences
+beside the co-occurrence baseline (layer l's ids -> layer l+d's, the same
+tables without the history and popularity terms). `pyspice sim
+--history-predictor` runs SPICE with it, on a trace of routing alone too:
+replay the held-out sequences (`--sequences`) for figures it was not fitted on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from pyspice.cli.common import note
+from pyspice.cli.numbers import integer
+from pyspice.outputs import check_output
+from pyspice.policy.spice.history_predictor import cooccurrence_baseline, evaluate, fit
+from pyspice.sim.regime import FIT_SHARE, Routing, read_routing
+
+
+def register(actions: Any) -> None:
+    p = actions.add_parser(
+        "fit",
+        help="fit SPICE's routing-history predictor on a trace's expert ids",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("trace", type=Path, metavar="TRACE", help="a trace directory, or a folder of traces")
+    p.add_argument("-o", "--output", type=Path, required=True, metavar="NPZ", help="where to save it")
+    p.add_argument(
+        "--fit-sequences",
+        type=integer(1, hint="how many of the trace's first sequences to fit on"),
+        metavar="N",
+        help=f"fit on the first N sequences, test on the rest (default: the first {FIT_SHARE:.0%})",
+    )
+    p.add_argument("--depth", type=integer(1, 8), default=3, help="MoE layers ahead it predicts (default 3)")
+    p.add_argument("--json", action="store_true", help="print the recall figures as JSON")
+    p.set_defaults(func=run)
+
+
+def _first_tokens(routing: Routing) -> npt.NDArray[np.bool_]:
+    first = np.zeros(routing.n_tokens, dtype=bool)
+    for start, _stop in routing.sequences:
+        first[start] = True
+    return first
+
+
+def run(args: argparse.Namespace) -> int:
+    check_output(args.output, [args.trace], "-o")
+    routing = read_routing(args.trace)
+    n_seq = len(routing.sequences)
+    n_fit = args.fit_sequences if args.fit_sequences is not None else max(1, int(n_seq * FIT_SHARE))
+    if n_fit >= n_seq:
+        raise ValueError(
+            f"{args.trace} has {n_seq} sequence(s): fitting on {n_fit} leaves none to test on; "
+            "give --fit-sequences below that"
+        )
+    cut = routing.sequences[n_fit - 1][1]
+    first = _first_tokens(routing)
+    note(f"fitting on sequences 1-{n_fit} ({cut} tokens), testing on {n_fit + 1}-{n_seq}")
+    predictor = fit(routing.ids[:cut], first[:cut], routing.n_expert, max_depth=args.depth)
+    predictor.save(args.output)
+    test_ids, test_first = routing.ids[cut:], first[cut:]
+    ours = evaluate(predictor, test_ids, test_first)
+    base = evaluate(cooccurrence_baseline(predictor), test_ids, test_first)
+    doc = {
+        "trace": routing.name,
+        "fit_sequences": [1, n_fit],
+        "test_sequences": [n_fit + 1, n_seq],
+        "weights": {d + 1: [round(float(w), 2) for w in row] for d, row in enumerate(predictor.weights)},
+        "recall": {d: round(r, 4) for d, r in ours.items()},
+        "cooccurrence_recall": {d: round(r, 4) for d, r in base.items()},
+    }
+    if args.json:
+        print(json.dumps(doc, indent=1))
+    else:
+        print("depth  recall@k  co-occurrence  gain   weights (same, previous token, popularity)")
+        for d in ours:
+            w = doc["weights"][d]  # type: ignore[index]
+            print(f"{d:5d}  {ours[d]:8.3f}  {base[d]:13.3f}  {ours[d] - base[d]:+.3f}  {w}")
+    note(f"routing-history predictor written to {args.output}")
+    return 0
