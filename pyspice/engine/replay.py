@@ -6,7 +6,10 @@ with no locality: replayed ids give hit rates and TPOT the locality of real
 routing. Outputs are not the model's (the gate weights stay the router's), so
 such runs are timing only.
 
-A trace of another geometry is mapped, and the mapping said in one note:
+A recording of a real model's routing (an ids-only trace, `pyspice trace
+import`) replays only onto a model of its shape: MoE layers, experts and k.
+A trace of our own runs of another geometry is mapped, and the mapping said in
+one note:
 
 - layers by index: the model's j-th MoE layer replays the trace's
   (j mod L)-th of its L MoE layers;
@@ -110,6 +113,20 @@ def load_routing_replay(path: Path, layers: list[LayerInfo], n_expert_used: int)
     moe = [info for info in layers if info.is_moe]
     if not moe:
         raise ValueError("routing replay needs a model with MoE layers")
+    meta = reader.meta
+    if meta.ids_only and (len(meta.moe_layers), meta.n_expert, meta.n_expert_used) != (
+        len(moe),
+        moe[0].n_expert,
+        n_expert_used,
+    ):
+        # a real model's recording is replayed as it was or not at all: mapped onto
+        # another shape its locality would no longer be the model's
+        raise ValueError(
+            f"{path} is a recording of {meta.model}'s routing ({len(meta.moe_layers)} MoE layers, "
+            f"top-{meta.n_expert_used} of {meta.n_expert}); this model routes {len(moe)} MoE layers, "
+            f"top-{n_expert_used} of {moe[0].n_expert}: replay it on a model of its shape, e.g. "
+            "`pyspice models synth --arch deepseek2 --shape deepseek-v2-lite` for DeepSeek-V2-Lite"
+        )
     ids = np.zeros((reader.n_tokens, len(layers), n_expert_used), dtype=np.int32)
     for j, info in enumerate(moe):
         src = trace_ids[:, j % trace_ids.shape[1], :]

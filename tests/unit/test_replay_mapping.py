@@ -4,11 +4,15 @@ decode steps start in the trace."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
-from pyspice.engine.replay import decode_start_of, map_expert_rows
+from pyspice.engine.replay import decode_start_of, load_routing_replay, map_expert_rows
 from pyspice.formats.trace import TraceMeta
+from pyspice.runtime import LayerInfo
+from tests.unit.test_regime import write_trace
 
 
 def _rows(n_expert: int, k: int, n: int = 200, seed: int = 0) -> np.ndarray:
@@ -83,3 +87,18 @@ def test_a_partly_skipped_prompt_starts_decode_where_its_kept_rows_end() -> None
     meta = _meta(prompt_tokens=10, prompt_rows_skipped=4)
     assert meta.prompt_rows == 6
     assert decode_start_of(meta, 20) == 6
+
+
+def _layers(n_moe: int, n_expert: int) -> list[LayerInfo]:
+    dense = LayerInfo(0, False, 0, 16, 32, 0, 0, 0, 0)
+    return [dense] + [LayerInfo(il, True, n_expert, 16, 32, 0, 0, 0, 100) for il in range(1, n_moe + 1)]
+
+
+def test_a_real_recording_replays_only_onto_its_own_shape(tmp_path: Path) -> None:
+    ids = np.stack([_rows(8, 2, n=12, seed=s) for s in range(3)], axis=1).astype(np.int32)  # [T, 3, 2]
+    path = write_trace(tmp_path / "imported", ids, 8)  # ids-only, as `pyspice trace import` writes
+    replay = load_routing_replay(path, _layers(3, 8), 2)
+    assert (replay.ids[:, 1:] == ids).all() and "same geometry" in replay.note
+    for layers, k in ((_layers(4, 8), 2), (_layers(3, 16), 2), (_layers(3, 8), 4)):
+        with pytest.raises(ValueError, match="replay it on a model of its shape"):
+            load_routing_replay(path, layers, k)
