@@ -30,7 +30,7 @@ from pyspice.formats.sidecar import Sidecar
 from pyspice.formats.trace import TraceReader
 from pyspice.policy.registry import policy_spec, split_planning
 from pyspice.policy.spice.history_lookahead import HistoryLookahead
-from pyspice.policy.spice.history_predictor import HistoryPredictor
+from pyspice.policy.spice.routing_history import RoutingHistory
 from pyspice.sim.hardware import DISK, EMULATED, load_profile
 from pyspice.sim.report import SimConfig, format_tables, plot, simulate_all, stderr_progress
 from pyspice.sim.targets import load_target, source_target
@@ -285,7 +285,7 @@ def run(args: argparse.Namespace) -> int:
         }
         note(f"sidecar {args.sidecar}: draft predictor and {len(errors)} layers of surrogates")
     if args.history_predictor is not None:
-        history = HistoryPredictor.load(args.history_predictor)
+        history = RoutingHistory.load(args.history_predictor)
         extra["predictor"] = HistoryLookahead(history, workload.moe_layers)
         note(f"SPICE predicts from expert ids with {args.history_predictor}")
     rows = simulate_all(workload, cfg, router=router, context_extra=extra, progress=stderr_progress)

@@ -1,10 +1,10 @@
 """`pyspice trace fit`: a routing-history predictor from a trace's expert ids.
 
-Fits SPICE's ids-only predictor (pyspice.policy.spice.history_predictor) on
+Fits SPICE's ids-only predictor (pyspice.policy.spice.routing_history) on
 the calibration sequences of a trace (by default its first 80%), saves it as
 one .npz file, and prints its recall@k at each depth on the other sequences
-beside the co-occurrence baseline (layer l's ids -> layer l+d's, the same
-tables without the history and popularity terms). `pyspice sim
+beside the co-occurrence baseline (layer l's ids -> layer l+d's by a table of
+P(f at l+d | e at l) counted on the same sequences). `pyspice sim
 --history-predictor` runs SPICE with it, on a trace of routing alone too:
 replay the held-out sequences (`--sequences`) for figures it was not fitted on.
 """
@@ -13,16 +13,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+from tqdm import tqdm
 
 from pyspice.cli.common import note
 from pyspice.cli.numbers import integer
 from pyspice.outputs import check_output
-from pyspice.policy.spice.history_predictor import cooccurrence_baseline, evaluate, fit
+from pyspice.policy.spice import history_predictor, routing_history
 from pyspice.sim.regime import FIT_SHARE, Routing, read_routing
 
 
@@ -66,25 +68,34 @@ def run(args: argparse.Namespace) -> int:
     cut = routing.sequences[n_fit - 1][1]
     first = _first_tokens(routing)
     note(f"fitting on sequences 1-{n_fit} ({cut} tokens), testing on {n_fit + 1}-{n_seq}")
-    predictor = fit(routing.ids[:cut], first[:cut], routing.n_expert, max_depth=args.depth)
+    with tqdm(desc="fit", unit="layer-depth", file=sys.stderr, mininterval=1.0) as bar:
+
+        def advance(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+        predictor = routing_history.fit(
+            routing.ids[:cut], first[:cut], routing.n_expert, args.depth, progress=advance
+        )
     predictor.save(args.output)
     test_ids, test_first = routing.ids[cut:], first[cut:]
-    ours = evaluate(predictor, test_ids, test_first)
-    base = evaluate(cooccurrence_baseline(predictor), test_ids, test_first)
+    ours = routing_history.evaluate(predictor, test_ids, test_first)
+    tables = history_predictor.fit(
+        routing.ids[:cut], first[:cut], routing.n_expert, predictor.max_depth, tune_share=0.0
+    )
+    base = history_predictor.evaluate(history_predictor.cooccurrence_baseline(tables), test_ids, test_first)
     doc = {
         "trace": routing.name,
         "fit_sequences": [1, n_fit],
         "test_sequences": [n_fit + 1, n_seq],
-        "weights": {d + 1: [round(float(w), 2) for w in row] for d, row in enumerate(predictor.weights)},
         "recall": {d: round(r, 4) for d, r in ours.items()},
         "cooccurrence_recall": {d: round(r, 4) for d, r in base.items()},
     }
     if args.json:
         print(json.dumps(doc, indent=1))
     else:
-        print("depth  recall@k  co-occurrence  gain   weights (same, previous token, popularity)")
+        print("depth  recall@k  co-occurrence  gain")
         for d in ours:
-            w = doc["weights"][d]  # type: ignore[index]
-            print(f"{d:5d}  {ours[d]:8.3f}  {base[d]:13.3f}  {ours[d] - base[d]:+.3f}  {w}")
+            print(f"{d:5d}  {ours[d]:8.3f}  {base[d]:13.3f}  {ours[d] - base[d]:+.3f}")
     note(f"routing-history predictor written to {args.output}")
     return 0

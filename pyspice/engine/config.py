@@ -287,9 +287,9 @@ def check_sidecar_weights(sidecar: Sidecar, policy: str) -> None:
 
 
 def uses_sidecar(policy: str) -> bool:
-    """Whether a policy reads the sidecar (predictor, surrogates, error tables): the
-    SPICE family and its ablations; the baselines never do."""
-    return policy.startswith("spice") or policy.startswith("abl-")
+    """Whether a policy reads the sidecar (predictor, surrogates, error tables), as the
+    registry says of it (PolicySpec.reads_sidecar: the SPICE family and its ablations)."""
+    return policy_spec(policy).reads_sidecar
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import pytest
 
 from pyspice.cli import sim_cmd, trace_fit_cmd
 from pyspice.policy.spice.history_lookahead import HistoryLookahead
-from pyspice.policy.spice.history_predictor import fit
+from pyspice.policy.spice.routing_history import fit
 from pyspice.sim.workload import from_trace
 from tests.unit.test_regime import write_trace
 

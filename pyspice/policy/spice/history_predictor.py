@@ -1,4 +1,10 @@
-"""The routing-history predictor: experts of layer l+d from expert ids alone.
+"""Count tables of routing history, and the co-occurrence baseline they give.
+
+SPICE's ids-only look-ahead is the learned predictor of routing_history.py;
+these tables are what its recall is reported beside (`pyspice trace fit`):
+mixed linearly, they reach only the co-occurrence baseline's recall (0.472
+against 0.469 at depth 1 on DeepSeek-V2-Lite's recorded routing), which is
+why the learned one exists.
 
 A recording of a real model's routing carries expert ids but no hidden rows,
 so the draft predictor (which rolls hidden states forward through the target's

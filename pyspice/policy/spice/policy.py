@@ -128,7 +128,10 @@ class SpicePolicy(PolicyBase):
         if predictor is None:
             predictor = RouterLookahead(ctx, max(self.h_max.values(), default=1))
         # the routing-history predictor rolls out from the call's ids, the others from its input
-        self.reads_ids = isinstance(predictor, HistoryLookahead)
+        self.history = predictor if isinstance(predictor, HistoryLookahead) else None
+        self.reads_ids = self.history is not None
+        if self.history is not None:
+            self.history.reset()
         self.predictor: RoutePredictor = Rollout(predictor)
         self.planner = PrefetchPlanner(ctx, lag=lag)
         errors = ctx.surrogate_error if ctx.surrogates_loaded else None
@@ -227,6 +230,8 @@ class SpicePolicy(PolicyBase):
     def decide(self, call: HookCall) -> Plan:
         if call.layer == self.first_moe:
             self.first_prior.note(call.ids)
+        if self.history is not None:
+            self.history.observe(call.layer, call.ids)
         if call.n_tokens != 1:
             return self._decide_batch(call, self._residency(call))
         layer = call.layer
