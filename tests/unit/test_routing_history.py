@@ -69,7 +69,8 @@ def test_the_decode_lookahead_sees_the_fitted_features() -> None:
             rolled = look.rollout_logits(il, ids[t, j], 8)
             assert [layer for layer, _ in rolled] == [1 + j + d for d in range(1, min(2, 2 - j) + 1)]
             for d, (_layer, logits) in enumerate(rolled, 1):
-                feats = routing_history.features(ids[t : t + 1], prev[t : t + 1], j, d, E, has_prev[t : t + 1])
+                row = slice(t, t + 1)
+                feats = routing_history.features(ids[row], prev[row], j, d, E, has_prev[row])
                 np.testing.assert_allclose(logits, model.logits(j, d, feats)[0], rtol=1e-5, atol=1e-5)
     look.reset()
     assert (look.previous == -1).all() and look.last == -1
