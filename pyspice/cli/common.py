@@ -80,12 +80,14 @@ def add_context_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--device-budget",
+        type=numbers.budget_text,
         default=None,
         help="device tier size: bytes with a unit (2GiB, 512MiB) or a share of all routed-expert "
         "bytes (25%%)",
     )
     p.add_argument(
         "--ram-budget",
+        type=numbers.budget_text,
         default=None,
         help="edge mode: routed experts stay in the model file and a RAM slot pool of this size "
         "(2GiB, or a share of all routed-expert bytes: 50%%) holds the resident ones, read from the "

@@ -14,6 +14,7 @@ import sys
 from typing import Any
 
 from pyspice.cli.common import add_model_args, resolve_model
+from pyspice.cli.numbers import budget_text
 from pyspice.formats.model_info import (
     DEFAULT_BUDGETS,
     format_ram_fits,
@@ -33,6 +34,7 @@ def register(sub: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--device-budget",
         action="append",
+        type=budget_text,
         default=None,
         help="budget(s) to size: 2GiB, 512MiB or 25%% (repeatable; default: "
         + ", ".join(DEFAULT_BUDGETS).replace("%", "%%")
@@ -41,6 +43,7 @@ def register(sub: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--ram-budget",
         action="append",
+        type=budget_text,
         default=None,
         help="edge-mode RAM budget(s) to size (2GiB or 50%%; repeatable): what stays in RAM and on disk",
     )

@@ -84,6 +84,23 @@ def byte_size(hint: str = "") -> Callable[[str], int]:
     return parse
 
 
+def budget_text(text: str) -> str:
+    """A tier budget (2GiB, 512MiB, 25%), checked while parsing and kept as written: the
+    engine sizes it once the model's expert bytes are known (RunConfig.resolve)."""
+    try:
+        parse_budget(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text.strip()
+
+
+def budget_list(text: str) -> str:
+    """A comma-separated list of budgets (`pyspice sim`), each checked while parsing."""
+    for item in (x for x in text.split(",") if x.strip()):
+        budget_text(item)
+    return text
+
+
 PORT = integer(0, 65535, "0 picks a free port")
 THREADS = integer(1, hint="leave -t out to use every core")
 TOKENS = integer(1, hint="tokens to generate")

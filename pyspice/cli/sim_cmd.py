@@ -24,6 +24,7 @@ import gguf
 import numpy as np
 
 from pyspice.cli.common import add_model_args, note, resolve_model
+from pyspice.cli.numbers import budget_list
 from pyspice.formats.profile import profile_path
 from pyspice.formats.routers import RouterReader
 from pyspice.formats.sidecar import Sidecar
@@ -76,6 +77,7 @@ def register(sub: Any) -> None:
         "--device-budget",
         "--ram-budget",
         dest="device_budget",
+        type=budget_list,
         default="25%,50%",
         help="comma-separated budgets of the tier: device memory, or RAM for the disk profile "
         "(--ram-budget is the same option; default 25%%,50%%)",
