@@ -41,9 +41,9 @@ def register(actions: Any) -> None:
         "--fit-sequences",
         type=integer(1, hint="how many of the trace's first sequences to fit on"),
         metavar="N",
-        help=f"fit on the first N sequences, test on the rest (default: the first {FIT_SHARE:.0%})",
+        help=f"fit on the first N sequences, test on the rest (default: the first {FIT_SHARE * 100:.0f}%%)",
     )
-    p.add_argument("--depth", type=integer(1, 8), default=3, help="MoE layers ahead it predicts (default 3)")
+    p.add_argument("--depth", type=integer(1, 8), default=4, help="MoE layers ahead it predicts (default 4)")
     p.add_argument("--json", action="store_true", help="print the recall figures as JSON")
     p.set_defaults(func=run)
 

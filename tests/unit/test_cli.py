@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
@@ -102,3 +103,25 @@ def test_mlock_with_a_ram_budget_is_refused_before_loading(tmp_path: Path) -> No
 
     with pytest.raises(ValueError, match=r"--mlock .* with --ram-budget they stay in the file"):
         RunConfig(model=tmp_path / "m.gguf", ram_budget="50%", use_mlock=True)
+
+
+def _commands(parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """Every command and action path of the parser (`trace fit`, ...)."""
+    found = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                found.append((*prefix, name))
+                found += _commands(sub, (*prefix, name))
+    return found
+
+
+def test_every_command_renders_its_help(capsys: pytest.CaptureFixture[str]) -> None:
+    # a stray '%' in a help text only fails when --help is asked for
+    commands = _commands(build_parser())
+    assert ("trace", "fit") in commands and ("sim",) in commands
+    for path in commands:
+        with pytest.raises(SystemExit) as stop:
+            build_parser().parse_args([*path, "--help"])
+        assert stop.value.code == 0, path
+        assert "usage:" in capsys.readouterr().out
