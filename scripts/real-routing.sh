@@ -36,7 +36,10 @@ record() {  # record NAME MODEL_ARGS...
         local dir="$OUT/$name/p$i"
         if [ ! -f "$dir/meta.json" ]; then
             rm -rf "$dir"
-            "$PY" generate "$@" -p "$prompt" -n 100 --temp 0 --trace "$dir" > /dev/null
+            # bench decodes greedily for exactly -n tokens (generate would stop at an
+            # end-of-text token), then records one more decode into the trace
+            "$PY" bench "$@" -p "$prompt" --prompt-tokens 0 -n 100 --repeat 1 --policies exact \
+                --trace "$dir" > /dev/null
         fi
     done
 }
