@@ -76,7 +76,7 @@ def add_context_args(p: argparse.ArgumentParser) -> None:
         choices=policy_names(),
         default=None,
         help="expert policy (default: exact on a CPU-only build; with a GPU, spice when the "
-        "model has a sidecar, else lru); see docs/design.md section 6",
+        "model has a sidecar, else exact with its tier preloaded); see docs/design.md section 6",
     )
     p.add_argument(
         "--device-budget",

@@ -139,7 +139,11 @@ class RunConfig:
 
     def default_policy(self, note: Note = _quiet) -> str:
         """The policy when none is given: with a GPU and no tier settings, `spice` for a
-        model with a sidecar, else `lru`; otherwise `exact`."""
+        model with a sidecar; otherwise `exact`, the tier preloaded. Without a sidecar
+        the default was `lru`, until real routing at real sizes showed fetching every
+        miss about 2x slower than the preloaded tier (DeepSeek-V2-Lite's recorded
+        routing, simulated on h200 and rtx4080: docs/results/real-routing.md; the same
+        order on the H200 itself: docs/results/gpu.md)."""
         if self.policy is not None:
             return self.policy
         if self.ram_budget is not None:
@@ -150,9 +154,10 @@ class RunConfig:
                 note("GPU found, no --policy: using 'spice' (the model has a calibration sidecar)")
                 return "spice"
             note(
-                "GPU found, no --policy: using 'lru' (no calibration sidecar; `pyspice calibrate` makes one)"
+                "GPU found, no --policy: using 'exact', the device tier preloaded (no calibration "
+                "sidecar for spice; `pyspice calibrate` makes one)"
             )
-            return "lru"
+            return "exact"
         if self.device_budget is not None:
             note("device budget given, no --policy: using 'exact' (the tier preloaded as far as it goes)")
         elif cuda_build():
