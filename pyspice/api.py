@@ -171,7 +171,7 @@ class Llama(llama_cpp.Llama):
         say = note or _note
         run = config.resolve(say) if isinstance(config, RunConfig) else config
         # the policy starts once its tier exists, and once the engine knows where it plans
-        later = run.auto_budget or run.planning != Planning()
+        later = run.auto_budget or run.planning != Planning() or run.history_predictor is not None
         llm = cls(
             str(run.model),
             policy="stock" if later else run.policy,
@@ -199,6 +199,12 @@ class Llama(llama_cpp.Llama):
                 raise
             assert replay is not None
             say(replay.note)
+        if run.history_predictor is not None:
+            try:
+                say(llm.spice_engine.set_history_predictor(run.history_predictor))
+            except Exception:
+                llm.close()
+                raise
         if run.auto_budget:
             budget = llm.automatic_device_budget()
             say(

@@ -169,6 +169,14 @@ def add_sidecar_arg(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run without a sidecar (the default model's first use then skips calibrating one)",
     )
+    p.add_argument(
+        "--history-predictor",
+        type=Path,
+        default=None,
+        metavar="NPZ",
+        help="SPICE predicts from expert ids with this routing-history predictor (`pyspice trace "
+        "fit` on a trace of the model) instead of the sidecar's draft predictor",
+    )
 
 
 def add_prompt_args(p: argparse.ArgumentParser, required: bool = True) -> None:
@@ -270,6 +278,7 @@ def run_config(
         planning=planning_of(args),
         device_executor=getattr(args, "device_executor", "auto"),
         replay_routing=getattr(args, "replay_routing", None),
+        history_predictor=getattr(args, "history_predictor", None),
         use_mmap=getattr(args, "use_mmap", True),
         use_mlock=getattr(args, "use_mlock", False),
     )

@@ -104,12 +104,14 @@ class RunConfig:
     planning: Planning = field(default_factory=Planning)  # where SPICE policies plan
     device_executor: str = "auto"  # how a computing device runs its experts: auto, pool, legacy
     replay_routing: Path | None = None  # a trace whose expert ids the hook uses (timing only)
+    # SPICE predicts from expert ids with this routing-history predictor (`pyspice trace fit`)
+    history_predictor: Path | None = None
     use_mmap: bool = True  # llama.cpp maps the file (False: reads the weights into RAM, --no-mmap)
     use_mlock: bool = False  # lock the model's pages in RAM (--mlock)
 
     def __post_init__(self) -> None:
         # paths given as strings (Python callers) become Paths, as the CLI makes them
-        for name in ("model", "sidecar", "replay_routing"):
+        for name in ("model", "sidecar", "replay_routing", "history_predictor"):
             value = getattr(self, name)
             if isinstance(value, str):
                 object.__setattr__(self, name, Path(value))
@@ -238,6 +240,7 @@ class RunConfig:
             device_executor=self.device_executor,
             loaded_sidecar=loaded,
             replay_routing=self.replay_routing,
+            history_predictor=self.history_predictor,
             use_mmap=self.use_mmap,
             use_mlock=self.use_mlock,
         )
@@ -320,6 +323,7 @@ class ResolvedRun:
     # the sidecar as resolve() loaded and checked it, so loading the model reads it once
     loaded_sidecar: Sidecar | None = field(default=None, compare=False, repr=False)
     replay_routing: Path | None = None
+    history_predictor: Path | None = None
     use_mmap: bool = True
     use_mlock: bool = False
 

@@ -56,6 +56,8 @@ from pyspice.policy.base import (
 )
 from pyspice.policy.predictor import DraftPredictor
 from pyspice.policy.profile import CostProfile
+from pyspice.policy.spice.history_lookahead import HistoryLookahead
+from pyspice.policy.spice.routing_history import RoutingHistory
 from pyspice.runtime import (
     EXECUTORS,
     IncompatibleModelError,
@@ -109,6 +111,7 @@ class Engine:
         self.timing = Timing()
         self._routers: RouterReader | None = None
         self._predictor: DraftPredictor | None = None
+        self._history: HistoryLookahead | None = None  # set_history_predictor's, before the sidecar's
         self._errors: dict[int, npt.NDArray[np.float32] | None] = {}
         self._blas_limit: Any = None  # threadpoolctl's handle, held while it lasts
         self._said: set[str] = set()  # notes said once per engine
@@ -491,7 +494,7 @@ class Engine:
             budget_bytes=self.device_params.budget_bytes if self.device_params else None,
             router=self._routers,
             profile=self._profile(),
-            predictor=self._sidecar_predictor() if with_predictor else None,
+            predictor=(self._history or self._sidecar_predictor()) if with_predictor else None,
             surrogate_error=self._surrogate_errors,
             surrogates_loaded=runtime.n_surrogates() > 0,
             reserved_bytes=runtime.surrogate_bytes(),
@@ -508,6 +511,14 @@ class Engine:
         bus of the device tier in use."""
         profile = self.profile if self.profile is not None else saved_profile(self.model_path)
         return profile_for_tier(profile, self.device_params)
+
+    def set_history_predictor(self, path: str | Path) -> str:
+        """SPICE predicts from expert ids with the routing-history predictor at `path`
+        (fitted by `pyspice trace fit` on this model's MoE layers) from the next
+        set_policy on; returns the line that says so."""
+        moe = [info.il for info in self.require_runtime().layers() if info.is_moe]
+        self._history = HistoryLookahead(RoutingHistory.load(Path(path)), moe)
+        return f"SPICE predicts from expert ids with the routing-history predictor {path}"
 
     def _sidecar_predictor(self) -> DraftPredictor | None:
         if self.sidecar is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -39,7 +39,8 @@ class RoutePredictor(Protocol):
     sidecar's draft predictor (pyspice.policy.predictor.DraftPredictor) or the
     cross-layer router baseline (pyspice.policy.spice.lookahead.RouterLookahead)."""
 
-    def rollout_logits(self, layer: int, hidden: F32, depth: int) -> list[tuple[int, F32]]: ...
+    # hidden: the layer's input row(s); a predictor that reads ids (reads_ids) takes them
+    def rollout_logits(self, layer: int, hidden: npt.NDArray[Any], depth: int) -> list[tuple[int, F32]]: ...
 
 
 @runtime_checkable
