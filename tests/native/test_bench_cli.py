@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -72,7 +73,8 @@ def test_a_run_with_policy_fallbacks_is_invalid(synth_model, monkeypatch, capsys
         def decide(self, call):  # type: ignore[no-untyped-def]
             raise RuntimeError("broken on purpose")
 
-    monkeypatch.setitem(registry._FACTORIES, "exact-py", Broken)
+    spec = registry.policy_spec("exact-py")
+    monkeypatch.setitem(registry._SPECS, "exact-py", dataclasses.replace(spec, factory=Broken))
     model = synth_model("qwen2moe", "tiny", "Q8_0")
     rc = main(
         [
