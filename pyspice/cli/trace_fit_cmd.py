@@ -80,10 +80,10 @@ def run(args: argparse.Namespace) -> int:
     predictor.save(args.output)
     test_ids, test_first = routing.ids[cut:], first[cut:]
     ours = routing_history.evaluate(predictor, test_ids, test_first)
-    tables = history_predictor.fit(
-        routing.ids[:cut], first[:cut], routing.n_expert, predictor.max_depth, tune_share=0.0
+    baseline = history_predictor.cooccurrence(
+        routing.ids[:cut], first[:cut], routing.n_expert, predictor.max_depth
     )
-    base = history_predictor.evaluate(history_predictor.cooccurrence_baseline(tables), test_ids, test_first)
+    base = history_predictor.evaluate(baseline, test_ids, test_first)
     doc = {
         "trace": routing.name,
         "fit_sequences": [1, n_fit],

@@ -37,8 +37,8 @@ def test_it_learns_what_the_previous_token_says_and_counts_cannot() -> None:
     cut = 500
     model = routing_history.fit(ids[:cut], first[:cut], E, max_depth=2)
     ours = routing_history.evaluate(model, ids[cut:], first[cut:])
-    tables = history_predictor.fit(ids[:cut], first[:cut], E, 2, tune_share=0.0)
-    base = history_predictor.evaluate(history_predictor.cooccurrence_baseline(tables), ids[cut:], first[cut:])
+    baseline = history_predictor.cooccurrence(ids[:cut], first[:cut], E, 2)
+    base = history_predictor.evaluate(baseline, ids[cut:], first[cut:])
     # depth 1 averages layer 0 -> 1 (the previous token decides: 1.0 against chance) and
     # layer 1 -> 2 (layer 2 repeats layer 0, two layers back: block 1 of the features)
     assert ours[1] > 0.95 and base[1] < 0.7

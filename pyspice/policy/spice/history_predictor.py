@@ -65,7 +65,7 @@ def _previous_rows(hot: F64, first: npt.NDArray[np.bool_]) -> F64:
     return prev
 
 
-def recall_at_k(scores: F64, truth: IDS) -> float:
+def recall_at_k(scores: npt.NDArray[np.floating], truth: IDS) -> float:
     """Mean share of the true k ids among the k highest scores."""
     k = truth.shape[1]
     top = np.argpartition(-scores, k - 1, axis=1)[:, :k]
@@ -242,6 +242,16 @@ def fit(
                     best, weights[depth - 1] = r, w
     tables = count_tables(ids, first, n_expert, max_depth)
     return HistoryPredictor(n_layer, n_expert, k, *tables, weights=weights)
+
+
+def cooccurrence(ids: IDS, first: npt.NDArray[np.bool_], n_expert: int, max_depth: int) -> HistoryPredictor:
+    """The co-occurrence baseline counted on these tokens: layer l's ids -> layer l+d's."""
+    ids = np.asarray(ids)
+    depth = max(1, min(max_depth, ids.shape[1] - 1))
+    tables = count_tables(ids, np.asarray(first, dtype=bool), n_expert, depth)
+    return cooccurrence_baseline(
+        HistoryPredictor(ids.shape[1], n_expert, ids.shape[2], *tables, np.zeros((0, 3)))
+    )
 
 
 def cooccurrence_baseline(predictor: HistoryPredictor) -> HistoryPredictor:

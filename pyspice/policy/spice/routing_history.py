@@ -32,6 +32,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pyspice.outputs import atomic_output
+from pyspice.policy.spice.history_predictor import multi_hot, recall_at_k
 
 F32 = npt.NDArray[np.float32]
 IDS = npt.NDArray[np.integer]
@@ -137,13 +138,6 @@ def previous_tokens(ids: IDS, first: npt.NDArray[np.bool_]) -> tuple[IDS, npt.ND
     return prev, has
 
 
-def recall_at_k(logits: npt.NDArray[np.floating], truth: IDS) -> float:
-    """Mean share of the true k ids among the k highest logits."""
-    k = truth.shape[1]
-    top = np.argpartition(-logits, k - 1, axis=1)[:, :k]
-    return float((top[:, :, None] == truth[:, None, :]).any(axis=2).sum()) / float(truth.size)
-
-
 def _dense(feats: npt.NDArray[np.intp], width: int) -> F32:
     x = np.zeros((feats.shape[0], width), dtype=np.float32)
     rows = np.repeat(np.arange(feats.shape[0]), feats.shape[1])
@@ -154,19 +148,11 @@ def _dense(feats: npt.NDArray[np.intp], width: int) -> F32:
     return x
 
 
-def _hot(ids: IDS, n_expert: int) -> npt.NDArray[np.float64]:
-    out = np.zeros((ids.shape[0], n_expert))
-    np.put_along_axis(out, ids.astype(np.int64), 1.0, axis=1)
-    return out
-
-
 def _start(ids: IDS, layer: int, depth: int, n_expert: int, width: int) -> F32:
-    """Starting weights: block 0 = log co-occurrence / k, the bias the log prior."""
+    """Starting weights: block 0 = log co-occurrence / k (the baseline's table,
+    history_predictor.count_tables' `same`), everything else zero."""
     k = ids.shape[2]
-    counts = np.zeros((n_expert, n_expert), dtype=np.float64)
-    np.add.at(
-        counts, (np.repeat(ids[:, layer], k, axis=1).ravel(), np.tile(ids[:, layer + depth], k).ravel()), 1.0
-    )
+    counts = multi_hot(ids[:, layer], n_expert).T @ multi_hot(ids[:, layer + depth], n_expert)
     p = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1.0)
     w = np.zeros((width, n_expert), dtype=np.float32)
     w[:n_expert] = (np.log(np.maximum(p, _FLOOR)) / k).astype(np.float32)
