@@ -168,11 +168,8 @@ def _check_ids_only_policies(rows: tuple[str, ...], history: bool) -> None:
                     "lacks: fit a routing-history predictor with `pyspice trace fit TRACE -o P.npz` "
                     "and pass --history-predictor P.npz"
                 )
-        elif name == "adapmoe":
-            note(
-                "adapmoe: the trace has no hidden rows for its next-layer gate, so it runs without "
-                "prefetch: its per-layer caches, sized by miss cost, alone"
-            )
+        elif spec.without_hidden:
+            note(f"{name}: the trace has no hidden rows for its gate, so it {spec.without_hidden}")
         else:
             raise ValueError(f"policy {name!r} reads hidden rows, which this trace of routing alone lacks")
 

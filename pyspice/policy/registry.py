@@ -47,6 +47,8 @@ class PolicySpec:
     # what it reads of a call: a trace of routing alone (ids) runs only the "ids" ones
     inputs: frozenset[PolicyInput] = IDS
     asynchronous: bool = False  # can plan on the planner thread (`NAME@plan=async`)
+    # on a trace of routing alone (no hidden rows): what it runs as instead ("": refused)
+    without_hidden: str = ""
 
     def make(self) -> Policy | RulePolicy | None:
         """A fresh policy object; None for stock and native policies (nothing to make)."""
@@ -105,6 +107,7 @@ _SPECS: dict[str, PolicySpec] = {
             True,
             AdapMoE,
             inputs=IDS_AND_HIDDEN,
+            without_hidden="runs without prefetch: its per-layer caches, sized by miss cost, alone",
         ),
         _spice("spice", True, "SPICE at its default quality level (spice:exact)"),
         _spice("spice:exact", True, "SPICE: deep prefetch + cost-aware fetch-or-host, lossless"),
