@@ -39,7 +39,7 @@ class RoutePredictor(Protocol):
     sidecar's draft predictor (pyspice.policy.predictor.DraftPredictor) or the
     cross-layer router baseline (pyspice.policy.spice.lookahead.RouterLookahead)."""
 
-    # hidden: the layer's input row(s); a predictor that reads ids (reads_ids) takes them
+    # hidden: the layer's input row(s); the ids-reading HistoryLookahead takes the call's ids
     def rollout_logits(self, layer: int, hidden: npt.NDArray[Any], depth: int) -> list[tuple[int, F32]]: ...
 
 

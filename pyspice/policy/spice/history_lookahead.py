@@ -6,8 +6,8 @@ expert ids. `HistoryLookahead` rolls out the next MoE layers' logits from the
 ids the decode has seen (pyspice.policy.spice.routing_history): the call's,
 this token's at the two layers before, and the previous token's at the
 target layer and at this one. The policy shows it every call's ids
-(`observe`) and passes the ids where the other predictors take the hidden row
-(`reads_ids`). Softmax of the logits is the predicted distribution, so the
+(`observe`) and, knowing it by its type, passes the ids where the other
+predictors take the hidden row. Softmax of the logits is the predicted distribution, so the
 confidence SPICE compares with tau is its mass on the top-k.
 """
 
@@ -26,8 +26,6 @@ F32 = npt.NDArray[np.float32]
 class HistoryLookahead:
     """Rollouts over the model's MoE layers (`moe_layers`, in order) by a predictor
     fitted on the same layers' ids; it keeps the ids of this token and the last one."""
-
-    reads_ids = True
 
     def __init__(self, model: RoutingHistory, moe_layers: Sequence[int]) -> None:
         if model.n_layer != len(moe_layers):

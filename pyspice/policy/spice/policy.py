@@ -129,7 +129,6 @@ class SpicePolicy(PolicyBase):
             predictor = RouterLookahead(ctx, max(self.h_max.values(), default=1))
         # the routing-history predictor rolls out from the call's ids, the others from its input
         self.history = predictor if isinstance(predictor, HistoryLookahead) else None
-        self.reads_ids = self.history is not None
         if self.history is not None:
             self.history.reset()
         self.predictor: RoutePredictor = Rollout(predictor)
@@ -262,7 +261,7 @@ class SpicePolicy(PolicyBase):
         predictions = look_ahead(
             self.predictor,
             layer,
-            call.ids[0] if self.reads_ids else call.hidden[0],
+            call.ids[0] if self.history is not None else call.hidden[0],
             self.k,
             self.h_min[layer],
             self.h_max[layer],
@@ -330,7 +329,7 @@ class SpicePolicy(PolicyBase):
         predictions = look_ahead_batch(
             self.predictor,
             layer,
-            call.ids if self.reads_ids else call.hidden,
+            call.ids if self.history is not None else call.hidden,
             self.ctx.n_expert_used,
             self.batch_depth[layer],
         )
