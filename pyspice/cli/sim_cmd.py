@@ -34,7 +34,7 @@ from pyspice.policy.spice.history_lookahead import HistoryLookahead
 from pyspice.policy.spice.routing_history import RoutingHistory
 from pyspice.sim.hardware import DISK, EMULATED, load_profile
 from pyspice.sim.report import SimConfig, format_tables, plot, simulate_all, stderr_progress
-from pyspice.sim.targets import load_target, source_target
+from pyspice.sim.targets import TargetModel, load_target, source_target
 from pyspice.sim.validate import compare, format_comparison, measured_policy_us, parse_compare
 from pyspice.sim.workload import Workload, from_trace
 
@@ -174,13 +174,14 @@ def _check_ids_only_policies(rows: tuple[str, ...], history: bool) -> None:
             raise ValueError(f"policy {name!r} reads hidden rows, which this trace of routing alone lacks")
 
 
-def _note_geometry(workload: Workload, name: str, moe_layers: tuple[int, ...], n_expert: int, k: int) -> None:
+def _note_geometry(workload: Workload, target: TargetModel) -> None:
     """An imported trace replayed at another model's sizes: say so (the sizes still apply)."""
     ours = (len(workload.moe_layers), max(workload.n_expert), workload.n_expert_used)
-    if ours != (len(moe_layers), n_expert, k):
+    theirs = (len(target.moe_layers), target.n_expert, target.n_expert_used)
+    if ours != theirs:
         note(
-            f"the trace routes {ours[0]} MoE layers x {ours[1]} experts, top-{ours[2]}; {name} has "
-            f"{len(moe_layers)} x {n_expert}, top-{k}: its sizes are scaled to the trace's layers"
+            f"the trace routes {ours[0]} MoE layers x {ours[1]} experts, top-{ours[2]}; {target.name} "
+            f"has {theirs[0]} x {theirs[1]}, top-{theirs[2]}: its sizes are scaled to the trace's layers"
         )
 
 
@@ -212,10 +213,13 @@ def run(args: argparse.Namespace) -> int:
         model = resolve_model(args, role="benchmark")  # the model the trace was recorded on, by default
     if args.sidecar is not None and not args.sidecar.is_file():
         raise ValueError(f"sidecar {args.sidecar} does not exist")
-    if args.history_predictor is not None and not args.history_predictor.is_file():
-        raise ValueError(f"routing-history predictor {args.history_predictor} does not exist")
+    history: RoutingHistory | None = None
+    if args.history_predictor is not None:
+        if not args.history_predictor.is_file():
+            raise ValueError(f"routing-history predictor {args.history_predictor} does not exist")
+        history = RoutingHistory.load(args.history_predictor)  # a bad file fails before the trace loads
     if ids_only:
-        _check_ids_only_policies(_split(args.policies), args.history_predictor is not None)
+        _check_ids_only_policies(_split(args.policies), history is not None)
     workload = from_trace(args.trace, args.sequences)
     if workload.decoded_tokens == 0:
         raise ValueError(f"{args.trace}: the trace has no decoded tokens to simulate")
@@ -237,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
     # "source": the recorded model's own sizes, for hardware profiles as well as `emulated`
     target = source_target(model) if args.target == "source" and model else load_target(args.target)
     if ids_only and target is not None:
-        _note_geometry(workload, target.name, target.moe_layers, target.n_expert, target.n_expert_used)
+        _note_geometry(workload, target)
     policy_us: dict[str, float] = {}
     if args.policy_us_from is not None:
         measured = json.loads(args.policy_us_from.read_text()).get("policies", {})
@@ -283,8 +287,7 @@ def run(args: argparse.Namespace) -> int:
             "reserved_bytes": sidecar.surrogate_bytes() if errors else 0,
         }
         note(f"sidecar {args.sidecar}: draft predictor and {len(errors)} layers of surrogates")
-    if args.history_predictor is not None:
-        history = RoutingHistory.load(args.history_predictor)
+    if history is not None:
         extra["predictor"] = HistoryLookahead(history, workload.moe_layers)
         note(f"SPICE predicts from expert ids with {args.history_predictor}")
     rows = simulate_all(workload, cfg, router=router, context_extra=extra, progress=stderr_progress)
