@@ -94,9 +94,11 @@ class RoutingHistory:
     def load(cls, path: Path) -> RoutingHistory:
         try:
             z = np.load(Path(path), allow_pickle=False)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError):
+            # numpy's own words here would suggest loading the file unsafely: not ours to say
             raise ValueError(
-                f"{path}: not a routing-history predictor ({exc}); fit one with `pyspice trace fit`"
+                f"{path}: not a routing-history predictor (not a .npz of arrays); fit one with "
+                "`pyspice trace fit`"
             ) from None
         with z:
             if "format" not in z or str(z["format"]) != FORMAT:
