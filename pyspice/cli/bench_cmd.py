@@ -26,7 +26,7 @@ from pyspice.measure.bench import (
 )
 from pyspice.measure.device_bytes import llama_buffer_report
 from pyspice.measure.upstream_rows import UPSTREAM_ROWS, UpstreamRow, plan_row
-from pyspice.runtime import device_memory
+from pyspice.runtime.ops import device_memory
 from pyspice.units import format_bytes
 
 

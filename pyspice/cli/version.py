@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pyspice import __version__
 from pyspice.build_info import BuildNotFoundError, load_build_info
-from pyspice.runtime import device_count
+from pyspice.runtime.ops import device_count
 
 # The patched libllama carries no mark of its own: its MoE hook API tells it from an
 # unpatched one, and the sha256 `make build` recorded tells it from another build.
@@ -30,7 +30,7 @@ def file_sha256(path: Path) -> str:
 
 def built_patch_series() -> list[str]:
     """The series libspice was built with, alongside its libllama (spice_build_patch_series)."""
-    from pyspice.runtime import _Native
+    from pyspice.runtime.loader import _Native
 
     n = _Native.get()
     return [s for s in n.ffi.string(n.lib.spice_build_patch_series()).decode().splitlines() if s]

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from pyspice.engine.slot_cache import SlotCache, is_kept_file, kept_source
 from pyspice.paths import cache_dir
-from pyspice.runtime import SLOT_4BIT, SLOT_5BIT
+from pyspice.runtime.constants import SLOT_4BIT, SLOT_5BIT
 
 KINDS = ("slot-copies", "models", "profiles", "calibration", "other")
 _FOLDERS = {"models": "models", "profiles": "profiles", "calibrate": "calibration"}

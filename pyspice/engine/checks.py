@@ -13,7 +13,7 @@ import math
 import os
 from collections.abc import Callable
 
-from pyspice.runtime import EXECUTORS
+from pyspice.runtime.constants import EXECUTORS
 
 Note = Callable[[str], None]
 

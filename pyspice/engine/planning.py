@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from pyspice.policy import PolicyContext
 from pyspice.policy.spice.cost import CostModel
-from pyspice.runtime import AsyncParams
+from pyspice.runtime.store import AsyncParams
 
 # Measured on the 2-core development machine (docs/results/planning.md, "Synchronous
 # where the decode takes every core"). Where the decode takes

@@ -37,7 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pyspice.formats.trace import TraceMeta, TraceReader
-from pyspice.runtime import LayerInfo
+from pyspice.runtime.hook import LayerInfo
 
 
 @dataclass(frozen=True)

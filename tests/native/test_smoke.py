@@ -27,7 +27,7 @@ def test_libllama_is_the_installed_patched_build() -> None:
 
 def test_libspice_is_linked_to_the_same_series() -> None:
     lib = native()
-    from pyspice.runtime import _Native
+    from pyspice.runtime.loader import _Native
 
     series = _Native.get().ffi.string(lib.spice_build_patch_series()).decode()
     assert [s for s in series.splitlines() if s] == list(load_build_info().patch_series)

@@ -33,11 +33,12 @@ def test_header_parses_and_action_values_match_the_policy_package() -> None:
         lib.SPICE_ACTION_DROP,
     ) == (ACTION_DEVICE, ACTION_HOST, ACTION_SURROGATE, ACTION_DROP)
     from pyspice import runtime
+    from pyspice.runtime import hook
 
     assert (lib.SPICE_POLICY_OK, lib.SPICE_POLICY_FAILED, lib.SPICE_POLICY_ABORT) == (
-        runtime._POLICY_OK,
-        runtime._POLICY_FAILED,
-        runtime._POLICY_ABORT,
+        hook._POLICY_OK,
+        hook._POLICY_FAILED,
+        hook._POLICY_ABORT,
     )
     assert ffi.sizeof("spice_counters") == len(_counter_fields()) * 8
     assert (lib.SPICE_RES_ABSENT, lib.SPICE_RES_QUEUED, lib.SPICE_RES_COPYING, lib.SPICE_RES_RESIDENT) == (
@@ -72,7 +73,7 @@ def test_header_parses_and_action_values_match_the_policy_package() -> None:
 
 
 def _counter_fields() -> tuple[str, ...]:
-    from pyspice.runtime import _COUNTER_FIELDS
+    from pyspice.runtime.constants import _COUNTER_FIELDS
 
     return _COUNTER_FIELDS
 
