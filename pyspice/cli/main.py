@@ -28,6 +28,7 @@ from pyspice.cli import (
     trace_cmd,
 )
 from pyspice.cli.errors import add_verbose_arg, run_command
+from pyspice.cli.sim_predict_cmd import FIT_COMMAND
 from pyspice.cli.version import version_report
 
 
@@ -85,7 +86,10 @@ def _add_verbose_everywhere(p: argparse.ArgumentParser) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    if words[:2] == FIT_COMMAND.split():  # `pyspice sim fit ...`: its own parser, not sim's
+        words = [FIT_COMMAND, *words[2:]]
+    args = parser.parse_args(words)
     return run_command(args.func, args)
 
 

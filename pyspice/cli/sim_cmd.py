@@ -25,6 +25,7 @@ import numpy as np
 
 from pyspice.cli.common import add_model_args, note, resolve_model
 from pyspice.cli.numbers import budget_list
+from pyspice.cli.sim_predict_cmd import add_target_layers_arg, register_fit, run_predict
 from pyspice.formats.profile import profile_path
 from pyspice.formats.routers import RouterReader
 from pyspice.formats.sidecar import Sidecar
@@ -37,6 +38,8 @@ from pyspice.sim.report import SimConfig, format_tables, plot, simulate_all, std
 from pyspice.sim.targets import TargetModel, load_target, source_target
 from pyspice.sim.validate import compare, format_comparison, measured_policy_us, parse_compare
 from pyspice.sim.workload import Workload, from_trace
+
+DEFAULT_TARGET = "qwen2-57b-a14b:Q5_K_M"
 
 
 def register(sub: Any) -> None:
@@ -66,7 +69,6 @@ def register(sub: Any) -> None:
     )
     p.add_argument(
         "--target",
-        default="qwen2-57b-a14b:Q5_K_M",
         help="model sizes to simulate, NAME:QUANT (qwen2-57b-a14b, deepseek-v2-lite); "
         "'source' = the source model's own sizes, on any profile (default qwen2-57b-a14b:Q5_K_M)",
     )
@@ -119,7 +121,22 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--json", action="store_true", help='print {"rows": [...]} as JSON')
     p.add_argument("--plot", metavar="PNG", help="draw speedup over adapmoe (paper Fig. 7 style)")
+    p.add_argument(
+        "--predict",
+        action="append",
+        metavar="RECORD[:LINE]",
+        help="predict each row of these `bench --json` runs on --profile and print it beside the "
+        "measured TPOT; --trace is then the model's own routing, for runs that did not replay one",
+    )
+    p.add_argument(
+        "--replay-trace",
+        type=Path,
+        metavar="DIR",
+        help="with --predict: the trace the runs replayed, where the path they recorded is not here",
+    )
+    add_target_layers_arg(p)
     p.set_defaults(func=run)
+    register_fit(sub)
 
 
 def _split(text: str) -> tuple[str, ...]:
@@ -197,6 +214,10 @@ def source_expert_bytes(model: Path, n_layers: int) -> tuple[int, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.predict:
+        return run_predict(args)
+    if args.target is None:
+        args.target = DEFAULT_TARGET
     if args.show_profiles:
         for name in _split(args.profile):
             if name != EMULATED:
@@ -239,7 +260,10 @@ def run(args: argparse.Namespace) -> int:
                 f"{prof.values['bus_latency_us'].label()} us per read"
             )
     # "source": the recorded model's own sizes, for hardware profiles as well as `emulated`
-    target = source_target(model) if args.target == "source" and model else load_target(args.target)
+    if args.target == "source" and model:
+        target = source_target(model)
+    else:
+        target = load_target(args.target, args.target_layers)
     if ids_only and target is not None:
         _note_geometry(workload, target)
     policy_us: dict[str, float] = {}

@@ -83,15 +83,20 @@ def record_bench_trace(
     n_predict: int = 32,
     threads: int = 2,
     text: str | None = None,
+    forced_tokens: list[int] | None = None,
 ) -> list[int]:
-    """Record bench's workload (or, with `text`, that text teacher-forced); returns the
-    tokens after the prompt."""
+    """Record bench's workload (or, with `text`, that text teacher-forced; with
+    `forced_tokens`, bench's prompt and then those tokens fed, as a bench run that
+    decoded them fed them); returns the tokens after the prompt."""
     llm = _open(model, threads)
     try:
         layers = llm.spice_layers()
         moe = [info.il for info in layers if info.is_moe]
         forced: list[int] | None = None
-        if text is None:
+        if forced_tokens is not None:
+            prompt, forced = bench_prompt(llm, prompt_tokens), list(forced_tokens)
+            about = "pyspice bench's default prompt, one token per call, then given tokens fed"
+        elif text is None:
             prompt = bench_prompt(llm, prompt_tokens)
             about = "pyspice bench's default prompt, one token per call"
         else:
@@ -176,6 +181,24 @@ def measure_decode_costs(
         llm.close()
 
 
+def _decoded_tokens(spec: str, n_predict: int) -> list[int]:
+    """The tokens a bench run fed while decoding (all it decoded but the last), from
+    `RECORD[:LINE]`: its stock row's, else its first row's that has them."""
+    path, sep, line = spec.rpartition(":")
+    if not (sep and line.isdigit()):
+        path, line = spec, "1"
+    lines = [x for x in Path(path).read_text().splitlines() if x.strip()]
+    n = int(line)
+    if not 1 <= n <= len(lines):
+        raise SystemExit(f"{path} has {len(lines)} bench runs, not a line {n}")
+    rows = json.loads(lines[n - 1]).get("policies", {})
+    ordered = [rows["stock"], *rows.values()] if "stock" in rows else list(rows.values())
+    tokens = next((r["tokens"] for r in ordered if r.get("tokens")), None)
+    if not tokens:
+        raise SystemExit(f"{spec}: no row of that run recorded its tokens")
+    return [int(t) for t in tokens[: max(0, min(len(tokens), n_predict) - 1)]]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pyspice.measure.record", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="what", required=True)
@@ -188,6 +211,13 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument(
         "-f", "--file", type=Path, help="a text to trace instead, every token fed (teacher-forced)"
     )
+    t.add_argument(
+        "--tokens-of",
+        metavar="RECORD[:LINE]",
+        help="feed the tokens a `bench --json` run decoded (its stock row's; line 1 unless given) "
+        "after bench's prompt, so the trace routes as that run did: the routing of a recorded GPU "
+        "run for `pyspice sim --predict`",
+    )
     c = sub.add_parser("costs", help="measure decode-step costs at bench's KV position")
     c.add_argument("model", type=Path)
     c.add_argument("out", type=Path)
@@ -196,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("-t", "--threads", type=int, default=2)
     args = p.parse_args(argv)
     if args.what == "trace":
+        forced = _decoded_tokens(args.tokens_of, args.n_predict) if args.tokens_of else None
         tokens = record_bench_trace(
             args.model,
             args.out,
@@ -203,8 +234,10 @@ def main(argv: list[str] | None = None) -> int:
             n_predict=args.n_predict,
             threads=args.threads,
             text=args.file.read_text(encoding="utf-8") if args.file is not None else None,
+            forced_tokens=forced,
         )
-        steps = len(tokens) if args.file is not None else len(tokens) - 1  # greedy: the first is the prompt's
+        fed = args.file is not None or forced is not None
+        steps = len(tokens) if fed else len(tokens) - 1  # greedy: the first is the prompt's
         print(f"recorded {args.prompt_tokens} prompt + {steps} decoded tokens into {args.out}")
     else:
         profile = measure_decode_costs(

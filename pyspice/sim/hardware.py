@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -113,7 +113,17 @@ _FIELDS = (
 # the expert's bytes, and how much slower the host runs its misses while the bus copies. A
 # profile without them gets 0: copies free to the hook's thread and the host, a device
 # activation as fast as its bytes.
-_MEASURED_ONLY = ("copy_issue_us", "device_act_overhead_us", "bus_host_slowdown")
+_MEASURED_ONLY = (
+    "copy_issue_us",
+    "device_act_overhead_us",
+    "bus_host_slowdown",
+    # fitted to bench records (`pyspice sim fit`, pyspice/sim/fit.py): the device executor's
+    # floor per call, a token's time outside the layers, llama.cpp's own path per MoE layer
+    "device_call_us",
+    "step_us",
+    "stock_layer_us",
+    "async_layer_us",
+)
 
 
 @dataclass(frozen=True)
@@ -126,6 +136,9 @@ class HardwareProfile:
     fill_gbps: float = 0.0
     wake_us: float = 0.0
     disk: bool = False  # edge mode: the bus is the model file's disk, slots are RAM
+    # measured deciding time per decode call by bench row (`pyspice sim fit`), which
+    # a prediction charges to policies the simulator does not time itself
+    deciding_us: dict[str, float] = field(default_factory=dict)
 
     @property
     def simulates_source(self) -> bool:
@@ -151,7 +164,10 @@ class HardwareProfile:
         kind = doc.get("kind", "gpu")
         if kind not in ("gpu", DISK):
             raise ValueError(f"hardware profile {name!r}: kind {kind!r} is neither 'gpu' nor '{DISK}'")
-        return HardwareProfile(name, str(doc.get("description", "")), values, disk=kind == DISK)
+        deciding = {str(k): float(v) for k, v in (doc.get("deciding_us") or {}).items()}
+        return HardwareProfile(
+            name, str(doc.get("description", "")), values, disk=kind == DISK, deciding_us=deciding
+        )
 
     def describe(self) -> list[str]:
         return [f"{self.name}: {self.description}"] + [
@@ -338,6 +354,7 @@ def target_costs(profile: HardwareProfile, target: TargetModel, workload: Worklo
     batches = (1, 8, 32, 128, 512)
     scale = target.n_layers / workload.n_layers
     head_us = max(target.head_bytes / dev_bw, 0.0)
+    outside = profile.optional("step_us") or head_us  # a fitted step holds the head's reading
     return Costs(
         expert_bytes=tuple(expert_bytes),
         bus_gbps=profile["bus_gbps"],
@@ -345,7 +362,7 @@ def target_costs(profile: HardwareProfile, target: TargetModel, workload: Worklo
         rest_us=_table([(n, rest(n)) for n in batches]),
         device_expert_us=_table([(n, per_act(n, dev_bw, dev_flops)) for n in batches]),
         host_expert_us=_table([(n, per_act(n, host_bw, host_flops)) for n in batches]),
-        step_us=head_us / scale,
+        step_us=outside / scale,
         host_call_us=profile["host_call_us"],
         hook_us=profile["hook_us"],
         python_call_us=profile["python_call_us"],
@@ -353,6 +370,9 @@ def target_costs(profile: HardwareProfile, target: TargetModel, workload: Worklo
         copy_issue_us=profile.optional("copy_issue_us"),
         device_act_overhead_us=profile.optional("device_act_overhead_us"),
         bus_host_slowdown=profile.optional("bus_host_slowdown"),
+        device_call_us=profile.optional("device_call_us"),
+        stock_layer_us=profile.optional("stock_layer_us"),
+        async_layer_us=profile.optional("async_layer_us"),
         device_shares_host=False,
         layer_scale=scale,
     )

@@ -22,7 +22,7 @@ from pyspice.sim.hardware import (
     target_costs,
 )
 from pyspice.sim.planner import AsyncModel
-from pyspice.sim.simulator import Simulator
+from pyspice.sim.simulator import SimResult, Simulator
 from pyspice.sim.targets import TargetModel
 from pyspice.sim.workload import Workload
 from pyspice.units import slot_bytes, whole_tier_bytes
@@ -53,6 +53,26 @@ def _check_policies(names: Sequence[str]) -> None:
         spec = policy_spec(split_planning(row)[0])
         if spec.kind == "stock":
             raise ValueError("'stock' has no hook to simulate; 'exact' is the same work through the hook")
+
+
+def simulate_row(
+    sims: dict[bool, Simulator], row: str, policy_us: float | None, *, native_us: float = 0.0
+) -> tuple[Any, SimResult]:
+    """One bench row (`NAME[@sync|@async|@detN]`) through the simulator of its kind
+    (`sims[lossless]`): the policy object and its result. `policy_us`: a Python policy's
+    measured deciding time per call (None: timed here); a native one decides in
+    `native_us` (0 unless measured on the machine simulated)."""
+    name, how, lag = split_planning(row)  # NAME@async: the planner thread modelled
+    spec = policy_spec(name)
+    policy = make_policy(name)
+    sim = sims[spec.lossless]
+    us = policy_us if spec.kind == "python" else native_us  # natively decided: no Python per call
+    # NAME alone plans where the engine would: asynchronously on the disk tier
+    # (Planning.chosen), else synchronously, as the engine does where the
+    # decode takes every core (a simulated target has no thread count)
+    asynchronous = how == "async" or (how is None and sim.costs.disk is not None)
+    model = AsyncModel(max_lag=0, deterministic_lag=lag) if asynchronous else None
+    return policy, sim.run(row, policy, policy_us=us, preload=name == "exact", asynchronous=model)
 
 
 def simulate_all(
@@ -111,26 +131,16 @@ def simulate_all(
             for row in cfg.policies:
                 if progress:
                     progress(f"{prof.name} {budget} {row}")
-                name, how, lag = split_planning(row)  # NAME@async: the planner thread modelled
-                spec = policy_spec(name)
-                policy = make_policy(name)
-                sim = sims[spec.lossless]
                 us = (cfg.policy_us_by_budget or {}).get(budget, {}).get(row)
                 if us is None:
                     us = (cfg.policy_us or {}).get(row)
-                if spec.kind != "python":
-                    us = 0.0  # decided natively: no Python per call
-                # NAME alone plans where the engine would: asynchronously on the disk tier
-                # (Planning.chosen), else synchronously, as the engine does where the
-                # decode takes every core (a simulated target has no thread count)
-                asynchronous = how == "async" or (how is None and costs.disk is not None)
-                model = AsyncModel(max_lag=0, deterministic_lag=lag) if asynchronous else None
-                result = sim.run(row, policy, policy_us=us, preload=name == "exact", asynchronous=model)
+                policy, result = simulate_row(sims, row, us)
                 row_note = note
                 if slot_precision(policy) != "exact" and costs.disk is None:
                     # libspice picks the copies' types (spice-slot-copies.c); the simulator
                     # does not model them rather than keep a second copy of that choice
                     precision = slot_precision(policy)
+                    name = split_planning(row)[0]
                     unmodelled = f"{name}'s {precision} slots not modelled (charged at the model's bytes)"
                     row_note = f"{note}; {unmodelled}" if note else unmodelled
                 rows.append({**base, **result.record(), **({"note": row_note} if row_note else {})})

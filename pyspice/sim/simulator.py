@@ -112,6 +112,9 @@ class Costs:
     copy_issue_us: float = 0.0  # the hook's thread, per copy it starts (CUDA calls, polling)
     device_act_overhead_us: float = 0.0  # device: per activation beyond reading its bytes
     bus_host_slowdown: float = 0.0  # host expert work is this much slower while the bus copies
+    device_call_us: float = 0.0  # device: per call with device work (the executor's floor)
+    stock_layer_us: float = 0.0  # llama.cpp's own path per MoE layer beyond the host's expert work
+    async_layer_us: float = 0.0  # the hook's thread, per MoE layer while a planner thread plans
     device_shares_host: bool = False  # emulated device: its compute is the host's
     fill_gbps: float = 0.0  # emulated device: host copy into a slot on first use (0: none)
     wake_us: float = 0.0  # emulated device: a wait that sleeps wakes this much late
@@ -578,6 +581,10 @@ class Simulator:
                     self._plan_rule = RuleState(got.rule, self.workload.n_layers)
                 t += got.wait_ns
                 tally.part("planner wait", got.wait_ns)
+                if costs.async_layer_us > 0:  # the planner's work slows the decode's (fitted)
+                    contention = _us(costs.async_layer_us)
+                    t += contention
+                    tally.part("planner contention", contention)
                 actions, plan, spent_us = None, Plan(), policy_us or 0.0
                 if tier is not None:
                     actions, ruled = rule_plan(tier, self._plan_rule, il, ids, call.weights, call.hidden)
@@ -636,7 +643,8 @@ class Simulator:
             else:  # a batch: each expert's weights are read once for its own tokens
                 dev_work = self._per_expert_us(ids, is_dev, self._dev_per_expert)
                 host_work = self._per_expert_us(ids, is_host, self._host_per_expert)
-            dev_work += int(is_dev.sum()) * costs.device_act_overhead_us
+            n_dev = int(is_dev.sum())
+            dev_work += n_dev * costs.device_act_overhead_us + (costs.device_call_us if n_dev else 0.0)
             dev = _us(dev_work + int((actions == ACTION_SURROGATE).sum()) * costs.surrogate_us)
             host = _us(host_work + (costs.host_call_us if n_host else 0.0))
             # the host runs its misses while the device's copies are awaited (the engine's

@@ -20,7 +20,7 @@ from pathlib import Path
 import gguf
 
 from pyspice.formats.model_info import read_header
-from pyspice.models.synth import SHAPES, tensor_plan
+from pyspice.models.synth import shape_for, tensor_plan
 from pyspice.units import whole_tier_bytes
 
 _QK_K = 256
@@ -96,8 +96,10 @@ class TargetModel:
         return sum(self.layer_bytes) + self.head_bytes
 
 
-def load_target(spec: str) -> TargetModel:
-    """`qwen2-57b-a14b:Q5_K_M`, `deepseek-v2-lite:Q4_K_M`."""
+def load_target(spec: str, layers: int | None = None) -> TargetModel:
+    """`qwen2-57b-a14b:Q5_K_M`, `deepseek-v2-lite:Q4_K_M`; `layers`: only the first N
+    layers, as `pyspice models synth --layers N` builds them (its K_M mix is chosen
+    for that depth, as llama-quantize chooses it for the file it quantizes)."""
     shape_name, _, quant = spec.partition(":")
     quant = quant.upper() or "Q4_K_M"
     arch = TARGET_SHAPES.get(shape_name)
@@ -107,7 +109,7 @@ def load_target(spec: str) -> TargetModel:
         )
     if quant not in _BASE:
         raise ValueError(f"unknown quant {quant!r} for a target; choose one of {', '.join(_BASE)}")
-    dims = SHAPES[shape_name]
+    dims = shape_for(arch, shape_name, layers)
     n = dims.n_layer
     expert = [0] * n
     layer = [0] * n
@@ -131,8 +133,9 @@ def load_target(spec: str) -> TargetModel:
             layer[il] += nbytes
             layer_params[il] += math.prod(t.shape)
     moe = tuple(il for il in range(n) if expert[il] > 0)
+    depth = f"/{n}L" if layers is not None else ""
     return TargetModel(
-        name=f"{shape_name}:{quant}",
+        name=f"{shape_name}:{quant}{depth}",
         n_layers=n,
         moe_layers=moe,
         n_expert=dims.n_expert,

@@ -1,0 +1,171 @@
+"""`pyspice sim fit` and `pyspice sim --predict`: the simulator against recorded bench runs.
+
+    pyspice sim fit RECORD[:LINE]... -o PROFILE.json --target deepseek-v2-lite:Q4_K_M --target-layers 8
+    pyspice sim --predict RECORD[:LINE] --profile PROFILE.json --target ... [--trace OWN] [--replay-trace T]
+
+`fit` reads the engine's counters of each run (pyspice.sim.fit) into a
+hardware profile; `--predict` replays each run on a profile and prints every
+row's predicted TPOT, over its run's stock, beside the measured one
+(pyspice.sim.predict). Fit on one run of a machine, predict its others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pyspice.cli.common import note
+from pyspice.engine.replay import load_routing_replay
+from pyspice.formats.routers import RouterReader
+from pyspice.runtime import LayerInfo
+from pyspice.sim.fit import fit_terms, fitted_profile
+from pyspice.sim.hardware import load_profile
+from pyspice.sim.predict import format_predictions, own_workload, predict_run
+from pyspice.sim.records import RecordedRun, select_runs
+from pyspice.sim.targets import TargetModel, load_target, source_target
+from pyspice.sim.workload import Workload
+
+
+def add_target_layers_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--target-layers",
+        type=int,
+        metavar="N",
+        help="the target's first N layers only, as `pyspice models synth --layers N` builds it "
+        "(the recorded GPU runs' model: 8)",
+    )
+
+
+FIT_COMMAND = "sim fit"  # one command name of two words: main() joins `sim fit` into it
+
+
+def register_fit(sub: Any) -> None:
+    p = sub.add_parser(
+        FIT_COMMAND,
+        help="fit a hardware profile's costs to recorded `bench --json` runs",
+        description=(__doc__ or "").split("\n\n")[0] + ": fit. Writes a profile for `pyspice sim --profile`.",
+    )
+    p.add_argument(
+        "records", nargs="+", metavar="RECORD[:LINE[,LINE]]", help="bench --json files (or lines of them)"
+    )
+    p.add_argument("-o", "--output", type=Path, required=True, help="the profile JSON to write")
+    p.add_argument(
+        "--target",
+        help="the runs' model sizes, NAME:QUANT (default: the record's model file, where it is here)",
+    )
+    add_target_layers_arg(p)
+    p.add_argument(
+        "--base",
+        default="h200-vm16",
+        help="profile whose values the records cannot show are kept (default h200-vm16)",
+    )
+    p.add_argument("--name", help="the new profile's name (default: the output file's stem)")
+    p.set_defaults(func=run_fit)
+
+
+def _target(spec: str | None, layers: int | None, runs: list[RecordedRun]) -> TargetModel:
+    if spec is not None:
+        return load_target(spec, layers)
+    models = {run.model for run in runs}
+    here = [Path(m) for m in models if m and Path(m).is_file()]
+    if len(models) == 1 and here:
+        return source_target(here[0])
+    raise ValueError(
+        f"the runs' model ({', '.join(sorted(models)) or 'unnamed'}) is not here to size: give --target "
+        "NAME:QUANT (and --target-layers N for a model synthesised with --layers N)"
+    )
+
+
+def run_fit(args: argparse.Namespace) -> int:
+    runs = select_runs(args.records)
+    target = _target(args.target, args.target_layers, runs)
+    base = load_profile(args.base)
+    name = args.name or args.output.stem
+    doc = fitted_profile(runs, target, base, name)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"fitted {len(runs)} run(s) of {target.name} on top of {base.name}:")
+    for term in fit_terms(runs, target, base):
+        mark = "" if term.fitted else "  (kept)"
+        print(f"  {term.key:<24} {term.value:10.3f}{mark}  {term.note}")
+    print(f"profile written to {args.output}")
+    return 0
+
+
+def _layers(target: TargetModel) -> list[LayerInfo]:
+    moe = set(target.moe_layers)
+    return [
+        LayerInfo(il, il in moe, target.n_expert if il in moe else 0, 0, 0, 0, 0, 0, target.expert_bytes[il])
+        for il in range(target.n_layers)
+    ]
+
+
+def replayed_workload(trace: Path, run: RecordedRun, target: TargetModel, prompt_hooked: bool) -> Workload:
+    """What a run that replayed `trace` routed: bench seeks the replay to its start for the
+    prompt and to the trace's decode start for the decode (measure.bench.run_one)."""
+    rep = load_routing_replay(trace, _layers(target), target.n_expert_used)
+    moe = list(target.moe_layers)
+    n = rep.n_tokens
+    decode = [(rep.decode_start + i) % n for i in range(max(0, run.n_predict - 1))]
+    prompt = [i % n for i in range(run.prompt_tokens)] if prompt_hooked else []
+    ids = rep.ids[np.array(prompt + decode, dtype=np.int64)][:, moe, :]
+    return Workload.from_arrays(
+        target.n_layers, moe, target.n_expert, ids, prompt_tokens=len(prompt), source=str(trace)
+    )
+
+
+def workload_for(
+    run: RecordedRun,
+    target: TargetModel,
+    *,
+    own_trace: Path | None,
+    replay_trace: Path | None,
+) -> tuple[Workload | None, str]:
+    """The routing a run's hook saw, or None and why it is not at hand."""
+    row = next((r for r in run.rows.values() if r.hooked), None)
+    prompt_hooked = row.prompt_hooked if row is not None else False
+    if run.replay_routing:
+        path = replay_trace or Path(run.replay_routing)
+        if not path.exists():
+            return None, (
+                f"it replayed {run.replay_routing}, which is not here: "
+                "give --replay-trace (the trace it replayed)"
+            )
+        return replayed_workload(path, run, target, prompt_hooked), f"replayed {path}"
+    if own_trace is None:
+        return None, (
+            "the model's own routing decided and the record keeps no ids: give --trace, a trace of that "
+            "model's routing (`python -m pyspice.measure.record trace MODEL DIR`)"
+        )
+    return own_workload(own_trace, run, target, prompt_hooked), f"own routing from {own_trace}"
+
+
+def run_predict(args: argparse.Namespace) -> int:
+    names = [n.strip() for n in args.profile.split(",") if n.strip()]
+    if len(names) != 1:
+        raise ValueError("--predict takes one --profile (e.g. one `pyspice sim fit` wrote)")
+    profile = load_profile(names[0])
+    runs = select_runs(args.predict)
+    target = _target(args.target, args.target_layers, runs)
+    model = Path(args.model or args.model_pos) if (args.model or args.model_pos) else None
+    router = RouterReader(model) if model is not None else None
+    preds = []
+    for run in runs:
+        workload, why = workload_for(run, target, own_trace=args.trace, replay_trace=args.replay_trace)
+        if workload is None:
+            note(f"{run.source}: not predicted: {why}")
+            continue
+        preds.extend(predict_run(run, workload, profile, target, router))
+    if args.json:
+        json.dump(
+            {"simulated": True, "profile": profile.name, "rows": [p.record() for p in preds]}, sys.stdout
+        )
+        sys.stdout.write("\n")
+    else:
+        print(format_predictions(preds))
+    return 0

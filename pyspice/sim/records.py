@@ -1,0 +1,173 @@
+"""Recorded `pyspice bench --json` runs, read for the simulator to fit and predict.
+
+A bench record file holds one JSON document per line, one per bench run: the
+run's settings (model, prompt, tokens decoded, threads, the routing it
+replayed) and one entry per row with its TPOT and the engine's counters, per
+call and per layer. `sim fit` reads the counters; `sim --predict` replays the
+run and sets its prediction beside each row's TPOT.
+
+A record says how large its device tier was (`device_bytes.slots`) but not as
+a budget: the budget is that many bytes over the whole tier of the target the
+run's model has (the rows of docs/results/gpu-h200-*.json come out at 25% and
+50% exactly).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+UPSTREAM_PREFIX = "upstream"  # llama.cpp's own rows (bench's UPSTREAM_ROWS): no hook, no counters
+
+
+@dataclass(frozen=True)
+class LayerCounters:
+    """One MoE layer's decode counters of a row: per hook call unless said."""
+
+    layer: int
+    hook_calls: int
+    host_per_call: float  # activations run on the host (misses)
+    fetched_per_call: float  # activations fetched on demand
+    hit_rate: float
+    per_call: Mapping[str, float]  # the engine's per-call record (stats._per_call_record)
+
+
+@dataclass(frozen=True)
+class RecordedRow:
+    name: str
+    tpot_ms: float
+    hooked: bool  # went through the hook (not stock, not a llama.cpp row)
+    hit_rate: float = 0.0  # decode
+    activations_per_call: float = 0.0
+    policy_us: float = 0.0  # deciding, per decode hook call
+    per_call: Mapping[str, float] = field(default_factory=dict)  # decode calls
+    layers: tuple[LayerCounters, ...] = ()
+    slots_bytes: int | None = None  # the device tier's slots (None: no tier)
+    bytes_per_token: float = 0.0
+    stall_ms_per_token: float = 0.0
+    prefetch_issued: int = 0
+    prompt_hooked: bool = False  # the prompt's batches went through the hook too
+    asynchronous: bool = False  # planned on the planner thread
+
+    @property
+    def copies_per_call(self) -> float:
+        return float(self.per_call.get("copies", 0.0))
+
+
+@dataclass(frozen=True)
+class RecordedRun:
+    source: str  # FILE:LINE
+    model: str
+    prompt_tokens: int
+    n_predict: int
+    threads: int
+    replay_routing: str | None  # the trace the run replayed (None: the model's own routing)
+    rows: Mapping[str, RecordedRow]
+
+    @property
+    def stock(self) -> RecordedRow | None:
+        return self.rows.get("stock")
+
+
+def _row(name: str, doc: Mapping[str, Any], n_predict: int) -> RecordedRow:
+    tpot = float(doc.get("tpot_ms") or 0.0)
+    hooked = int(doc.get("hook_calls") or 0) > 0
+    if not hooked:
+        return RecordedRow(name, tpot, hooked=False)
+    layers = []
+    for key, layer in sorted((doc.get("layers") or {}).items(), key=lambda kv: int(kv[0])):
+        n = int(layer.get("hook_calls") or 0)
+        if n == 0:
+            continue
+        misses = layer.get("misses") or {}
+        layers.append(
+            LayerCounters(
+                layer=int(key),
+                hook_calls=n,
+                host_per_call=float(misses.get("host", 0)) / n,
+                fetched_per_call=float(misses.get("fetched", 0)) / n,
+                hit_rate=float(layer.get("hit_rate") or 0.0),
+                per_call={k: float(v) for k, v in (layer.get("per_call") or {}).items()},
+            )
+        )
+    device = doc.get("device_bytes") or {}
+    slots = device.get("slots")
+    return RecordedRow(
+        name,
+        tpot,
+        hooked=True,
+        hit_rate=float(doc.get("decode_hit_rate", doc.get("hit_rate")) or 0.0),
+        activations_per_call=float(doc.get("activations") or 0) / max(1, int(doc["hook_calls"])),
+        policy_us=float(doc.get("policy_us_per_decode_call", doc.get("policy_us_per_call")) or 0.0),
+        per_call={k: float(v) for k, v in (doc.get("per_call_decode") or doc.get("per_call") or {}).items()},
+        layers=tuple(layers),
+        slots_bytes=int(slots) if isinstance(slots, int) and slots > 0 else None,
+        bytes_per_token=float(doc.get("bytes_per_token") or 0.0),
+        stall_ms_per_token=float(doc.get("stall_ms_per_token") or 0.0),
+        prefetch_issued=int(doc.get("prefetch_issued") or 0),
+        asynchronous=bool((doc.get("planning") or {}).get("asynchronous")),
+        # a layer's calls are the decode steps alone (the first token comes from the
+        # prompt) unless the prompt's batches were hooked too
+        prompt_hooked=max((x.hook_calls for x in layers), default=0) > max(0, n_predict - 1),
+    )
+
+
+def read_records(path: Path) -> list[RecordedRun]:
+    """Every bench run in a record file (one JSON document per line; a file holding one
+    indented document is read as one run)."""
+    text = path.read_text()
+    try:
+        docs = [(1, json.loads(text))]
+    except json.JSONDecodeError:
+        docs = []
+        for i, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                docs.append((i, json.loads(line)))
+            except json.JSONDecodeError as err:
+                raise ValueError(
+                    f"{path}:{i}: not a JSON document ({err.msg}); is this a bench --json record?"
+                ) from None
+    runs = []
+    for lineno, doc in docs:
+        if not isinstance(doc, dict) or not isinstance(doc.get("policies"), dict):
+            raise ValueError(f"{path}:{lineno}: no 'policies' object: not a `pyspice bench --json` record")
+        n_predict = int(doc.get("n_predict") or 0)
+        runs.append(
+            RecordedRun(
+                source=f"{path}:{lineno}",
+                model=str(doc.get("model", "")),
+                prompt_tokens=int(doc.get("prompt_tokens") or 0),
+                n_predict=n_predict,
+                threads=int(doc.get("threads") or 0),
+                replay_routing=doc.get("replay_routing"),
+                rows={name: _row(name, row, n_predict) for name, row in doc["policies"].items()},
+            )
+        )
+    return runs
+
+
+def select_runs(paths: list[str]) -> list[RecordedRun]:
+    """`FILE` (every run in it) or `FILE:LINE[,LINE...]` (those lines) -> the runs."""
+    out: list[RecordedRun] = []
+    for spec in paths:
+        name, sep, lines = spec.rpartition(":")
+        if sep and lines.replace(",", "").isdigit() and Path(name).is_file():
+            wanted = {int(x) for x in lines.split(",") if x}
+            runs = [r for r in read_records(Path(name)) if int(r.source.rpartition(":")[2]) in wanted]
+            missing = wanted - {int(r.source.rpartition(":")[2]) for r in runs}
+            if missing:
+                raise ValueError(f"{name} has no bench run on line(s) {', '.join(map(str, sorted(missing)))}")
+            out.extend(runs)
+            continue
+        path = Path(spec)
+        if not path.is_file():
+            raise ValueError(
+                f"{spec}: no such record file (give FILE or FILE:LINE of `pyspice bench --json`)"
+            )
+        out.extend(read_records(path))
+    return out
