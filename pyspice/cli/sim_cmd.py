@@ -70,7 +70,7 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--target",
         help="model sizes to simulate, NAME:QUANT (qwen2-57b-a14b, deepseek-v2-lite); "
-        "'source' = the source model's own sizes, on any profile (default qwen2-57b-a14b:Q5_K_M)",
+        f"'source' = the source model's own sizes, on any profile (default {DEFAULT_TARGET})",
     )
     p.add_argument(
         "--profile", default="rtx4060,a800", help="comma-separated hardware profiles (default rtx4060,a800)"

@@ -48,7 +48,8 @@ def register_fit(sub: Any) -> None:
     p = sub.add_parser(
         FIT_COMMAND,
         help="fit a hardware profile's costs to recorded `bench --json` runs",
-        description=(__doc__ or "").split("\n\n")[0] + ": fit. Writes a profile for `pyspice sim --profile`.",
+        description="Fit a hardware profile's costs to recorded `pyspice bench --json` runs (the engine's "
+        "counters per call and per layer), for `pyspice sim --profile` and `pyspice sim --predict`.",
     )
     p.add_argument(
         "records", nargs="+", metavar="RECORD[:LINE[,LINE]]", help="bench --json files (or lines of them)"
@@ -86,11 +87,12 @@ def run_fit(args: argparse.Namespace) -> int:
     target = _target(args.target, args.target_layers, runs)
     base = load_profile(args.base)
     name = args.name or args.output.stem
-    doc = fitted_profile(runs, target, base, name)
+    terms = fit_terms(runs, target, base)
+    doc = fitted_profile(runs, target, base, name, terms)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"fitted {len(runs)} run(s) of {target.name} on top of {base.name}:")
-    for term in fit_terms(runs, target, base):
+    for term in terms:
         mark = "" if term.fitted else "  (kept)"
         print(f"  {term.key:<24} {term.value:10.3f}{mark}  {term.note}")
     print(f"profile written to {args.output}")

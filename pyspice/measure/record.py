@@ -41,6 +41,7 @@ from pyspice.measure.probe import measure_decode_step
 from pyspice.policy import HookCall, Plan
 from pyspice.policy.base import PolicyBase
 from pyspice.policy.profile import PROFILE_VERSION, BatchCost, CostProfile
+from pyspice.sim.records import select_runs
 
 
 class _Recorder(PolicyBase):
@@ -183,20 +184,17 @@ def measure_decode_costs(
 
 def _decoded_tokens(spec: str, n_predict: int) -> list[int]:
     """The tokens a bench run fed while decoding (all it decoded but the last), from
-    `RECORD[:LINE]`: its stock row's, else its first row's that has them."""
-    path, sep, line = spec.rpartition(":")
-    if not (sep and line.isdigit()):
-        path, line = spec, "1"
-    lines = [x for x in Path(path).read_text().splitlines() if x.strip()]
-    n = int(line)
-    if not 1 <= n <= len(lines):
-        raise SystemExit(f"{path} has {len(lines)} bench runs, not a line {n}")
-    rows = json.loads(lines[n - 1]).get("policies", {})
-    ordered = [rows["stock"], *rows.values()] if "stock" in rows else list(rows.values())
-    tokens = next((r["tokens"] for r in ordered if r.get("tokens")), None)
+    `RECORD[:LINE]` (its first run without a line): its stock row's, else its first
+    row's that has them."""
+    try:
+        run = select_runs([spec])[0]
+    except (ValueError, IndexError) as err:
+        raise SystemExit(f"--tokens-of {spec}: {err or 'the record holds no bench run'}") from None
+    ordered = [run.rows["stock"], *run.rows.values()] if "stock" in run.rows else list(run.rows.values())
+    tokens = next((r.tokens for r in ordered if r.tokens), None)
     if not tokens:
         raise SystemExit(f"{spec}: no row of that run recorded its tokens")
-    return [int(t) for t in tokens[: max(0, min(len(tokens), n_predict) - 1)]]
+    return list(tokens[: max(0, min(len(tokens), n_predict) - 1)])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -79,8 +79,11 @@ def _hooked(runs: Sequence[RecordedRun]) -> list[tuple[RecordedRun, RecordedRow]
     return [(run, row) for run in runs for row in run.rows.values() if row.hooked]
 
 
-def _first_layer(row: RecordedRow) -> int:
-    return min((x.layer for x in row.layers), default=-1)
+def _gaps(row: RecordedRow) -> list[float]:
+    """The row's gaps between hook calls, per layer: every MoE layer's but the first's
+    (nothing hooked runs before it in the graph, so its gap is 0)."""
+    first = min((x.layer for x in row.layers), default=-1)
+    return [x.per_call["gap_us"] for x in row.layers if x.layer != first and x.per_call["gap_us"] > 0]
 
 
 def _stall_per_call(row: RecordedRow) -> float:
@@ -106,12 +109,7 @@ def fit_terms(runs: Sequence[RecordedRun], target: TargetModel, base: HardwarePr
     terms: list[FitTerm] = []
 
     # a planner thread lengthens the gaps (async_layer_us below): the layer's own time is the others'
-    gaps = [
-        layer.per_call["gap_us"]
-        for row, layer in calls
-        if layer.layer != _first_layer(row) and not row.asynchronous
-    ]
-    gaps = [g for g in gaps if g > 0]
+    gaps = [g for _, row in _hooked(runs) if not row.asynchronous for g in _gaps(row)]
     if not gaps:
         raise ValueError(
             "the records' rows have no gap between hook calls (gap_us): no per-layer time to fit"
@@ -217,19 +215,14 @@ def fit_terms(runs: Sequence[RecordedRun], target: TargetModel, base: HardwarePr
         )
     )
 
-    steps = []
-    for run in runs:
-        for row in run.rows.values():
-            if row.hooked and row.copies_per_call == 0 and row.layers:
-                in_layers = sum(x.per_call["hook_us"] for x in row.layers) + target.n_layers * rest
-                steps.append(row.tpot_ms * 1e3 - in_layers)
+    steps = [
+        row.tpot_ms * 1e3 - sum(x.per_call["hook_us"] for x in row.layers) - target.n_layers * rest
+        for _, row in _hooked(runs)
+        if row.copies_per_call == 0 and row.layers
+    ]
+    step = float(np.mean(steps)) if steps else 0.0
     if steps:
-        terms.append(
-            FitTerm(
-                "step_us", float(np.mean(steps)), "a token's time outside the layers (rows without copies)"
-            )
-        )
-    step = terms[-1].value if steps else 0.0
+        terms.append(FitTerm("step_us", step, "a token's time outside the layers (rows without copies)"))
 
     stocks = [run.stock for run in runs if run.stock is not None and run.stock.tpot_ms > 0]
     if stocks:
@@ -257,11 +250,7 @@ def fit_terms(runs: Sequence[RecordedRun], target: TargetModel, base: HardwarePr
         launch0 = float(np.mean(native_launch))
         extras = []
         for r in planned:
-            row_gaps = [
-                x.per_call["gap_us"]
-                for x in r.layers
-                if x.layer != _first_layer(r) and x.per_call["gap_us"] > 0
-            ]
+            row_gaps = _gaps(r)
             gap = float(np.mean(row_gaps)) if row_gaps else rest
             extras.append(
                 gap - rest + r.per_call.get("launch_us", 0.0) - launch0 * r.per_call.get("launches", 0.0)
@@ -310,10 +299,15 @@ def deciding_us(runs: Sequence[RecordedRun]) -> dict[str, float]:
 
 
 def fitted_profile(
-    runs: Sequence[RecordedRun], target: TargetModel, base: HardwareProfile, name: str
+    runs: Sequence[RecordedRun],
+    target: TargetModel,
+    base: HardwareProfile,
+    name: str,
+    terms: Sequence[FitTerm] | None = None,
 ) -> dict[str, Any]:
     """The base profile with every term the records show replaced by its fit, as a
-    profile JSON document (pyspice/sim/profiles format)."""
+    profile JSON document (pyspice/sim/profiles format). `terms`: fit_terms of the
+    same arguments, where the caller has them already."""
     values: dict[str, Any] = {}
     for key, v in base.values.items():
         doc: dict[str, Any] = {"source": v.source, "note": v.note}
@@ -322,7 +316,7 @@ def fitted_profile(
         else:
             doc["value"] = v.value
         values[key] = doc
-    for term in fit_terms(runs, target, base):
+    for term in terms if terms is not None else fit_terms(runs, target, base):
         if term.fitted:
             values[term.key] = {
                 "value": round(term.value, 4),

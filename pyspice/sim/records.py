@@ -40,6 +40,7 @@ class RecordedRow:
     name: str
     tpot_ms: float
     hooked: bool  # went through the hook (not stock, not a llama.cpp row)
+    tokens: tuple[int, ...] = ()  # what the row decoded
     hit_rate: float = 0.0  # decode
     activations_per_call: float = 0.0
     policy_us: float = 0.0  # deciding, per decode hook call
@@ -75,8 +76,9 @@ class RecordedRun:
 def _row(name: str, doc: Mapping[str, Any], n_predict: int) -> RecordedRow:
     tpot = float(doc.get("tpot_ms") or 0.0)
     hooked = int(doc.get("hook_calls") or 0) > 0
+    tokens = tuple(int(t) for t in doc.get("tokens") or ())
     if not hooked:
-        return RecordedRow(name, tpot, hooked=False)
+        return RecordedRow(name, tpot, hooked=False, tokens=tokens)
     layers = []
     for key, layer in sorted((doc.get("layers") or {}).items(), key=lambda kv: int(kv[0])):
         n = int(layer.get("hook_calls") or 0)
@@ -99,6 +101,7 @@ def _row(name: str, doc: Mapping[str, Any], n_predict: int) -> RecordedRow:
         name,
         tpot,
         hooked=True,
+        tokens=tokens,
         hit_rate=float(doc.get("decode_hit_rate", doc.get("hit_rate")) or 0.0),
         activations_per_call=float(doc.get("activations") or 0) / max(1, int(doc["hook_calls"])),
         policy_us=float(doc.get("policy_us_per_decode_call", doc.get("policy_us_per_call")) or 0.0),
