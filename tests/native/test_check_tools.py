@@ -1,5 +1,5 @@
 """libspice's logic that only a GPU exercises, checked on every build by small C tools
-(native/tools/spice-*-check.c) over random inputs. Each prints "all checks passed" or
+(native/tests/spice-*-check.c) over random inputs. Each prints "all checks passed" or
 names the first failing input (replayable with its seed) and exits 1.
 
 - spice-pool-ids-check: the slot-pool graph's expert ids. MUL_MAT_ID wants a token's

@@ -1,4 +1,4 @@
-"""spice-exec-bench (native/tools/spice-exec-bench.c) on a CPU build: the slot-pool
+"""spice-exec-bench (native/bench/spice-exec-bench.c) on a CPU build: the slot-pool
 graph on ggml's CPU backend against the host executor, on DeepSeek-V2-Lite-shaped
 experts whose down matrices are Q5_0 on one layer and Q8_0 on the other (two graph
 classes, strides that must be multiples of 22-, 34- and 144-byte blocks). Every row

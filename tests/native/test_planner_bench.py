@@ -1,4 +1,4 @@
-"""spice-planner-bench (native/tools/spice-planner-bench.c): the hook's side of
+"""spice-planner-bench (native/bench/spice-planner-bench.c): the hook's side of
 asynchronous planning alone, no model. The timings are not judged (they belong in a
 benchmark); that it runs the shape asked for, prints its three rows, and refuses what
 it cannot run, is."""

@@ -1,4 +1,4 @@
-"""spice-rule-bench (native/tools/spice-rule-bench.c): the shipped rules alone through
+"""spice-rule-bench (native/bench/spice-rule-bench.c): the shipped rules alone through
 libspice's public API. The timings are not judged (they belong in a benchmark); what
 each rule keeps is: ondemand keeps nothing between calls (no hits), lru and adapmoe
 keep half the experts under skewed routing (most selections hit), adapmoe as well when

@@ -1,5 +1,5 @@
-/* What the tools that drive libspice with made-up calls (spice-*-bench.c,
- * spice-planner-check.c) share: a clock, a sort key for
+/* What the tools that drive libspice with made-up calls share (the benchmarks here,
+ * and native/tests/spice-planner-check.c): a clock, a sort key for
  * percentiles, and a one-token hook call over the caller's arrays. */
 #ifndef BENCH_UTIL_H
 #define BENCH_UTIL_H
