@@ -402,6 +402,25 @@ typedef struct spice_store_params {
     int32_t  slot_precision;
 } spice_store_params;
 
+/* Fill *out with libspice's defaults, for a caller to change only what it
+ * needs (pyspice's StoreParams takes its own defaults from here). Returns
+ * SPICE_ERR_INVALID_ARG for a NULL out. The defaults:
+ *   budget_bytes        0: none, every tier is sized by its caller (a store
+ *                       of 0 bytes fails with SPICE_ERR_BUDGET)
+ *   bandwidth_gbps      16.0, latency_us 10.0: a PCIe 4.0 x16 bus in round
+ *                       figures, for stores whose caller names no bus
+ *   prefetch_queue_max  64, what <= 0 also means
+ *   manual_clock        0: the monotonic clock
+ *   device_kind         SPICE_DEVICE_EMULATED, device_index 0
+ *   path                NULL
+ *   io_threads          4, what <= 0 also means
+ *   io_fault_after      0, exec_fault_after 0: no injected faults
+ *   executor            SPICE_EXECUTOR_AUTO
+ *   slot_precision      SPICE_SLOT_EXACT
+ * A zeroed struct differs in bandwidth_gbps and latency_us only, and
+ * spice_store_create refuses its bandwidth of 0. */
+SPICE_API int spice_store_default_params(spice_store_params * out);
+
 typedef enum spice_residency {
     SPICE_RES_ABSENT   = 0,
     SPICE_RES_QUEUED   = 1, /* copy waiting for the bus */

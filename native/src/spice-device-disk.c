@@ -36,7 +36,6 @@
 #include <unistd.h>
 
 #define DISK_ALIGN 4096       /* O_DIRECT alignment: offsets, lengths and buffers */
-#define DISK_THREADS_DEFAULT 4
 
 enum { REQ_IDLE = 0, REQ_QUEUED, REQ_RUNNING, REQ_DONE, REQ_FAILED };
 
@@ -462,7 +461,7 @@ static int disk_create(const spice_device_params * p, spice_clock * clock, spice
     snprintf(d->path, sizeof(d->path), "%s", p->path);
     d->n_slots = p->n_slots;
     d->slot_stride = p->slot_stride;
-    d->n_threads = p->io_threads > 0 ? p->io_threads : DISK_THREADS_DEFAULT;
+    d->n_threads = p->io_threads > 0 ? p->io_threads : SPICE_DISK_THREADS_DEFAULT;
     pthread_mutex_init(&d->mu, NULL);
     pthread_cond_init(&d->work, NULL);
     pthread_cond_init(&d->done, NULL);

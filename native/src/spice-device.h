@@ -118,6 +118,10 @@ struct spice_device {
     void * context;
 };
 
+/* The disk device's reader threads when params ask for none; here, not in
+ * spice-device-disk.c, because spice_store_default_params reports it. */
+#define SPICE_DISK_THREADS_DEFAULT 4
+
 typedef struct spice_device_params {
     double  bandwidth_gbps; /* the bus: exact on the emulated device, an estimate on a real one */
     double  latency_us;

@@ -139,6 +139,22 @@ uint64_t spice_store_slot_bytes_for(int32_t n_layers, const int32_t * n_expert, 
     return largest;
 }
 
+int spice_store_default_params(spice_store_params * out) {
+    if (out == NULL) {
+        return SPICE_ERR_INVALID_ARG;
+    }
+    memset(out, 0, sizeof(*out));
+    out->bandwidth_gbps = 16.0;
+    out->latency_us = 10.0;
+    out->prefetch_queue_max = SPICE_PREFETCH_QUEUE_DEFAULT;
+    out->device_kind = SPICE_DEVICE_EMULATED;
+    out->path = NULL;
+    out->io_threads = SPICE_DISK_THREADS_DEFAULT;
+    out->executor = SPICE_EXECUTOR_AUTO;
+    out->slot_precision = SPICE_SLOT_EXACT;
+    return SPICE_OK;
+}
+
 int spice_store_create_unattached(const spice_store_params * params, int32_t n_layers, const int32_t * n_expert,
                                   const uint64_t * expert_bytes, spice_store ** out) {
     if (out == NULL || params == NULL || n_layers <= 0 || n_expert == NULL || expert_bytes == NULL ||

@@ -3,9 +3,10 @@ device tier without a model, for tests and the differential tests against the si
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -13,7 +14,7 @@ import numpy.typing as npt
 
 from pyspice.policy.base import Plan
 from pyspice.policy.rule import Rule
-from pyspice.runtime.constants import _COUNTER_FIELDS, DEVICE_EMULATED, EXECUTOR_AUTO, SLOT_EXACT
+from pyspice.runtime.constants import _COUNTER_FIELDS
 from pyspice.runtime.errors import SpiceError
 from pyspice.runtime.loader import _Native
 from pyspice.runtime.plans import _policy_call, _rule_to_c
@@ -89,23 +90,48 @@ class AsyncParams:
         return p
 
 
+@functools.cache
+def _c_store_defaults() -> Any:
+    n = _Native.get()
+    p = n.ffi.new("spice_store_params *")
+    status = n.lib.spice_store_default_params(p)
+    if status != 0:
+        raise SpiceError(status, "spice_store_default_params failed")
+    return p
+
+
+def _c_default(name: str, kind: Callable[[Any], Any]) -> Any:
+    """A StoreParams field's default, read from libspice when a StoreParams is made
+    without it: one place states the defaults (spice.h), and importing this module
+    still needs no built library."""
+    return field(default_factory=lambda: kind(getattr(_c_store_defaults(), name)))
+
+
 @dataclass(frozen=True)
 class StoreParams:
-    """Device tier settings (spice_store_params)."""
+    """Device tier settings (spice_store_params), with spice_store_default_params's
+    defaults."""
 
     budget_bytes: int
-    bandwidth_gbps: float = 16.0
-    latency_us: float = 10.0
-    prefetch_queue_max: int = 0  # 0: libspice's default (64)
-    manual_clock: bool = False  # tests: time moves only through Store.advance
-    device_kind: int = DEVICE_EMULATED  # DEVICE_CUDA: slots on a real GPU (CUDA builds)
-    device_index: int = 0
-    path: str | None = None  # DEVICE_DISK: the file experts are read from
-    io_threads: int = 0  # DEVICE_DISK: reader threads (0: libspice's default, 4)
-    io_fault_after: int = 0  # DEVICE_DISK, tests only: reads after this many fail with EIO
-    executor: int = EXECUTOR_AUTO  # spice_executor; EXECUTOR_POOL: the slot-pool graph (emulated: CPU)
-    exec_fault_after: int = 0  # tests only: launches after this many fail (> 0), collects after -this (< 0)
-    slot_precision: int = SLOT_EXACT  # SLOT_4BIT/SLOT_5BIT: lossy low-precision slots (a runtime's tier only)
+    bandwidth_gbps: float = _c_default("bandwidth_gbps", float)
+    latency_us: float = _c_default("latency_us", float)
+    prefetch_queue_max: int = _c_default("prefetch_queue_max", int)
+    # tests: time moves only through Store.advance
+    manual_clock: bool = _c_default("manual_clock", bool)
+    # DEVICE_CUDA: slots on a real GPU (CUDA builds)
+    device_kind: int = _c_default("device_kind", int)
+    device_index: int = _c_default("device_index", int)
+    # DEVICE_DISK: the file experts are read from (NULL, C's default, is None)
+    path: str | None = None
+    # DEVICE_DISK: reader threads; tests only: reads after io_fault_after fail with EIO
+    io_threads: int = _c_default("io_threads", int)
+    io_fault_after: int = _c_default("io_fault_after", int)
+    # spice_executor; EXECUTOR_POOL: the slot-pool graph (emulated: on the CPU)
+    executor: int = _c_default("executor", int)
+    # tests only: launches after this many fail (> 0), collects after -this (< 0)
+    exec_fault_after: int = _c_default("exec_fault_after", int)
+    # SLOT_4BIT/SLOT_5BIT: lossy low-precision slots (a runtime's tier only)
+    slot_precision: int = _c_default("slot_precision", int)
 
     def to_c(self, ffi: Any) -> tuple[Any, Any]:
         """The C struct, and what must outlive the call it is passed to (the path:
