@@ -16,16 +16,18 @@ from pyspice.formats.model_info import read_header
 from pyspice.measure.bench import (
     DEFAULT_PROMPT,
     BenchConfig,
+    baseline_label,
+    check_in_process_rows,
     fit_prompt,
     format_table,
     greedy_next,
     plot,
     run_bench,
-    split_row,
     stderr_progress,
 )
 from pyspice.measure.device_bytes import llama_buffer_report
 from pyspice.measure.upstream_rows import UPSTREAM_ROWS, UpstreamRow, plan_row
+from pyspice.policy.rows import PolicyRow, rows_argument
 from pyspice.runtime.ops import device_memory
 from pyspice.units import format_bytes
 
@@ -39,16 +41,20 @@ def register(sub: Any) -> None:
     add_sidecar_arg(p)
     p.add_argument(
         "--policies",
+        metavar="ROWS",
+        type=rows_argument(UPSTREAM_ROWS),
         default="stock,exact,exact-py",
-        help="comma-separated policy names; llama.cpp rows (plain llama_cpp.Llama, upstream's "
+        help="comma-separated rows NAME[@key=value,...]; llama.cpp rows (plain llama_cpp.Llama, upstream's "
         "defaults, weight repacking on): 'upstream' (-ngl 99 on a GPU: every weight there), "
         "'upstream-ncmoe' (-ngl 99 --n-cpu-moe N, N the smallest whose GPU experts fit the "
         "slots of the --device-budget tier) and 'upstream-cpu-exps' (-ngl 99 -ot exps=CPU), the "
-        "last two GPU only (skipped, with the reason, elsewhere); NAME@sync, NAME@async, NAME@detK run a "
-        "SPICE policy planning synchronously, asynchronously, or deterministically K layers late",
+        "last two GPU only (skipped, with the reason, elsewhere); NAME@sync, NAME@async, NAME@detK "
+        "(short for NAME@plan=...) run a SPICE policy planning synchronously, asynchronously, or "
+        "deterministically K layers late; NAME@ram=BUDGET gives a --memory-limit row a RAM budget "
+        "of its own",
     )
     p.add_argument(
-        "--baseline", default=None, help="policy the ratios divide by (default: the first of --policies)"
+        "--baseline", default=None, help="row the ratios divide by (default: the first of --policies)"
     )
     group = p.add_mutually_exclusive_group()
     group.add_argument(
@@ -95,7 +101,8 @@ def register(sub: Any) -> None:
         default=None,
         metavar="BYTES|rule",
         help="run every row in its own process and memory cgroup with this limit (2GiB, 512MiB), the "
-        "model dropped from the page cache before each; rows NAME or NAME@ram=BUDGET; cold and warm "
+        "model dropped from the page cache before each; a row may set its own budgets "
+        "(exact@ram=50%%, lru@ram=2GiB,plan=sync); cold and warm "
         "start, bytes read per token, cgroup peak, peak RSS, OOM kills (needs root and cgroup v1 or v2). "
         "'rule': the cgroup peak of exact@ram=1%% (run first, as the rows run) plus half the "
         "routed-expert bytes, printed",
@@ -104,8 +111,7 @@ def register(sub: Any) -> None:
 
 
 def _record_trace(llm: Any, out: str, policies: list[str], prompt: tuple[int, ...], n_predict: int) -> None:
-    # lazy: the capture module loads native code
-
+    """`policies`: the names of the pyspice rows; the trace records under the first."""
     name = policies[0] if policies else "exact"
     recorder = start_decode_trace(llm, out, "exact" if name == "stock" else name)
     llm.reset()
@@ -122,9 +128,9 @@ def _record_trace(llm: Any, out: str, policies: list[str], prompt: tuple[int, ..
     print(f"bench: trace of {trace.n_tokens} decode steps written to {out}", file=sys.stderr)
 
 
-def plan_upstream_rows(llm: Any, model: Path, policies: tuple[str, ...]) -> dict[str, UpstreamRow]:
+def plan_upstream_rows(llm: Any, model: Path, policies: tuple[PolicyRow, ...]) -> dict[str, UpstreamRow]:
     """How each llama.cpp row among `policies` loads here, or why it cannot."""
-    wanted = [p for p in policies if p in UPSTREAM_ROWS]
+    wanted = [p.name for p in policies if p.name in UPSTREAM_ROWS]
     if not wanted:
         return {}
     gpu = gpu_present()
@@ -146,7 +152,8 @@ def plan_upstream_rows(llm: Any, model: Path, policies: tuple[str, ...]) -> dict
 
 
 def pick_baseline(policies: tuple[str, ...], upstream: dict[str, UpstreamRow], chosen: str | None) -> str:
-    """--baseline, or the first row that runs here; a baseline that cannot run is an error."""
+    """--baseline, or the first row that runs here (`policies`: the rows' labels); a
+    baseline that cannot run is an error."""
     skipped = {name: row.skip for name, row in upstream.items() if row.skip is not None}
     if chosen is not None:
         if chosen in skipped:
@@ -191,17 +198,19 @@ def run(args: argparse.Namespace) -> int:
         if args.replay_routing is not None:
             raise ValueError("--replay-routing is for timing runs; --memory-limit rows do not replay")
         return bench_limited.run(args)
-    policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
-    if not policies:
-        raise ValueError("--policies needs at least one policy name")
-    if args.baseline is not None and args.baseline not in policies:
-        raise ValueError(f"baseline {args.baseline!r} is not among --policies {','.join(policies)}")
+    rows: tuple[PolicyRow, ...] = tuple(args.policies)
+    check_in_process_rows(rows)
+    labels = tuple(row.label for row in rows)
+    chosen = baseline_label(args.baseline) if args.baseline is not None else None
+    if chosen is not None and chosen not in labels:
+        raise ValueError(f"baseline {args.baseline!r} is not among --policies {','.join(labels)}")
     if args.n_predict < 1 or args.repeat < 1:
         raise ValueError("-n and --repeat must be at least 1")
     prompt = Path(args.file).read_text(encoding="utf-8") if args.file else (args.prompt or DEFAULT_PROMPT)
     # open as the first policy that is not the reference, so that what it needs
     # (a device tier, the model's sidecar) is found before any run starts
-    first = next((split_row(p)[0] for p in policies if p != "stock" and p not in UPSTREAM_ROWS), "stock")
+    hooked = [row.name for row in rows if row.name not in UPSTREAM_ROWS]
+    first = next((name for name in hooked if name != "stock"), "stock")
     model = resolve_model(args, role="benchmark")  # with no -m, the model in the targets' routing regime
     with llama_buffer_report() as model_buffers:
         llm = open_model(args, first)
@@ -210,11 +219,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(
             f"prompt ({len(prompt_tokens)} tokens) + -n {args.n_predict} exceed -c {args.ctx_size}"
         )
-    upstream = plan_upstream_rows(llm, model, policies)
-    baseline = pick_baseline(policies, upstream, args.baseline)
+    upstream = plan_upstream_rows(llm, model, rows)
+    baseline = pick_baseline(labels, upstream, chosen)
     replay = llm.spice_engine.replay
     cfg = BenchConfig(
-        policies,
+        rows,
         prompt_tokens,
         args.n_predict,
         args.repeat,
@@ -228,9 +237,7 @@ def run(args: argparse.Namespace) -> int:
     )
     results = run_bench(llm, cfg, stderr_progress)
     if args.trace:
-        _record_trace(
-            llm, args.trace, [p for p in policies if p not in UPSTREAM_ROWS], prompt_tokens, args.n_predict
-        )
+        _record_trace(llm, args.trace, hooked, prompt_tokens, args.n_predict)
     llm.close()
     if args.json:
         doc = {

@@ -2,12 +2,12 @@
 with that limit, the model's pages dropped from the page cache before each
 (pyspice.measure.limited_bench), threads equal across rows.
 
-Rows are --policies entries: `upstream` (plain llama_cpp.Llama, mmap on, as
-upstream users run it) or a pyspice policy, optionally with a RAM budget of its
-own, `NAME@ram=BUDGET` (e.g. `exact@ram=50%`, `spice:exact@ram=2GiB`), passed
-to the row's RunConfig as `ram_budget`. A --ram-budget given to the whole
-command reaches every pyspice row through the same RunConfig; `upstream`
-never has one.
+Rows are --policies rows (pyspice.policy.rows): `upstream` (plain
+llama_cpp.Llama, mmap on, as upstream users run it) or a pyspice policy,
+optionally with budgets and planning of its own (`exact@ram=50%`,
+`spice:exact@async,ram=2GiB`), passed to the row's RunConfig. A --ram-budget
+given to the whole command reaches every pyspice row through the same
+RunConfig; `upstream` never has one.
 
 `--memory-limit rule` takes the limit edge mode is judged at
 (pyspice.measure.memory_rule): the highest cgroup peak among floor rows, `exact`
@@ -33,15 +33,13 @@ from pyspice.cli.numbers import byte_size
 from pyspice.engine.config import RunConfig
 from pyspice.formats.model_info import inspect_model
 from pyspice.formats.sidecar import default_sidecar_path
-from pyspice.measure.bench import DEFAULT_PROMPT, fit_prompt, stderr_progress
+from pyspice.measure.bench import DEFAULT_PROMPT, baseline_label, fit_prompt, row_planning, stderr_progress
 from pyspice.measure.isolated_row import UPSTREAM, RowSpec, config_fields
 from pyspice.measure.limited_bench import RowOutcome, run_limited_bench, tokenize
 from pyspice.measure.limited_report import format_limited_table, limited_document, limited_plot
 from pyspice.measure.memlimit import system_layout
 from pyspice.measure.memory_rule import (
-    RAM_KEY,
     RULE,
-    RULE_MIN_BUDGET,
     RuleLimit,
     floor_policies,
     floor_row_name,
@@ -52,48 +50,27 @@ from pyspice.measure.memory_rule import (
     rule_warning,
 )
 from pyspice.measure.upstream_rows import UPSTREAM_CPU_EXPS, UPSTREAM_NCMOE
-from pyspice.policy import policy_spec
+from pyspice.policy.rows import PolicyRow, parse_row
 from pyspice.units import format_bytes
 
 GPU_ROWS = (UPSTREAM_NCMOE, UPSTREAM_CPU_EXPS)
 
 
-@dataclasses.dataclass(frozen=True)
-class Row:
-    name: str  # as written in --policies
-    policy: str
-    ram_budget: str | None = None
-
-
-def parse_rows(text: str) -> list[Row]:
-    """--policies entries: NAME or NAME@ram=BUDGET; unknown names and a RAM budget on
-    `upstream` or on a build without the disk tier are errors naming the fix."""
-    rows = []
-    for entry in (e.strip() for e in text.split(",")):
-        if not entry:
-            continue
-        name, sep, ram = entry.partition(RAM_KEY)
-        if "@" in name or (sep and not ram):
-            raise ValueError(f"row {entry!r}: write NAME or NAME{RAM_KEY}BUDGET (e.g. exact{RAM_KEY}50%)")
-        if name == UPSTREAM:
-            if sep:
-                raise ValueError(
-                    f"row {entry!r}: upstream is plain llama.cpp from its mmap, it has no RAM budget; "
-                    "write 'upstream'"
-                )
-        elif name in GPU_ROWS:
+def check_rows(rows: list[PolicyRow]) -> None:
+    """What a row in a process of its own cannot be: llama.cpp with a tier or a plan
+    (upstream is plain llama.cpp from its mmap), or a row that splits the experts with
+    a GPU; errors naming the fix, before any work."""
+    for row in rows:
+        if row.name == UPSTREAM and row.label != UPSTREAM:
             raise ValueError(
-                f"row {entry!r} splits the experts between GPU and CPU; --memory-limit rows measure "
+                f"row {row.label!r}: upstream is plain llama.cpp from its mmap, it has no budget or "
+                "planning of its own; write 'upstream'"
+            )
+        if row.name in GPU_ROWS:
+            raise ValueError(
+                f"row {row.label!r} splits the experts between GPU and CPU; --memory-limit rows measure "
                 "the host: leave it out (or run it without --memory-limit)"
             )
-        else:
-            policy_spec(name)  # unknown names fail before any work
-        rows.append(Row(entry, name, ram or None))
-    if not rows:
-        raise ValueError("--policies needs at least one row")
-    if len({r.name for r in rows}) != len(rows):
-        raise ValueError(f"--policies names a row twice: {text}")
-    return rows
 
 
 def parse_memory_limit(text: str) -> int | str:
@@ -103,21 +80,31 @@ def parse_memory_limit(text: str) -> int | str:
     return byte_size("or 'rule': exact's minimum plus half the routed-expert bytes")(text)
 
 
-def row_config(args: argparse.Namespace, row: Row, threads: int) -> RunConfig:
-    if row.policy == UPSTREAM:  # plain llama.cpp from its mmap: no tier of any kind
+def row_config(args: argparse.Namespace, row: PolicyRow, threads: int) -> RunConfig:
+    """The row's RunConfig: the command's, with what the row sets for itself over it."""
+    if row.name == UPSTREAM:  # plain llama.cpp from its mmap: no tier of any kind
         args = argparse.Namespace(**{**vars(args), "ram_budget": None, "device_budget": None})
-    policy = "stock" if row.policy == UPSTREAM else row.policy
+    policy = "stock" if row.name == UPSTREAM else row.name
     config = dataclasses.replace(run_config(args, policy), threads=threads)
-    if row.ram_budget is not None:
-        config = dataclasses.replace(config, ram_budget=row.ram_budget)
+    # as written: RunConfig resolves a budget's text itself, and records it as given
+    if row.ram is not None:
+        config = dataclasses.replace(config, ram_budget=row.ram_text)
+    if row.device is not None:
+        config = dataclasses.replace(config, device_budget=row.device_text)
+    planning = row_planning(row)
+    if planning is not None:  # the command's --max-plan-lag still holds
+        planning = dataclasses.replace(planning, max_lag=config.planning.max_lag)
+        config = dataclasses.replace(config, planning=planning)
     return config
 
 
 def run(args: argparse.Namespace) -> int:
-    rows = parse_rows(args.policies)
-    baseline = args.baseline if args.baseline is not None else rows[0].name
-    if baseline not in {r.name for r in rows}:
-        raise ValueError(f"baseline {baseline!r} is not among the rows of --policies {args.policies}")
+    rows: list[PolicyRow] = list(args.policies)
+    check_rows(rows)
+    labels = [r.label for r in rows]
+    baseline = baseline_label(args.baseline) if args.baseline is not None else labels[0]
+    if baseline not in labels:
+        raise ValueError(f"baseline {args.baseline!r} is not among the rows of --policies {','.join(labels)}")
     if args.repeat < 2:
         raise ValueError("--memory-limit needs --repeat of at least 2 (the first run is the cold start)")
     if args.n_predict < 2:
@@ -132,9 +119,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"prompt ({len(prompt)} tokens) + -n {args.n_predict} exceed -c {args.ctx_size}")
     threads = args.threads or max(1, os.cpu_count() or 1)
 
-    def spec_of(row: Row) -> RowSpec:
+    def spec_of(row: PolicyRow) -> RowSpec:
         config = config_fields(row_config(args, row, threads))
-        return RowSpec(row.name, row.policy, config, list(prompt), args.n_predict, args.repeat)
+        return RowSpec(row.label, row.name, config, list(prompt), args.n_predict, args.repeat)
 
     specs = [spec_of(row) for row in rows]
     sidecar = args.sidecar or default_sidecar_path(model)
@@ -142,17 +129,16 @@ def run(args: argparse.Namespace) -> int:
     limit = args.memory_limit
     rule: RuleLimit | None = None
     budgets = [
-        (row.name, row.policy, None if row.policy == UPSTREAM else spec.config.get("ram_budget"))
+        (row.label, row.name, None if row.name == UPSTREAM else spec.config.get("ram_budget"))
         for row, spec in zip(rows, specs, strict=True)
     ]
     if limit == RULE:
-        floors = [
-            Row(floor_row_name(p), p, RULE_MIN_BUDGET) for p in floor_policies([r.policy for r in rows])
-        ]
+        # each policy at the smallest RAM budget, planning as the command does
+        floors = [parse_row(floor_row_name(p)) for p in floor_policies([r.name for r in rows])]
         whole = inspect_model(model).whole_tier_bytes
         stderr_progress(
             "the limit by the rule: first "
-            + ", ".join(f.name for f in floors)
+            + ", ".join(f.label for f in floors)
             + ", the highest cgroup peak of which sets it"
         )
 

@@ -30,7 +30,7 @@ from pyspice.formats.profile import profile_path
 from pyspice.formats.routers import RouterReader
 from pyspice.formats.sidecar import Sidecar
 from pyspice.formats.trace import TraceReader
-from pyspice.policy.registry import policy_spec, split_planning
+from pyspice.policy.rows import PolicyRow, parse_row, rows_argument
 from pyspice.policy.spice.history_lookahead import HistoryLookahead
 from pyspice.policy.spice.routing_history import RoutingHistory
 from pyspice.sim.hardware import DISK, EMULATED, load_profile
@@ -86,13 +86,17 @@ def register(sub: Any) -> None:
     )
     p.add_argument(
         "--policies",
+        metavar="ROWS",
+        type=rows_argument(keys=("plan",)),
         default="host,static,ondemand,lru,adapmoe,exact",
-        help="comma-separated policies (default host,static,ondemand,lru,adapmoe,exact)",
+        help="comma-separated rows, NAME or NAME@sync, NAME@async, NAME@detK (SPICE planning "
+        "synchronously, asynchronously, deterministically K layers late); "
+        "default host,static,ondemand,lru,adapmoe,exact",
     )
     p.add_argument(
         "--policy-us",
         default="",
-        help="measured microseconds per call, NAME=US,... (default: time each decide() here and add "
+        help="measured microseconds per call, ROW=US,... (default: time each decide() here and add "
         "the profile's cost of reaching Python)",
     )
     p.add_argument(
@@ -143,6 +147,16 @@ def _split(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
+def _label(name: str) -> str:
+    """A row named elsewhere (a bench record, --policy-us) as the rows label it: the
+    same row however it was written; a name the grammar refuses stays as it is, and
+    matches no row."""
+    try:
+        return parse_row(name).label
+    except ValueError:
+        return name.strip()
+
+
 def _sequence_range(text: str) -> tuple[int, int]:
     first, sep, last = text.partition("-")
     try:
@@ -171,11 +185,11 @@ def _ids_only_model(args: argparse.Namespace, profiles: tuple[str, ...]) -> None
         raise ValueError("--sidecar belongs to a model: give -m MODEL with it")
 
 
-def _check_ids_only_policies(rows: tuple[str, ...], history: bool) -> None:
+def _check_ids_only_policies(rows: list[PolicyRow], history: bool) -> None:
     """Refuse a policy that needs what a trace of routing alone lacks; say what falls back."""
     for row in rows:
-        name = split_planning(row)[0]
-        spec = policy_spec(name)
+        name, spec = row.name, row.spec
+        assert spec is not None  # sim's rows are policies (rows_argument with no others)
         if "hidden" not in spec.inputs:
             continue
         if spec.reads_sidecar:
@@ -240,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"routing-history predictor {args.history_predictor} does not exist")
         history = RoutingHistory.load(args.history_predictor)  # a bad file fails before the trace loads
     if ids_only:
-        _check_ids_only_policies(_split(args.policies), history is not None)
+        _check_ids_only_policies(args.policies, history is not None)
     workload = from_trace(args.trace, args.sequences)
     if workload.decoded_tokens == 0:
         raise ValueError(f"{args.trace}: the trace has no decoded tokens to simulate")
@@ -269,10 +283,10 @@ def run(args: argparse.Namespace) -> int:
     policy_us: dict[str, float] = {}
     if args.policy_us_from is not None:
         measured = json.loads(args.policy_us_from.read_text()).get("policies", {})
-        policy_us.update({name: float(rec["policy_us_per_call"]) for name, rec in measured.items()})
+        policy_us.update({_label(name): float(rec["policy_us_per_call"]) for name, rec in measured.items()})
     for item in _split(args.policy_us):
-        name, _, value = item.partition("=")
-        policy_us[name.strip()] = float(value)
+        name, _, value = item.rpartition("=")  # the row's own keys hold '=' too
+        policy_us[_label(name)] = float(value)
     # only the emulated and disk profiles, which need the model, read the source's sizes
     expert_bytes = source_expert_bytes(model, workload.n_layers) if model else (0,) * workload.n_layers
     policy_us_by_budget = None
@@ -281,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = SimConfig(
         profiles,
         _split(args.device_budget),
-        _split(args.policies),
+        tuple(args.policies),
         target,
         expert_bytes,
         policy_us,

@@ -22,8 +22,7 @@ import numpy as np
 from pyspice.engine.planning import Planning
 from pyspice.measure.device_bytes import BufferReport, device_bytes, device_match_lines, llama_buffer_report
 from pyspice.measure.upstream_rows import UPSTREAM_ROWS, UpstreamRow
-from pyspice.policy import policy_spec
-from pyspice.policy.registry import split_planning
+from pyspice.policy.rows import PolicyRow, parse_row
 
 # The prompt every policy runs when none is given (and the simulator's recorded workload).
 DEFAULT_PROMPT = (
@@ -34,7 +33,7 @@ DEFAULT_PROMPT = (
 
 @dataclass(frozen=True)
 class BenchConfig:
-    policies: tuple[str, ...]
+    policies: tuple[PolicyRow, ...]  # results are keyed by their labels
     prompt_tokens: tuple[int, ...]
     n_predict: int
     repeat: int = 3
@@ -114,33 +113,62 @@ def greedy_next(llm: Any) -> int:
     return int(np.argmax(logits))
 
 
-def split_row(row: str) -> tuple[str, Planning | None]:
-    """A bench row: a policy name, optionally with where it plans -- `NAME@sync`,
-    `NAME@async` (free-running) or `NAME@detK` (deterministic, lag K) -- so one run
-    compares synchronous and asynchronous planning of the same policy."""
-    name, how, lag = split_planning(row)
-    if how is None:
-        return name, None
-    return name, Planning(asynchronous=how == "async", deterministic_lag=lag)
+def row_planning(row: PolicyRow) -> Planning | None:
+    """Where a bench row plans (None: as the run does), so one run compares synchronous
+    and asynchronous planning of the same policy."""
+    if row.planning is None:
+        return None
+    return Planning(asynchronous=row.planning == "async", deterministic_lag=row.plan_lag)
+
+
+def split_row(text: str) -> tuple[str, Planning | None]:
+    """A row's policy name and planning from its text, for scripts that take a row as
+    text (tools/tune-lookahead.py); pyspice itself passes parsed rows."""
+    row = parse_row(text, UPSTREAM_ROWS)
+    return row.name, row_planning(row)
+
+
+def baseline_label(text: str) -> str:
+    """--baseline as the rows label it (`spice@plan=async` is the row `spice@async`); a
+    name the grammar refuses is kept, to be named as not among the rows."""
+    try:
+        return parse_row(text, UPSTREAM_ROWS).label
+    except ValueError:
+        return text.strip()
+
+
+def check_in_process_rows(rows: Sequence[PolicyRow]) -> None:
+    """Rows that one loaded model can run: its tiers are the command's, and llama.cpp's
+    rows have no hook to plan in."""
+    for row in rows:
+        if row.ram is not None or row.device is not None:
+            raise ValueError(
+                f"row {row.label!r}: a budget of the row's own needs --memory-limit (each row in its "
+                "own process); in one process every row has --ram-budget/--device-budget"
+            )
+        if row.spec is None and row.planning is not None:
+            raise ValueError(
+                f"row {row.label!r}: llama.cpp's own row has no hook to plan in; write {row.name!r}"
+            )
 
 
 def run_one(
     llm: Any,
-    row: str,
+    row: PolicyRow,
     cfg: BenchConfig,
     default_planning: Planning | None = None,
     twins: UpstreamTwins | None = None,
 ) -> tuple[float, float, list[int], dict[str, Any]]:
-    """One repeat of one policy: (prefill tok/s, TPOT ms, generated ids, stats record).
-    A row without '@' plans as `default_planning` says (None: as the engine does now);
-    a llama.cpp row runs its model of `twins`."""
-    if row in UPSTREAM_ROWS:
-        return _run_plain((twins or UpstreamTwins(llm, cfg.upstream)).get(row), cfg)
-    name, planning = split_row(row)
+    """One repeat of one row: (prefill tok/s, TPOT ms, generated ids, stats record).
+    A row that does not say where it plans plans as `default_planning` says (None: as
+    the engine does now); a llama.cpp row runs its model of `twins`."""
+    if row.name in UPSTREAM_ROWS:
+        return _run_plain((twins or UpstreamTwins(llm, cfg.upstream)).get(row.name), cfg)
+    planning = row_planning(row)
     chosen = planning if planning is not None else default_planning
     if chosen is not None:
         llm.spice_engine.planning = chosen  # set_policy below enables the policy with it
-    llm.set_policy(name)
+    llm.set_policy(row.name)
     llm.reset()
     llm.spice_reset_stats()
     llm.spice_engine.seek_routing_replay(0)  # every row and repeat replays the same routing
@@ -260,22 +288,21 @@ def _run_plain(plain: Any, cfg: BenchConfig) -> tuple[float, float, list[int], d
 def run_bench(
     llm: Any, cfg: BenchConfig, progress: Callable[[str], None] | None = None
 ) -> dict[str, PolicyResult]:
-    for name in cfg.policies:
-        if name not in UPSTREAM_ROWS:
-            policy_spec(split_row(name)[0])  # unknown names fail before any work
-    results = {name: _result(llm, name, cfg) for name in cfg.policies}
-    runs = tuple(name for name in cfg.policies if results[name].skipped is None)
+    """Every row of `cfg`, by label."""
+    check_in_process_rows(cfg.policies)
+    results = {row.label: _result(row, cfg) for row in cfg.policies}
+    runs = tuple(row for row in cfg.policies if results[row.label].skipped is None)
     n = len(runs)
-    default_planning = llm.spice_engine.planning  # the run's, for rows without '@'
+    default_planning = llm.spice_engine.planning  # the run's, for rows that do not say
     twins = UpstreamTwins(llm, cfg.upstream)
 
     for r in range(cfg.repeat):
         order = runs[r % n :] + runs[: r % n]
-        for name in order:
+        for row in order:
             if progress:
-                progress(f"repeat {r + 1}/{cfg.repeat}: {name}")
-            pps, tpot, tokens, stats = run_one(llm, name, cfg, default_planning, twins)
-            res = results[name]
+                progress(f"repeat {r + 1}/{cfg.repeat}: {row.label}")
+            pps, tpot, tokens, stats = run_one(llm, row, cfg, default_planning, twins)
+            res = results[row.label]
             res.prefill_tps.append(pps)
             res.tpot_ms.append(tpot)
             if res.tokens and res.tokens != tokens:
@@ -283,27 +310,27 @@ def run_bench(
             res.tokens = tokens
             res.stats = stats
             res.policy_us.append(float(stats.get("policy_us_per_decode_call", 0.0)))
-    for name in runs:
-        results[name].device = _device_bytes(llm, name, cfg, twins)
+    for row in runs:
+        results[row.label].device = _device_bytes(llm, row, cfg, twins)
     return results
 
 
-def _result(llm: Any, name: str, cfg: BenchConfig) -> PolicyResult:
-    """An empty result for row `name`: its label, and why it is skipped, if it is."""
-    row = cfg.upstream.get(name)
-    if row is not None:
-        return PolicyResult(name, label=row.label, skipped=row.skip)
-    hooked = name not in UPSTREAM_ROWS and split_row(name)[0] != "stock"
-    return PolicyResult(name, timing_only=hooked and cfg.replay_decode_start is not None)
+def _result(row: PolicyRow, cfg: BenchConfig) -> PolicyResult:
+    """An empty result for `row`: its label, and why it is skipped, if it is."""
+    planned = cfg.upstream.get(row.name)
+    if planned is not None:
+        return PolicyResult(row.label, label=planned.label, skipped=planned.skip)
+    hooked = row.name not in UPSTREAM_ROWS and row.name != "stock"
+    return PolicyResult(row.label, timing_only=hooked and cfg.replay_decode_start is not None)
 
 
-def _device_bytes(llm: Any, name: str, cfg: BenchConfig, twins: UpstreamTwins) -> dict[str, int]:
-    """What row `name` holds on the device: a llama.cpp row its model's device buffers;
-    a pyspice row the pyspice model's, and the tier's slots unless it is `stock`."""
-    if name in UPSTREAM_ROWS:
-        return device_bytes(twins.buffers.get(name))
+def _device_bytes(llm: Any, row: PolicyRow, cfg: BenchConfig, twins: UpstreamTwins) -> dict[str, int]:
+    """What `row` holds on the device: a llama.cpp row its model's device buffers; a
+    pyspice row the pyspice model's, and the tier's slots unless it is `stock`."""
+    if row.name in UPSTREAM_ROWS:
+        return device_bytes(twins.buffers.get(row.name))
     runtime = llm.spice_engine.runtime
-    uses_tier = split_row(name)[0] != "stock" and runtime is not None
+    uses_tier = row.name != "stock" and runtime is not None
     return device_bytes(cfg.model_buffers, runtime.slot_pool_bytes() if uses_tier else 0)
 
 

@@ -136,20 +136,6 @@ def policy_spec(name: str) -> PolicySpec:
         raise ValueError(f"unknown policy {name!r}; choose one of: {', '.join(_SPECS)}") from None
 
 
-def split_planning(row: str) -> tuple[str, str | None, int]:
-    """A policy name with where it plans, as bench and sim rows write it: `NAME`,
-    `NAME@sync`, `NAME@async` (free-running) or `NAME@detK` (deterministic, K layers
-    late). Returns (name, None | "sync" | "async", K or 0)."""
-    name, _, how = row.partition("@")
-    if not how:
-        return name, None, 0
-    if how in ("sync", "async"):
-        return name, how, 0
-    if how.startswith("det") and how[3:].isdigit() and 1 <= int(how[3:]) <= 64:
-        return name, "async", int(how[3:])
-    raise ValueError(f"row {row!r}: after '@' comes sync, async or detK (K = 1..64 layers of lag)")
-
-
 def make_policy(
     name: str,
     levels: Mapping[str, SurrogateThresholds] | None = None,

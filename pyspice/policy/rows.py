@@ -11,11 +11,16 @@ Keys: `plan` (sync, async or detK with K = 1..64), `ram` and `device` (budgets:
 `NAME@plan=...`. In a comma-separated list of rows a piece holding `=` belongs to
 the row before it (policy names never hold one), so `spice@plan=async,ram=2GiB,lru`
 is two rows. Every consumer takes the parsed `PolicyRow`; nothing re-reads the text.
+
+A row's label (what tables and JSON name it by) writes the plan short, first:
+`spice:exact@async`, `lru@det2,ram=25%`, as bench and sim rows were always written
+and recorded, so a recorded name parses back to the row that ran it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import argparse
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -43,11 +48,20 @@ class PolicyRow:
     device_text: str = ""
 
     @property
+    def plan(self) -> str | None:
+        """Where the row plans as the grammar writes it: sync, async, detK (None: as the command plans)."""
+        if self.planning is None:
+            return None
+        return f"det{self.plan_lag}" if self.plan_lag else self.planning
+
+    @property
     def label(self) -> str:
-        """The row as written in canonical form (what tables and JSON name it by)."""
+        """The row in canonical form (what tables and JSON name it by); it parses back to
+        the same row. The plan comes short and first: a shorthand after a comma would
+        start a row of its own in a list (split_rows)."""
         keys = []
-        if self.planning is not None:
-            keys.append(f"plan={self.planning if not self.plan_lag else f'det{self.plan_lag}'}")
+        if self.plan is not None:
+            keys.append(self.plan)
         if self.ram is not None:
             keys.append(f"ram={self.ram_text}")
         if self.device is not None:
@@ -68,12 +82,18 @@ def parse_row(text: str, others: Iterable[str] = ()) -> PolicyRow:
     accepts (their rows carry no spec). An unknown name, key or bad value is a
     ValueError naming the row and what is allowed."""
     row = text.strip()
-    name, _, rest = row.partition("@")
-    known_others = set(others)
-    spec = None if name in known_others else policy_spec(name)  # unknown names: the policy list
+    name, _, rest = (part.strip() for part in row.partition("@"))
+    known_others = tuple(others)
+    spec = None
+    if name not in known_others:
+        try:
+            spec = policy_spec(name)
+        except ValueError as exc:  # the policy list, and the command's other rows
+            also = f", or {', '.join(known_others)}" if known_others else ""
+            raise ValueError(f"row {row!r}: {exc}{also}") from None
     values: dict[str, str] = {}
     for item in (p.strip() for p in rest.split(",")) if rest else ():
-        key, eq, value = item.partition("=")
+        key, eq, value = (part.strip() for part in item.partition("="))
         if not eq and (key in ("sync", "async") or key.startswith("det")):
             key, value = "plan", key
         elif key not in ROW_KEYS or not value:
@@ -83,7 +103,7 @@ def parse_row(text: str, others: Iterable[str] = ()) -> PolicyRow:
         values[key] = value
     planning, lag = _planning(row, values["plan"]) if "plan" in values else (None, 0)
     if planning == "async" and spec is not None and not spec.asynchronous:
-        raise ValueError(f"row {row!r}: {name} plans in the hook's call only; it has no plan=async")
+        raise ValueError(f"row {row!r}: {name} plans in the hook's call only: no plan=async or detK")
     budgets: dict[str, Budget] = {}
     for key in ("ram", "device"):
         if key in values:
@@ -109,6 +129,43 @@ def split_rows(text: str) -> list[str]:
 
 
 def parse_rows(text: str, others: Iterable[str] = ()) -> list[PolicyRow]:
-    """Every row of a comma-separated list (`--policies`), parsed."""
+    """Every row of a comma-separated list (`--policies`), parsed; at least one, and no
+    row twice (results are keyed by label: a second would overwrite the first)."""
     names = tuple(others)
-    return [parse_row(r, names) for r in split_rows(text)]
+    rows = [parse_row(r, names) for r in split_rows(text)]
+    if not rows:
+        raise ValueError(f"--policies needs at least one row, {GRAMMAR}")
+    seen: set[str] = set()
+    for row in rows:
+        if row.label in seen:
+            raise ValueError(f"--policies names row {row.label!r} twice")
+        seen.add(row.label)
+    return rows
+
+
+def rows_argument(
+    others: Iterable[str] = (), *, keys: Iterable[str] = ROW_KEYS
+) -> Callable[[str], list[PolicyRow]]:
+    """An argparse `type=` for `--policies`: the rows, parsed while the arguments are, so
+    a bad row is a usage error before any model loads. `keys`: those the command's rows
+    may set (sim's budgets are its own options, for every row)."""
+    names, allowed = tuple(others), tuple(keys)
+
+    def parse(text: str) -> list[PolicyRow]:
+        try:
+            rows = parse_rows(text, names)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        for row in rows:
+            set_by_row = (("plan", row.planning), ("ram", row.ram), ("device", row.device))
+            given = [k for k, v in set_by_row if v is not None]
+            refused = [k for k in given if k not in allowed]
+            if refused:
+                raise argparse.ArgumentTypeError(
+                    f"row {row.label!r}: this command's rows take no {refused[0]}= "
+                    f"(keys here: {', '.join(allowed) or 'none'})"
+                )
+        return rows
+
+    parse.__name__ = "rows"  # argparse names the type in a message it words itself
+    return parse

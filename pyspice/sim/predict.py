@@ -22,11 +22,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from pyspice.policy import policy_spec
 from pyspice.policy.context import RouterLoader
-from pyspice.policy.registry import split_planning
+from pyspice.policy.rows import PolicyRow
 from pyspice.sim.hardware import HardwareProfile, policy_profile, target_costs
-from pyspice.sim.records import UPSTREAM_PREFIX, RecordedRow, RecordedRun
+from pyspice.sim.records import UPSTREAM_PREFIX, RecordedRow, RecordedRun, recorded_row
 from pyspice.sim.report import simulate_row
 from pyspice.sim.simulator import Costs, Simulator
 from pyspice.sim.targets import TargetModel
@@ -105,21 +104,25 @@ def _share(row: RecordedRow, target: TargetModel) -> str:
     return f"{100 * row.slots_bytes / target.routed_bytes:.3g}%"
 
 
-def _why_not(row: str, wl: Workload, has_router: bool) -> str:
-    """Why the simulator cannot replay a row as it ran ("" when it can)."""
-    if row.startswith(UPSTREAM_PREFIX):
+def _why_not(name: str, row: PolicyRow | None, wl: Workload, has_router: bool) -> str:
+    """Why the simulator cannot replay a recorded row as it ran ("" when it can); `row`:
+    its name parsed (None: llama.cpp's own row, or one the grammar refuses)."""
+    if name.startswith(UPSTREAM_PREFIX):
         return "llama.cpp's own row: not modelled"
-    name = split_planning(row)[0]
-    try:
-        spec = policy_spec(name)
-    except ValueError as err:
-        return str(err)
-    if "hidden" in spec.inputs:
+    if row is None:
+        try:
+            row = recorded_row(name)
+        except ValueError as err:
+            return str(err)
+    assert row.spec is not None  # parsed with no other rows: every row names a policy
+    if row.ram is not None:
+        return "edge mode (a RAM budget of the row's own): not modelled here"
+    if "hidden" in row.spec.inputs:
         # a policy run without its gate or draft is another policy than the one measured
         if not any(c.hidden is not None and c.hidden.size for s in wl.steps for c in s.calls):
-            return f"{name} reads hidden rows, which this routing lacks"
+            return f"{row.name} reads hidden rows, which this routing lacks"
         if not has_router:
-            return f"{name} reads the model's routers: give -m MODEL"
+            return f"{row.name} reads the model's routers: give -m MODEL"
     return ""
 
 
@@ -139,12 +142,10 @@ def predict_run(
     out: list[Prediction] = []
     for name, row in run.rows.items():
         meas_ratio = row.tpot_ms / stock_rec.tpot_ms if stock_rec is not None and stock_rec.tpot_ms else None
+        policy_row = row.policy_row
         lossless = name.startswith(UPSTREAM_PREFIX) or name == "stock"
         if not lossless:
-            try:
-                lossless = policy_spec(split_planning(name)[0]).lossless
-            except ValueError:
-                lossless = False
+            lossless = policy_row is not None and policy_row.spec is not None and policy_row.spec.lossless
         common: dict[str, Any] = dict(
             run=run.source, row=name, budget=_share(row, target), measured_ms=row.tpot_ms,
             measured_ratio=meas_ratio, lossless=lossless, routing=workload.source,
@@ -160,7 +161,7 @@ def predict_run(
                 )
             )
             continue
-        why = _why_not(name, workload, router is not None) or (
+        why = _why_not(name, policy_row, workload, router is not None) or (
             "" if row.slots_bytes is not None else "no device tier recorded"
         )
         if why:
@@ -174,10 +175,12 @@ def predict_run(
             )
             for lossless_kind in (True, False)
         }
+        assert policy_row is not None  # _why_not names every row that did not parse
         us = profile.deciding_us.get(name)
-        # a row without '@' planned where the engine chose; the record says which
-        how = f"{name}@async" if row.asynchronous and "@" not in name else name
-        _, result = simulate_row(sims, how, us, native_us=us or 0.0)
+        # a row that did not say planned where the engine chose; the record says which
+        if policy_row.planning is None and row.asynchronous:
+            policy_row = replace(policy_row, planning="async")
+        _, result = simulate_row(sims, policy_row, us, native_us=us or 0.0)
         out.append(
             Prediction(
                 **common,

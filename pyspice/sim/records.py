@@ -10,6 +10,9 @@ A record says how large its device tier was (`device_bytes.slots`) but not as
 a budget: the budget is that many bytes over the whole tier of the target the
 run's model has (the rows of docs/results/gpu-h200-*.json come out at 25% and
 50% exactly).
+
+Rows are named by their label (pyspice.policy.rows), and read back through the
+same grammar: `spice:exact@async` is the row that ran as `spice:exact@plan=async`.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from pyspice.policy.rows import PolicyRow, parse_row
 
 UPSTREAM_PREFIX = "upstream"  # llama.cpp's own rows (bench's UPSTREAM_ROWS): no hook, no counters
 
@@ -56,6 +61,22 @@ class RecordedRow:
     @property
     def copies_per_call(self) -> float:
         return float(self.per_call.get("copies", 0.0))
+
+    @property
+    def policy_row(self) -> PolicyRow | None:
+        """The row its name is (None: llama.cpp's own, or a name the grammar refuses,
+        which recorded_row says why of)."""
+        if self.name.startswith(UPSTREAM_PREFIX):
+            return None
+        try:
+            return recorded_row(self.name)
+        except ValueError:
+            return None
+
+
+def recorded_row(name: str) -> PolicyRow:
+    """A recorded row's name parsed by the row grammar; a ValueError saying why not."""
+    return parse_row(name)
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pyspice.policy import make_policy, policy_spec
+from pyspice.policy import make_policy
 from pyspice.policy.base import slot_precision
-from pyspice.policy.registry import split_planning
+from pyspice.policy.registry import PolicySpec
+from pyspice.policy.rows import PolicyRow
 from pyspice.sim.belady import BeladyOracle, belady, read_bound
 from pyspice.sim.hardware import (
     HardwareProfile,
@@ -34,10 +35,10 @@ SPEEDUP_BASE = "adapmoe"
 class SimConfig:
     profiles: tuple[HardwareProfile, ...]
     budgets: tuple[str, ...]
-    policies: tuple[str, ...]
+    policies: tuple[PolicyRow, ...]
     target: TargetModel | None  # None: the source model itself (emulated profile)
     source_expert_bytes: tuple[int, ...]  # per layer, of the source model
-    policy_us: dict[str, float] | None = None  # measured us per call, by policy
+    policy_us: dict[str, float] | None = None  # measured us per call, by row label
     # measured us per call by budget, then policy (bench runs of each budget); before policy_us
     policy_us_by_budget: dict[str, dict[str, float]] | None = None
     model: Path | None = None  # the recorded model's file (the disk profile reads it)
@@ -48,31 +49,42 @@ class SimConfig:
 _SURROGATE_FIELDS = ("surrogate_error", "surrogates_loaded", "reserved_bytes")
 
 
-def _check_policies(names: Sequence[str]) -> None:
-    for row in names:
-        spec = policy_spec(split_planning(row)[0])
-        if spec.kind == "stock":
+def _spec(row: PolicyRow) -> PolicySpec:
+    if row.spec is None:
+        raise ValueError(f"row {row.label!r} is not a policy: the simulator runs policies only")
+    return row.spec
+
+
+def _check_policies(rows: Sequence[PolicyRow]) -> None:
+    for row in rows:
+        if _spec(row).kind == "stock":
             raise ValueError("'stock' has no hook to simulate; 'exact' is the same work through the hook")
+        if row.ram is not None or row.device is not None:
+            # every row of a run shares the budgets of --device-budget, which key its tables
+            raise ValueError(
+                f"row {row.label!r}: the simulator's budgets are --device-budget/--ram-budget, "
+                "the same for every row"
+            )
 
 
 def simulate_row(
-    sims: dict[bool, Simulator], row: str, policy_us: float | None, *, native_us: float = 0.0
+    sims: dict[bool, Simulator], row: PolicyRow, policy_us: float | None, *, native_us: float = 0.0
 ) -> tuple[Any, SimResult]:
-    """One bench row (`NAME[@sync|@async|@detN]`) through the simulator of its kind
-    (`sims[lossless]`): the policy object and its result. `policy_us`: a Python policy's
+    """One bench row through the simulator of its kind (`sims[lossless]`): the policy
+    object and its result, named by the row's label. `policy_us`: a Python policy's
     measured deciding time per call (None: timed here); a native one decides in
-    `native_us` (0 unless measured on the machine simulated)."""
-    name, how, lag = split_planning(row)  # NAME@async: the planner thread modelled
-    spec = policy_spec(name)
-    policy = make_policy(name)
+    `native_us` (0 unless measured on the machine simulated). The row's budgets are
+    the simulators' (sized by the caller)."""
+    spec = _spec(row)
+    policy = make_policy(row.name)
     sim = sims[spec.lossless]
     us = policy_us if spec.kind == "python" else native_us  # natively decided: no Python per call
-    # NAME alone plans where the engine would: asynchronously on the disk tier
-    # (Planning.chosen), else synchronously, as the engine does where the
-    # decode takes every core (a simulated target has no thread count)
-    asynchronous = how == "async" or (how is None and sim.costs.disk is not None)
-    model = AsyncModel(max_lag=0, deterministic_lag=lag) if asynchronous else None
-    return policy, sim.run(row, policy, policy_us=us, preload=name == "exact", asynchronous=model)
+    # a row that does not say plans where the engine would: asynchronously on the disk
+    # tier (Planning.chosen), else synchronously, as the engine does where the decode
+    # takes every core (a simulated target has no thread count)
+    asynchronous = row.planning == "async" or (row.planning is None and sim.costs.disk is not None)
+    model = AsyncModel(max_lag=0, deterministic_lag=row.plan_lag) if asynchronous else None
+    return policy, sim.run(row.label, policy, policy_us=us, preload=row.name == "exact", asynchronous=model)
 
 
 def simulate_all(
@@ -130,18 +142,17 @@ def simulate_all(
             }
             for row in cfg.policies:
                 if progress:
-                    progress(f"{prof.name} {budget} {row}")
-                us = (cfg.policy_us_by_budget or {}).get(budget, {}).get(row)
+                    progress(f"{prof.name} {budget} {row.label}")
+                us = (cfg.policy_us_by_budget or {}).get(budget, {}).get(row.label)
                 if us is None:
-                    us = (cfg.policy_us or {}).get(row)
+                    us = (cfg.policy_us or {}).get(row.label)
                 policy, result = simulate_row(sims, row, us)
                 row_note = note
                 if slot_precision(policy) != "exact" and costs.disk is None:
                     # libspice picks the copies' types (spice-slot-copies.c); the simulator
                     # does not model them rather than keep a second copy of that choice
                     precision = slot_precision(policy)
-                    name = split_planning(row)[0]
-                    unmodelled = f"{name}'s {precision} slots not modelled (charged at the model's bytes)"
+                    unmodelled = f"{row.name}'s {precision} slots not modelled (charged at the model's bytes)"
                     row_note = f"{note}; {unmodelled}" if note else unmodelled
                 rows.append({**base, **result.record(), **({"note": row_note} if row_note else {})})
             scale = costs.layer_scale

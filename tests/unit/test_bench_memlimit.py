@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from pyspice.cli import bench_limited
+from pyspice.cli.common import run_config as command_config
 from pyspice.cli.main import build_parser
 from pyspice.cli.numbers import byte_size
 from pyspice.engine.config import RunConfig
@@ -17,6 +18,8 @@ from pyspice.measure.isolated_row import RowSpec, config_fields, run_config
 from pyspice.measure.limited_bench import RowOutcome
 from pyspice.measure.limited_report import format_limited_table, limited_document
 from pyspice.measure.memlimit import CgroupError, CgroupLayout, MemoryCgroup, find_layout
+from pyspice.measure.upstream_rows import UPSTREAM_ROWS
+from pyspice.policy.rows import PolicyRow, parse_rows
 
 V1_SELF = "4:memory:/jobs/me\n1:cpu:/\n0::/\n"
 
@@ -210,38 +213,39 @@ def test_rss_bound_is_the_budget_plus_its_policys_floor_overhead_plus_five_perce
     assert "spice:exact: 242.00 MiB against 241.50 MiB: over by 512.00 KiB" in text
 
 
+def _rows(text: str) -> list[PolicyRow]:
+    args = build_parser().parse_args(["bench", "-m", "x.gguf", "--memory-limit", "1GiB", "--policies", text])
+    bench_limited.check_rows(args.policies)
+    rows: list[PolicyRow] = args.policies
+    return rows
+
+
 def test_rows() -> None:
-    rows = bench_limited.parse_rows("upstream, stock,exact")
-    assert [(r.name, r.policy, r.ram_budget) for r in rows] == [
-        ("upstream", "upstream", None),
-        ("stock", "stock", None),
-        ("exact", "exact", None),
+    rows = _rows("upstream, stock,exact,spice:exact@plan=async,ram=2GiB")
+    assert [(r.label, r.name, r.ram_text) for r in rows] == [
+        ("upstream", "upstream", ""),
+        ("stock", "stock", ""),
+        ("exact", "exact", ""),
+        ("spice:exact@async,ram=2GiB", "spice:exact", "2GiB"),
     ]
-    for bad, match in (
-        ("upstream@ram=50%", "upstream is plain llama.cpp"),
-        ("nosuch", "nosuch"),
-        ("exact,exact", "twice"),
-        ("exact@ram=", "NAME@ram=BUDGET"),
-        ("exact@50%", "NAME@ram=BUDGET"),
-        (",", "at least one row"),
-    ):
-        with pytest.raises(ValueError, match=match):
-            bench_limited.parse_rows(bad)
+    for bad in ("upstream@ram=50%", "upstream@async"):
+        with pytest.raises(ValueError, match=r"upstream is plain llama\.cpp"):
+            _rows(bad)
 
 
 def test_a_row_ram_budget_reaches_the_row_config_and_upstream_gets_none(tmp_path: Path) -> None:
-    (row,) = bench_limited.parse_rows("exact@ram=50%")
-    assert row.ram_budget == "50%"
     model = tmp_path / "m.gguf"
     model.write_bytes(b"")
     args = build_parser().parse_args(
         ["bench", "-m", str(model), "--memory-limit", "1GiB", "--ram-budget", "25%"]
     )
+    row, plain, up, planned = parse_rows("exact@ram=50%,lru,upstream,spice:exact@det2", UPSTREAM_ROWS)
     assert bench_limited.row_config(args, row, 2).ram_budget == "50%"
-    (plain,) = bench_limited.parse_rows("lru")
     assert bench_limited.row_config(args, plain, 2).ram_budget == "25%"  # the global flag
-    (up,) = bench_limited.parse_rows("upstream")
     assert bench_limited.row_config(args, up, 2).ram_budget is None
+    config = bench_limited.row_config(args, planned, 2)
+    assert (config.planning.asynchronous, config.planning.deterministic_lag) == (True, 2)
+    assert bench_limited.row_config(args, plain, 2).planning == command_config(args, "lru").planning
 
 
 def _bench_args(*extra: str) -> argparse.Namespace:

@@ -125,9 +125,11 @@ def test_rows_at_the_same_device_bytes_are_named() -> None:
 
 
 def test_a_memory_limited_bench_refuses_the_gpu_rows() -> None:
-    from pyspice.cli.bench_limited import parse_rows
+    from pyspice.cli.bench_limited import check_rows
+    from pyspice.measure.upstream_rows import UPSTREAM_ROWS
+    from pyspice.policy.rows import parse_rows
 
-    assert [r.name for r in parse_rows("upstream,exact")] == ["upstream", "exact"]
+    check_rows(parse_rows("upstream,exact", UPSTREAM_ROWS))
     for row in (UPSTREAM_NCMOE, UPSTREAM_CPU_EXPS):
         with pytest.raises(ValueError, match="splits the experts between GPU and CPU"):
-            parse_rows(f"exact,{row}")
+            check_rows(parse_rows(f"exact,{row}", UPSTREAM_ROWS))

@@ -16,6 +16,7 @@ import pytest
 
 from pyspice.policy import make_policy
 from pyspice.policy.profile import BatchCost, CostProfile
+from pyspice.policy.rows import parse_rows
 from pyspice.policy.spice import SpicePolicy, spice_config
 from pyspice.sim.belady import _requests, belady, read_bound
 from pyspice.sim.disk import (
@@ -311,7 +312,8 @@ def test_the_disk_profile_simulates_the_recorded_model_on_its_file(tmp_path: Pat
     ids = np.tile(np.array([[0, 1], [2, 3]], np.int32), (12, 1, 1))
     ids[::3] = np.array([[2, 3], [0, 1]], np.int32)
     wl = Workload.from_arrays(2, [0, 1], 4, ids, prompt_tokens=4)
-    cfg = SimConfig((prof,), ("50%",), ("exact", "lru", "spice:exact"), None, (288, 288), model=model)
+    policies = tuple(parse_rows("exact,lru,spice:exact"))
+    cfg = SimConfig((prof,), ("50%",), policies, None, (288, 288), model=model)
     rows = simulate_all(wl, cfg)
     assert [r["policy"] for r in rows] == ["exact", "lru", "spice:exact", "belady"]
     assert all(r["target"] == "source" and r["disk_read_bytes_per_token"] is not None for r in rows)
@@ -354,7 +356,7 @@ def test_lossless_policies_run_without_the_sidecars_surrogates() -> None:
             SimConfig(
                 (load_profile("rtx4060"),),
                 ("50%",),
-                ("lru", "spice:balanced"),
+                tuple(parse_rows("lru,spice:balanced")),
                 load_target("qwen2-57b-a14b:Q5_K_M"),
                 (1000,) * 3,
             ),

@@ -136,7 +136,7 @@ def test_the_shipped_planners_run_asynchronously_in_the_simulator() -> None:
     """spice:* and abl-* as `sim` rows NAME@async / NAME@detK: their rule runs every call,
     their plans arrive later, nothing falls back."""
     from pyspice.policy import make_policy
-    from pyspice.policy.registry import split_planning
+    from pyspice.policy.rows import parse_row
 
     rng = np.random.default_rng(2)
     n_tok = 10
@@ -149,13 +149,14 @@ def test_the_shipped_planners_run_asynchronously_in_the_simulator() -> None:
     # layers of 5 ms: the planner (the policy's decide as timed here) keeps up with them
     slow = replace(costs(), rest_us=((1, 5000.0), (4, 5000.0)))
     sim = Simulator(wl, slow, budget_bytes=N_LAYERS * N_EXPERT * 10_000 // 2, router=routers.get)
-    for row in ("spice:exact@async", "abl-b@det2", "abl-d@async"):
-        name, how, lag = split_planning(row)
-        assert how == "async"
-        result = sim.run(row, make_policy(name), asynchronous=AsyncModel(max_lag=0, deterministic_lag=lag))
-        assert result.policy_fallbacks == 0, row
-        assert result.plans_applied > 0, row
+    for text in ("spice:exact@async", "abl-b@det2", "abl-d@async"):
+        row = parse_row(text)
+        assert row.planning == "async"
+        model = AsyncModel(max_lag=0, deterministic_lag=row.plan_lag)
+        result = sim.run(row.label, make_policy(row.name), asynchronous=model)
+        assert result.policy_fallbacks == 0, text
+        assert result.plans_applied > 0, text
         assert result.activations == wl.decoded_tokens * N_LAYERS * K
-        if lag:
-            assert result.plan_lag_layers == lag
-    assert split_planning("lru") == ("lru", None, 0)
+        if row.plan_lag:
+            assert result.plan_lag_layers == row.plan_lag
+    assert (parse_row("lru").planning, parse_row("lru").plan_lag) == (None, 0)

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pyspice.policy.rows import parse_row, parse_rows
 from pyspice.sim.hardware import Value, load_profile, policy_profile, profile_names, target_costs
 from pyspice.sim.report import SimConfig, format_tables, simulate_all
 from pyspice.sim.targets import load_target, use_more_bits
@@ -82,7 +83,7 @@ def test_rows_have_every_policy_and_a_belady_row(tmp_path: Path) -> None:
     cfg = SimConfig(
         profiles=(load_profile("rtx4060"), load_profile("a800")),
         budgets=("25%", "50%"),
-        policies=("host", "lru", "ondemand"),
+        policies=tuple(parse_rows("host,lru,ondemand")),
         target=load_target("qwen2-57b-a14b:Q5_K_M"),
         source_expert_bytes=(1000,) * 4,
         policy_us={"host": 10.0, "lru": 20.0, "ondemand": 20.0},
@@ -105,7 +106,7 @@ def test_rows_have_every_policy_and_a_belady_row(tmp_path: Path) -> None:
     assert entries[0]["error"] == pytest.approx(1 / 1.1 - 1)  # median of the four pooled repeats
     assert "tolerance" in format_comparison(entries)
     with pytest.raises(ValueError, match="stock"):
-        simulate_all(wl, SimConfig(cfg.profiles, ("25%",), ("stock",), cfg.target, (1000,) * 4))
+        simulate_all(wl, SimConfig(cfg.profiles, ("25%",), (parse_row("stock"),), cfg.target, (1000,) * 4))
 
 
 def test_cli_shows_profiles_and_asks_for_a_trace(capsys: pytest.CaptureFixture[str]) -> None:
@@ -163,20 +164,21 @@ def test_a_hardware_profile_simulates_the_source_models_own_sizes(tmp_path: Path
     wl = Workload.from_arrays(
         2, [0, 1], 4, np.tile(np.array([[0, 1], [2, 3]], np.int32), (12, 1, 1)), prompt_tokens=4
     )
-    cfg = SimConfig((load_profile("rtx4060"),), ("50%",), ("lru",), target, target.expert_bytes)
+    cfg = SimConfig((load_profile("rtx4060"),), ("50%",), (parse_row("lru"),), target, target.expert_bytes)
     rows = simulate_all(wl, cfg)
     assert [r["policy"] for r in rows] == ["lru", "belady"]
     assert rows[0]["target"] == "source:m.gguf" and rows[0]["tpot_ms"] > 0
     assert target_costs(load_profile("rtx4060"), target, wl).expert_bytes == target.expert_bytes
     with pytest.raises(ValueError, match="--target source"):
-        simulate_all(wl, SimConfig(cfg.profiles, ("50%",), ("lru",), None, target.expert_bytes))
+        simulate_all(wl, SimConfig(cfg.profiles, ("50%",), cfg.policies, None, target.expert_bytes))
 
 
 def test_rows_may_say_where_a_spice_policy_plans() -> None:
     cfg = SimConfig(
         profiles=(load_profile("rtx4060"),),
         budgets=("50%",),
-        policies=("spice:exact@sync", "spice:exact@async", "spice:exact@det2"),
+        # the long form of a plan is the same row, named as rows were always recorded
+        policies=tuple(parse_rows("spice:exact@sync,spice:exact@plan=async,spice:exact@det2")),
         target=load_target("qwen2-57b-a14b:Q5_K_M"),
         source_expert_bytes=(1000,) * 4,
     )
@@ -184,17 +186,18 @@ def test_rows_may_say_where_a_spice_policy_plans() -> None:
     assert rows["spice:exact@sync"]["planning"]["applied"] == 0
     assert rows["spice:exact@async"]["planning"]["applied"] > 0
     assert rows["spice:exact@det2"]["planning"]["lag_layers"] == 2
-    with pytest.raises(ValueError, match="after '@'"):
-        simulate_all(
-            small_workload(), SimConfig(cfg.profiles, ("50%",), ("lru@later",), cfg.target, (1000,) * 4)
-        )
+    with pytest.raises(ValueError, match="'later' is not a key=value"):
+        parse_row("lru@later")
+    own_budget = SimConfig(cfg.profiles, ("50%",), (parse_row("lru@ram=25%"),), cfg.target, (1000,) * 4)
+    with pytest.raises(ValueError, match="the same for every row"):
+        simulate_all(small_workload(), own_budget)
 
 
 def test_rows_of_a_level_with_low_precision_slots_say_the_simulator_does_not_model_them() -> None:
     cfg = SimConfig(
         profiles=(load_profile("h200"),),
         budgets=("25%",),
-        policies=("lru", "spice:balanced", "spice:fast"),
+        policies=tuple(parse_rows("lru,spice:balanced,spice:fast")),
         target=load_target("qwen2-57b-a14b:Q5_K_M"),
         source_expert_bytes=(1000,) * 4,
     )
