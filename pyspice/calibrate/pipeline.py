@@ -21,9 +21,10 @@ import numpy.typing as npt
 from gguf.quants import dequantize
 from tqdm import tqdm
 
-from pyspice.calibrate.capture import CaptureConfig, ModelGeometry, capture, model_geometry
+from pyspice.calibrate.capture import CaptureConfig, capture
 from pyspice.calibrate.lore_fit import LayerExperts, LoreConfig, fit_layer, heldout_mask, open_gguf
 from pyspice.calibrate.predictor_fit import fit_transition
+from pyspice.engine.decode_trace import ModelGeometry, model_geometry
 from pyspice.formats.sidecar import LayerSurrogates, SidecarData, fingerprint, write_sidecar
 from pyspice.outputs import atomic_output
 from pyspice.policy.predictor import Transition, gate_probs, top_k

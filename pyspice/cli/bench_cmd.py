@@ -8,10 +8,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pyspice.calibrate.capture import finish_decode_trace, start_decode_trace
 from pyspice.cli import bench_limited, numbers
 from pyspice.cli.common import add_context_args, add_model_args, add_sidecar_arg, open_model, resolve_model
 from pyspice.engine.config import gpu_present
+from pyspice.engine.decode_trace import finish_decode_trace, start_decode_trace
 from pyspice.formats.model_info import read_header
 from pyspice.measure.bench import (
     DEFAULT_PROMPT,

@@ -8,7 +8,6 @@ import json
 import sys
 from typing import Any
 
-from pyspice.calibrate.capture import finish_decode_trace, start_decode_trace
 from pyspice.cli.common import (
     add_context_args,
     add_model_args,
@@ -18,6 +17,7 @@ from pyspice.cli.common import (
     open_model,
     read_prompt,
 )
+from pyspice.engine.decode_trace import finish_decode_trace, start_decode_trace
 
 
 def register(sub: Any) -> argparse.ArgumentParser:

@@ -17,8 +17,8 @@ from pyspice.cli.common import (
 )
 from pyspice.engine.config import gpu_present
 from pyspice.engine.device import DEFAULT_EMULATED_GBPS, DEFAULT_EMULATED_LATENCY_US
+from pyspice.engine.probe import measure_profile
 from pyspice.formats.profile import profile_path, save_profile
-from pyspice.measure.probe import measure_profile
 
 
 def register(sub: Any) -> None:

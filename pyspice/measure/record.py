@@ -34,10 +34,10 @@ from typing import Any
 import numpy as np
 
 from pyspice.api import Llama
+from pyspice.engine.probe import measure_decode_step
 from pyspice.formats.profile import model_fingerprint, save_profile
 from pyspice.formats.trace import TraceMeta, TraceWriter
 from pyspice.measure.bench import DEFAULT_PROMPT, greedy_next
-from pyspice.measure.probe import measure_decode_step
 from pyspice.policy import HookCall, Plan
 from pyspice.policy.base import PolicyBase
 from pyspice.policy.profile import PROFILE_VERSION, BatchCost, CostProfile
@@ -150,7 +150,7 @@ def measure_decode_costs(
     bus_gbps: float = 12.0,
     bus_latency_us: float = 10.0,
 ) -> Any:
-    """A pyspice.measure.probe.CostProfile for one-token decode steps at KV position `position`."""
+    """A pyspice.engine.probe.CostProfile for one-token decode steps at KV position `position`."""
 
     llm = _open(model, threads)
     try:

@@ -1,6 +1,6 @@
 """A machine's cost profile for one model, as policies and the simulator weigh it.
 
-Measured by `pyspice probe` (pyspice.measure.probe), stored as JSON by
+Measured by `pyspice probe` (pyspice.engine.probe), stored as JSON by
 pyspice.formats.profile, simulated for other hardware by pyspice.sim.hardware.
 Plain data, so a policy can read it with real types.
 """

@@ -32,7 +32,7 @@ The rules are libspice's, each modelled from its C original:
   (Costs.device_shares_host).
 
 The disk itself is hardware, not C. It is modelled from the two figures
-`pyspice probe` measures (pyspice.measure.disk_probe): bandwidth with READERS
+`pyspice probe` measures (pyspice.engine.disk_probe): bandwidth with READERS
 expert-sized direct reads in flight, and the median time of one random 64 KiB
 direct read. Transfers share the bandwidth one after another; each read also
 takes a fixed latency that overlaps other reads' transfers: a read a reader
@@ -56,7 +56,7 @@ from pyspice.sim.tier import PRIORITY_DEMAND, Copy, SimTier
 
 DISK_ALIGN = 4096  # spice-device-disk.c: O_DIRECT alignment of offsets, lengths and buffers
 READERS = 4  # DISK_THREADS_DEFAULT: reader threads of the disk device
-PROBE_READ_BYTES = 64 * 1024  # pyspice.measure.disk_probe.LATENCY_READ: the read its latency times
+PROBE_READ_BYTES = 64 * 1024  # pyspice.engine.disk_probe.LATENCY_READ: the read its latency times
 PRIORITY_HOST_READ = PRIORITY_DEMAND + 1  # disk_host_read: ahead of every copy into a slot
 
 

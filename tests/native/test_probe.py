@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pyspice.engine.probe import measure_profile
 from pyspice.formats.profile import load_profile, save_profile
-from pyspice.measure.probe import measure_profile
 
 from .golden import load
 

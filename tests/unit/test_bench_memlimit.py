@@ -303,7 +303,7 @@ def test_table_reports_an_oom_killed_row_as_such() -> None:
 
 
 def test_disk_probe_times_reads_of_the_file(tmp_path: Path) -> None:
-    from pyspice.measure.disk_probe import measure_disk
+    from pyspice.engine.disk_probe import measure_disk
 
     path = tmp_path / "model.bin"
     path.write_bytes(bytes(1 << 20))

@@ -24,8 +24,8 @@ from typing import Any
 import gguf
 import numpy as np
 
+from pyspice.engine.disk_probe import measure_disk
 from pyspice.formats.profile import model_fingerprint
-from pyspice.measure.disk_probe import measure_disk
 from pyspice.policy import ACTION_DEVICE, ACTION_DROP, HookCall, Plan
 from pyspice.policy.base import PolicyBase
 from pyspice.policy.profile import PROFILE_VERSION, BatchCost, CostProfile
