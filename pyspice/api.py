@@ -25,6 +25,8 @@ from typing import Any
 import llama_cpp
 
 from pyspice.engine import DeviceTier, Engine, ResolvedRun, RunConfig, SurrogateSet
+from pyspice.engine.auto_policy import AutoChoice
+from pyspice.engine.auto_policy import choose as choose_policy
 from pyspice.engine.checks import check_ram_budget_settings
 from pyspice.engine.config import check_sidecar_weights
 from pyspice.engine.disk import LLAMA_LAZY_MODE_EXPERTS
@@ -36,6 +38,7 @@ from pyspice.formats.model_info import ModelFileError, read_header
 from pyspice.formats.sidecar import Sidecar
 from pyspice.interrupts import SigintGuard
 from pyspice.policy import Policy, PolicyContext
+from pyspice.policy.registry import AUTO
 from pyspice.runtime import (
     DecodeFailedError,
     ExpertBufferType,
@@ -59,8 +62,11 @@ def _expert_overrides(buft: ExpertBufferType) -> ctypes.Array[TensorBuftOverride
 class Llama(llama_cpp.Llama):
     """llama_cpp.Llama with the pyspice MoE runtime attached.
 
-    policy: a name from `pyspice.policy.policy_names()` (default "exact") or a
-        Policy object. "stock" leaves the hook unregistered.
+    policy: a name from `pyspice.policy.policy_names()` or a Policy object.
+        "stock" leaves the hook unregistered; "auto" (the default where a
+        device_budget or ram_budget gives a tier, else "exact") runs the fastest
+        lossless policy the simulator ranks for this machine and tier
+        (pyspice.engine.auto_policy: a probe and a routing sample on first use).
     max_hook_tokens: micro-batches with more tokens keep upstream's path
         (0 = every micro-batch goes through the hook).
     device_budget: a device tier ("2GiB", "25%" of routed-expert bytes, or
@@ -79,7 +85,7 @@ class Llama(llama_cpp.Llama):
         self,
         model_path: str,
         *,
-        policy: str | Policy = "exact",
+        policy: str | Policy | None = None,
         max_hook_tokens: int = 0,
         device_budget: str | int | None = None,
         emulate_bandwidth: float | None = None,
@@ -91,6 +97,10 @@ class Llama(llama_cpp.Llama):
     ) -> None:
         # llama_cpp.Llama.__del__ closes self._stack: make it exist even if loading fails early
         self._stack = contextlib.ExitStack()
+        if policy is None:
+            policy = AUTO if device_budget is not None or ram_budget is not None else "exact"
+        self.spice_say: Callable[[str], None] = _note  # where auto says what it chose
+        self.spice_auto_choice: AutoChoice | None = None  # the last choice auto made
         # the header first, with pyspice's checks: llama.cpp aborts the process on some
         # inconsistent headers (expert counts) and hides its reason for refusing others
         read_header(model_path)
@@ -106,7 +116,7 @@ class Llama(llama_cpp.Llama):
         self.spice_sidecar = (
             sidecar if isinstance(sidecar, Sidecar) or sidecar is None else load_sidecar(sidecar, model_path)
         )
-        if self.spice_sidecar is not None and isinstance(policy, str):
+        if self.spice_sidecar is not None and isinstance(policy, str) and policy != AUTO:
             check_sidecar_weights(self.spice_sidecar, policy)
         # the buffer type must outlive the model: the instance holds it until it is collected
         self._spice_buft = ExpertBufferType()
@@ -171,10 +181,17 @@ class Llama(llama_cpp.Llama):
         say = note or _note
         run = config.resolve(say) if isinstance(config, RunConfig) else config
         # the policy starts once its tier exists, and once the engine knows where it plans
-        later = run.auto_budget or run.planning != Planning() or run.history_predictor is not None
+        later = (
+            run.auto_budget
+            or run.planning != Planning()
+            or run.history_predictor is not None
+            or run.replay_routing is not None  # auto ranks on the replayed routing
+            or run.policy == AUTO
+        )
         llm = cls(
             str(run.model),
-            policy="stock" if later else run.policy,
+            # in edge mode the hook must run from the start (stock has no experts in memory)
+            policy=run.policy if not later else "exact" if run.ram_budget is not None else "stock",
             max_hook_tokens=run.max_hook_tokens,
             **run.context_params(),
             logits_all=logits_all,
@@ -191,6 +208,7 @@ class Llama(llama_cpp.Llama):
             verbose=False,
         )
         llm.spice_engine.planning = run.planning
+        llm.spice_say = say
         if run.replay_routing is not None:
             try:
                 replay = llm.spice_engine.set_routing_replay(run.replay_routing)
@@ -307,8 +325,22 @@ class Llama(llama_cpp.Llama):
         return self.spice_engine.policy_name
 
     def set_policy(self, policy: str | Policy, max_hook_tokens: int | None = None) -> None:
-        """Switch policy without reloading (bench runs every policy on one model)."""
+        """Switch policy without reloading (bench runs every policy on one model).
+        "auto" ranks the lossless policies for this tier and sets the fastest, saying
+        which through `spice_say` (first use: a probe and a routing sample)."""
+        if policy == AUTO:
+            policy = self._auto_policy()
         self.spice_engine.set_policy(policy, max_hook_tokens)
+
+    def _auto_policy(self) -> str:
+        self.spice_engine.set_policy("exact")  # the probe and the sample run under exact plans
+        choice = choose_policy(self, self.spice_say)
+        self.spice_auto_choice = choice
+        if choice is None:
+            self.spice_say("auto: no device or RAM tier to manage: using 'exact'")
+            return "exact"
+        self.spice_say(choice.line())
+        return choice.policy
 
     def policy_context(self) -> PolicyContext:
         return self.spice_engine.policy_context()

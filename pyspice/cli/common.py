@@ -75,8 +75,9 @@ def add_context_args(p: argparse.ArgumentParser) -> None:
         "--policy",
         choices=policy_names(),
         default=None,
-        help="expert policy (default: exact on a CPU-only build; with a GPU, spice when the "
-        "model has a sidecar, else exact with its tier preloaded); see docs/design.md section 6",
+        help="expert policy (default: auto where there is a tier to manage: --device-budget, "
+        "--ram-budget or a GPU; else exact); auto runs the fastest lossless one as the simulator "
+        "ranks them for this machine; see docs/design.md section 6",
     )
     p.add_argument(
         "--device-budget",

@@ -17,10 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from pyspice.cli.common import note
-from pyspice.engine.replay import load_routing_replay
+from pyspice.engine.replay import load_routing_replay, replay_workload
 from pyspice.formats.routers import RouterReader
 from pyspice.runtime import LayerInfo
 from pyspice.sim.fit import fit_terms, fitted_profile
@@ -111,13 +109,12 @@ def replayed_workload(trace: Path, run: RecordedRun, target: TargetModel, prompt
     """What a run that replayed `trace` routed: bench seeks the replay to its start for the
     prompt and to the trace's decode start for the decode (measure.bench.run_one)."""
     rep = load_routing_replay(trace, _layers(target), target.n_expert_used)
-    moe = list(target.moe_layers)
-    n = rep.n_tokens
-    decode = [(rep.decode_start + i) % n for i in range(max(0, run.n_predict - 1))]
-    prompt = [i % n for i in range(run.prompt_tokens)] if prompt_hooked else []
-    ids = rep.ids[np.array(prompt + decode, dtype=np.int64)][:, moe, :]
-    return Workload.from_arrays(
-        target.n_layers, moe, target.n_expert, ids, prompt_tokens=len(prompt), source=str(trace)
+    return replay_workload(
+        rep,
+        target.moe_layers,
+        target.n_expert,
+        decode_tokens=run.n_predict - 1,
+        prompt_tokens=run.prompt_tokens if prompt_hooked else 0,
     )
 
 

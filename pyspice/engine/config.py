@@ -30,6 +30,7 @@ from pyspice.engine.planning import Planning
 from pyspice.formats.model_info import inspect_model
 from pyspice.formats.sidecar import Sidecar, default_sidecar_path
 from pyspice.policy import policy_spec
+from pyspice.policy.registry import AUTO
 from pyspice.runtime import device_count
 
 Note = Callable[[str], None]
@@ -140,29 +141,17 @@ class RunConfig:
         return self.emulate_bandwidth is not None or self.emulate_latency is not None
 
     def default_policy(self, note: Note = _quiet) -> str:
-        """The policy when none is given: with a GPU and no tier settings, `spice` for a
-        model with a sidecar; otherwise `exact`, the tier preloaded. Without a sidecar
-        the default was `lru`, until real routing at real sizes showed fetching every
-        miss about 2x slower than the preloaded tier (DeepSeek-V2-Lite's recorded
-        routing, simulated on h200 and rtx4080: docs/results/real-routing.md; the same
-        order on the H200 itself: docs/results/gpu.md)."""
+        """The policy when none is given: `auto` wherever there is a tier to manage (a
+        device budget, a RAM budget, or a GPU, whose budget is then sized
+        automatically): the simulator ranks the lossless policies on this machine and
+        the run takes the fastest (engine/auto_policy.py). With no tier, `exact`."""
         if self.policy is not None:
             return self.policy
-        if self.ram_budget is not None:
-            note("RAM budget given, no --policy: using 'exact' (the RAM tier preloaded as far as it goes)")
-            return "exact"
-        if self.device_budget is None and self.emulate_bandwidth is None and gpu_present():
-            if self._sidecar_beside() is not None:
-                note("GPU found, no --policy: using 'spice' (the model has a calibration sidecar)")
-                return "spice"
-            note(
-                "GPU found, no --policy: using 'exact', the device tier preloaded (no calibration "
-                "sidecar for spice; `pyspice calibrate` makes one)"
-            )
-            return "exact"
-        if self.device_budget is not None:
-            note("device budget given, no --policy: using 'exact' (the tier preloaded as far as it goes)")
-        elif cuda_build():
+        if self.ram_budget is not None or self.device_budget is not None:
+            return AUTO
+        if self.emulate_bandwidth is None and gpu_present():
+            return AUTO
+        if cuda_build():
             note("no device budget given; using policy 'exact' (all experts exact)")
         else:
             note(
@@ -226,7 +215,7 @@ class RunConfig:
             and self.ram_budget is None
             and gpu
             and summary.is_moe
-            and policy_spec(policy).needs_device,
+            and manages_tier(policy),
             emulate_bandwidth=self.emulate_bandwidth,
             emulate_latency=self.emulate_latency,
             sidecar=sidecar,
@@ -255,7 +244,7 @@ class RunConfig:
             gpu
             and self.ram_budget is None
             and policy != "stock"
-            and (budget is not None or policy_spec(policy).needs_device)
+            and (budget is not None or manages_tier(policy))
         ):
             note(
                 f"GPU tier: micro-batches above {PREFILL_HOOK_TOKENS} tokens (prompts) keep upstream's path "
@@ -292,6 +281,12 @@ def check_sidecar_weights(sidecar: Sidecar, policy: str) -> None:
     loads; the parts it never reads stay unread (Sidecar.check_weights)."""
     if uses_sidecar(policy):
         sidecar.check_weights(surrogates=not policy_spec(policy).lossless)
+
+
+def manages_tier(policy: str) -> bool:
+    """Whether a policy wants a device tier where a GPU gives one: those that manage it,
+    and `auto`, which chooses among them."""
+    return policy == AUTO or policy_spec(policy).needs_device
 
 
 def uses_sidecar(policy: str) -> bool:

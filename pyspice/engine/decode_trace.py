@@ -7,15 +7,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 from pyspice.formats.model_info import read_header
 from pyspice.formats.sidecar import fingerprint
 from pyspice.formats.trace import TraceMeta, TraceReader, TraceRecorder, TraceWriter
 from pyspice.policy import Policy, make_policy, policy_spec
-
-if TYPE_CHECKING:
-    from pyspice.api import Llama
 
 
 @dataclass(frozen=True)
@@ -77,8 +74,8 @@ def trace_meta(model_path: Path, geo: ModelGeometry, source: str, extra: dict[st
     )
 
 
-def start_decode_trace(llm: Llama, out: str | os.PathLike[str], policy: str | None = None) -> TraceRecorder:
-    """Record the decode steps of `llm` from now on into a new trace directory `out`
+def start_decode_trace(llm: Any, out: str | os.PathLike[str], policy: str | None = None) -> TraceRecorder:
+    """Record the decode steps of `llm` (a pyspice.Llama) from now on into a new trace directory `out`
     (`generate/bench --trace`). The model keeps running `policy`'s plans (a Python
     policy of that name; the exact plan for `exact` and `stock`); one-token calls are
     recorded, prompt batches are not (see TraceRecorder). Finish with finish_decode_trace."""

@@ -362,6 +362,11 @@ class Engine:
             spec = policy_spec(policy)
             if self.experts_on_disk and self.device is not None:
                 check_ram_budget_settings(self.device.budget, policy=spec.kind)
+            if spec.kind == "auto":
+                raise ValueError(
+                    "policy 'auto' is a choice among the others, which pyspice.Llama.set_policy makes "
+                    "(pyspice.engine.auto_policy.choose); give the engine the chosen policy"
+                )
             if spec.kind == "stock":
                 if self.runtime is not None:
                     self.runtime.disable()

@@ -30,6 +30,7 @@ records decode steps only).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,7 @@ import numpy.typing as npt
 
 from pyspice.formats.trace import TraceMeta, TraceReader
 from pyspice.runtime.hook import LayerInfo
+from pyspice.sim.workload import Workload
 
 
 @dataclass(frozen=True)
@@ -136,4 +138,25 @@ def load_routing_replay(path: Path, layers: list[LayerInfo], n_expert_used: int)
         decode_start=decode_start_of(reader.meta, reader.n_tokens),
         source=Path(path),
         note=geometry_note(reader.meta, reader.n_tokens, moe, n_expert_used),
+    )
+
+
+def replay_workload(
+    replay: RoutingReplay,
+    moe_layers: Sequence[int],
+    n_expert: int,
+    *,
+    decode_tokens: int,
+    prompt_tokens: int = 0,
+) -> Workload:
+    """What a run replaying `replay` routes, for the simulator: a prompt of `prompt_tokens`
+    from the trace's start, then `decode_tokens` decode steps from its decode start, both
+    wrapping at the end (bench seeks the replay so: measure.bench.run_one)."""
+    n = replay.n_tokens
+    decode = [(replay.decode_start + i) % n for i in range(max(0, decode_tokens))]
+    prompt = [i % n for i in range(prompt_tokens)]
+    ids = replay.ids[np.array(prompt + decode, dtype=np.int64)][:, list(moe_layers), :]
+    n_layers = int(replay.ids.shape[1])
+    return Workload.from_arrays(
+        n_layers, list(moe_layers), n_expert, ids, prompt_tokens=len(prompt), source=str(replay.source)
     )

@@ -22,6 +22,7 @@ import numpy as np
 from pyspice.engine.planning import Planning
 from pyspice.measure.device_bytes import BufferReport, device_bytes, device_match_lines, llama_buffer_report
 from pyspice.measure.upstream_rows import UPSTREAM_ROWS, UpstreamRow
+from pyspice.policy.registry import AUTO
 from pyspice.policy.rows import PolicyRow, parse_row
 
 # The prompt every policy runs when none is given (and the simulator's recorded workload).
@@ -186,6 +187,9 @@ def run_one(
     stats["decode_hit_rate"] = decode_hit_rate(stats, prompt)
     stats["decode_misses"] = decode_misses(stats, prompt)
     stats["planner_wait_us_per_decode_call"] = decode_planner_wait(stats, prompt)
+    choice = llm.spice_auto_choice if row.name == AUTO else None
+    if choice is not None:
+        stats["auto"] = choice.record()  # what the row ran, and the simulated ranking it chose by
     return float(stats["prefill_tps"]), float(stats["tpot_ms"]), tokens, stats
 
 

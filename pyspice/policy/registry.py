@@ -1,11 +1,12 @@
 """Policy names accepted by `--policy` and `bench --policies`.
 
-Four kinds: `stock` (hook unregistered: the reference), `native` (decided in
-libspice with no Python per layer), `rule` (a policy that declares a
-per-activation rule once, which libspice then applies with no Python per
-layer: the baselines) and `python` (a Policy object called from the hook).
-Only names that run are listed, so `--help` never offers one that only says
-"not implemented".
+Four kinds of policy: `stock` (hook unregistered: the reference), `native`
+(decided in libspice with no Python per layer), `rule` (a policy that declares a
+per-activation rule once, which libspice then applies with no Python per layer:
+the baselines) and `python` (a Policy object called from the hook); and `auto`,
+the choice of one of the lossless ones for the run's machine and tier
+(pyspice.engine.auto_policy), made once the tier exists. Only names that run are
+listed, so `--help` never offers one that only says "not implemented".
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from pyspice.policy.spice.config import (
     level_config,
 )
 
-PolicyKind = Literal["stock", "native", "rule", "python"]
+# auto: not a policy of its own but the choice of one (pyspice.engine.auto_policy)
+PolicyKind = Literal["stock", "native", "rule", "python", "auto"]
+AUTO = "auto"
 PolicyInput = Literal["ids", "hidden"]  # what a policy reads of each hook call beyond its ids
 IDS: frozenset[PolicyInput] = frozenset({"ids"})
 IDS_AND_HIDDEN: frozenset[PolicyInput] = frozenset({"ids", "hidden"})
@@ -82,6 +85,13 @@ _SPECS: dict[str, PolicySpec] = {
         PolicySpec("stock", "stock", True, "hook unregistered: upstream's graph, the reference"),
         PolicySpec("exact", "native", True, "every routed expert executed exactly by libspice"),
         PolicySpec(
+            AUTO,
+            "auto",
+            True,
+            "the fastest lossless policy for this machine, model and tier, as the simulator ranks "
+            "them (a probe and a routing sample on first use)",
+        ),
+        PolicySpec(
             "exact-py",
             "python",
             True,
@@ -122,7 +132,7 @@ _SPECS: dict[str, PolicySpec] = {
 }
 
 # decided in libspice with no Python per hook call (stock: nothing to decide)
-NATIVE_POLICIES = frozenset(name for name, spec in _SPECS.items() if spec.kind != "python")
+NATIVE_POLICIES = frozenset(name for name, spec in _SPECS.items() if spec.kind not in ("python", "auto"))
 
 
 def policy_names() -> list[str]:

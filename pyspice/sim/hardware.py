@@ -251,21 +251,31 @@ def measure_wake_us(sleep_us: float = 10.0, repeats: int = 50) -> float:
 def emulated_profile(probe_path: Path) -> HardwareProfile:
     """This machine with its emulated device, from a `pyspice probe` cost profile: the
     bus as the probe's emulation set it, device compute = host compute."""
-    probe = load_cost_profile(probe_path)
+    return machine_profile(load_cost_profile(probe_path))
+
+
+def machine_profile(probe: CostProfile) -> HardwareProfile:
+    """This machine as a `pyspice probe` cost profile has it: with an emulated device
+    (the bus the user set, device compute = host compute) or with its real GPU (bus
+    and per-activation device time measured by the probe). `emulated_costs` turns it
+    into the simulator's costs for the probed model itself."""
     expert_bytes = max(probe.expert_bytes.values(), default=0)
-    fill = measure_fill_gbps(expert_bytes)
+    emulated = probe.device_emulated
+    fill = measure_fill_gbps(expert_bytes) if emulated else 0.0  # a real GPU copies, no host fill
     wake = measure_wake_us()
     values = {
         "bus_gbps": Value(probe.bus_gbps, "measured", probe.bus_source),
         "bus_latency_us": Value(probe.bus_latency_us, "measured", probe.bus_source),
-        "fill_gbps": Value(
-            fill, "measured", "host copy of one expert into its slot (numpy copy, best of 200)"
-        ),
         "wake_us": Value(wake, "measured", "lateness of a 10 us sleep, median of 50"),
     }
+    if emulated:
+        values["fill_gbps"] = Value(
+            fill, "measured", "host copy of one expert into its slot (numpy copy, best of 200)"
+        )
+    device = "emulated device" if emulated else f"its GPU ({probe.device_source})"
     return HardwareProfile(
         EMULATED,
-        f"this machine, emulated device ({probe.threads} threads; probe of {Path(probe.model).name})",
+        f"this machine, {device} ({probe.threads} threads; probe of {Path(probe.model).name})",
         values,
         emulated=True,
         probe=probe,
@@ -279,20 +289,25 @@ def _table(points: list[tuple[int, float]]) -> BatchTable:
 
 
 def emulated_costs(profile: HardwareProfile, workload: Workload, expert_bytes: tuple[int, ...]) -> Costs:
-    """The source model on this machine, as `pyspice bench` runs it with an emulated device."""
+    """The source model on this machine, as `pyspice bench` runs it on the probed tier
+    (its emulated device, or its GPU where the probe measured one)."""
     probe = profile.probe
     if probe is None:
         raise ValueError(f"hardware profile {profile.name} has no measured cost profile to emulate")
     expert = _table([(b.tokens, b.expert_us) for b in probe.batches])
     rest = _table([(b.tokens, b.rest_us_per_layer) for b in probe.batches])
+    shares = probe.device_emulated
+    # a real GPU's time per activation is the probe's one-token figure at every batch
+    # (decode is what it measured; the pool executor's per-call floor is not in a probe)
+    device = expert if shares else _table([(b.tokens, probe.device_expert_us) for b in probe.batches])
     return Costs(
         expert_bytes=expert_bytes,
         bus_gbps=probe.bus_gbps,
         bus_latency_us=probe.bus_latency_us,
         rest_us=rest,
-        device_expert_us=expert,
+        device_expert_us=device,
         host_expert_us=expert,
-        device_shares_host=True,
+        device_shares_host=shares,
         fill_gbps=profile.fill_gbps,
         wake_us=profile.wake_us,
         layer_scale=1.0,
@@ -317,6 +332,7 @@ def disk_costs(
         bus_gbps=gbps,
         bus_latency_us=latency,
         device_shares_host=True,  # the host executor runs every expert, from slots or scratch
+        device_expert_us=base.host_expert_us,  # a GPU probe's device time is no slot's here
         fill_gbps=0.0,  # the read itself fills the slot
         wake_us=0.0,  # a wait blocks on a reader's condition variable, no timer sleep
         disk=rules,

@@ -59,6 +59,11 @@ def _check_policies(rows: Sequence[PolicyRow]) -> None:
     for row in rows:
         if _spec(row).kind == "stock":
             raise ValueError("'stock' has no hook to simulate; 'exact' is the same work through the hook")
+        if _spec(row).kind == "auto":
+            raise ValueError(
+                "'auto' is the choice a run makes by simulating the lossless policies: "
+                "simulate them instead (exact,static,lru,adapmoe,spice)"
+            )
         if row.ram is not None or row.device is not None:
             # every row of a run shares the budgets of --device-budget, which key its tables
             raise ValueError(

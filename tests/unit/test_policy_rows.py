@@ -142,5 +142,5 @@ def test_every_spec_says_what_it_reads() -> None:
     for name in policy_names():
         spec = policy_spec(name)
         assert "ids" in spec.inputs
-        assert (spec.make() is None) == (spec.kind in ("stock", "native")), name
+        assert (spec.make() is None) == (spec.kind in ("stock", "native", "auto")), name
         assert spec.reads_sidecar == ("hidden" in spec.inputs and spec.kind == "python"), name

@@ -1,0 +1,99 @@
+"""Lossless policies ranked by simulated TPOT on one tier: the choice `--policy auto`
+makes (pyspice.engine.auto_policy), from this machine's probe and a routing sample.
+
+Every row is simulated where the engine would run it: the budget's bytes as the
+tier holds them, the policy's default planning (simulate_row), its deciding time
+timed here (a Python policy's decide() runs on this machine, which is the one the
+run uses). A candidate that cannot run on what the run has (SPICE without a
+predictor, adapmoe without hidden rows) is left out with its reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pyspice.policy import policy_spec
+from pyspice.policy.profile import CostProfile
+from pyspice.policy.rows import parse_row
+from pyspice.sim.report import simulate_row
+from pyspice.sim.simulator import Costs, Simulator
+from pyspice.sim.workload import Workload
+
+
+@dataclass(frozen=True)
+class RankedRow:
+    row: str
+    tpot_ms: float  # simulated
+    hit_rate: float
+
+
+@dataclass(frozen=True)
+class Ranking:
+    rows: tuple[RankedRow, ...]  # fastest first
+    left_out: tuple[tuple[str, str], ...]  # (row, why it could not be ranked)
+
+    @property
+    def best(self) -> RankedRow:
+        return self.rows[0]
+
+    @property
+    def runner_up(self) -> RankedRow | None:
+        return self.rows[1] if len(self.rows) > 1 else None
+
+
+def tier_context(costs: Costs) -> dict[str, Any]:
+    """PolicyContext fields the tier itself sets, as Engine.policy_context says them:
+    on the disk tier a host action reads its expert first, and the bus is the disk."""
+    if costs.disk is None:
+        return {}
+    return {"host_weights_in_memory": False, "tier_bus": (costs.bus_gbps, costs.bus_latency_us)}
+
+
+def rank_lossless(
+    workload: Workload,
+    costs: Costs,
+    budget_bytes: int,
+    candidates: Sequence[str],
+    *,
+    router: Any = None,
+    profile: CostProfile | None = None,
+    context_extra: dict[str, Any] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> Ranking:
+    """Each lossless candidate through one simulator of the tier; `context_extra`: the
+    policies' further inputs (a predictor). A lossy name is refused: auto never picks one."""
+    lossy = [name for name in candidates if not policy_spec(name).lossless]
+    if lossy:
+        raise ValueError(f"ranking is for lossless policies only; {', '.join(lossy)} are lossy")
+    has_predictor = bool(context_extra and context_extra.get("predictor") is not None)
+    hidden = workload.n_embd > 0  # a trace with hidden rows (an imported one has none)
+    left_out: list[tuple[str, str]] = []
+    runnable: list[str] = []
+    for name in candidates:
+        spec = policy_spec(name)
+        if spec.reads_sidecar and not has_predictor:
+            left_out.append((name, "no predictor: no calibration sidecar or routing-history predictor"))
+        elif "hidden" in spec.inputs and not spec.reads_sidecar and (not hidden or router is None):
+            left_out.append((name, "its gate needs the routing sample's hidden rows and the model's routers"))
+        else:
+            runnable.append(name)
+    sim = Simulator(
+        workload,
+        costs,
+        budget_bytes,
+        router=router,
+        profile=profile,
+        context_extra={**tier_context(costs), **(context_extra or {})},
+    )
+    ranked: list[RankedRow] = []
+    for name in runnable:
+        if progress:
+            progress(name)
+        _, result = simulate_row({True: sim}, parse_row(name), None)
+        ranked.append(RankedRow(name, result.tpot_ms, result.hit_rate))
+    if not ranked:
+        raise ValueError("no lossless policy could be ranked on this tier")
+    ranked.sort(key=lambda r: r.tpot_ms)
+    return Ranking(tuple(ranked), tuple(left_out))

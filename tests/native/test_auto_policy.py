@@ -1,0 +1,71 @@
+"""`auto`: the default on a tier, the simulator's ranking on this machine's probe and a
+routing sample (both cached), a lossless run, and `exact` where there is no tier."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pyspice.engine.auto_policy import AUTO_CANDIDATES, sample_dir
+from pyspice.formats.profile import profile_path
+from pyspice.formats.trace import read_meta
+
+from .golden import greedy_run, load
+
+
+@pytest.fixture
+def own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A cache of the test's own: the probe and the routing sample are made in it."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    return tmp_path
+
+
+def test_auto_on_an_emulated_tier_ranks_runs_the_fastest_and_stays_exact(synth_model, own_cache) -> None:
+    path = synth_model("qwen2moe", "tiny", "Q8_0")
+    llm = load(path)
+    try:
+        ref = greedy_run(llm, "stock")
+        llm.set_device("50%", 8.0, 5.0)
+        said: list[str] = []
+        llm.spice_say = said.append
+        got = greedy_run(llm, "auto")
+        choice = llm.spice_auto_choice
+        assert choice is not None
+        assert llm.spice_policy == choice.policy == choice.ranking.best.row
+        ranked = [r.row for r in choice.ranking.rows]
+        assert set(ranked) | {row for row, _ in choice.ranking.left_out} == set(AUTO_CANDIDATES)
+        times = [r.tpot_ms for r in choice.ranking.rows]
+        assert times == sorted(times) and all(t > 0 for t in times)
+        assert any(line.startswith(f"auto: using '{choice.policy}'") for line in said)
+        assert np.array_equal(got.logits, ref.logits)  # whatever it picks is lossless
+        # first use made the probe and the sample, in the cache
+        assert profile_path(path).is_file()
+        sample = sample_dir(path)
+        assert read_meta(sample).complete and choice.sample == sample
+        stamps = (profile_path(path).stat().st_mtime_ns, (sample / "meta.json").stat().st_mtime_ns)
+        llm.set_policy("auto")  # later uses read both back, and choose the same
+        assert llm.spice_policy == choice.policy
+        assert (profile_path(path).stat().st_mtime_ns, (sample / "meta.json").stat().st_mtime_ns) == stamps
+    finally:
+        llm.close()
+
+
+def test_auto_is_the_default_on_a_tier_and_exact_without_one(synth_model, own_cache) -> None:
+    from pyspice.api import Llama
+
+    path = synth_model("qwen2moe", "tiny", "Q8_0")
+    plain = Llama(str(path), n_ctx=256, n_threads=2, verbose=False)
+    try:
+        assert plain.spice_policy == "exact" and plain.spice_auto_choice is None
+    finally:
+        plain.close()
+    edge = Llama(str(path), ram_budget="50%", n_ctx=256, n_threads=2, verbose=False)
+    try:
+        choice = edge.spice_auto_choice
+        assert choice is not None and edge.spice_policy == choice.policy
+        assert "profiles/disk.json" in choice.priced_by  # the disk tier is never probed by auto
+        assert not profile_path(path).exists()
+    finally:
+        edge.close()
