@@ -92,8 +92,17 @@ summary["repeat_spread"] = {
     "what": "max/min - 1 of measured TPOT over stock between runs of one row, budget and routing on one machine",
 }
 summary["by_row"] = {k: {"n": len(v), "within_10pct": sum(e <= 0.10 for e in v), "worst": max(v)} for k, v in sorted(by_row.items())}
+# auto's rule on the runs the fits did not see: the candidate of least predicted TPOT, as measured
+from pyspice.sim.rank import picks_on_records
+picks = picks_on_records([r for r in rows if not r["fit_run"] and not r["perturbed"]])
+summary["auto_picks"] = {
+    "runs": len(picks),
+    "within_5pct_of_best": sum(p["over_best"] <= 1.05 for p in picks),
+    "worst_over_best": max((p["over_best"] for p in picks), default=None),
+    "over_ncmoe": [p["over_ncmoe"] for p in picks if p["over_ncmoe"] is not None],
+}
 record = {"simulated": True, "measured": {"commit": commit, "command": "bash scripts/sim-predict-gpu.sh"},
-          "summary": summary, "fits": profiles, "not_predicted": unpredicted, "rows": rows}
+          "summary": summary, "fits": profiles, "not_predicted": unpredicted, "auto_picks": picks, "rows": rows}
 out.write_text(json.dumps(record, indent=1) + "\n")
 print(f"{'machine':<7} {'run':<32} {'row':<18} {'budget':>6} {'meas/stock':>10} {'pred/stock':>10} {'error':>7}")
 for r in rows:

@@ -56,12 +56,10 @@ from pyspice.sim.hardware import (
     policy_profile,
     with_probe,
 )
-from pyspice.sim.rank import Ranking, rank_lossless
+from pyspice.sim.rank import AUTO_CANDIDATES, Ranking, rank_lossless
 from pyspice.sim.simulator import Costs
 from pyspice.sim.workload import Workload, from_trace
 
-# lossless only: auto never picks a lossy level (those are asked for by name)
-AUTO_CANDIDATES = ("exact", "static", "lru", "adapmoe", "spice")
 SAMPLE_TOKENS = 32
 REPLAY_TOKENS = 256  # decode steps of a replayed trace ranked on (its whole, if shorter)
 SAMPLE_PROMPT = (

@@ -21,6 +21,9 @@ from pyspice.sim.report import simulate_row
 from pyspice.sim.simulator import Costs, Simulator
 from pyspice.sim.workload import Workload
 
+# what `--policy auto` ranks; lossless only: a lossy level is asked for by name
+AUTO_CANDIDATES = ("exact", "static", "lru", "adapmoe", "spice")
+
 
 @dataclass(frozen=True)
 class RankedRow:
@@ -97,3 +100,46 @@ def rank_lossless(
         raise ValueError("no lossless policy could be ranked on this tier")
     ranked.sort(key=lambda r: r.tpot_ms)
     return Ranking(tuple(ranked), tuple(left_out))
+
+
+def _candidate(row: str) -> bool:
+    """A recorded row auto would have run: a candidate by name, at its default planning."""
+    return row in AUTO_CANDIDATES or row == "spice:exact"  # `spice` is spice:exact
+
+
+def picks_on_records(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What auto's rule picks on recorded runs, and how that pick measured: `rows` are
+    `sim --predict` records (run, row, budget, measured_ms, predicted_ms, lossless). Per
+    run and budget with two candidates or more predicted, the pick is the candidate of
+    least predicted TPOT; `over_best` is its measured TPOT over the best measured
+    lossless row of that run and budget (any row the hook ran, planned any way), and
+    `over_ncmoe` over llama.cpp's `--n-cpu-moe` row of the run, where recorded."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    ncmoe: dict[str, float] = {}
+    for r in rows:
+        if r["row"] == "upstream-ncmoe" and r.get("measured_ms"):
+            ncmoe[r["run"]] = float(r["measured_ms"])
+        elif r["budget"] and r.get("measured_ms"):
+            groups.setdefault((r["run"], r["budget"]), []).append(r)
+    picks = []
+    for (run, budget), group in groups.items():
+        pool = [r for r in group if _candidate(r["row"]) and r.get("predicted_ms") is not None]
+        if len(pool) < 2:
+            continue  # nothing to choose between
+        pick = min(pool, key=lambda r: float(r["predicted_ms"]))
+        best = min((r for r in group if r["lossless"]), key=lambda r: float(r["measured_ms"]))
+        measured = float(pick["measured_ms"])
+        picks.append(
+            {
+                "run": run,
+                "budget": budget,
+                "pick": pick["row"],
+                "candidates": sorted(r["row"] for r in pool),
+                "pick_measured_ms": measured,
+                "best": best["row"],
+                "best_measured_ms": float(best["measured_ms"]),
+                "over_best": measured / float(best["measured_ms"]),
+                "over_ncmoe": measured / ncmoe[run] if run in ncmoe else None,
+            }
+        )
+    return picks

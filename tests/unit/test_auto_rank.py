@@ -50,3 +50,25 @@ def test_auto_is_the_default_wherever_there_is_a_tier(tmp_path: Path) -> None:
     assert RunConfig(model, ram_budget="50%").default_policy() == "auto"
     assert RunConfig(model).default_policy() == "exact"  # this machine: no GPU, no tier
     assert RunConfig(model, policy="lru", device_budget="50%").default_policy() == "lru"
+
+
+def _rec(run: str, row: str, budget: str, measured: float, predicted: float | None) -> dict[str, object]:
+    return {"run": run, "row": row, "budget": budget, "measured_ms": measured, "predicted_ms": predicted,
+            "lossless": True}  # fmt: skip
+
+
+def test_picks_on_records_score_the_least_predicted_candidate_by_its_measurement() -> None:
+    rows = [
+        _rec("a:1", "upstream-ncmoe", "", 4.0, None),
+        _rec("a:1", "exact", "25%", 4.2, 4.0),
+        _rec("a:1", "lru", "25%", 4.0, 4.5),  # measured best, predicted worse: the pick misses it
+        _rec("a:1", "spice:exact@sync", "25%", 5.0, 3.0),  # not a candidate: auto plans as the default
+        _rec("a:2", "exact", "50%", 3.0, 3.0),  # one candidate: nothing to choose
+    ]
+    from pyspice.sim.rank import picks_on_records
+
+    (pick,) = picks_on_records(rows)
+    assert (pick["run"], pick["pick"], pick["best"]) == ("a:1", "exact", "lru")
+    assert pick["over_best"] == pytest.approx(4.2 / 4.0)
+    assert pick["over_ncmoe"] == pytest.approx(4.2 / 4.0)
+    assert pick["candidates"] == ["exact", "lru"]
