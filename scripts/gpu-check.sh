@@ -96,11 +96,12 @@ done
 # ---- 3. decode: pool vs legacy executor at 25%, the pool at 50%, against the upstream rows ----
 REPLAY=""
 [ -e .gpu/routing-trace ] && REPLAY="--replay-routing .gpu/routing-trace"
-# the full matrix with the pool executor; the per-expert executor only where the A/B tells
-ALL=stock,exact,lru,adapmoe,upstream,upstream-ncmoe,upstream-cpu-exps
+# the full matrix with the pool executor; the per-expert executor only where the A/B tells;
+# auto probes the GPU and records its routing sample on its first row (both cached after)
+ALL=stock,exact,static,lru,adapmoe,auto,upstream,upstream-ncmoe,upstream-cpu-exps
 for row in 25%:pool:$ALL 25%:legacy:stock,exact,lru 50%:pool:$ALL; do
     IFS=: read -r budget executor policies <<<"$row"
-    step "decode-$budget-$executor" 110 $BENCH -m $M -n 48 --repeat 3 --device-budget $budget \
+    step "decode-$budget-$executor" 150 $BENCH -m $M -n 48 --repeat 3 --device-budget $budget \
         --device-executor $executor $REPLAY --policies $policies --json
 done 2>&1 | grep -E '^\{"' >"$O/bench-decode.json"
 
