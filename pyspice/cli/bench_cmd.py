@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ from pyspice.cli.common import add_context_args, add_model_args, add_sidecar_arg
 from pyspice.engine.config import gpu_present
 from pyspice.engine.decode_trace import finish_decode_trace, start_decode_trace
 from pyspice.formats.model_info import read_header
+from pyspice.formats.profile import profile_path
 from pyspice.measure.bench import (
     DEFAULT_PROMPT,
     BenchConfig,
@@ -247,6 +249,9 @@ def run(args: argparse.Namespace) -> int:
             "repeat": args.repeat,
             "threads": llm.n_threads,
             "replay_routing": str(replay.source) if replay is not None else None,
+            # what the simulator needs to replay the run: the tier as sized, the probe the policies read
+            "tier": dataclasses.asdict(llm.spice_device) if llm.spice_device is not None else None,
+            "cost_profile": str(probe) if (probe := profile_path(model)).is_file() else None,
             "policies": {name: res.record() for name, res in results.items()},
             "llama_cpp_rows": {name: row_record(row) for name, row in upstream.items()},
         }

@@ -88,6 +88,10 @@ class RecordedRun:
     threads: int
     replay_routing: str | None  # the trace the run replayed (None: the model's own routing)
     rows: Mapping[str, RecordedRow]
+    # the tier as bench sized it (engine.device.DeviceTier's fields; None: none, or a record
+    # from before bench kept it) and the cost profile its policies read
+    tier: Mapping[str, Any] | None = None
+    cost_profile: str | None = None
 
     @property
     def stock(self) -> RecordedRow | None:
@@ -170,6 +174,8 @@ def read_records(path: Path) -> list[RecordedRun]:
                 threads=int(doc.get("threads") or 0),
                 replay_routing=doc.get("replay_routing"),
                 rows={name: _row(name, row, n_predict) for name, row in doc["policies"].items()},
+                tier=doc.get("tier") if isinstance(doc.get("tier"), dict) else None,
+                cost_profile=doc.get("cost_profile"),
             )
         )
     return runs

@@ -166,3 +166,16 @@ def test_bad_records_name_the_file_and_line(tmp_path: Path, capsys: pytest.Captu
     assert main(["sim", "fit", str(tmp_path / "good.json"), "-o", str(tmp_path / "x.json")]) != 0
     assert "is not here to size: give --target" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
+
+
+def test_a_record_keeps_the_tier_and_cost_profile_bench_wrote(tmp_path: Path) -> None:
+    _record(tmp_path / "r.json")
+    (old, _) = read_records(tmp_path / "r.json")
+    assert old.tier is None and old.cost_profile is None  # a record from before bench kept them
+    doc = json.loads((tmp_path / "r.json").read_text().splitlines()[0])
+    doc["tier"] = {"budget": "25%", "budget_bytes": 100, "expert_bytes": 400, "emulated": True}
+    doc["cost_profile"] = "/cache/profiles/m.json"
+    (tmp_path / "t.json").write_text(json.dumps(doc) + "\n")
+    (run,) = read_records(tmp_path / "t.json")
+    assert run.tier is not None and run.tier["budget"] == "25%" and run.tier["emulated"] is True
+    assert run.cost_profile == "/cache/profiles/m.json"
