@@ -155,9 +155,12 @@ def probe_for(llm: Any, model: Path, real_gpu: bool, note: Note, progress: bool 
     if path.is_file():
         try:
             saved = load_cost_profile(path)
-            if not real_gpu or not saved.device_emulated:
+            if not plausible(saved):
+                note(f"auto: the saved probe {path} shows no time for one token's experts; probing again")
+            elif not real_gpu or not saved.device_emulated:
                 return saved
-            note("auto: the saved probe emulated its device; probing again with the GPU")
+            else:
+                note("auto: the saved probe emulated its device; probing again with the GPU")
         except (ValueError, OSError, TypeError, KeyError):
             note(f"auto: the saved probe {path} is unreadable; probing again")
     steps = ["one token", "batch of 8", "batch of 32", "disk"] + (["real device"] if real_gpu else [])
@@ -173,9 +176,25 @@ def probe_for(llm: Any, model: Path, real_gpu: bool, note: Note, progress: bool 
         )
     finally:
         bar.close()
+    if not plausible(measured):
+        # kept, it would price every later choice: used for this run only
+        note(
+            "auto: warning: the probe measured no time for one token's experts (another process "
+            "busy on these cores?); not saved: run `pyspice probe` on an idle machine"
+        )
+        return measured
     save_profile(measured, path)
     note(f"auto: probe saved to {path} (`pyspice probe` measures it again)")
     return measured
+
+
+def plausible(probe: CostProfile) -> bool:
+    """A probe whose timings can price a choice: its one-token decode step measured the
+    experts' time above zero. Measured by difference (all experts minus none), it comes
+    out at zero where other work on the cores swamps it; on an idle 2-core machine it
+    was 7.2 us per activation for smolmoe-b (`pyspice probe -m smolmoe-b -t 2`)."""
+    one = min(probe.batches, key=lambda b: b.tokens, default=None)
+    return one is not None and one.expert_us > 0
 
 
 def tier_pricing(

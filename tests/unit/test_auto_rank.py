@@ -72,3 +72,18 @@ def test_picks_on_records_score_the_least_predicted_candidate_by_its_measurement
     assert pick["over_best"] == pytest.approx(4.2 / 4.0)
     assert pick["over_ncmoe"] == pytest.approx(4.2 / 4.0)
     assert pick["candidates"] == ["exact", "lru"]
+
+
+def test_a_probe_swamped_by_other_work_is_not_trusted() -> None:
+    from pyspice.engine.auto_policy import plausible
+    from pyspice.policy.profile import PROFILE_VERSION, BatchCost, CostProfile
+
+    def probe(one_token_us: float) -> CostProfile:
+        batches = [BatchCost(1, one_token_us, 100.0), BatchCost(8, 3.0, 50.0)]
+        return CostProfile(
+            PROFILE_VERSION, "m.gguf", "", 2, 4, 4, {"Q8_0": 1}, 12.0, 10.0, "emulated",
+            one_token_us, "emulated", batches,
+        )  # fmt: skip
+
+    assert plausible(probe(7.2))
+    assert not plausible(probe(0.0))  # all experts minus none came out at nothing: noise
