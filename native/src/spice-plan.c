@@ -1,7 +1,9 @@
 /* Validation of a policy's plan before anything acts on it. A plan comes
  * from Python and may be wrong in any way: every field is checked and the
- * first problem is named, so the policy's author can fix it. */
-#include "spice-runtime-internal.h"
+ * first problem is named, so the policy's author can fix it. Only spice.h's
+ * types: the planner thread and the fuzz harness check plans with no runtime
+ * (spice-runtime.c gives the limits of its own). */
+#include "spice.h"
 
 #include <stdio.h>
 
@@ -108,15 +110,4 @@ int spice_plan_check(const spice_plan_limits * lim, const spice_policy_call * ca
         return status;
     }
     return check_pairs(lim, "evict", call->evict, call->n_evict, call->cap_evict, err, err_len);
-}
-
-spice_plan_limits spice_runtime_plan_limits(const spice_runtime * rt) {
-    const spice_plan_limits lim = { rt->n_layers, rt->n_expert_of, rt->max_n_expert,
-                                    rt->surrogates.n_loaded > 0 ? rt->surrogate_mask : NULL };
-    return lim;
-}
-
-int spice_plan_validate(const spice_runtime * rt, const spice_policy_call * call, char * err, size_t err_len) {
-    const spice_plan_limits lim = spice_runtime_plan_limits(rt);
-    return spice_plan_check(&lim, call, err, err_len);
 }

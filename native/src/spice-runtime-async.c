@@ -11,19 +11,33 @@
  * planned around room already taken -- in the simulator on target-sized
  * experts, 0.006-0.046 of hit rate and up to 7% of TPOT; see
  * docs/results/planning.md). What the hook's thread spends on
- * this is deciding time (policy_ns); the planner's own is planner_ns. */
-#include "spice-runtime-internal.h"
+ * this is deciding time (policy_ns); the planner's own is planner_ns.
+ *
+ * The hook reaches the steps here only through rt->async (async_ops below,
+ * spice-runtime-internal.h says what each does); this file calls the hook's. */
+#include "spice-runtime-core.h"
 #include "spice-clock.h"
+#include "spice-grow.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-void spice_async_stop(spice_runtime * rt) {
+static void spice_async_stop(spice_runtime * rt) {
+    rt->async = NULL;
     spice_planner_stop(&rt->planner);
     rt->async_post = NULL; /* the ring is gone with the planner */
     rt->n_async_prefetch = rt->n_async_evict = rt->n_async_evict_from = 0;
 }
+
+static int spice_async_before(spice_runtime * rt, spice_policy_call * call);
+static void spice_async_merge(spice_runtime * rt, spice_policy_call * call);
+static void spice_async_post(spice_runtime * rt, const spice_policy_call * call);
+static uint64_t spice_async_settle(spice_runtime * rt);
+
+static const spice_runtime_async_ops async_ops = {
+    spice_async_before, spice_async_merge, spice_async_post, spice_async_settle, spice_async_stop,
+};
 
 int spice_runtime_enable_async(spice_runtime * rt, spice_policy_fn fn, void * user_data, int32_t max_tokens,
                                const spice_async_params * params) {
@@ -41,9 +55,9 @@ int spice_runtime_enable_async(spice_runtime * rt, spice_policy_fn fn, void * us
     spice_runtime_disable(rt); /* stops a planner running, unregisters the hook */
     const int32_t pairs_all = 2 * rt->n_layers * rt->max_n_expert;
     spice_plan_buffers * l = &rt->async_lists;
-    if (spice_grow_i32(&l->prefetch, &l->cap_prefetch, pairs_all) != SPICE_OK ||
-        spice_grow_i32(&l->evict, &l->cap_evict, pairs_all) != SPICE_OK ||
-        spice_grow_i32(&l->evict_from, &l->cap_evict_from, rt->n_layers) != SPICE_OK) {
+    if (spice_grow_i32(&l->prefetch, &l->cap_prefetch, pairs_all) != 0 ||
+        spice_grow_i32(&l->evict, &l->cap_evict, pairs_all) != 0 ||
+        spice_grow_i32(&l->evict_from, &l->cap_evict_from, rt->n_layers) != 0) {
         return SPICE_ERR_NO_MEMORY;
     }
     rt->call_seq = 0;
@@ -57,7 +71,9 @@ int spice_runtime_enable_async(spice_runtime * rt, spice_policy_fn fn, void * us
         const spice_plan_limits limits = spice_runtime_plan_limits(rt);
         status = spice_planner_start(&rt->planner, fn, user_data, params, rt->max_n_expert, pairs_all,
                                      rt->n_layers, &limits);
-        if (status != SPICE_OK) {
+        if (status == SPICE_OK) {
+            rt->async = &async_ops;
+        } else {
             spice_runtime_disable(rt);
             snprintf(rt->last_error, sizeof(rt->last_error), "could not start the planner thread");
         }
@@ -121,7 +137,7 @@ static void take_plan(spice_runtime * rt, spice_async_entry * e, uint64_t seq, s
     spice_planner_release(&rt->planner, e);
 }
 
-int spice_async_before(spice_runtime * rt, spice_policy_call * call) {
+static int spice_async_before(spice_runtime * rt, spice_policy_call * call) {
     spice_counters * c = &rt->counters[call->il];
     const uint64_t t0 = spice_monotonic_ns();
     const uint64_t seq = ++rt->call_seq;
@@ -164,7 +180,7 @@ int spice_async_before(spice_runtime * rt, spice_policy_call * call) {
     return quiet;
 }
 
-void spice_async_post(spice_runtime * rt, const spice_policy_call * call) {
+static void spice_async_post(spice_runtime * rt, const spice_policy_call * call) {
     spice_async_entry * e = rt->async_post;
     if (e == NULL) {
         return;
@@ -186,7 +202,7 @@ void spice_async_post(spice_runtime * rt, const spice_policy_call * call) {
     c->async_post_ns += spent;
 }
 
-uint64_t spice_async_settle(spice_runtime * rt) {
+static uint64_t spice_async_settle(spice_runtime * rt) {
     spice_async_entry * e = rt->planner.lent;
     if (e == NULL) {
         return 0;
@@ -200,7 +216,7 @@ uint64_t spice_async_settle(spice_runtime * rt) {
     return spent;
 }
 
-void spice_async_merge(spice_runtime * rt, spice_policy_call * call) {
+static void spice_async_merge(spice_runtime * rt, spice_policy_call * call) {
     const spice_plan_buffers * l = &rt->async_lists;
     append(call->prefetch, &call->n_prefetch, call->cap_prefetch, l->prefetch, rt->n_async_prefetch);
     append(call->evict, &call->n_evict, call->cap_evict, l->evict, rt->n_async_evict);

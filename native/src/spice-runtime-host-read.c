@@ -5,7 +5,7 @@
  * resident experts from their slots. Also books the tier's reads into the
  * counters, and stops the decode with the tier's own message when a read
  * failed (its bytes are not there to run on: no output is made from them). */
-#include "spice-runtime-internal.h"
+#include "spice-runtime-host-read.h"
 
 #include <stdio.h>
 #include <stdlib.h>

@@ -1,8 +1,16 @@
-/* The runtime handle's layout, shared by the runtime's source files
- * (spice-runtime.c: the hook; spice-runtime-store.c: its device tier;
- * spice-runtime-surrogates.c: its surrogates; spice-plan.c: validation;
- * spice-runtime-async.c: asynchronous planning; spice-runtime-replay.c:
- * routing replay). */
+/* The runtime handle's layout: data only, shared by the runtime's source
+ * files. Which file calls which goes one way, from the features to the hook:
+ *   spice-runtime.c            the hook and the handle's lifetime (its
+ *                              functions for the others: spice-runtime-core.h)
+ *   spice-runtime-async.c      asynchronous planning; calls the hook's file,
+ *                              which reaches it only through rt->async
+ *   spice-runtime-surrogates.c the loaded surrogates; calls the hook's file
+ *   spice-runtime-store.c      the device tier
+ *   spice-runtime-host-read.c  host reads on a disk tier (its header: the
+ *                              hook's file and the tier's call it)
+ *   spice-runtime-replay.c     routing replay (its header: the hook calls it)
+ * It declares no functions: what a file calls shows in the headers it
+ * includes besides this one. */
 #ifndef SPICE_RUNTIME_INTERNAL_H
 #define SPICE_RUNTIME_INTERNAL_H
 
@@ -51,6 +59,35 @@ typedef struct spice_plan_buffers {
     int32_t * wait;       /* [max_n_expert] experts whose copies the launch waits for */
     int32_t n_wait;
 } spice_plan_buffers;
+
+/* Asynchronous planning's steps in a hook call, set by spice_runtime_enable_async
+ * (spice-runtime-async.c) while its planner runs, NULL otherwise. A table,
+ * not calls by name, so that the hook's file does not depend on the planner's:
+ * the dependency runs from asynchronous planning to the hook only.
+ *   before  collect the plans due (validated; their lists kept for merge,
+ *           their resume_il taken when still ahead), then, unless the policy
+ *           answered this call in advance, take a planner entry for the
+ *           call's snapshot, which post fills once the call's plan is
+ *           applied; 1 when the call is quiet (resume_il), else 0
+ *   merge   append the collected plans' lists to the call's plan (after the rule's)
+ *   post    after the call's plan is applied, before its experts run: post its
+ *           snapshot, with the residency as it now stands -- the copies and
+ *           evictions this call just made included, so the planner neither
+ *           asks for them again nor plans around room already taken -- and
+ *           the actions as carried out
+ *   settle  thread 0, before the call returns: the posted snapshot's hidden
+ *           rows, which the post only lent (spice-planner.h), copied by now;
+ *           counted as deciding time (and posting); the nanoseconds it took,
+ *           0 when nothing was posted
+ *   stop    stop the planner thread, dropping what it has not applied, and
+ *           clear rt->async */
+typedef struct spice_runtime_async_ops {
+    int (*before)(spice_runtime * rt, spice_policy_call * call);
+    void (*merge)(spice_runtime * rt, spice_policy_call * call);
+    void (*post)(spice_runtime * rt, const spice_policy_call * call);
+    uint64_t (*settle)(spice_runtime * rt);
+    void (*stop)(spice_runtime * rt);
+} spice_runtime_async_ops;
 
 struct spice_runtime {
     struct llama_context * lctx;
@@ -114,6 +151,7 @@ struct spice_runtime {
     } host_read;
 
     /* asynchronous planning (spice_runtime_enable_async); the hook's thread only */
+    const spice_runtime_async_ops * async; /* NULL: planning is synchronous */
     spice_planner planner;
     uint64_t call_seq;   /* served hook calls since the policy was enabled (the first is 1) */
     uint64_t * layer_seq; /* [n_layers]: call_seq of each layer's latest call */
@@ -135,67 +173,5 @@ struct spice_runtime {
 static inline const spice_expert_layer * spice_runtime_slot_layer(const spice_runtime * rt, int32_t il) {
     return rt->slot_copies.precision != 0 ? &rt->slot_copies.layers[il] : &rt->layers[il];
 }
-
-/* Registers the hook again when what it must ask llama.cpp for changed
- * (surrogates loaded or cleared); a no-op while it is not registered. */
-void spice_runtime_update_hook(spice_runtime * rt);
-
-/* Grow *buf to at least `need` int32 values (*cap: what it holds); SPICE_OK
- * or SPICE_ERR_NO_MEMORY, with *buf untouched then. */
-int spice_grow_i32(int32_t ** buf, int32_t * cap, int32_t need);
-
-/* A plan's rule (call->rule), installed unless it is the one installed last. */
-void spice_runtime_take_plan_rule(spice_runtime * rt, const spice_policy_call * call);
-
-/* Asynchronous planning, at a hook call of the policy's (after the snapshot,
- * before the rule plans it): collect the plans due (validated; their lists
- * kept for spice_async_merge, their resume_il taken when still ahead), then,
- * unless the policy answered this call in advance, take a planner entry for
- * its snapshot, which spice_async_post fills once the call's plan is applied.
- * Returns 1 when the call is quiet (resume_il), else 0. */
-int spice_async_before(spice_runtime * rt, spice_policy_call * call);
-
-/* After the call's plan is applied, before its experts run: post its snapshot,
- * with the residency as it now stands -- the copies and evictions this call
- * just made included, so the planner neither asks for them again nor plans
- * around room already taken -- and the actions as carried out. */
-void spice_async_post(spice_runtime * rt, const spice_policy_call * call);
-
-/* Thread 0, before the call returns: the posted snapshot's hidden rows, which
- * the post only lent (spice-planner.h), copied by now. Counted as deciding
- * time (and posting); returns the nanoseconds it took, 0 when nothing was
- * posted. */
-uint64_t spice_async_settle(spice_runtime * rt);
-
-/* Append the collected plans' lists to the call's plan (after the rule's). */
-void spice_async_merge(spice_runtime * rt, spice_policy_call * call);
-
-/* Stop the planner thread, dropping what it has not applied. */
-void spice_async_stop(spice_runtime * rt);
-
-/* Validates the plan the policy wrote into call against the runtime's
- * layers and loaded surrogates; on failure writes a message into err and
- * returns SPICE_ERR_INVALID_PLAN. */
-/* What a plan is checked against: the model's layers and the surrogates loaded now. */
-spice_plan_limits spice_runtime_plan_limits(const spice_runtime * rt);
-int spice_plan_validate(const spice_runtime * rt, const spice_policy_call * call, char * err, size_t err_len);
-
-/* Reads the experts this call runs on the host into scratch when the tier's
- * host weights are not in memory (a disk tier), and books the tier's reads;
- * not SPICE_OK when the call cannot run exactly (last_error says why). */
-int spice_runtime_read_host_experts(spice_runtime * rt, int32_t il, const spice_policy_call * call);
-/* The tier's reads since the last booking, into layer il's counters (il < 0:
- * only move the baseline, e.g. after a preload or a new tier). */
-void spice_runtime_book_io(spice_runtime * rt, int32_t il);
-int spice_runtime_host_read_init(spice_runtime * rt);
-void spice_runtime_host_read_free(spice_runtime * rt);
-
-/* Routing replay, the first thing of a hook call's snapshot (thread 0, before
- * anything reads the ids): with a replay set, overwrite the call's id rows
- * with the recorded ones of its tokens and move the position on. */
-void spice_runtime_replay_routing(spice_runtime * rt, const spice_hook_call * hc);
-
-/* The surrogate of (il, e), or NULL when none is loaded. */
-const spice_surrogate * spice_runtime_surrogate(const spice_runtime * rt, int32_t il, int32_t e);
 
 #endif /* SPICE_RUNTIME_INTERNAL_H */

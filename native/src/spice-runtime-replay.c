@@ -4,7 +4,7 @@
  * step calls spice_runtime_replay_routing first, before the policy, the store,
  * the executors or the counters read the ids; the gate weights stay the
  * router's. */
-#include "spice-runtime-internal.h"
+#include "spice-runtime-replay.h"
 
 #include "llama.h"
 

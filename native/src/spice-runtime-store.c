@@ -3,6 +3,7 @@
  * wants), page-locking the host weights where copies need it, preloading.
  * Plans are applied by the store itself (spice_store_apply_plan). */
 #include "spice-runtime-internal.h"
+#include "spice-runtime-host-read.h"
 
 #include "gguf.h"
 #include "llama.h"

@@ -1,7 +1,9 @@
 /* The runtime's loaded LoRE surrogates (the spice_runtime_*surrogate* part of
  * the C API): one table per runtime, its bytes charged to the device tier's
- * budget while one is attached. The executor itself is spice-surrogate.c. */
-#include "spice-runtime-internal.h"
+ * budget while one is attached. The executor itself is spice-surrogate.c.
+ * Loading one changes what the hook asks llama.cpp for, so this file calls
+ * the hook's (spice-runtime-core.h); the hook reads the table, never calls here. */
+#include "spice-runtime-core.h"
 
 #include <inttypes.h>
 #include <stdio.h>
@@ -10,7 +12,7 @@
 
 /* ---- the runtime's surrogates ---------------------------------------------------- */
 
-const spice_surrogate * spice_runtime_surrogate(const spice_runtime * rt, int32_t il, int32_t e) {
+static const spice_surrogate * spice_runtime_surrogate(const spice_runtime * rt, int32_t il, int32_t e) {
     const spice_surrogate_table * tab = &rt->surrogates;
     if (tab->entries == NULL || il < 0 || il >= tab->n_layers || e < 0 || e >= tab->max_expert) {
         return NULL;
@@ -86,13 +88,7 @@ int spice_runtime_clear_surrogates(spice_runtime * rt) {
     if (rt->store != NULL && tab->bytes > 0) {
         spice_store_reserve(rt->store, -(int64_t) tab->bytes);
     }
-    if (tab->entries != NULL) {
-        for (size_t i = 0; i < (size_t) tab->n_layers * (size_t) tab->max_expert; ++i) {
-            spice_surrogate_release(&tab->entries[i]);
-        }
-        free(tab->entries);
-    }
-    memset(tab, 0, sizeof(*tab));
+    spice_surrogate_table_free(tab);
     if (rt->surrogate_mask != NULL) {
         memset(rt->surrogate_mask, 0, (size_t) rt->n_layers * (size_t) rt->max_n_expert);
     }

@@ -7,8 +7,11 @@
  * apply (the store carries the plan out) -> count (each activation's
  * outcome) -> execute (device work launched, host and surrogate jobs set
  * up); then every thread runs the executors. */
-#include "spice-runtime-internal.h"
+#include "spice-runtime-core.h"
 #include "spice-counters.h"
+#include "spice-grow.h"
+#include "spice-runtime-host-read.h"
+#include "spice-runtime-replay.h"
 
 #include "ggml-backend.h"
 #include "llama.h"
@@ -33,23 +36,10 @@ static void write_err(char * err, size_t err_len, const char * msg) {
 
 /* ---- plan buffers ---------------------------------------------------------- */
 
-int spice_grow_i32(int32_t ** buf, int32_t * cap, int32_t need) {
-    if (need <= *cap) {
-        return SPICE_OK;
-    }
-    int32_t * nbuf = (int32_t *) realloc(*buf, (size_t) need * sizeof(int32_t));
-    if (nbuf == NULL) {
-        return SPICE_ERR_NO_MEMORY;
-    }
-    *buf = nbuf;
-    *cap = need;
-    return SPICE_OK;
-}
-
 static int plan_reserve(spice_runtime * rt, int32_t n_pairs) {
     spice_plan_buffers * p = &rt->plan;
     const int32_t old_cap = p->cap_actions;
-    if (spice_grow_i32(&p->actions, &p->cap_actions, n_pairs) != SPICE_OK) {
+    if (spice_grow_i32(&p->actions, &p->cap_actions, n_pairs) != 0) {
         return SPICE_ERR_NO_MEMORY;
     }
     if (p->cap_actions != old_cap || p->exec == NULL) {
@@ -75,10 +65,10 @@ static int plan_reserve(spice_runtime * rt, int32_t n_pairs) {
     }
     /* experts of one layer; (layer, expert) pairs across all layers */
     const int32_t pairs_all = 2 * rt->n_layers * rt->max_n_expert;
-    if (spice_grow_i32(&p->fetch, &p->cap_fetch, rt->max_n_expert) != SPICE_OK ||
-        spice_grow_i32(&p->prefetch, &p->cap_prefetch, pairs_all) != SPICE_OK ||
-        spice_grow_i32(&p->evict, &p->cap_evict, pairs_all) != SPICE_OK ||
-        spice_grow_i32(&p->evict_from, &p->cap_evict_from, rt->n_layers) != SPICE_OK) {
+    if (spice_grow_i32(&p->fetch, &p->cap_fetch, rt->max_n_expert) != 0 ||
+        spice_grow_i32(&p->prefetch, &p->cap_prefetch, pairs_all) != 0 ||
+        spice_grow_i32(&p->evict, &p->cap_evict, pairs_all) != 0 ||
+        spice_grow_i32(&p->evict_from, &p->cap_evict_from, rt->n_layers) != 0) {
         return SPICE_ERR_NO_MEMORY;
     }
     return SPICE_OK;
@@ -168,6 +158,23 @@ static void snapshot_call(spice_runtime * rt, const spice_hook_call * hc, spice_
     default_actions(rt, call, n_pairs);
 }
 
+/* The plan the policy wrote into call, against the runtime's layers and loaded
+ * surrogates; on failure a message in err and SPICE_ERR_INVALID_PLAN. */
+static int spice_plan_validate(const spice_runtime * rt, const spice_policy_call * call, char * err, size_t err_len) {
+    const spice_plan_limits lim = spice_runtime_plan_limits(rt);
+    return spice_plan_check(&lim, call, err, err_len);
+}
+
+static uint64_t settle_async(spice_runtime * rt) {
+    return rt->async != NULL ? rt->async->settle(rt) : 0;
+}
+
+static void stop_async(spice_runtime * rt) {
+    if (rt->async != NULL) {
+        rt->async->stop(rt);
+    }
+}
+
 /* The engine's own plan: the installed rule's (spice_rule), or without a
  * device tier the default one already written. Its time is deciding time. */
 static void rule_call(spice_runtime * rt, spice_policy_call * call, spice_counters * c) {
@@ -186,11 +193,11 @@ static void rule_call(spice_runtime * rt, spice_policy_call * call, spice_counte
  * plans due at this call (spice-runtime-async.c). */
 static void decide_call(spice_runtime * rt, const spice_hook_call * hc, spice_policy_call * call) {
     spice_counters * c = &rt->counters[hc->il];
-    if (rt->planner.running) {
-        spice_async_before(rt, call);
+    if (rt->async != NULL) {
+        rt->async->before(rt, call);
         rule_call(rt, call, c);
         const uint64_t t0 = spice_monotonic_ns();
-        spice_async_merge(rt, call);
+        rt->async->merge(rt, call);
         c->policy_ns += spice_monotonic_ns() - t0;
         return;
     }
@@ -518,7 +525,9 @@ static void plan_call(spice_runtime * rt, const spice_hook_call * hc) {
     rt->call_computes = device_computes(rt, hc);
     c->call_ns += spice_monotonic_ns() - t;
     apply_call(rt, hc, &call);
-    spice_async_post(rt, &call); /* asynchronous: the snapshot, residency as the plan left it */
+    if (rt->async != NULL) {
+        rt->async->post(rt, &call); /* the snapshot, residency as the plan left it */
+    }
     t = spice_monotonic_ns();
     c->hook_calls++;
     spice_counters_add_outcomes(c, call.actions, rt->plan.hit, n_pairs);
@@ -577,7 +586,7 @@ static void hook_entry(const struct llama_moe_hook_call * lc, void * user_data) 
             memset((char *) hc->out + (size_t) t * hc->out_nb1, 0, (size_t) hc->n_embd * sizeof(float));
         }
         if (hc->ith == 0) {
-            spice_async_settle(rt); /* a snapshot posted before the call failed still borrows its rows */
+            settle_async(rt); /* a snapshot posted before the call failed still borrows its rows */
         }
         return;
     }
@@ -596,7 +605,7 @@ static void hook_entry(const struct llama_moe_hook_call * lc, void * user_data) 
     if (hc->ith == 0 && served) {
         /* the hidden rows stay valid until this call returns: the planner has
          * copied them meanwhile, or thread 0 does now (deciding, not executing) */
-        const uint64_t settled = spice_async_settle(rt);
+        const uint64_t settled = settle_async(rt);
         rt->hook_end_ns = spice_monotonic_ns();
         rt->hook_end_il = hc->il;
         rt->counters[hc->il].hook_ns += rt->hook_end_ns - t_entry;
@@ -712,12 +721,12 @@ void spice_runtime_free(spice_runtime * rt) {
     if (rt->enabled) {
         unregister(rt); /* not disable: no log filter to put in just before it comes out */
     }
-    spice_async_stop(rt);
+    stop_async(rt);
     spice_cuda_verify_report(rt->verify);
     spice_cuda_verify_free(rt->verify);
     spice_host_exec_free(&rt->host);
     spice_hook_ids_free(&rt->hook_ids);
-    spice_runtime_clear_surrogates(rt);
+    spice_surrogate_table_free(&rt->surrogates); /* no budget to give back: the store goes too */
     spice_surrogate_exec_free(&rt->surrogate_exec);
     spice_store_free(rt->store);
     spice_slot_copies_free(&rt->slot_copies); /* after the store: a CUDA device unpins them */
@@ -801,7 +810,7 @@ int spice_runtime_enable_ex(spice_runtime * rt, spice_policy_fn fn, void * user_
         (flags & ~(uint32_t) (SPICE_HOOK_WANT_PROBS | SPICE_HOOK_WANT_SHEXP | SPICE_HOOK_WANT_NEXT_LOGITS)) != 0) {
         return SPICE_ERR_INVALID_ARG;
     }
-    spice_async_stop(rt); /* a synchronous policy from here on */
+    stop_async(rt); /* a synchronous policy from here on */
     rt->plan_rule = NULL;
     rt->policy_fn = fn;
     rt->policy_user_data = user_data;
@@ -832,7 +841,7 @@ static void unregister(spice_runtime * rt) {
     llama_set_moe_hook(rt->lctx, NULL, NULL, 0, 0);
     rt->hook_flags_registered = 0;
     llama_set_abort_callback(rt->lctx, NULL, NULL);
-    spice_async_stop(rt); /* joins the planner: after the policy call in progress, if any */
+    stop_async(rt); /* joins the planner: after the policy call in progress, if any */
     rt->enabled = 0;
     rt->resume_il = -1;
     rt->policy_fn = NULL;
@@ -910,6 +919,12 @@ uint64_t spice_runtime_plan_rejections(const spice_runtime * rt) {
 /* what spice_store_set_rule refuses, for both ways a rule is installed */
 static const char RULE_PROBLEMS[] = "an action, miss or keep value out of range, LAYER_LRU without capacities, "
                                     "DECAYED without a decay in (0, 1], or prefetch_next without routers";
+
+spice_plan_limits spice_runtime_plan_limits(const spice_runtime * rt) {
+    const spice_plan_limits lim = { rt->n_layers, rt->n_expert_of, rt->max_n_expert,
+                                    rt->surrogates.n_loaded > 0 ? rt->surrogate_mask : NULL };
+    return lim;
+}
 
 void spice_runtime_take_plan_rule(spice_runtime * rt, const spice_policy_call * call) {
     if (call->rule == NULL || (const void *) call->rule == rt->plan_rule || rt->store == NULL) {

@@ -1,5 +1,7 @@
 /* The expert store's state, shared by its own files only (spice-store.c:
- * slots, queues and the copy engine; spice-store-plan.c: applying a plan).
+ * slots, queues and the copy engine; spice-store-plan.c: applying a plan;
+ * spice-store-rule.c: the per-activation rule). The plan and rule files call
+ * spice-store.c, never the other way.
  * Everything here is bookkeeping; the bytes and the bus belong to the
  * device (spice-device.h). */
 #ifndef SPICE_STORE_IMPL_H
@@ -39,52 +41,10 @@ typedef struct spice_store_scratch {
     uint8_t * landed;  /* [n_slots] */
 } spice_store_scratch;
 
-/* A router as the rule keeps it: each row [n_embd] in int16 with its own
- * scale (w ~ scale * q), half the f32 bytes. The next layer's router is read
- * once per call on caches ggml's kernels have just emptied, so its bytes, not
- * its arithmetic, are most of the rule's time
- * (docs/results/cpu-overhead.md). Each hidden row is
- * scaled to 15 bits the same way, so a logit is an exact integer sum times
- * the two scales: every build, and the twin in numpy, get the same number
- * (pyspice/sim/rule.py). Fewer bits lose experts: routers' rows have weights
- * 40-200x their median, and int8 rows changed a quarter of some layers'
- * top-4 on smolmoe-b (docs/results/cpu-overhead.md). */
-typedef struct spice_router_q {
-    int16_t * q;   /* [n_expert][n_embd] */
-    float * scale; /* [n_expert] */
-} spice_router_q;
-
-/* The installed per-activation rule (spice_rule, with store-owned copies of
- * its arrays) and its running state. */
-typedef struct spice_store_rule {
-    spice_rule rule;
-    uint8_t * surrogate_set; /* [n_layers * max_expert] or NULL */
-    uint8_t * whole_layers;  /* [n_layers] or NULL */
-    uint8_t * next_layers;   /* [n_layers] or NULL (prefetch_next at every layer) */
-    int32_t * capacity;      /* [n_layers] (LAYER_LRU) or NULL */
-    spice_router_q * routers; /* [n_layers] int16 copies of the routers (entries with q NULL: none); the
-                                array NULL without prefetch_next */
-    int16_t * hidden_q;       /* [n_embd] scratch: one hidden row in int16, with prefetch_next */
-    int32_t * misses;        /* [n_layers] misses since the last resize */
-    int64_t calls;           /* calls planned by the rule */
-    int32_t * host_tokens;   /* [n_host_points] copies of the rule's host cost points, or NULL */
-    double * host_per_act;   /* [n_host_points] */
-    int32_t * sel;           /* [max_expert] scratch: the experts this call selects, in first-use order */
-    int32_t * count;         /* [max_expert] scratch: the call's activations per selected expert */
-    int32_t * left;          /* [max_expert] scratch: ... of them no fixed action took (miss_actions') */
-    int32_t * order;         /* [max_expert] scratch: COST's misses, the most activations first, then
-                                the experts whose device work is due, by id */
-    int32_t * act;           /* [max_expert] scratch: the action an expert's left activations get */
-    uint8_t * incoming;      /* [max_expert] scratch: absent experts this call fetches */
-    uint8_t * selected;      /* [max_expert] scratch: experts this call selects (never victims) */
-    uint8_t * chosen;        /* [n_layers * max_expert] scratch: victims already listed */
-    double * logits;         /* [max_expert] scratch */
-    int32_t * oldest;        /* [n_layers] KEEP_LRU (DECAYED): the layer's least recently selected (least
-                                used) evictable expert
-                                (-1: none) as of the last look, valid while layer_changed says so */
-    uint8_t * predicted;     /* [max_expert] scratch */
-    double * uses;           /* [n_layers * max_expert] KEEP_DECAYED: decayed use counts, zero at set_rule */
-} spice_store_rule;
+/* The rule's state (spice-store-rule.c), made by the rule's file when a rule
+ * is first set or planned with. The store only frees it, through free_rule,
+ * so that its files call the rule's none by name. */
+struct spice_store_rule;
 
 struct spice_store {
     spice_store_params params;
@@ -130,7 +90,9 @@ struct spice_store {
     uint32_t *row_version;    /* [n_layers] */
     uint64_t  epoch;
 
-    spice_store_rule rule;    /* the per-activation rule for the calls no policy decides */
+    struct spice_store_rule * rule; /* the per-activation rule for the calls no policy decides; NULL: none
+                                       made yet (the default rule then) */
+    void (*free_rule)(spice_store * s); /* set with rule */
 
     spice_counters *counters; /* [n_layers]: traffic by the copied expert's layer, device operations by call_il */
     spice_store_scratch scratch;
@@ -148,9 +110,5 @@ static inline int spice_store_valid(const spice_store * s, int32_t il, int32_t e
 static inline spice_counters * spice_store_op_counters(spice_store * s) {
     return &s->counters[s->call_il >= 0 && s->call_il < s->n_layers ? s->call_il : 0];
 }
-
-/* Rule state: allocated with the store, released with it (spice-store-rule.c). */
-int spice_store_rule_init(spice_store * s);
-void spice_store_rule_free(spice_store * s);
 
 #endif /* SPICE_STORE_IMPL_H */

@@ -14,9 +14,68 @@
 #include <stdlib.h>
 #include <string.h>
 
-int spice_store_rule_init(spice_store * s) {
-    spice_store_rule * r = &s->rule;
-    memset(r, 0, sizeof(*r));
+/* A router as the rule keeps it: each row [n_embd] in int16 with its own
+ * scale (w ~ scale * q), half the f32 bytes. The next layer's router is read
+ * once per call on caches ggml's kernels have just emptied, so its bytes, not
+ * its arithmetic, are most of the rule's time
+ * (docs/results/cpu-overhead.md). Each hidden row is
+ * scaled to 15 bits the same way, so a logit is an exact integer sum times
+ * the two scales: every build, and the twin in numpy, get the same number
+ * (pyspice/sim/rule.py). Fewer bits lose experts: routers' rows have weights
+ * 40-200x their median, and int8 rows changed a quarter of some layers'
+ * top-4 on smolmoe-b (docs/results/cpu-overhead.md). */
+typedef struct spice_router_q {
+    int16_t * q;   /* [n_expert][n_embd] */
+    float * scale; /* [n_expert] */
+} spice_router_q;
+
+/* The installed per-activation rule (spice_rule, with store-owned copies of
+ * its arrays) and its running state. */
+typedef struct spice_store_rule {
+    spice_rule rule;
+    uint8_t * surrogate_set; /* [n_layers * max_expert] or NULL */
+    uint8_t * whole_layers;  /* [n_layers] or NULL */
+    uint8_t * next_layers;   /* [n_layers] or NULL (prefetch_next at every layer) */
+    int32_t * capacity;      /* [n_layers] (LAYER_LRU) or NULL */
+    spice_router_q * routers; /* [n_layers] int16 copies of the routers (entries with q NULL: none); the
+                                array NULL without prefetch_next */
+    int16_t * hidden_q;       /* [n_embd] scratch: one hidden row in int16, with prefetch_next */
+    int32_t * misses;        /* [n_layers] misses since the last resize */
+    int64_t calls;           /* calls planned by the rule */
+    int32_t * host_tokens;   /* [n_host_points] copies of the rule's host cost points, or NULL */
+    double * host_per_act;   /* [n_host_points] */
+    int32_t * sel;           /* [max_expert] scratch: the experts this call selects, in first-use order */
+    int32_t * count;         /* [max_expert] scratch: the call's activations per selected expert */
+    int32_t * left;          /* [max_expert] scratch: ... of them no fixed action took (miss_actions') */
+    int32_t * order;         /* [max_expert] scratch: COST's misses, the most activations first, then
+                                the experts whose device work is due, by id */
+    int32_t * act;           /* [max_expert] scratch: the action an expert's left activations get */
+    uint8_t * incoming;      /* [max_expert] scratch: absent experts this call fetches */
+    uint8_t * selected;      /* [max_expert] scratch: experts this call selects (never victims) */
+    uint8_t * chosen;        /* [n_layers * max_expert] scratch: victims already listed */
+    double * logits;         /* [max_expert] scratch */
+    int32_t * oldest;        /* [n_layers] KEEP_LRU (DECAYED): the layer's least recently selected (least
+                                used) evictable expert
+                                (-1: none) as of the last look, valid while layer_changed says so */
+    uint8_t * predicted;     /* [max_expert] scratch */
+    double * uses;           /* [n_layers * max_expert] KEEP_DECAYED: decayed use counts, zero at set_rule */
+} spice_store_rule;
+
+static void rule_free(spice_store * s);
+
+/* The store's rule state, made on first use with the default rule: the store
+ * itself knows nothing of rules but how to free their state (free_rule). NULL
+ * when it cannot be allocated. */
+static spice_store_rule * rule_of(spice_store * s) {
+    if (s->rule != NULL) {
+        return s->rule;
+    }
+    spice_store_rule * r = (spice_store_rule *) calloc(1, sizeof(*r));
+    if (r == NULL) {
+        return NULL;
+    }
+    s->rule = r;
+    s->free_rule = rule_free;
     r->rule.resident_action = SPICE_ACTION_DEVICE;
     const size_t width = (size_t) (s->max_expert > 0 ? s->max_expert : 1);
     const size_t cells = (size_t) s->n_layers * width;
@@ -33,14 +92,16 @@ int spice_store_rule_init(spice_store * s) {
     r->logits = (double *) calloc(width, sizeof(double));
     r->oldest = (int32_t *) calloc((size_t) s->n_layers, sizeof(int32_t));
     r->uses = (double *) calloc(cells > 0 ? cells : 1, sizeof(double));
-    return r->misses && r->sel && r->count && r->left && r->order && r->act && r->incoming && r->selected &&
-                   r->predicted && r->chosen && r->logits && r->oldest && r->uses
-               ? SPICE_OK
-               : SPICE_ERR_NO_MEMORY;
+    if (!(r->misses && r->sel && r->count && r->left && r->order && r->act && r->incoming && r->selected &&
+          r->predicted && r->chosen && r->logits && r->oldest && r->uses)) {
+        rule_free(s);
+        return NULL;
+    }
+    return r;
 }
 
 static void release_arrays(spice_store * s) {
-    spice_store_rule * r = &s->rule;
+    spice_store_rule * r = s->rule;
     free(r->surrogate_set);
     free(r->whole_layers);
     free(r->next_layers);
@@ -61,8 +122,11 @@ static void release_arrays(spice_store * s) {
     r->routers = NULL;
 }
 
-void spice_store_rule_free(spice_store * s) {
-    spice_store_rule * r = &s->rule;
+static void rule_free(spice_store * s) {
+    spice_store_rule * r = s->rule;
+    if (r == NULL) {
+        return;
+    }
     release_arrays(s);
     free(r->misses);
     free(r->sel);
@@ -77,7 +141,9 @@ void spice_store_rule_free(spice_store * s) {
     free(r->logits);
     free(r->oldest);
     free(r->uses);
-    memset(r, 0, sizeof(*r));
+    free(r);
+    s->rule = NULL;
+    s->free_rule = NULL;
 }
 
 #if defined(__SSE2__)
@@ -206,8 +272,11 @@ int spice_store_set_rule(spice_store * s, const spice_rule * rule) {
         !host_points_valid(in)) {
         return SPICE_ERR_INVALID_ARG;
     }
+    spice_store_rule * r = rule_of(s);
+    if (r == NULL) {
+        return SPICE_ERR_NO_MEMORY;
+    }
     release_arrays(s);
-    spice_store_rule * r = &s->rule;
     const size_t cells = (size_t) s->n_layers * (size_t) s->max_expert;
     r->rule = *in;
     int ok = 1;
@@ -295,7 +364,7 @@ static int evictable(const spice_store * s, int32_t il, int32_t e) {
 /* Layer il's held experts over its capacity, least recently selected first,
  * never one in `keep` or on the bus. */
 static void fit_layer(spice_store * s, spice_policy_call * call, int32_t il, int32_t incoming, const uint8_t * keep) {
-    spice_store_rule * r = &s->rule;
+    spice_store_rule * r = s->rule;
     const int32_t n_e = s->n_expert[il];
     const size_t base = spice_store_cell(s, il, 0);
     const int8_t * states = s->states + base;
@@ -330,8 +399,8 @@ static void fit_layer(spice_store * s, spice_policy_call * call, int32_t il, int
 /* Whether the pooled cache gives up cell a before cell b: it was selected
  * less recently (KEEP_LRU), or its decayed use count is lower (KEEP_DECAYED). */
 static int goes_before(const spice_store * s, size_t a, size_t b) {
-    if (s->rule.rule.keep == SPICE_KEEP_DECAYED) {
-        return s->rule.uses[a] < s->rule.uses[b];
+    if (s->rule->rule.keep == SPICE_KEEP_DECAYED) {
+        return s->rule->uses[a] < s->rule->uses[b];
     }
     return s->last_use[a] < s->last_use[b];
 }
@@ -339,7 +408,7 @@ static int goes_before(const spice_store * s, size_t a, size_t b) {
 /* KEEP_DECAYED: a call of layer il decays the layer's counts once and counts
  * each expert it selects once more (in two roundings, as the twin's numpy). */
 static void note_uses(spice_store * s, int32_t il) {
-    spice_store_rule * r = &s->rule;
+    spice_store_rule * r = s->rule;
     double * uses = r->uses + spice_store_cell(s, il, 0);
     for (int32_t e = 0; e < s->n_expert[il]; ++e) {
         uses[e] *= r->rule.decay;
@@ -376,7 +445,7 @@ static int32_t least_recent_in_layer(const int8_t * states, const uint8_t * chos
 /* Layer l's first evictable expert to go (goes_before; ties: the lower id),
  * not listed as a victim yet nor in `skip` (NULL: none); -1 when none. */
 static int32_t oldest_in_layer(const spice_store * s, int32_t l, const uint8_t * skip) {
-    const spice_store_rule * r = &s->rule;
+    const spice_store_rule * r = s->rule;
     const size_t base = spice_store_cell(s, l, 0);
     const int8_t * states = s->states + base;
     const uint8_t * chosen = r->chosen + base;
@@ -403,7 +472,7 @@ static int32_t oldest_in_layer(const spice_store * s, int32_t l, const uint8_t *
  * call scans the layers it touched, not the whole table: this runs on the
  * hook's thread, on caches ggml's kernels have just emptied. */
 static void fit_pool(spice_store * s, spice_policy_call * call, uint64_t need) {
-    spice_store_rule * r = &s->rule;
+    spice_store_rule * r = s->rule;
     const uint64_t used = s->used_bytes;
     if (used + need <= s->params.budget_bytes) {
         return;
@@ -457,7 +526,7 @@ static double py_floordiv(double a, double b) {
 
 /* LAYER_LRU: each layer's share of the budget by (misses + 1) x copy time. */
 static void resize(spice_store * s) {
-    spice_store_rule * r = &s->rule;
+    spice_store_rule * r = s->rule;
     double total = 0.0;
     for (int32_t il = 0; il < s->n_layers; ++il) {
         if (s->n_expert[il] > 0) {
@@ -594,7 +663,7 @@ int spice_rule_router_logits(int32_t n_expert, int32_t n_embd, const float * rou
 }
 
 int spice_store_rule_prefetches_next(const spice_store * s) {
-    return s->rule.rule.prefetch_next != 0;
+    return s->rule != NULL && s->rule->rule.prefetch_next != 0;
 }
 
 /* Whether the call carries layer nxt's router logits from the graph. */
@@ -642,7 +711,7 @@ static void mark_top_k(const double * logits, int32_t n, int32_t k, uint8_t * pi
  * logits the graph computed when the call carries them, else from the
  * rule's int16 router. */
 static void predict_next(spice_store * s, const spice_policy_call * call, int32_t nxt) {
-    spice_store_rule * r = &s->rule;
+    spice_store_rule * r = s->rule;
     const spice_router_q * router = &r->routers[nxt];
     const int32_t n_e = s->n_expert[nxt], n_embd = r->rule.n_embd;
     const int32_t k = call->n_expert_used < n_e ? call->n_expert_used : n_e;
@@ -713,7 +782,7 @@ static int32_t fixed_action(const spice_store_rule * r, int whole, int st, size_
 /* An in-flight miss with n activations left, where the rule weighs costs: wait for its
  * copy when that and the device beat the host, else run them on the host meanwhile. */
 static int32_t in_flight_action(spice_store * s, int32_t il, int32_t e, uint64_t now, int32_t n) {
-    const spice_store_rule * r = &s->rule;
+    const spice_store_rule * r = s->rule;
     if (r->rule.host_us <= 0.0) {
         return SPICE_ACTION_HOST;
     }
@@ -733,7 +802,7 @@ static int32_t in_flight_action(spice_store * s, int32_t il, int32_t e, uint64_t
  * Where the device's work is the host's (!overlap) a fetch only adds its copy, so
  * miss_actions runs every miss on the host without asking. */
 static int32_t choose_fetches(const spice_store * s, int32_t il, int32_t n_miss, double device_due, double bus_ahead) {
-    const spice_store_rule * r = &s->rule;
+    const spice_store_rule * r = s->rule;
     const double copy = copy_us(s, il);
     double host_left = 0.0;
     for (int32_t i = 0; i < n_miss; ++i) {
@@ -762,7 +831,7 @@ static int32_t choose_fetches(const spice_store * s, int32_t il, int32_t n_miss,
  * sooner; COST waits for a copy by its remaining time, and fetches the misses
  * choose_fetches picks. */
 static void miss_actions(spice_store * s, spice_policy_call * call, int32_t il, uint64_t now, int32_t n_sel) {
-    spice_store_rule * r = &s->rule;
+    spice_store_rule * r = s->rule;
     const spice_rule * rule = &r->rule;
     int32_t n_miss = 0;
     for (int32_t i = 0; i < n_sel; ++i) {
@@ -852,7 +921,10 @@ int spice_store_rule_plan(spice_store * s, spice_policy_call * call) {
     if (s == NULL || call == NULL || call->il < 0 || call->il >= s->n_layers || s->n_expert[call->il] == 0) {
         return SPICE_ERR_INVALID_ARG;
     }
-    spice_store_rule * r = &s->rule;
+    spice_store_rule * r = rule_of(s);
+    if (r == NULL) {
+        return SPICE_ERR_NO_MEMORY; /* the call keeps the plan it had */
+    }
     const spice_rule * rule = &r->rule;
     const int32_t il = call->il, n_e = s->n_expert[il], n_used = call->n_expert_used;
     const uint64_t now = spice_clock_now(&s->clock);

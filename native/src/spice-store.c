@@ -233,10 +233,6 @@ int spice_store_create_unattached(const spice_store_params * params, int32_t n_l
     memset(s->layer_changed, 1, (size_t) n_layers); /* no rule has looked yet */
     s->epoch = spice_monotonic_ns() | 1u; /* nonzero, and another store's (created at another time) */
     memcpy(s->expert_bytes, expert_bytes, (size_t) n_layers * sizeof(uint64_t));
-    if (spice_store_rule_init(s) != SPICE_OK) {
-        spice_store_free(s);
-        return SPICE_ERR_NO_MEMORY;
-    }
     for (size_t i = 0; i < cells; ++i) {
         s->slot_of[i] = -1;
     }
@@ -294,7 +290,9 @@ void spice_store_free(spice_store * s) {
         return;
     }
     spice_device_free(s->device);
-    spice_store_rule_free(s);
+    if (s->free_rule != NULL) {
+        s->free_rule(s);
+    }
     free(s->n_expert);
     free(s->expert_bytes);
     free(s->slot_of);

@@ -1,8 +1,8 @@
 /* LoRE surrogate executor (see spice-surrogate.h), its standalone entry
- * point spice_surrogate_apply, and the runtime's table of loaded surrogates. */
+ * point spice_surrogate_apply, and the table surrogates are kept in (the
+ * runtime's loaded ones: spice-runtime-surrogates.c). */
 #include "spice-surrogate.h"
 
-#include "spice-runtime-internal.h"
 #include "spice.h"
 
 #include "ggml-cpu.h"
@@ -55,6 +55,16 @@ void spice_surrogate_release(spice_surrogate * s) {
     free(s->a);
     free(s->bt);
     memset(s, 0, sizeof(*s));
+}
+
+void spice_surrogate_table_free(spice_surrogate_table * tab) {
+    if (tab->entries != NULL) {
+        for (size_t i = 0; i < (size_t) tab->n_layers * (size_t) tab->max_expert; ++i) {
+            spice_surrogate_release(&tab->entries[i]);
+        }
+        free(tab->entries);
+    }
+    memset(tab, 0, sizeof(*tab));
 }
 
 void spice_surrogate_exec_init(spice_surrogate_exec * ex) {

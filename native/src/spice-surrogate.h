@@ -41,6 +41,10 @@ typedef struct spice_surrogate_table {
     int32_t n_loaded;
 } spice_surrogate_table;
 
+/* Every surrogate of the table released and its entries freed; the table
+ * left empty. Its bytes stay charged to a budget until the caller releases them. */
+void spice_surrogate_table_free(spice_surrogate_table * tab);
+
 /* Device bytes of one surrogate: its two f16 matrices and alpha. */
 uint64_t spice_surrogate_bytes_of(int32_t rank, int32_t n_embd);
 
