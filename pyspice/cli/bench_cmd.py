@@ -11,6 +11,7 @@ from typing import Any
 
 from pyspice.cli import bench_limited, numbers
 from pyspice.cli.common import add_context_args, add_model_args, add_sidecar_arg, open_model, resolve_model
+from pyspice.cli.help_levels import advanced, brief
 from pyspice.engine.config import gpu_present
 from pyspice.engine.decode_trace import finish_decode_trace, start_decode_trace
 from pyspice.formats.model_info import read_header
@@ -41,7 +42,7 @@ def register(sub: Any) -> None:
     add_model_args(p)
     add_context_args(p)
     add_sidecar_arg(p)
-    p.add_argument(
+    rows = p.add_argument(
         "--policies",
         metavar="ROWS",
         type=rows_argument(UPSTREAM_ROWS),
@@ -55,22 +56,36 @@ def register(sub: Any) -> None:
         "deterministically K layers late; NAME@ram=BUDGET gives a --memory-limit row a RAM budget "
         "of its own",
     )
-    p.add_argument(
-        "--baseline", default=None, help="row the ratios divide by (default: the first of --policies)"
+    brief(
+        rows,
+        "comma-separated rows NAME[@key=value,...] (default stock,exact,exact-py); llama.cpp's own: "
+        "upstream, upstream-ncmoe, upstream-cpu-exps",
+    )
+    advanced(
+        p.add_argument(
+            "--baseline", default=None, help="row the ratios divide by (default: the first of --policies)"
+        )
     )
     group = p.add_mutually_exclusive_group()
     group.add_argument(
         "-p", "--prompt", help=f"prompt text (default: a {len(DEFAULT_PROMPT.split())}-word passage)"
     )
     group.add_argument("-f", "--file", "--text", dest="file", help="read the prompt from a file")
-    p.add_argument(
-        "--prompt-tokens",
-        type=numbers.integer(0, hint="0 takes the prompt as given"),
-        default=128,
-        help="repeat or cut the prompt to exactly this many tokens (default 128; 0 = as given)",
+    advanced(
+        p.add_argument(
+            "--prompt-tokens",
+            type=numbers.integer(0, hint="0 takes the prompt as given"),
+            default=128,
+            help="repeat or cut the prompt to exactly this many tokens (default 128; 0 = as given)",
+        )
     )
     p.add_argument(
-        "-n", "--n-predict", type=numbers.TOKENS, default=32, help="tokens to decode per run (default 32)"
+        "-n",
+        "--n-predict",
+        type=numbers.TOKENS,
+        default=32,
+        metavar="N",
+        help="tokens to decode per run (default 32)",
     )
     p.add_argument(
         "--repeat",
@@ -80,34 +95,40 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--json", action="store_true", help="print {policies: {NAME: stats + tokens}} as JSON")
     p.add_argument("--plot", metavar="PNG", help="also draw the comparison into this PNG")
-    p.add_argument(
-        "--trace",
-        metavar="DIR",
-        default=None,
-        help="after the timed runs, decode once more (untimed) with the first policy and record every "
-        "decode step's MoE inputs and routing into this trace directory (pyspice sim)",
+    advanced(
+        p.add_argument(
+            "--trace",
+            metavar="DIR",
+            default=None,
+            help="after the timed runs, decode once more (untimed) with the first policy and record every "
+            "decode step's MoE inputs and routing into this trace directory (pyspice sim)",
+        )
     )
-    p.add_argument(
-        "--replay-routing",
-        metavar="TRACE",
-        type=Path,
-        default=None,
-        help="timing only: every hooked row uses the expert ids of this recorded trace (bench "
-        "--trace, python -m pyspice.measure.record trace) instead of the router's, so hit rates and "
-        "TPOT of a random-weight model show real locality; outputs are not compared; a trace of "
-        "another geometry is mapped (said once); --trace then records the replayed ids",
+    advanced(
+        p.add_argument(
+            "--replay-routing",
+            metavar="TRACE",
+            type=Path,
+            default=None,
+            help="timing only: every hooked row uses the expert ids of this recorded trace (bench "
+            "--trace, python -m pyspice.measure.record trace) instead of the router's, so hit rates and "
+            "TPOT of a random-weight model show real locality; outputs are not compared; a trace of "
+            "another geometry is mapped (said once); --trace then records the replayed ids",
+        )
     )
-    p.add_argument(
-        "--memory-limit",
-        type=bench_limited.parse_memory_limit,
-        default=None,
-        metavar="BYTES|rule",
-        help="run every row in its own process and memory cgroup with this limit (2GiB, 512MiB), the "
-        "model dropped from the page cache before each; a row may set its own budgets "
-        "(exact@ram=50%%, lru@ram=2GiB,plan=sync); cold and warm "
-        "start, bytes read per token, cgroup peak, peak RSS, OOM kills (needs root and cgroup v1 or v2). "
-        "'rule': the cgroup peak of exact@ram=1%% (run first, as the rows run) plus half the "
-        "routed-expert bytes, printed",
+    advanced(
+        p.add_argument(
+            "--memory-limit",
+            type=bench_limited.parse_memory_limit,
+            default=None,
+            metavar="BYTES|rule",
+            help="run every row in its own process and memory cgroup with this limit (2GiB, 512MiB), the "
+            "model dropped from the page cache before each; a row may set its own budgets "
+            "(exact@ram=50%%, lru@ram=2GiB,plan=sync); cold and warm "
+            "start, bytes read per token, cgroup peak, peak RSS, OOM kills (needs root and cgroup v1 or v2). "
+            "'rule': the cgroup peak of exact@ram=1%% (run first, as the rows run) plus half the "
+            "routed-expert bytes, printed",
+        )
     )
     p.set_defaults(func=run)
 

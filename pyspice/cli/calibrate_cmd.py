@@ -19,6 +19,7 @@ from typing import Any
 from pyspice.calibrate.run import format_summary, run_calibration, summary_doc
 from pyspice.cli import numbers
 from pyspice.cli.common import add_model_args, add_text_arg, note, resolve_model
+from pyspice.cli.help_levels import advanced
 
 
 def register(sub: Any) -> None:
@@ -30,24 +31,36 @@ def register(sub: Any) -> None:
         "-o", "--output", type=Path, default=None, help="sidecar path (default: <model>.spice.gguf)"
     )
     add_text_arg(p, "calibration text (default: the calibration split of the model's corpus, else smolmoe's)")
-    p.add_argument("--rank", type=int, default=8, help="LoRE surrogate rank per expert (default 8)")
-    p.add_argument("--draft-rank", type=int, default=128, help="rank of each draft transition (default 128)")
+    advanced(p.add_argument("--rank", type=int, default=8, help="LoRE surrogate rank per expert (default 8)"))
+    advanced(
+        p.add_argument(
+            "--draft-rank", type=int, default=128, help="rank of each draft transition (default 128)"
+        )
+    )
     p.add_argument("--tokens", type=int, default=8192, help="cap on calibration tokens (default 8192)")
-    p.add_argument(
-        "--expert-tokens",
-        type=int,
-        default=2048,
-        help="cap on training tokens per expert for its surrogate (default 2048)",
+    advanced(
+        p.add_argument(
+            "--expert-tokens",
+            type=int,
+            default=2048,
+            help="cap on training tokens per expert for its surrogate (default 2048)",
+        )
     )
     p.add_argument("-c", "--ctx-size", type=int, default=512, help="tokens per evaluated chunk (default 512)")
     p.add_argument("-t", "--threads", type=numbers.THREADS, default=None, help="threads (default: all cores)")
-    p.add_argument(
-        "--work-dir",
-        type=Path,
-        default=None,
-        help="where the trace and per-layer fits go (default: under ~/.cache/pyspice/calibrate)",
+    advanced(
+        p.add_argument(
+            "--work-dir",
+            type=Path,
+            default=None,
+            help="where the trace and per-layer fits go (default: under ~/.cache/pyspice/calibrate)",
+        )
     )
-    p.add_argument("--keep-work", action="store_true", help="keep the trace and per-layer fits afterwards")
+    advanced(
+        p.add_argument(
+            "--keep-work", action="store_true", help="keep the trace and per-layer fits afterwards"
+        )
+    )
     p.add_argument("--json", action="store_true", help="print the summary as one JSON document")
     p.set_defaults(func=run_calibrate)
 

@@ -44,6 +44,11 @@ def register(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("-sys", "--system-prompt", default=None, help="system message opening the conversation")
     # an answer runs until the model ends it (or the context is full), as in llama.cpp
     p.set_defaults(func=run, n_predict=-1)
+    for action in p._actions:
+        if action.dest == "n_predict":
+            action.help = (
+                "tokens per answer at most (default: until the model ends it or the context is full)"
+            )
     return p
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pyspice.cli import numbers
+from pyspice.cli.help_levels import advanced, brief
 from pyspice.engine.config import ModelDefaults, RunConfig
 from pyspice.engine.planning import Planning
 from pyspice.models.builtin import MODEL_NAMES, builtin_of
@@ -29,8 +30,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "-m",
         "--model",
-        help="GGUF model path, or a built-in model: smolmoe (default of chat, generate, serve, eval ppl) "
-        "or smolmoe-b (default of bench, sim, eval predictor|surrogate); built on first use",
+        help="GGUF path, or a built-in model built on first use: smolmoe (the default) or smolmoe-b "
+        "(the default of bench, sim, eval predictor|surrogate)",
     )
 
 
@@ -40,143 +41,203 @@ def add_context_args(p: argparse.ArgumentParser) -> None:
         "--ctx-size",
         type=numbers.integer(1),
         default=2048,
+        metavar="N",
         help="context size in tokens (default 2048)",
     )
-    p.add_argument(
-        "-b", "--batch-size", type=numbers.integer(1), default=512, help="logical batch size (default 512)"
+    advanced(
+        p.add_argument(
+            "-b",
+            "--batch-size",
+            type=numbers.integer(1),
+            default=512,
+            help="logical batch size (default 512)",
+        )
+    )
+    advanced(
+        p.add_argument(
+            "-ub",
+            "--ubatch-size",
+            type=numbers.integer(1),
+            default=512,
+            help="physical batch size (default 512)",
+        )
     )
     p.add_argument(
-        "-ub", "--ubatch-size", type=numbers.integer(1), default=512, help="physical batch size (default 512)"
-    )
-    p.add_argument("-t", "--threads", type=numbers.THREADS, default=None, help="threads (default: all cores)")
-    p.add_argument(
-        "-ngl",
-        "--n-gpu-layers",
-        type=int,
+        "-t",
+        "--threads",
+        type=numbers.THREADS,
         default=None,
-        help="layers to offload to the GPU (default: all on a CUDA build with a GPU, else 0); "
-        "routed experts always stay on the host, where the device tier fetches them from",
+        metavar="N",
+        help="threads (default: all cores)",
     )
-    p.add_argument(
-        "--no-mmap",
-        dest="use_mmap",
-        action="store_false",
-        help="read the weights into RAM instead of mapping the file (as llama.cpp's --no-mmap); "
-        "with --ram-budget the routed experts stay in the file either way",
+    brief(
+        p.add_argument(
+            "-ngl",
+            "--n-gpu-layers",
+            type=int,
+            default=None,
+            metavar="N",
+            help="layers to offload to the GPU (default: all on a CUDA build with a GPU, else 0); "
+            "routed experts always stay on the host, where the device tier fetches them from",
+        ),
+        "layers on the GPU (default: all on a CUDA build with a GPU, else 0); routed experts stay "
+        "on the host",
     )
-    p.add_argument(
-        "--mlock",
-        dest="use_mlock",
-        action="store_true",
-        help="lock the model's pages in RAM so the system cannot page them out (as llama.cpp's "
-        "--mlock); not with --ram-budget",
+    advanced(
+        p.add_argument(
+            "--no-mmap",
+            dest="use_mmap",
+            action="store_false",
+            help="read the weights into RAM instead of mapping the file (as llama.cpp's --no-mmap); "
+            "with --ram-budget the routed experts stay in the file either way",
+        )
     )
-    p.add_argument(
-        "--policy",
-        choices=policy_names(),
-        default=None,
-        help="expert policy (default: auto where there is a tier to manage: --device-budget, "
-        "--ram-budget or a GPU; else exact); auto runs the fastest lossless one as the simulator "
-        "ranks them for this machine; see docs/design.md section 6",
+    advanced(
+        p.add_argument(
+            "--mlock",
+            dest="use_mlock",
+            action="store_true",
+            help="lock the model's pages in RAM so the system cannot page them out (as llama.cpp's "
+            "--mlock); not with --ram-budget",
+        )
+    )
+    names = ", ".join(policy_names())
+    brief(
+        p.add_argument(
+            "--policy",
+            choices=policy_names(),
+            default=None,
+            metavar="NAME",
+            help=f"expert policy: {names} (default: auto where there is a tier to manage: "
+            "--device-budget, --ram-budget or a GPU; else exact); auto runs the fastest lossless one "
+            "as the simulator ranks them for this machine; see docs/design.md section 6",
+        ),
+        f"expert policy: {names} (default: auto where there is a tier to manage, else exact)",
     )
     p.add_argument(
         "--device-budget",
         type=numbers.budget_text,
         default=None,
+        metavar="SIZE",
         help="device tier size: bytes with a unit (2GiB, 512MiB) or a share of all routed-expert "
         "bytes (25%%)",
     )
-    p.add_argument(
-        "--ram-budget",
-        type=numbers.budget_text,
-        default=None,
-        help="edge mode: routed experts stay in the model file and a RAM slot pool of this size "
-        "(2GiB, or a share of all routed-expert bytes: 50%%) holds the resident ones, read from the "
-        "file as policies ask; every batch goes through the hook; not with --device-budget",
+    brief(
+        p.add_argument(
+            "--ram-budget",
+            type=numbers.budget_text,
+            default=None,
+            metavar="SIZE",
+            help="edge mode: routed experts stay in the model file and a RAM slot pool of this size "
+            "(2GiB, or a share of all routed-expert bytes: 50%%) holds the resident ones, read from "
+            "the file as policies ask; every batch goes through the hook; not with --device-budget",
+        ),
+        "edge mode: experts stay in the file, a RAM pool of this size (2GiB, 50%%) holds the "
+        "resident ones; not with --device-budget",
     )
-    p.add_argument(
-        "--emulate-bandwidth",
-        type=numbers.positive_real("GB/s; PCIe 4.0 x16 is about 25"),
-        default=None,
-        metavar="GB/s",
-        help="emulated device: bus bandwidth (CPU-only builds; default 12)",
+    advanced(
+        p.add_argument(
+            "--emulate-bandwidth",
+            type=numbers.positive_real("GB/s; PCIe 4.0 x16 is about 25"),
+            default=None,
+            metavar="GB/s",
+            help="emulated device: bus bandwidth (CPU-only builds; default 12)",
+        )
     )
-    p.add_argument(
-        "--emulate-latency",
-        type=numbers.real(0.0, hint="microseconds per copy"),
-        default=None,
-        metavar="us",
-        help="emulated device: latency per copy (default 10)",
+    advanced(
+        p.add_argument(
+            "--emulate-latency",
+            type=numbers.real(0.0, hint="microseconds per copy"),
+            default=None,
+            metavar="us",
+            help="emulated device: latency per copy (default 10)",
+        )
     )
-    p.add_argument(
-        "--device-executor",
-        choices=("auto", "pool", "legacy"),
-        default="auto",
-        help="how a device that computes runs its experts: the slot-pool graph, one launch per "
-        "layer (pool; on an emulated tier it runs on the CPU, for tests), one graph per expert "
-        "(legacy, CUDA, for A/B runs); auto: pool where the layer's types allow",
+    advanced(
+        p.add_argument(
+            "--device-executor",
+            choices=("auto", "pool", "legacy"),
+            default="auto",
+            help="how a device that computes runs its experts: the slot-pool graph, one launch per "
+            "layer (pool; on an emulated tier it runs on the CPU, for tests), one graph per expert "
+            "(legacy, CUDA, for A/B runs); auto: pool where the layer's types allow",
+        )
     )
-    p.add_argument(
-        "--max-hook-tokens",
-        type=numbers.integer(0, hint="0: every micro-batch through the hook"),
-        default=None,
-        help="micro-batches with more tokens run upstream's path (0 = all through the hook; default: "
-        "32 on a GPU tier, so prompts run as stock does, else 0)",
+    advanced(
+        p.add_argument(
+            "--max-hook-tokens",
+            type=numbers.integer(0, hint="0: every micro-batch through the hook"),
+            default=None,
+            help="micro-batches with more tokens run upstream's path (0 = all through the hook; default: "
+            "32 on a GPU tier, so prompts run as stock does, else 0)",
+        )
     )
     add_planning_args(p)
-    p.add_argument(
-        "--max-plan-lag",
-        type=numbers.integer(1, hint="MoE layers"),
-        default=None,
-        metavar="LAYERS",
-        help="free-running asynchronous planning: drop plans older than this many MoE layers "
-        "(default: the policy's horizon H_min)",
+    advanced(
+        p.add_argument(
+            "--max-plan-lag",
+            type=numbers.integer(1, hint="MoE layers"),
+            default=None,
+            metavar="LAYERS",
+            help="free-running asynchronous planning: drop plans older than this many MoE layers "
+            "(default: the policy's horizon H_min)",
+        )
     )
 
 
 def add_planning_args(p: argparse.ArgumentParser) -> None:
     """--planning and --plan-lag (planning_of reads them): add_context_args's, and
     tools/tune-quality-levels.py's, which tunes the lossy levels as they plan."""
-    p.add_argument(
-        "--planning",
-        choices=("auto", "sync", "async"),
-        default="auto",
-        help="where spice:* and abl-* policies plan: on the hook's thread (sync), or on a planner "
-        "thread while each call runs by the policy's rule (async); auto: async where the decode's "
-        "threads leave the planner a core (the lossy levels then apply each plan exactly one layer "
-        "late, as --plan-lag 1) or the experts are on disk, else sync; said once",
+    advanced(
+        p.add_argument(
+            "--planning",
+            choices=("auto", "sync", "async"),
+            default="auto",
+            help="where spice:* and abl-* policies plan: on the hook's thread (sync), or on a planner "
+            "thread while each call runs by the policy's rule (async); auto: async where the decode's "
+            "threads leave the planner a core (the lossy levels then apply each plan exactly one layer "
+            "late, as --plan-lag 1) or the experts are on disk, else sync; said once",
+        )
     )
-    p.add_argument(
-        "--plan-lag",
-        type=numbers.integer(0, 64, hint="0: free-running"),
-        default=0,
-        metavar="LAYERS",
-        help="deterministic asynchronous planning: the plan of each MoE layer's call is applied "
-        "exactly this many calls later, waiting for it (runs repeat exactly; 0: free-running)",
+    advanced(
+        p.add_argument(
+            "--plan-lag",
+            type=numbers.integer(0, 64, hint="0: free-running"),
+            default=0,
+            metavar="LAYERS",
+            help="deterministic asynchronous planning: the plan of each MoE layer's call is applied "
+            "exactly this many calls later, waiting for it (runs repeat exactly; 0: free-running)",
+        )
     )
 
 
 def add_sidecar_arg(p: argparse.ArgumentParser) -> None:
     group = p.add_mutually_exclusive_group()
-    group.add_argument(
-        "--sidecar",
-        type=Path,
-        default=None,
-        help="calibration sidecar of the model (default: <model>.spice.gguf beside it, made by "
-        "`pyspice calibrate`, and for the default model on first use)",
+    advanced(
+        group.add_argument(
+            "--sidecar",
+            type=Path,
+            default=None,
+            help="calibration sidecar of the model (default: <model>.spice.gguf beside it, made by "
+            "`pyspice calibrate`, and for the default model on first use)",
+        )
     )
-    group.add_argument(
-        "--no-sidecar",
-        action="store_true",
-        help="run without a sidecar (the default model's first use then skips calibrating one)",
+    advanced(
+        group.add_argument(
+            "--no-sidecar",
+            action="store_true",
+            help="run without a sidecar (the default model's first use then skips calibrating one)",
+        )
     )
-    p.add_argument(
-        "--history-predictor",
-        type=Path,
-        default=None,
-        metavar="NPZ",
-        help="SPICE predicts from expert ids with this routing-history predictor (`pyspice trace "
-        "fit` on a trace of the model) instead of the sidecar's draft predictor",
+    advanced(
+        p.add_argument(
+            "--history-predictor",
+            type=Path,
+            default=None,
+            metavar="NPZ",
+            help="SPICE predicts from expert ids with this routing-history predictor (`pyspice trace "
+            "fit` on a trace of the model) instead of the sidecar's draft predictor",
+        )
     )
 
 
@@ -188,27 +249,40 @@ def add_prompt_args(p: argparse.ArgumentParser, required: bool = True) -> None:
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "-n", "--n-predict", type=numbers.TOKENS, default=64, help="tokens to generate (default 64)"
+        "-n",
+        "--n-predict",
+        type=numbers.TOKENS,
+        default=64,
+        metavar="N",
+        help="tokens to generate (default 64)",
     )
-    p.add_argument("-s", "--seed", type=int, default=0xFFFFFFFF, help="RNG seed (default: random)")
+    advanced(p.add_argument("-s", "--seed", type=int, default=0xFFFFFFFF, help="RNG seed (default: random)"))
     p.add_argument(
         "--temp",
         type=numbers.real(0.0, hint="0 is greedy"),
         default=0.8,
         help="temperature; 0 = greedy (default 0.8)",
     )
-    p.add_argument(
-        "--top-k",
-        type=numbers.integer(0, hint="0 keeps every token"),
-        default=40,
-        help="top-k sampling (default 40)",
+    advanced(
+        p.add_argument(
+            "--top-k",
+            type=numbers.integer(0, hint="0 keeps every token"),
+            default=40,
+            help="top-k sampling (default 40)",
+        )
     )
-    p.add_argument("--top-p", type=numbers.real(0.0, 1.0), default=0.95, help="top-p sampling (default 0.95)")
-    p.add_argument(
-        "--repeat-penalty",
-        type=numbers.positive_real("1.0 is off"),
-        default=1.0,
-        help="penalize repeated tokens (default 1.0 = off)",
+    advanced(
+        p.add_argument(
+            "--top-p", type=numbers.real(0.0, 1.0), default=0.95, help="top-p sampling (default 0.95)"
+        )
+    )
+    advanced(
+        p.add_argument(
+            "--repeat-penalty",
+            type=numbers.positive_real("1.0 is off"),
+            default=1.0,
+            help="penalize repeated tokens (default 1.0 = off)",
+        )
     )
 
 

@@ -67,10 +67,10 @@ def run_command(func: Callable[[argparse.Namespace], int], args: argparse.Namesp
         return status
 
 
-def add_verbose_arg(p: argparse.ArgumentParser, *, top_level: bool = False) -> None:
+def add_verbose_arg(p: argparse.ArgumentParser, *, top_level: bool = False) -> argparse.Action:
     """`--verbose` before or after the subcommand; the subcommand's copy must not
     overwrite the top-level one, hence SUPPRESS as its default."""
-    p.add_argument(
+    return p.add_argument(
         "--verbose",
         action="store_true",
         default=False if top_level else argparse.SUPPRESS,

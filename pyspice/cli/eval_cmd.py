@@ -28,6 +28,7 @@ from pyspice.cli.common import (
     resolve_model,
     run_config,
 )
+from pyspice.cli.help_levels import advanced, brief
 from pyspice.engine.config import RunConfig
 from pyspice.formats.sidecar import Sidecar, TruncatedSurrogates, default_sidecar_path
 from pyspice.measure.perplexity import perplexity, top1_agreement
@@ -60,23 +61,33 @@ def register(sub: Any) -> None:
         if action.dest == "ctx_size":
             action.default = _PPL_CTX
             action.help = f"tokens per chunk (default {_PPL_CTX})"
-    ppl.add_argument(
-        "--reference",
-        metavar="MODEL",
-        help="also score this model (e.g. the dense original) and report greedy next-token agreement",
+    advanced(
+        ppl.add_argument(
+            "--reference",
+            metavar="MODEL",
+            help="also score this model (e.g. the dense original) and report greedy next-token agreement",
+        )
     )
-    ppl.add_argument("--chunks", type=numbers.CHUNKS, default=None, help="score only the first N chunks")
+    ppl.add_argument(
+        "--chunks", type=numbers.CHUNKS, default=None, metavar="N", help="score only the first N chunks"
+    )
     ppl.add_argument(
         "--token-by-token",
         action="store_true",
         help="evaluate one token per decode call (-b 1 -ub 1), as generation does",
     )
-    ppl.add_argument(
+    policies = ppl.add_argument(
         "--policies",
         default=None,
+        metavar="NAMES",
         help="comma-separated policies scored one after another on the same model; the first is "
         "the baseline of the relative change and of top-1 agreement, the share of scored positions "
         "whose greedy next token is the same (e.g. spice:exact,spice:balanced,spice:fast)",
+    )
+    brief(
+        policies,
+        "comma-separated policies scored one after another, the first the baseline "
+        "(e.g. spice:exact,spice:balanced,spice:fast)",
     )
     add_sidecar_arg(ppl)
     ppl.add_argument("--json", action="store_true", help='print {"ppl", "tokens", ...} as one JSON document')

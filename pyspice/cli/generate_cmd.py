@@ -17,6 +17,7 @@ from pyspice.cli.common import (
     open_model,
     read_prompt,
 )
+from pyspice.cli.help_levels import advanced
 from pyspice.engine.decode_trace import finish_decode_trace, start_decode_trace
 
 
@@ -32,11 +33,13 @@ def register(sub: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--json", action="store_true", help='print {"text", "tokens", "stats"} instead of streaming'
     )
-    p.add_argument(
-        "--trace",
-        metavar="DIR",
-        default=None,
-        help="record every decode step's MoE inputs and routing into this trace directory (pyspice sim)",
+    advanced(
+        p.add_argument(
+            "--trace",
+            metavar="DIR",
+            default=None,
+            help="record every decode step's MoE inputs and routing into this trace directory (pyspice sim)",
+        )
     )
     p.set_defaults(func=run)
     return p

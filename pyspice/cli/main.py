@@ -2,6 +2,8 @@
 
 Each subcommand module exposes `register(subparsers)`; only commands that
 work are registered, so `--help` lists nothing that is not implemented.
+Each command's `--help` shows its usual options and `--help-all` every one
+(help_levels: options are marked advanced where they are defined).
 Results go to standard output (one JSON document with --json); progress,
 notes and logs go to standard error.
 """
@@ -28,6 +30,7 @@ from pyspice.cli import (
     trace_cmd,
 )
 from pyspice.cli.errors import add_verbose_arg, run_command
+from pyspice.cli.help_levels import add_help_all, advanced
 from pyspice.cli.sim_predict_cmd import FIT_COMMAND
 from pyspice.cli.version import version_report
 
@@ -50,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pyspice",
         description=f"pyspice {__version__}: run Mixture-of-Experts models whose experts do not fit "
         "in GPU memory (SPICE on llama.cpp)",
+        epilog="Each command's --help shows the options it is usually run with; its --help-all, every one.",
     )
     parser.add_argument("--version", action=_VersionAction)
     add_verbose_arg(parser, top_level=True)
@@ -72,12 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
         module.register(sub)
     for command in sub.choices.values():
         _add_verbose_everywhere(command)
+    add_help_all(parser)
     return parser
 
 
 def _add_verbose_everywhere(p: argparse.ArgumentParser) -> None:
     if not any("--verbose" in action.option_strings for action in p._actions):
-        add_verbose_arg(p)
+        advanced(add_verbose_arg(p))  # `pyspice --help` shows it
     for action in p._actions:
         if isinstance(action, argparse._SubParsersAction):
             for nested in action.choices.values():

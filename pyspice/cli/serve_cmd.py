@@ -28,6 +28,7 @@ from pyspice.cli.common import (
     open_model,
     resolve_model,
 )
+from pyspice.cli.help_levels import advanced
 from pyspice.cli.serve_drain import Drain, draining_server, keep_streams_through_shutdown
 from pyspice.cli.serve_guard import DefaultMaxTokens, Guard, GuardConfig, check_messages, pydantic_validator
 
@@ -46,30 +47,38 @@ def register(sub: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--port", type=numbers.PORT, default=8000, help="listen port (default 8000; 0 picks a free one)"
     )
-    p.add_argument("--alias", default=None, help="the model's name in the API (default: the file's name)")
+    advanced(
+        p.add_argument("--alias", default=None, help="the model's name in the API (default: the file's name)")
+    )
     p.add_argument(
         "--api-key",
         default=None,
         help="require this bearer token on every request, every route (docs and stats included)",
     )
-    p.add_argument(
-        "--max-queue",
-        type=numbers.integer(0, hint="0: only the request generating"),
-        default=4,
-        help="requests that may wait behind the one generating; more get HTTP 503 (default 4)",
+    advanced(
+        p.add_argument(
+            "--max-queue",
+            type=numbers.integer(0, hint="0: only the request generating"),
+            default=4,
+            help="requests that may wait behind the one generating; more get HTTP 503 (default 4)",
+        )
     )
-    p.add_argument(
-        "--cors-origin",
-        action="append",
-        default=[],
-        metavar="ORIGIN",
-        help="allow browser requests from this origin (repeatable; default: CORS off)",
+    advanced(
+        p.add_argument(
+            "--cors-origin",
+            action="append",
+            default=[],
+            metavar="ORIGIN",
+            help="allow browser requests from this origin (repeatable; default: CORS off)",
+        )
     )
-    p.add_argument(
-        "--grace",
-        type=numbers.real(0.0, hint="seconds"),
-        default=10.0,
-        help="on SIGTERM or Ctrl-C, seconds in-flight requests may take to finish (default 10)",
+    advanced(
+        p.add_argument(
+            "--grace",
+            type=numbers.real(0.0, hint="seconds"),
+            default=10.0,
+            help="on SIGTERM or Ctrl-C, seconds in-flight requests may take to finish (default 10)",
+        )
     )
     p.set_defaults(func=run)
     return p

@@ -24,6 +24,7 @@ import gguf
 import numpy as np
 
 from pyspice.cli.common import add_model_args, note, resolve_model
+from pyspice.cli.help_levels import advanced
 from pyspice.cli.numbers import budget_list
 from pyspice.cli.sim_predict_cmd import add_target_layers_arg, register_fit, run_predict
 from pyspice.formats.profile import profile_path
@@ -47,25 +48,32 @@ def register(sub: Any) -> None:
         "sim", help="simulate policies on other hardware from a recorded trace", description=__doc__
     )
     add_model_args(p)
-    p.add_argument("--sidecar", type=Path, help="the source model's sidecar (for policies that use one)")
+    advanced(
+        p.add_argument("--sidecar", type=Path, help="the source model's sidecar (for policies that use one)")
+    )
     p.add_argument(
         "--trace",
         type=Path,
+        metavar="DIR",
         help="trace directory (generate/bench --trace, or `pyspice trace import`); required",
     )
-    p.add_argument(
-        "--sequences",
-        type=_sequence_range,
-        metavar="FIRST-LAST",
-        help="replay only these sequences of the trace (1-based, inclusive: an imported recording's "
-        "prompts), e.g. the ones a --history-predictor was not fitted on",
+    advanced(
+        p.add_argument(
+            "--sequences",
+            type=_sequence_range,
+            metavar="FIRST-LAST",
+            help="replay only these sequences of the trace (1-based, inclusive: an imported recording's "
+            "prompts), e.g. the ones a --history-predictor was not fitted on",
+        )
     )
-    p.add_argument(
-        "--history-predictor",
-        type=Path,
-        metavar="NPZ",
-        help="SPICE predicts from expert ids with this routing-history predictor "
-        "(`pyspice trace fit`); what SPICE needs on a trace of routing alone",
+    advanced(
+        p.add_argument(
+            "--history-predictor",
+            type=Path,
+            metavar="NPZ",
+            help="SPICE predicts from expert ids with this routing-history predictor "
+            "(`pyspice trace fit`); what SPICE needs on a trace of routing alone",
+        )
     )
     p.add_argument(
         "--target",
@@ -80,6 +88,7 @@ def register(sub: Any) -> None:
         "--ram-budget",
         dest="device_budget",
         type=budget_list,
+        metavar="SIZES",
         default="25%,50%",
         help="comma-separated budgets of the tier: device memory, or RAM for the disk profile "
         "(--ram-budget is the same option; default 25%%,50%%)",
@@ -93,52 +102,66 @@ def register(sub: Any) -> None:
         "synchronously, asynchronously, deterministically K layers late); "
         "default host,static,ondemand,lru,adapmoe,exact",
     )
-    p.add_argument(
-        "--policy-us",
-        default="",
-        help="measured microseconds per call, ROW=US,... (default: time each decide() here and add "
-        "the profile's cost of reaching Python)",
+    advanced(
+        p.add_argument(
+            "--policy-us",
+            default="",
+            help="measured microseconds per call, ROW=US,... (default: time each decide() here and add "
+            "the profile's cost of reaching Python)",
+        )
     )
-    p.add_argument(
-        "--policy-us-from",
-        type=Path,
-        metavar="BENCH_JSON",
-        help="take each policy's measured us per call from a `pyspice bench --json` document",
+    advanced(
+        p.add_argument(
+            "--policy-us-from",
+            type=Path,
+            metavar="BENCH_JSON",
+            help="take each policy's measured us per call from a `pyspice bench --json` document",
+        )
     )
-    p.add_argument(
-        "--compare",
-        default="",
-        metavar="BUDGET=BENCH_JSON[+BENCH_JSON],...",
-        help="validate: compare simulated TPOT with `pyspice bench --json` runs of the same budgets "
-        "(repeats of several runs pool); without --policy-us-from, each policy's us per call is theirs",
+    advanced(
+        p.add_argument(
+            "--compare",
+            default="",
+            metavar="BUDGET=BENCH_JSON[+BENCH_JSON],...",
+            help="validate: compare simulated TPOT with `pyspice bench --json` runs of the same budgets "
+            "(repeats of several runs pool); without --policy-us-from, each policy's us per call is theirs",
+        )
     )
-    p.add_argument(
-        "--probe",
-        type=Path,
-        help="cost profile (`pyspice probe`) for `emulated` and `disk` (default: the source model's saved "
-        "one; `disk` falls back to profiles/disk.json without it)",
+    advanced(
+        p.add_argument(
+            "--probe",
+            type=Path,
+            help="cost profile (`pyspice probe`) for `emulated` and `disk` (default: the source model's "
+            "saved one; `disk` falls back to profiles/disk.json without it)",
+        )
     )
-    p.add_argument(
-        "--show-profiles",
-        action="store_true",
-        help="print every value of the --profile list with its source (measured, derived, ...) and exit",
+    advanced(
+        p.add_argument(
+            "--show-profiles",
+            action="store_true",
+            help="print every value of the --profile list with its source (measured, derived, ...) and exit",
+        )
     )
     p.add_argument("--json", action="store_true", help='print {"rows": [...]} as JSON')
     p.add_argument("--plot", metavar="PNG", help="draw speedup over adapmoe (paper Fig. 7 style)")
-    p.add_argument(
-        "--predict",
-        action="append",
-        metavar="RECORD[:LINE]",
-        help="predict each row of these `bench --json` runs on --profile and print it beside the "
-        "measured TPOT; --trace is then the model's own routing, for runs that did not replay one",
+    advanced(
+        p.add_argument(
+            "--predict",
+            action="append",
+            metavar="RECORD[:LINE]",
+            help="predict each row of these `bench --json` runs on --profile and print it beside the "
+            "measured TPOT; --trace is then the model's own routing, for runs that did not replay one",
+        )
     )
-    p.add_argument(
-        "--replay-trace",
-        type=Path,
-        metavar="DIR",
-        help="with --predict: the trace the runs replayed, where the path they recorded is not here",
+    advanced(
+        p.add_argument(
+            "--replay-trace",
+            type=Path,
+            metavar="DIR",
+            help="with --predict: the trace the runs replayed, where the path they recorded is not here",
+        )
     )
-    add_target_layers_arg(p)
+    advanced(add_target_layers_arg(p))
     p.set_defaults(func=run)
     register_fit(sub)
 

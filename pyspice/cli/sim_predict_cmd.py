@@ -29,8 +29,8 @@ from pyspice.sim.targets import TargetModel, load_target, source_target
 from pyspice.sim.workload import Workload
 
 
-def add_target_layers_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
+def add_target_layers_arg(p: argparse.ArgumentParser) -> argparse.Action:
+    return p.add_argument(
         "--target-layers",
         type=int,
         metavar="N",
