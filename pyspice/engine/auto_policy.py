@@ -73,7 +73,7 @@ Note = Callable[[str], None]
 @dataclass(frozen=True)
 class AutoChoice:
     ranking: Ranking
-    priced_by: str  # the hardware profile's description
+    priced_by: str  # what the costs came from, in a few words
     sample: Path  # the routing trace ranked on
 
     @property
@@ -137,6 +137,8 @@ def record_sample(llm: Any, out: Path, progress: bool = True) -> Path:
         bar.close()
     finish_decode_trace(recorder, prompt_tokens=len(tokens), tokens=decoded, prompt=SAMPLE_PROMPT)
     llm.reset()
+    if out.exists():
+        shutil.rmtree(out)  # a sample that was not complete (read_meta said so): replaced
     tmp.rename(out)
     return out
 
