@@ -333,8 +333,7 @@ class Llama(llama_cpp.Llama):
         self.spice_engine.set_policy(policy, max_hook_tokens)
 
     def _auto_policy(self) -> str:
-        self.spice_engine.set_policy("exact")  # the probe and the sample run under exact plans
-        choice = choose_policy(self, self.spice_say)
+        choice = choose_policy(self, self.spice_say)  # the probe and the sample set their own plans
         self.spice_auto_choice = choice
         if choice is None:
             self.spice_say("auto: no device or RAM tier to manage: using 'exact'")

@@ -31,7 +31,7 @@ from typing import Any
 
 import pyspice.policy.spice.policy as spice_module
 from pyspice.cli.common import add_context_args, add_model_args, add_sidecar_arg, open_model
-from pyspice.measure.bench import greedy_next
+from pyspice.engine.decode_trace import greedy_next
 from pyspice.policy import make_policy
 from pyspice.policy.spice import SpiceConfig, SpicePolicy
 

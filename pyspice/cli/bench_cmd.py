@@ -13,7 +13,7 @@ from pyspice.cli import bench_limited, numbers
 from pyspice.cli.common import add_context_args, add_model_args, add_sidecar_arg, open_model, resolve_model
 from pyspice.cli.help_levels import advanced, brief
 from pyspice.engine.config import gpu_present
-from pyspice.engine.decode_trace import finish_decode_trace, start_decode_trace
+from pyspice.engine.decode_trace import finish_decode_trace, greedy_next, start_decode_trace
 from pyspice.formats.model_info import read_header
 from pyspice.formats.profile import profile_path
 from pyspice.measure.bench import (
@@ -23,7 +23,6 @@ from pyspice.measure.bench import (
     check_in_process_rows,
     fit_prompt,
     format_table,
-    greedy_next,
     plot,
     run_bench,
     stderr_progress,

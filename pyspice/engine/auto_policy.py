@@ -31,20 +31,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from tqdm import tqdm
 
-from pyspice.engine.decode_trace import finish_decode_trace, start_decode_trace
+from pyspice.engine.decode_trace import finish_decode_trace, greedy_next, start_decode_trace
 from pyspice.engine.device import DeviceTier
 from pyspice.engine.probe import measure_profile
 from pyspice.engine.profile import saved_profile
 from pyspice.engine.replay import replay_workload
 from pyspice.formats.profile import load_profile as load_cost_profile
 from pyspice.formats.profile import model_fingerprint, profile_path, save_profile
-from pyspice.formats.routers import RouterReader
 from pyspice.formats.trace import TraceError, read_meta
 from pyspice.paths import cache_dir
-from pyspice.policy.profile import EMULATED, CostProfile
+from pyspice.policy.profile import EMULATED, BatchCost, CostProfile
 from pyspice.runtime import StoreParams
 from pyspice.sim.hardware import (
     DISK,
@@ -129,7 +127,7 @@ def record_sample(llm: Any, out: Path, progress: bool = True) -> Path:
     bar = tqdm(total=n_decode, desc="auto: routing sample", unit="tok", disable=not progress)
     try:
         for _ in range(n_decode):
-            nxt = _argmax_last(llm)
+            nxt = greedy_next(llm)
             decoded.append(nxt)
             llm.eval([nxt])
             bar.update()
@@ -141,13 +139,6 @@ def record_sample(llm: Any, out: Path, progress: bool = True) -> Path:
         shutil.rmtree(out)  # a sample that was not complete (read_meta said so): replaced
     tmp.rename(out)
     return out
-
-
-def _argmax_last(llm: Any) -> int:
-    import llama_cpp
-
-    ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
-    return int(np.argmax(np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),))))
 
 
 def probe_for(llm: Any, model: Path, real_gpu: bool, note: Note, progress: bool = True) -> CostProfile:
@@ -195,8 +186,13 @@ def plausible(probe: CostProfile) -> bool:
     experts' time above zero. Measured by difference (all experts minus none), it comes
     out at zero where other work on the cores swamps it; on an idle 2-core machine it
     was 7.2 us per activation for smolmoe-b (`pyspice probe -m smolmoe-b -t 2`)."""
-    one = min(probe.batches, key=lambda b: b.tokens, default=None)
+    one = _one_token(probe)
     return one is not None and one.expert_us > 0
+
+
+def _one_token(probe: CostProfile) -> BatchCost | None:
+    """The probe's decode-step measurement (its smallest batch)."""
+    return min(probe.batches, key=lambda b: b.tokens, default=None)
 
 
 def tier_pricing(
@@ -217,7 +213,8 @@ def tier_pricing(
         return prof, disk_costs(prof, workload, model, expert_bytes)
     assert probe is not None
     if tier.emulated:
-        one = min(probe.batches, key=lambda b: b.tokens)
+        one = _one_token(probe)
+        assert one is not None  # a probe measures at least one batch
         probe = dataclasses.replace(
             probe,
             bus_gbps=params.bandwidth_gbps,
@@ -266,10 +263,10 @@ def choose(llm: Any, note: Note, *, progress: bool | None = None) -> AutoChoice 
         workload = from_trace(sample)
     expert_bytes = tuple(info.bytes_per_expert if info.is_moe else 0 for info in layers)
     prof, costs = tier_pricing(probe, tier, engine.device_params, workload, model, expert_bytes)
+    context = engine.policy_context()  # the predictor and routers the run's policies get
     extra: dict[str, Any] = {}
-    predictor = engine.policy_context().predictor
-    if predictor is not None:
-        extra["predictor"] = predictor
+    if context.predictor is not None:
+        extra["predictor"] = context.predictor
     # a policy's attach notes (static's resident layers) are about simulated runs, not this one
     with contextlib.redirect_stderr(io.StringIO()):
         ranking = rank_lossless(
@@ -277,7 +274,7 @@ def choose(llm: Any, note: Note, *, progress: bool | None = None) -> AutoChoice 
             costs,
             tier.budget_bytes,
             AUTO_CANDIDATES,
-            router=RouterReader(model) if workload.n_embd > 0 else None,
+            router=context.router if workload.n_embd > 0 else None,
             profile=policy_profile(prof, costs),
             context_extra=extra,
         )

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
+import numpy as np
+
 from pyspice.formats.model_info import read_header
 from pyspice.formats.sidecar import fingerprint
 from pyspice.formats.trace import TraceMeta, TraceReader, TraceRecorder, TraceWriter
@@ -98,3 +100,13 @@ def finish_decode_trace(recorder: TraceRecorder, **extra: Any) -> TraceReader:
     recorder.writer.meta.extra["prompt_rows_skipped"] = recorder.skipped_tokens
     recorder.writer.close()
     return TraceReader(recorder.writer.path)
+
+
+def greedy_next(llm: Any) -> int:
+    """The argmax token of the last evaluated position's logits (no sampler involved)."""
+    # lazy: llama_cpp loads libllama on import; this module is imported before any model is
+    import llama_cpp
+
+    ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+    logits = np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),))
+    return int(np.argmax(logits))

@@ -17,8 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
+from pyspice.engine.decode_trace import greedy_next
 from pyspice.engine.planning import Planning
 from pyspice.measure.device_bytes import BufferReport, device_bytes, device_match_lines, llama_buffer_report
 from pyspice.measure.upstream_rows import UPSTREAM_ROWS, UpstreamRow
@@ -102,16 +101,6 @@ def spread(values: Sequence[float]) -> float:
     """(max - min) / median: how much the repeats disagree."""
     m = median(values)
     return (max(values) - min(values)) / m if values and m else 0.0
-
-
-def greedy_next(llm: Any) -> int:
-    """The argmax token of the last evaluated position's logits (no sampler involved)."""
-    # lazy: llama_cpp loads libllama on import; this module is imported before any model is
-    import llama_cpp
-
-    ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
-    logits = np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),))
-    return int(np.argmax(logits))
 
 
 def row_planning(row: PolicyRow) -> Planning | None:

@@ -125,7 +125,7 @@ def _timed_eval(llm: Any, tokens: list[int], phase: _Phase) -> None:
 def run_once(llm: Any, spec: RowSpec) -> dict[str, Any]:
     """One run: the prompt, then n_predict greedy tokens (the first from the prompt's
     logits), with each phase's wall time of eval alone and its bytes."""
-    from pyspice.measure.bench import greedy_next
+    from pyspice.engine.decode_trace import greedy_next
 
     spice = hasattr(llm, "spice_reset_stats")
     llm.reset()

@@ -34,10 +34,11 @@ from typing import Any
 import numpy as np
 
 from pyspice.api import Llama
+from pyspice.engine.decode_trace import greedy_next
 from pyspice.engine.probe import measure_decode_step
 from pyspice.formats.profile import model_fingerprint, save_profile
 from pyspice.formats.trace import TraceMeta, TraceWriter
-from pyspice.measure.bench import DEFAULT_PROMPT, greedy_next
+from pyspice.measure.bench import DEFAULT_PROMPT
 from pyspice.policy import HookCall, Plan
 from pyspice.policy.base import PolicyBase
 from pyspice.policy.profile import PROFILE_VERSION, BatchCost, CostProfile

@@ -10,14 +10,14 @@ predictor, adapmoe without hidden rows) is left out with its reason.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pyspice.policy import policy_spec
 from pyspice.policy.profile import CostProfile
 from pyspice.policy.rows import parse_row
-from pyspice.sim.report import simulate_row
+from pyspice.sim.report import simulate_row, tier_context
 from pyspice.sim.simulator import Costs, Simulator
 from pyspice.sim.workload import Workload
 
@@ -46,14 +46,6 @@ class Ranking:
         return self.rows[1] if len(self.rows) > 1 else None
 
 
-def tier_context(costs: Costs) -> dict[str, Any]:
-    """PolicyContext fields the tier itself sets, as Engine.policy_context says them:
-    on the disk tier a host action reads its expert first, and the bus is the disk."""
-    if costs.disk is None:
-        return {}
-    return {"host_weights_in_memory": False, "tier_bus": (costs.bus_gbps, costs.bus_latency_us)}
-
-
 def rank_lossless(
     workload: Workload,
     costs: Costs,
@@ -63,7 +55,6 @@ def rank_lossless(
     router: Any = None,
     profile: CostProfile | None = None,
     context_extra: dict[str, Any] | None = None,
-    progress: Callable[[str], None] | None = None,
 ) -> Ranking:
     """Each lossless candidate through one simulator of the tier; `context_extra`: the
     policies' further inputs (a predictor). A lossy name is refused: auto never picks one."""
@@ -92,8 +83,6 @@ def rank_lossless(
     )
     ranked: list[RankedRow] = []
     for name in runnable:
-        if progress:
-            progress(name)
         _, result = simulate_row({True: sim}, parse_row(name), None)
         ranked.append(RankedRow(name, result.tpot_ms, result.hit_rate))
     if not ranked:

@@ -23,7 +23,7 @@ from pyspice.sim.hardware import (
     target_costs,
 )
 from pyspice.sim.planner import AsyncModel
-from pyspice.sim.simulator import SimResult, Simulator
+from pyspice.sim.simulator import Costs, SimResult, Simulator
 from pyspice.sim.targets import TargetModel
 from pyspice.sim.workload import Workload
 from pyspice.units import slot_bytes, whole_tier_bytes
@@ -70,6 +70,14 @@ def _check_policies(rows: Sequence[PolicyRow]) -> None:
                 f"row {row.label!r}: the simulator's budgets are --device-budget/--ram-budget, "
                 "the same for every row"
             )
+
+
+def tier_context(costs: Costs) -> dict[str, Any]:
+    """PolicyContext fields the tier itself sets, as Engine.policy_context says them:
+    on the disk tier a host action reads its expert first, and the bus is the disk."""
+    if costs.disk is None:
+        return {}
+    return {"host_weights_in_memory": False, "tier_bus": (costs.bus_gbps, costs.bus_latency_us)}
 
 
 def simulate_row(
@@ -125,10 +133,7 @@ def simulate_all(
             target_name = cfg.target.name
             target_routed = cfg.target.routed_bytes
         routed = whole_tier_bytes(costs.expert_bytes, workload.n_expert)  # what 100% means
-        tier_extra = dict(extra)
-        if costs.disk is not None:
-            # as Engine.policy_context says it on the disk tier: a host action reads first
-            tier_extra.update(host_weights_in_memory=False, tier_bus=(costs.bus_gbps, costs.bus_latency_us))
+        tier_extra = {**extra, **tier_context(costs)}
         lossless_extra = {k: v for k, v in tier_extra.items() if k not in _SURROGATE_FIELDS}
         for budget in cfg.budgets:
             nbytes = budget_bytes(budget, routed, target_routed)
