@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -27,12 +28,10 @@ import llama_cpp
 from pyspice.engine import DeviceTier, Engine, ResolvedRun, RunConfig, SurrogateSet
 from pyspice.engine.auto_policy import AutoChoice
 from pyspice.engine.auto_policy import choose as choose_policy
-from pyspice.engine.checks import check_ram_budget_settings
 from pyspice.engine.config import check_sidecar_weights
 from pyspice.engine.disk import LLAMA_LAZY_MODE_EXPERTS
 from pyspice.engine.llama_log import llama_load_reasons
 from pyspice.engine.plain_llama import PlainLlama, TensorBuftOverride, override_array
-from pyspice.engine.planning import Planning
 from pyspice.engine.surrogates import SurrogateSource
 from pyspice.formats.model_info import ModelFileError, read_header
 from pyspice.formats.sidecar import Sidecar
@@ -68,7 +67,8 @@ class Llama(llama_cpp.Llama):
         lossless policy the simulator ranks for this machine and tier
         (pyspice.engine.auto_policy: a probe and a routing sample on first use).
     max_hook_tokens: micro-batches with more tokens keep upstream's path
-        (0 = every micro-batch goes through the hook).
+        (0 = every micro-batch goes through the hook; None: as the CLI decides,
+        PREFILL_HOOK_TOKENS on a real GPU tier, else 0).
     device_budget: a device tier ("2GiB", "25%" of routed-expert bytes, or
         bytes); emulated on CPU-only builds, with a bus of emulate_bandwidth
         GB/s and emulate_latency us per copy.
@@ -79,6 +79,13 @@ class Llama(llama_cpp.Llama):
         ones live in a RAM slot pool of this size, filled by reads of the file
         (pyspice.engine.disk). Every micro-batch goes through the hook. Not
         combined with device_budget (one tier at a time).
+    spice_note: where pyspice says what it chose (the default policy, the sidecar
+        it picked up, auto's pick); default: stderr when `verbose`, else nothing.
+
+    pyspice's settings resolve exactly as the CLI's (RunConfig.resolve): the default
+    policy, the sidecar beside the model (`<model>.spice.gguf`) where there is one,
+    -ngl and an automatic tier on a GPU, a dense model run as stock. llama.cpp's own
+    settings (n_ctx, n_threads, batches) keep llama-cpp-python's defaults.
     """
 
     def __init__(
@@ -86,44 +93,106 @@ class Llama(llama_cpp.Llama):
         model_path: str,
         *,
         policy: str | Policy | None = None,
-        max_hook_tokens: int = 0,
+        max_hook_tokens: int | None = None,
         device_budget: str | int | None = None,
         emulate_bandwidth: float | None = None,
         emulate_latency: float | None = None,
         sidecar: str | Path | Sidecar | None = None,
         ram_budget: str | int | None = None,
         device_executor: str = "auto",
+        spice_note: Callable[[str], None] | None = None,
         **kwargs: Any,
     ) -> None:
-        # llama_cpp.Llama.__del__ closes self._stack: make it exist even if loading fails early
+        # llama_cpp.Llama.__del__ closes self._stack: make it exist even if resolving fails
         self._stack = contextlib.ExitStack()
-        if policy is None:
-            policy = AUTO if device_budget is not None or ram_budget is not None else "exact"
-        self.spice_say: Callable[[str], None] = _note  # where auto says what it chose
-        self.spice_auto_choice: AutoChoice | None = None  # the last choice auto made
-        # the header first, with pyspice's checks: llama.cpp aborts the process on some
-        # inconsistent headers (expert counts) and hides its reason for refusing others
-        read_header(model_path)
-        check_ram_budget_settings(
-            ram_budget,
+        # pyspice's settings resolve as the CLI's do (RunConfig.resolve: the default policy,
+        # the sidecar beside the model, -ngl and the tier on a GPU, dense models run stock);
+        # llama.cpp's own (n_ctx, threads, batches) keep llama-cpp-python's defaults, as a
+        # drop-in must. A Policy object resolves as "exact" would (it runs through the hook).
+        config = RunConfig(
+            model=Path(model_path),
+            policy=policy if isinstance(policy, str) or policy is None else "exact",
             device_budget=device_budget,
-            policy=policy,
+            ram_budget=ram_budget,
+            emulate_bandwidth=emulate_bandwidth,
+            emulate_latency=emulate_latency,
+            sidecar=_sidecar_path(sidecar),
+            threads=kwargs.get("n_threads"),
+            n_gpu_layers=kwargs.get("n_gpu_layers"),
             max_hook_tokens=max_hook_tokens,
-            use_mlock=bool(kwargs.get("use_mlock")),
+            device_executor=device_executor,
+            use_mmap=bool(kwargs.get("use_mmap", True)),
+            use_mlock=bool(kwargs.get("use_mlock", False)),
         )
-        self._spice_experts_on_disk = ram_budget is not None
+        # llama-cpp-python's verbose (default on) prints the whole load log; our few lines
+        # about what was chosen go with it, and stay quiet where it is off
+        say = spice_note or (_note if kwargs.get("verbose", True) else _quiet)
+        run = config.resolve(say)
+        if isinstance(sidecar, Sidecar):
+            run = dataclasses.replace(run, loaded_sidecar=sidecar)
+        kwargs["n_gpu_layers"] = run.n_gpu_layers
+        self._open(run, kwargs, say, policy if policy is not None and not isinstance(policy, str) else None)
+
+    @classmethod
+    def from_config(
+        cls,
+        config: RunConfig | ResolvedRun,
+        *,
+        logits_all: bool = False,
+        seed: int | None = None,
+        note: Callable[[str], None] | None = None,
+    ) -> Llama:
+        """The model of `config` with every default resolved as the CLI resolves it
+        (RunConfig.resolve), llama.cpp's sizes and threads included; each choice made is
+        said through `note` (default: stderr)."""
+        say = note or _note
+        run = config.resolve(say) if isinstance(config, RunConfig) else config
+        llm = cls.__new__(cls)
+        llm._stack = contextlib.ExitStack()
+        llm._open(
+            run,
+            {
+                **run.context_params(),
+                "logits_all": logits_all,
+                "seed": seed if seed is not None else 0xFFFFFFFF,
+                "use_mmap": run.use_mmap,
+                "use_mlock": run.use_mlock,
+                "verbose": False,
+            },
+            say,
+        )
+        return llm
+
+    def _open(
+        self,
+        run: ResolvedRun,
+        llama_kwargs: dict[str, Any],
+        say: Callable[[str], None],
+        custom_policy: Policy | None = None,
+    ) -> None:
+        """Load the model of a resolved run and set it up in the order its parts need:
+        the tier (sized from what the GPU has left once the model is loaded, where
+        automatic), routing replay and history predictor, then the policy, which
+        `auto` chooses on that tier."""
+        self.spice_say: Callable[[str], None] = say  # where auto says what it chose
+        self.spice_auto_choice: AutoChoice | None = None  # the last choice auto made
+        # resolve() read the header first, with pyspice's checks: llama.cpp aborts the
+        # process on some inconsistent headers (expert counts) and hides why it refuses others
+        model_path = str(run.model)
+        self._spice_experts_on_disk = run.ram_budget is not None
         # checked before loading: a sidecar made for another model fails in milliseconds
-        self.spice_sidecar = (
-            sidecar if isinstance(sidecar, Sidecar) or sidecar is None else load_sidecar(sidecar, model_path)
+        self.spice_sidecar = run.loaded_sidecar or (
+            load_sidecar(run.sidecar, model_path) if run.sidecar is not None else None
         )
-        if self.spice_sidecar is not None and isinstance(policy, str) and policy != AUTO:
-            check_sidecar_weights(self.spice_sidecar, policy)
+        if self.spice_sidecar is not None and run.loaded_sidecar is None:
+            check_sidecar_weights(self.spice_sidecar, run.policy)
         # the buffer type must outlive the model: the instance holds it until it is collected
         self._spice_buft = ExpertBufferType()
         self._spice_overrides = _expert_overrides(self._spice_buft)
         self._spice_model_params: Any = None  # see the model_params property
         self._spice_runtime: Runtime | None = None
         self._spice_twins: dict[tuple[int, tuple[tuple[str, str], ...]], llama_cpp.Llama] = {}
+        kwargs = dict(llama_kwargs)
         if kwargs.get("n_gpu_layers", 0) == 0 and "op_offload" not in kwargs and device_count() > 0:
             # with no layer on the GPU, llama.cpp's op offload copies host weights over
             # for prompt batches; beside a real device tier those copies failed
@@ -137,7 +206,7 @@ class Llama(llama_cpp.Llama):
         try:
             self._spice_runtime = Runtime(ctx_address)
         except IncompatibleModelError as exc:
-            if policy != "stock":
+            if run.policy != "stock":
                 self.close()
                 raise
             attach_error = exc
@@ -152,89 +221,39 @@ class Llama(llama_cpp.Llama):
             Path(model_path),
             int(self.metadata.get(f"{arch}.expert_used_count", 0) or 0),
             sidecar=self.spice_sidecar,
-            max_hook_tokens=max_hook_tokens,
+            max_hook_tokens=run.max_hook_tokens,
             attach_error=attach_error,
-            device_executor=device_executor,
+            device_executor=run.device_executor,
             decode_threads=self.n_threads,
         )
-        if device_budget is not None:
-            self.set_device(device_budget, emulate_bandwidth, emulate_latency)
-        if ram_budget is not None:
-            try:
-                self.spice_engine.set_ram(ram_budget)
-            except Exception:
-                self.close()
-                raise
-        self.set_policy(policy)
+        self.spice_engine.planning = run.planning
+        try:
+            self._set_up_tier(run, say)
+            self.set_policy(custom_policy if custom_policy is not None else run.policy)
+        except BaseException:
+            self.close()
+            raise
 
-    @classmethod
-    def from_config(
-        cls,
-        config: RunConfig | ResolvedRun,
-        *,
-        logits_all: bool = False,
-        seed: int | None = None,
-        note: Callable[[str], None] | None = None,
-    ) -> Llama:
-        """The model of `config` with every default resolved as the CLI resolves it
-        (RunConfig.resolve); each choice made is said through `note` (default: stderr)."""
-        say = note or _note
-        run = config.resolve(say) if isinstance(config, RunConfig) else config
-        # the policy starts once its tier exists, and once the engine knows where it plans
-        later = (
-            run.auto_budget
-            or run.planning != Planning()
-            or run.history_predictor is not None
-            or run.replay_routing is not None  # auto ranks on the replayed routing
-            or run.policy == AUTO
-        )
-        llm = cls(
-            str(run.model),
-            # in edge mode the hook must run from the start (stock has no experts in memory)
-            policy=run.policy if not later else "exact" if run.ram_budget is not None else "stock",
-            max_hook_tokens=run.max_hook_tokens,
-            **run.context_params(),
-            logits_all=logits_all,
-            seed=seed if seed is not None else 0xFFFFFFFF,
-            # an automatic budget is sized after loading, from what the GPU has left
-            device_budget=run.device_budget,
-            ram_budget=run.ram_budget,
-            emulate_bandwidth=run.emulate_bandwidth,
-            emulate_latency=run.emulate_latency,
-            device_executor=run.device_executor,
-            sidecar=run.loaded_sidecar or run.sidecar,
-            use_mmap=run.use_mmap,
-            use_mlock=run.use_mlock,
-            verbose=False,
-        )
-        llm.spice_engine.planning = run.planning
-        llm.spice_say = say
+    def _set_up_tier(self, run: ResolvedRun, say: Callable[[str], None]) -> None:
+        if run.device_budget is not None:
+            self.set_device(run.device_budget, run.emulate_bandwidth, run.emulate_latency)
+        if run.ram_budget is not None:
+            self.spice_engine.set_ram(run.ram_budget)
         if run.replay_routing is not None:
-            try:
-                replay = llm.spice_engine.set_routing_replay(run.replay_routing)
-            except Exception:
-                llm.close()
-                raise
+            replay = self.spice_engine.set_routing_replay(run.replay_routing)
             assert replay is not None
             say(replay.note)
         if run.history_predictor is not None:
-            try:
-                say(llm.spice_engine.set_history_predictor(run.history_predictor))
-            except Exception:
-                llm.close()
-                raise
+            say(self.spice_engine.set_history_predictor(run.history_predictor))
         if run.auto_budget:
-            budget = llm.automatic_device_budget()
+            budget = self.automatic_device_budget()
             say(
                 f"no --device-budget: using {format_bytes(budget)}, what the GPU has free after the "
                 "model's other weights and the KV cache, less a margin (or all routed experts if less)"
             )
-            llm.set_device(budget)
-        if later:
-            llm.set_policy(run.policy)
-        if llm.spice_device is not None:
-            say(llm.spice_device.describe())
-        return llm
+            self.set_device(budget)
+        if self.spice_device is not None:
+            say(self.spice_device.describe())
 
     # llama_cpp.Llama.__init__ assigns self.model_params and fills it before
     # loading; intercepting the assignment places the expert overrides there.
@@ -443,3 +462,13 @@ def load_sidecar(path: str | Path, model_path: str | Path) -> Sidecar:
 
 def _note(message: str) -> None:
     print(f"pyspice: {message}", file=sys.stderr)
+
+
+def _sidecar_path(sidecar: str | Path | Sidecar | None) -> Path | None:
+    if isinstance(sidecar, Sidecar):
+        return sidecar.path
+    return None if sidecar is None else Path(sidecar)
+
+
+def _quiet(message: str) -> None:
+    pass

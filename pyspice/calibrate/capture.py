@@ -89,6 +89,9 @@ def capture(
         n_ubatch=config.n_ctx,
         n_threads=threads,
         n_threads_batch=threads,
+        # the capture runs on the host, where it was checked; a GPU would only move the
+        # attention of one prompt pass, and the default there (-ngl 99) would change that
+        n_gpu_layers=0,
         # every row must reach the last layer: without logits_all llama.cpp keeps only the rows
         # whose logits are wanted after the last layer's attention
         logits_all=True,

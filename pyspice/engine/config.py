@@ -116,7 +116,9 @@ class RunConfig:
             value = getattr(self, name)
             if isinstance(value, str):
                 object.__setattr__(self, name, Path(value))
-        # every numeric setting checked here, before anything loads (engine/checks.py)
+        # every setting checked here, before anything loads (engine/checks.py)
+        if self.policy is not None:
+            policy_spec(self.policy)  # an unknown name fails now, not after the model loads
         check_threads(self.threads)
         check_at_least("-c/--ctx-size", self.n_ctx, 1)
         check_at_least("-b/--batch-size", self.n_batch, 1)

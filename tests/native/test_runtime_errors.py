@@ -128,9 +128,12 @@ def test_ctrl_c_in_a_policy_stops_the_decode_and_the_model_still_works(model) ->
 
 def test_the_hook_on_a_dense_model_is_a_clear_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
     path = write_dense_llama(tmp_path / "dense.gguf")
-    with pytest.raises(IncompatibleModelError, match="no MoE layers"):
-        Llama(str(path), policy="exact", n_ctx=64, verbose=False)
-    # stock still works on it: pyspice.Llama stays a drop-in llama_cpp.Llama
+    # as the CLI resolves it (RunConfig.resolve): a dense model runs stock, and says so
+    said: list[str] = []
+    llm = Llama(str(path), policy="exact", n_ctx=64, verbose=False, spice_note=said.append)
+    assert llm.spice_policy == "stock" and any("dense" in line and "'stock'" in line for line in said)
+    llm.close()
+    # stock works on it: pyspice.Llama stays a drop-in llama_cpp.Llama
     llm = Llama(str(path), policy="stock", n_ctx=64, verbose=False)
     assert llm.create_completion("hi", max_tokens=2)["choices"]
     with pytest.raises(IncompatibleModelError, match="no MoE layers"):

@@ -112,3 +112,31 @@ def test_no_mmap_reads_the_weights_and_gives_the_same_logits(model: Path) -> Non
         finally:
             llm.close()
     assert np.array_equal(logits[0], logits[1])
+
+
+def test_llama_resolves_its_settings_as_the_cli_does(model: Path, tmp_path: Path) -> None:
+    """Plain `pyspice.Llama(...)` decides pyspice's defaults by RunConfig.resolve, as
+    `pyspice generate` does: the sidecar beside the model is looked at, a policy that
+    needs it fails on a bad one before anything loads, and the CLI's checks apply."""
+    beside = tmp_path / "m.gguf"
+    beside.symlink_to(model)
+    (tmp_path / "m.spice.gguf").write_text("not a sidecar")
+    said: list[str] = []
+    llm = pyspice.Llama(str(beside), policy="exact", spice_note=said.append, **SETTINGS)
+    try:
+        assert llm.spice_policy == "exact" and llm.spice_sidecar is None
+    finally:
+        llm.close()
+    assert any(line.startswith("warning: ignoring") and "m.spice.gguf" in line for line in said)
+    with pytest.raises(ValueError, match="sidecar beside the model cannot be used"):
+        pyspice.Llama(str(beside), policy="spice", device_budget="50%", **SETTINGS)
+    with pytest.raises(ValueError, match="need --device-budget"):
+        pyspice.Llama(str(model), policy="exact", emulate_bandwidth=4.0, **SETTINGS)
+    # no policy and no tier: exact, said as the CLI says it
+    said.clear()
+    llm = pyspice.Llama(str(model), spice_note=said.append, **SETTINGS)
+    try:
+        assert llm.spice_policy == "exact"
+    finally:
+        llm.close()
+    assert any("using policy 'exact'" in line for line in said)
