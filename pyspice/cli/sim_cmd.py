@@ -25,12 +25,13 @@ import numpy as np
 
 from pyspice.cli.common import add_model_args, note, resolve_model
 from pyspice.cli.help_levels import advanced
-from pyspice.cli.numbers import budget_list
+from pyspice.cli.numbers import budget_list, real
 from pyspice.cli.sim_predict_cmd import add_target_layers_arg, register_fit, run_predict
 from pyspice.formats.profile import profile_path
 from pyspice.formats.routers import RouterReader
 from pyspice.formats.sidecar import Sidecar
 from pyspice.formats.trace import TraceReader
+from pyspice.policy.registry import SIM_ONLY_ROWS, UPSTREAM_MOECACHE
 from pyspice.policy.rows import PolicyRow, parse_row, rows_argument
 from pyspice.policy.spice.history_lookahead import HistoryLookahead
 from pyspice.policy.spice.routing_history import RoutingHistory
@@ -96,11 +97,22 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--policies",
         metavar="ROWS",
-        type=rows_argument(keys=("plan",)),
+        type=rows_argument(SIM_ONLY_ROWS, keys=("plan",)),
         default="host,static,ondemand,lru,adapmoe,exact",
         help="comma-separated rows, NAME or NAME@sync, NAME@async, NAME@detK (SPICE planning "
-        "synchronously, asynchronously, deterministically K layers late); "
+        "synchronously, asynchronously, deterministically K layers late), or "
+        f"{UPSTREAM_MOECACHE} (upstream llama.cpp's GPU expert cache, simulated only); "
         "default host,static,ondemand,lru,adapmoe,exact",
+    )
+    advanced(
+        p.add_argument(
+            "--moe-cache-cpu-share",
+            type=real(0.0, 1.0, "the share of the cache's misses run on the host, not uploaded"),
+            default=0.0,
+            metavar="F",
+            help=f"{UPSTREAM_MOECACHE}: the share of its misses run on the host instead of uploaded, "
+            "as upstream's --moe-cache-cpu-share (default 0)",
+        )
     )
     advanced(
         p.add_argument(
@@ -212,7 +224,8 @@ def _check_ids_only_policies(rows: list[PolicyRow], history: bool) -> None:
     """Refuse a policy that needs what a trace of routing alone lacks; say what falls back."""
     for row in rows:
         name, spec = row.name, row.spec
-        assert spec is not None  # sim's rows are policies (rows_argument with no others)
+        if spec is None:  # a sim-only row (SIM_ONLY_ROWS): it reads the ids alone
+            continue
         if "hidden" not in spec.inputs:
             continue
         if spec.reads_sidecar:
@@ -324,6 +337,7 @@ def run(args: argparse.Namespace) -> int:
         policy_us,
         policy_us_by_budget,
         model=model,
+        moe_cache_cpu_share=args.moe_cache_cpu_share,
     )
     note(
         f"simulating {workload.decoded_tokens} decoded tokens of {args.trace} "

@@ -131,6 +131,15 @@ _SPECS: dict[str, PolicySpec] = {
     )
 }
 
+# Rows `pyspice sim --policies` runs besides the policies: what no engine of ours runs,
+# modelled in the simulator alone (pyspice.sim.upstream), by name and what it stands for
+UPSTREAM_MOECACHE = "upstream-moecache"
+SIM_ONLY_ROWS: Mapping[str, str] = {
+    UPSTREAM_MOECACHE: "upstream llama.cpp's GPU cache of host-held experts (--moe-cache-mib): "
+    "per-layer LRU banks, misses uploaded after a synchronous readback of the router's ids "
+    "(simulated, not checked against a measured row)",
+}
+
 # decided in libspice with no Python per hook call (stock: nothing to decide)
 NATIVE_POLICIES = frozenset(name for name, spec in _SPECS.items() if spec.kind not in ("python", "auto"))
 

@@ -10,9 +10,11 @@ it (pyspice.engine.replay), or a trace of the model's own routing given with
 are compared as TPOT over the run's `stock` row, each side's own: the ratio a
 user reads off a bench table, free of how fast the machine was that day.
 
-Rows the simulator cannot replay say why: llama.cpp's own rows (no hook),
-and policies that read what the routing lacks (hidden rows for a draft
-predictor or a gate, a sidecar).
+llama.cpp's own rows (`upstream*`: no hook) are priced from the placement
+the record keeps for them (pyspice.sim.upstream) and scored apart: they are
+not our policies, and the summary's figure for the lossless rows leaves them
+out. Rows the simulator cannot replay say why: policies that read what the
+routing lacks (hidden rows for a draft predictor or a gate, a sidecar).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pyspice.sim.records import UPSTREAM_PREFIX, RecordedRow, RecordedRun, recor
 from pyspice.sim.report import simulate_row
 from pyspice.sim.simulator import Costs, Simulator
 from pyspice.sim.targets import TargetModel
+from pyspice.sim.upstream import price_row, split_free_costs
 from pyspice.sim.workload import Workload, from_trace
 
 TOLERANCE = 0.10  # |predicted - measured| of TPOT over stock's, as a share of measured
@@ -50,6 +53,11 @@ class Prediction:
     note: str = ""
 
     @property
+    def llama_cpp(self) -> bool:
+        """llama.cpp's own row, not one of our policies."""
+        return self.row.startswith(UPSTREAM_PREFIX)
+
+    @property
     def error(self) -> float | None:
         if self.measured_ratio is None or self.predicted_ratio is None or self.measured_ratio <= 0:
             return None
@@ -68,6 +76,7 @@ class Prediction:
             "measured_hit": self.measured_hit,
             "predicted_hit": self.predicted_hit,
             "lossless": self.lossless,
+            "llama_cpp_row": self.llama_cpp,
             "routing": self.routing,
             "note": self.note,
         }
@@ -98,17 +107,20 @@ def _stock_costs(costs: Costs) -> Costs:
     return replace(costs, hook_us=costs.stock_layer_us, copy_issue_us=0.0, python_call_us=0.0)
 
 
-def _share(row: RecordedRow, target: TargetModel) -> str:
-    if row.slots_bytes is None:
+def _share(row: RecordedRow, target: TargetModel, placement: Any = None) -> str:
+    """The tier's share of the whole tier; for llama.cpp's --n-cpu-moe row the budget of
+    the pyspice rows its GPU experts were sized to (matched_bytes)."""
+    nbytes = row.slots_bytes
+    if nbytes is None and isinstance(placement, dict) and placement.get("matched_bytes"):
+        nbytes = int(placement["matched_bytes"])
+    if nbytes is None:
         return ""
-    return f"{100 * row.slots_bytes / target.routed_bytes:.3g}%"
+    return f"{100 * nbytes / target.routed_bytes:.3g}%"
 
 
 def _why_not(name: str, row: PolicyRow | None, wl: Workload, has_router: bool) -> str:
     """Why the simulator cannot replay a recorded row as it ran ("" when it can); `row`:
-    its name parsed (None: llama.cpp's own row, or one the grammar refuses)."""
-    if name.startswith(UPSTREAM_PREFIX):
-        return "llama.cpp's own row: not modelled"
+    its name parsed (None: one the grammar refuses)."""
     if row is None:
         try:
             row = recorded_row(name)
@@ -135,6 +147,7 @@ def predict_run(
 ) -> list[Prediction]:
     """Every row of `run`, predicted on `profile` where the simulator can replay it."""
     costs = target_costs(profile, target, workload)
+    free = split_free_costs(profile, target, workload)
     stock_rec = run.stock
     stock_ms = None
     if stock_rec is not None:
@@ -146,8 +159,9 @@ def predict_run(
         lossless = name.startswith(UPSTREAM_PREFIX) or name == "stock"
         if not lossless:
             lossless = policy_row is not None and policy_row.spec is not None and policy_row.spec.lossless
+        placement = run.llama_cpp.get(name)
         common: dict[str, Any] = dict(
-            run=run.source, row=name, budget=_share(row, target), measured_ms=row.tpot_ms,
+            run=run.source, row=name, budget=_share(row, target, placement), measured_ms=row.tpot_ms,
             measured_ratio=meas_ratio, lossless=lossless, routing=workload.source,
             measured_hit=row.hit_rate if row.hooked else None,
         )  # fmt: skip
@@ -158,6 +172,19 @@ def predict_run(
                     predicted_ms=stock_ms,
                     predicted_ratio=1.0 if stock_ms else None,
                     predicted_hit=None,
+                )
+            )
+            continue
+        if name.startswith(UPSTREAM_PREFIX):
+            priced = price_row(name, placement, costs, free, workload)
+            ratio = priced.tpot_ms / stock_ms if priced.tpot_ms is not None and stock_ms else None
+            out.append(
+                Prediction(
+                    **common,
+                    predicted_ms=priced.tpot_ms,
+                    predicted_ratio=ratio,
+                    predicted_hit=None,
+                    note=priced.note,
                 )
             )
             continue
@@ -212,12 +239,23 @@ def format_predictions(preds: Sequence[Prediction]) -> str:
             f"{(f'{p.predicted_ratio:.3f}' if p.predicted_ratio is not None else '-'):>10} "
             f"{err:>7} {hit:>11}  {p.note}"
         )
-    scored = [p for p in preds if p.lossless and p.error is not None and p.row != "stock"]
-    if scored:
-        within = sum(abs(p.error) <= TOLERANCE for p in scored if p.error is not None)
-        worst = max(abs(p.error) for p in scored if p.error is not None)
-        lines.append(
-            f"lossless rows predicted: {len(scored)}; within {100 * TOLERANCE:.0f}% of measured "
-            f"(over stock): {within}; worst {100 * worst:.1f}%"
-        )
+    ours = [p for p in preds if p.lossless and not p.llama_cpp and p.row != "stock"]
+    theirs = [p for p in preds if p.llama_cpp]
+    for what, group in (("lossless rows predicted", ours), ("llama.cpp's own rows predicted", theirs)):
+        line = _score_line(what, group)
+        if line:
+            lines.append(line)
+    if theirs:
+        lines.append("(llama.cpp's own rows are not our policies: the lossless rows' figure leaves them out)")
     return "\n".join(lines)
+
+
+def _score_line(what: str, preds: Sequence[Prediction]) -> str:
+    errors = [abs(p.error) for p in preds if p.error is not None]
+    if not errors:
+        return ""
+    within = sum(e <= TOLERANCE for e in errors)
+    return (
+        f"{what}: {len(errors)}; within {100 * TOLERANCE:.0f}% of measured (over stock): {within}; "
+        f"worst {100 * max(errors):.1f}%"
+    )

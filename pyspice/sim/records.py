@@ -92,6 +92,9 @@ class RecordedRun:
     # from before bench kept it) and the cost profile its policies read
     tier: Mapping[str, Any] | None = None
     cost_profile: str | None = None
+    # how each llama.cpp row placed the weights (bench's llama_cpp_rows: n_gpu_layers,
+    # overrides, n_cpu_moe, gpu_expert_layers, expert_layers, matched_bytes, skipped)
+    llama_cpp: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     @property
     def stock(self) -> RecordedRow | None:
@@ -176,6 +179,11 @@ def read_records(path: Path) -> list[RecordedRun]:
                 rows={name: _row(name, row, n_predict) for name, row in doc["policies"].items()},
                 tier=doc.get("tier") if isinstance(doc.get("tier"), dict) else None,
                 cost_profile=doc.get("cost_profile"),
+                llama_cpp={
+                    str(name): placement
+                    for name, placement in (doc.get("llama_cpp_rows") or {}).items()
+                    if isinstance(placement, dict)
+                },
             )
         )
     return runs

@@ -11,7 +11,7 @@ from typing import Any
 
 from pyspice.policy import make_policy
 from pyspice.policy.base import slot_precision
-from pyspice.policy.registry import PolicySpec
+from pyspice.policy.registry import SIM_ONLY_ROWS, UPSTREAM_MOECACHE, PolicySpec
 from pyspice.policy.rows import PolicyRow
 from pyspice.sim.belady import BeladyOracle, belady, read_bound
 from pyspice.sim.hardware import (
@@ -25,6 +25,7 @@ from pyspice.sim.hardware import (
 from pyspice.sim.planner import AsyncModel
 from pyspice.sim.simulator import Costs, SimResult, Simulator
 from pyspice.sim.targets import TargetModel
+from pyspice.sim.upstream import NOT_CHECKED, check_moecache_profile, moecache_result
 from pyspice.sim.workload import Workload
 from pyspice.units import slot_bytes, whole_tier_bytes
 
@@ -42,6 +43,7 @@ class SimConfig:
     # measured us per call by budget, then policy (bench runs of each budget); before policy_us
     policy_us_by_budget: dict[str, dict[str, float]] | None = None
     model: Path | None = None  # the recorded model's file (the disk profile reads it)
+    moe_cache_cpu_share: float = 0.0  # upstream-moecache: the share of misses run on the host
 
 
 # PolicyContext fields that say surrogates are loaded: a lossless policy runs without
@@ -57,6 +59,10 @@ def _spec(row: PolicyRow) -> PolicySpec:
 
 def _check_policies(rows: Sequence[PolicyRow]) -> None:
     for row in rows:
+        if row.spec is None and row.name in SIM_ONLY_ROWS:
+            if row.planning is not None or row.ram is not None or row.device is not None:
+                raise ValueError(f"row {row.label!r}: {row.name} takes no keys (it plans nothing of ours)")
+            continue
         if _spec(row).kind == "stock":
             raise ValueError("'stock' has no hook to simulate; 'exact' is the same work through the hook")
         if _spec(row).kind == "auto":
@@ -110,6 +116,9 @@ def simulate_all(
 ) -> list[dict[str, Any]]:
     """One row per (profile, budget, policy) plus a `belady` row per (profile, budget)."""
     _check_policies(cfg.policies)
+    if any(row.name == UPSTREAM_MOECACHE for row in cfg.policies):
+        for prof in cfg.profiles:  # before anything is simulated
+            check_moecache_profile(prof)
     rows: list[dict[str, Any]] = []
     extra = dict(context_extra or {})
     for prof in cfg.profiles:
@@ -153,6 +162,9 @@ def simulate_all(
             for row in cfg.policies:
                 if progress:
                     progress(f"{prof.name} {budget} {row.label}")
+                if row.name == UPSTREAM_MOECACHE:
+                    rows.append({**base, **_moecache_row(workload, prof, cfg, nbytes, note)})
+                    continue
                 us = (cfg.policy_us_by_budget or {}).get(budget, {}).get(row.label)
                 if us is None:
                     us = (cfg.policy_us or {}).get(row.label)
@@ -197,6 +209,18 @@ def simulate_all(
                 bound_row.update(_disk_bound(workload, costs, nbytes, n_tok, scale, bound_row["bounds"]))
             rows.append(bound_row)
     return rows
+
+
+def _moecache_row(
+    workload: Workload, prof: HardwareProfile, cfg: SimConfig, nbytes: int, note: str
+) -> dict[str, Any]:
+    """upstream-moecache's row (pyspice.sim.upstream), saying that nothing measured it."""
+    assert cfg.target is not None  # a GPU profile's rows have one (simulate_all)
+    got = moecache_result(workload, prof, cfg.target, nbytes, cfg.moe_cache_cpu_share)
+    said = f"{UPSTREAM_MOECACHE}: {NOT_CHECKED}"
+    if cfg.moe_cache_cpu_share:
+        said += f" (CPU share of misses {cfg.moe_cache_cpu_share:g})"
+    return {**got.record(), "note": f"{note}; {said}" if note else said}
 
 
 def _disk_bound(
