@@ -41,7 +41,12 @@ from (seed, tensor name, chunk index), so equal arguments give byte-identical
 files (for a given numpy), threads only change the speed, and `layers=N` gives
 exactly the first N layers' tensors of the full-depth model. Chunks are
 written as they are made, so memory stays at a few hundred MiB and disk at the
-file's own size (plus the F32 temporary when quantizing), whatever the shape.
+file's own size (plus the temporary when quantizing), whatever the shape.
+The temporary a quantized file is made from holds the routed experts in F16,
+the rest in F32: the experts are nearly all of a real shape's bytes, so a
+full-depth DeepSeek-V2-Lite's temporary is about 31 GB rather than 62 GB and
+fits a 64 GiB disk beside its output, and llama-quantize reads half as much;
+the tensors llama-quantize keeps unquantized (norms, routers) stay F32.
 """
 
 from __future__ import annotations
@@ -209,7 +214,8 @@ QUANTS: dict[str, QuantSpec] = {
 
 @dataclass(frozen=True)
 class SynthTensor:
-    """One tensor of the plan: values are offset + scale * N(0, 1), stored F32."""
+    """One tensor of the plan: values are offset + scale * N(0, 1), stored F32 (the
+    routed experts F16 in a temporary that llama-quantize reads, `synthesize`)."""
 
     name: str
     shape: tuple[int, ...]  # numpy order, outermost first: GGUF's ne reversed
@@ -219,6 +225,10 @@ class SynthTensor:
     @property
     def nbytes(self) -> int:
         return 4 * math.prod(self.shape)
+
+    @property
+    def routed_experts(self) -> bool:
+        return "_exps." in self.name
 
 
 def shape_for(arch: str, shape: str, layers: int | None = None) -> SynthShape:
@@ -478,7 +488,7 @@ def _chunks(spec: SynthTensor) -> Iterator[_Chunk]:
         yield _Chunk(spec, index, min(per_chunk, total - start))
 
 
-def _fill(chunk: _Chunk, seed: int) -> npt.NDArray[np.float32]:
+def _fill(chunk: _Chunk, seed: int, dtype: np.dtype[Any]) -> npt.NDArray[Any]:
     spec = chunk.spec
     seq = np.random.SeedSequence(seed, spawn_key=(zlib.crc32(spec.name.encode()), chunk.index))
     values = np.random.Generator(np.random.PCG64(seq)).standard_normal(
@@ -486,10 +496,12 @@ def _fill(chunk: _Chunk, seed: int) -> npt.NDArray[np.float32]:
     )
     values *= np.float32(spec.scale)
     values += np.float32(spec.offset)
-    return values.astype("<f4", copy=False)  # GGUF is little-endian
+    return values.astype(dtype.newbyteorder("<"), copy=False)  # GGUF is little-endian
 
 
-def _values(plan: list[SynthTensor], seed: int) -> Iterator[tuple[SynthTensor, npt.NDArray[np.float32]]]:
+def _values(
+    plan: list[SynthTensor], seed: int, dtype_of: dict[str, np.dtype[Any]]
+) -> Iterator[tuple[SynthTensor, npt.NDArray[Any]]]:
     """Every chunk of every tensor, in file order, filled by a few threads.
 
     Each chunk has its own generator, so threads change only the speed, never
@@ -499,10 +511,10 @@ def _values(plan: list[SynthTensor], seed: int) -> Iterator[tuple[SynthTensor, n
     workers = min(_MAX_WORKERS, os.cpu_count() or 1)
     window = 2 * workers
     with ThreadPoolExecutor(workers) as pool:
-        pending: deque[tuple[SynthTensor, Future[npt.NDArray[np.float32]]]] = deque()
+        pending: deque[tuple[SynthTensor, Future[npt.NDArray[Any]]]] = deque()
         for spec in plan:
             for chunk in _chunks(spec):
-                pending.append((spec, pool.submit(_fill, chunk, seed)))
+                pending.append((spec, pool.submit(_fill, chunk, seed, dtype_of[spec.name])))
                 if len(pending) >= window:
                     head, values = pending.popleft()
                     yield head, values.result()
@@ -511,7 +523,7 @@ def _values(plan: list[SynthTensor], seed: int) -> Iterator[tuple[SynthTensor, n
             yield head, values.result()
 
 
-def _write_f32(
+def _write_floats(
     path: Path,
     arch: str,
     dims: SynthShape,
@@ -519,21 +531,29 @@ def _write_f32(
     tokenizer: list[KeyValue],
     n_vocab: int,
     progress: bool,
+    experts_f16: bool = False,
 ) -> None:
-    """Header, metadata and tensor infos via GGUFWriter; tensor data streamed chunk by chunk."""
+    """Header, metadata and tensor infos via GGUFWriter; tensor data streamed chunk by
+    chunk. Every tensor F32, or with `experts_f16` the routed experts F16 (the same
+    values rounded; a temporary for llama-quantize, module docstring)."""
     plan = tensor_plan(arch, dims, n_vocab)
+    dtype_of = {
+        spec.name: np.dtype(np.float16 if experts_f16 and spec.routed_experts else np.float32)
+        for spec in plan
+    }
     writer = GGUFWriter(path, arch)
     try:
         for kv in [*_model_kv(arch, dims, n_vocab, seed), *tokenizer]:
             writer.add_key_value(kv.key, kv.value, kv.vtype, sub_type=kv.sub_type)
         for spec in plan:
-            writer.add_tensor_info(spec.name, spec.shape, np.dtype(np.float32), spec.nbytes)
+            dtype = dtype_of[spec.name]
+            writer.add_tensor_info(spec.name, spec.shape, dtype, dtype.itemsize * math.prod(spec.shape))
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         assert writer.fout is not None and len(writer.fout) == 1
         fout = writer.fout[0]
-        total = sum(spec.nbytes for spec in plan)
+        total = sum(dtype_of[spec.name].itemsize * math.prod(spec.shape) for spec in plan)
         with tqdm(
             total=total,
             unit="B",
@@ -543,7 +563,7 @@ def _write_f32(
             disable=not progress,
         ) as bar:
             current: SynthTensor | None = None
-            for spec, values in _values(plan, seed):
+            for spec, values in _values(plan, seed, dtype_of):
                 if spec is not current:
                     # GGUFWriter's data layout: every tensor starts at an aligned offset
                     writer.write_padding(fout, fout.tell())
@@ -610,7 +630,8 @@ def synthesize(
     the shape's upstream vocabulary, e.g. ggml-vocab-llama-spm.gguf with 32000
     tokens for the tiny shapes); n_vocab is its token count, or the shape's
     published n_vocab, to which the tokens are padded. `quant` other than
-    None/F32 writes an F32 temporary next to `out` and runs llama-quantize on it.
+    None/F32 writes a temporary next to `out` (routed experts F16, the rest F32) and
+    runs llama-quantize on it.
     """
     dims = shape_for(arch, shape, layers)
     spec = quant_spec(quant)
@@ -621,9 +642,9 @@ def synthesize(
     tool = load_build_info().tool("llama-quantize") if spec is not None else None
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _temp_sibling(out, ".f32.tmp")
+    tmp = _temp_sibling(out, ".float.tmp")
     try:
-        _write_f32(tmp, arch, dims, seed, tokenizer, n_vocab, progress)
+        _write_floats(tmp, arch, dims, seed, tokenizer, n_vocab, progress, experts_f16=spec is not None)
         if tool is None or spec is None:
             os.replace(tmp, out)
         else:

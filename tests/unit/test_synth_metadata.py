@@ -253,6 +253,29 @@ def test_same_seed_same_bytes(tmp_path: Path, vocab: Path, models: dict[tuple[st
     assert _kv(GGUFReader(other))["pyspice.synth.seed"] == 1
 
 
+def test_quantizing_temporary_holds_experts_in_f16(
+    tmp_path: Path, vocab: Path, models: dict[tuple[str, str], Path]
+) -> None:
+    """What llama-quantize reads: the routed experts F16 (half the bytes of the bulk of a
+    real shape), the same values as the F32 file rounded; everything else unchanged F32."""
+    tokenizer, n_vocab = synth.load_vocab(synth.shape_for("deepseek2", "tiny"), vocab)
+    dims = synth.shape_for("deepseek2", "tiny")
+    tmp = tmp_path / "half.gguf"
+    synth._write_floats(tmp, "deepseek2", dims, 0, tokenizer, n_vocab, False, experts_f16=True)
+    half = _tensors(GGUFReader(tmp))
+    full = _tensors(GGUFReader(models["deepseek2", "tiny"]))
+    assert half.keys() == full.keys()
+    experts = [name for name in half if "_exps." in name]
+    assert experts
+    for name, t in half.items():
+        if name in experts:
+            assert t.tensor_type == GGMLQuantizationType.F16, name
+            assert np.array_equal(t.data, full[name].data.astype(np.float16)), name
+        else:
+            assert t.tensor_type == GGMLQuantizationType.F32, name
+            assert np.array_equal(t.data, full[name].data), name
+
+
 def test_layers_gives_a_prefix_of_the_full_model(
     tmp_path: Path, vocab: Path, models: dict[tuple[str, str], Path]
 ) -> None:
