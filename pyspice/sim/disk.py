@@ -42,10 +42,46 @@ transfer, so the fixed part is that read's time less 64 KiB / bandwidth: one
 lone 64 KiB read then takes what the probe measured, and READERS readers
 together reach its bandwidth. (The store's estimates use the probe's latency
 as a whole, as the engine gives it: they are estimates, as in C.)
+
+The disk shares the host's cores with the decode (DiskRules' last three
+fields). Each expert is three preads made by a reader thread, which sleeps
+while the disk works and needs a core again to issue the next matrix's pread,
+copy the matrix out of its aligned buffer and hand the expert over; ggml's
+compute threads hold every core while the decode computes and wait for each
+other at every op. On a machine with few cores, then, a read moves at full
+speed only while the decode waits for the disk, and it can cost the compute
+some of its time. Three terms say how much:
+
+- `overlap` in [0, 1]: the share of the disk's progress that goes on while the
+  host computes. The reader pool runs on a clock of its own (`DiskClock`) that
+  moves at `overlap` x the host's rate while the host computes and at the
+  host's rate while the host waits for a read: 1 hides a prefetch's read
+  behind compute as a GPU's copy engine would (the pricing without the term,
+  exactly); 0 serialises every read with compute, a read then moving only
+  while the decode waits, so a prefetch saves only what reads waited for
+  together save.
+- `host_read_us`: the host compute lost per pread that completes while the
+  host computes (the reader's wake-up, copy and hand-over take a core from a
+  compute thread, and the op's other threads wait for that one at the
+  barrier). Per read, not per byte: with O_DIRECT the disk moves the bytes
+  and the host's share is per call. (Every expert read here is three preads
+  of about its size, so per read and per byte cannot be told apart on one
+  model's records.) The lost time is paid before the next call's host reads
+  (SimDiskTier.read_for_host), as compute, so the call that follows starts
+  that much later.
+- `read_scale`: how many times the probe's time a read takes while a decode
+  runs, even while the decode waits (the probe times the disk on idle cores;
+  during a decode the reader threads queue for a core to issue each pread).
+  On a shared machine it also carries how far the disk's speed has moved
+  since the probe.
+
+None of them is measurable on the disk alone; they are fitted to edge-mode
+bench records (pyspice.sim.fit, fit_disk).
 """
 
 from __future__ import annotations
 
+import bisect
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -152,11 +188,93 @@ class DiskRules:
     reads: ExpertReads
     read_latency_us: float  # the disk's fixed latency per read (module docstring)
     readers: int = READERS
+    # the disk and the decode on the same cores (module docstring): the share of the disk's
+    # progress that goes on while the host computes, and host compute lost per pread then
+    overlap: float = 1.0
+    host_read_us: float = 0.0
+    # how many times the probe's time a read takes while a decode runs, even while it waits
+    read_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.overlap <= 1.0 or self.host_read_us < 0 or not self.read_scale > 0:
+            raise ValueError(
+                f"disk overlap must be in [0, 1], host time per read non-negative and the read "
+                f"scale positive (got {self.overlap}, {self.host_read_us}, {self.read_scale})"
+            )
 
     @staticmethod
     def fixed_latency_us(probe_latency_us: float, gbps: float) -> float:
         """The fixed part of the probe's 64 KiB read time: less that read's own transfer."""
         return max(0.0, probe_latency_us - PROBE_READ_BYTES / (gbps * 1e3))
+
+
+@dataclass
+class DiskClock:
+    """The reader pool's clock against the host's: piecewise linear, moving at `overlap`
+    x the host's rate while the host computes and at its rate while the host waits for
+    a read (module docstring). Both start at 0; `host` and `disk` are its breakpoints."""
+
+    overlap: float = 1.0
+    host: list[int] = field(default_factory=lambda: [0])
+    disk: list[int] = field(default_factory=lambda: [0])
+
+    @property
+    def host_ns(self) -> int:
+        return self.host[-1]
+
+    @property
+    def disk_ns(self) -> int:
+        return self.disk[-1]
+
+    def _extend(self, host_ns: int, disk_ns: int) -> None:
+        # a segment as steep as the last one extends it (overlap 1 keeps a single segment)
+        if len(self.host) >= 2:
+            dh, dd = self.host[-1] - self.host[-2], self.disk[-1] - self.disk[-2]
+            if dd * (host_ns - self.host[-1]) == dh * (disk_ns - self.disk[-1]):
+                self.host[-1], self.disk[-1] = host_ns, disk_ns
+                return
+        self.host.append(host_ns)
+        self.disk.append(disk_ns)
+
+    def compute_to(self, host_ns: int) -> int:
+        """The host computed from the clock's last time to `host_ns`; the disk's time then
+        (an earlier host time: the disk's time it had then)."""
+        if host_ns <= self.host_ns:
+            return self.disk_of(host_ns)
+        step = host_ns - self.host_ns
+        moved = step if self.overlap >= 1.0 else int(step * self.overlap)
+        self._extend(host_ns, self.disk_ns + moved)
+        return self.disk_ns
+
+    def wait_for(self, disk_ns: int) -> int:
+        """The host waits from the clock's last time until the disk's time is `disk_ns`;
+        the host's time then (one already past: the earliest host time it was reached)."""
+        if disk_ns <= self.disk_ns:
+            return self.host_of(disk_ns)
+        self._extend(self.host_ns + disk_ns - self.disk_ns, disk_ns)
+        return self.host_ns
+
+    def disk_of(self, host_ns: int) -> int:
+        """The disk's time at host time `host_ns` (beyond the clock's last time: as if the
+        host waited until then)."""
+        if host_ns >= self.host_ns:
+            return self.disk_ns + (host_ns - self.host_ns)
+        i = bisect.bisect_right(self.host, host_ns)
+        if i == 0:
+            return self.disk[0]
+        h0, h1, d0, d1 = self.host[i - 1], self.host[i], self.disk[i - 1], self.disk[i]
+        return d0 + (d1 - d0) * (host_ns - h0) // max(1, h1 - h0)
+
+    def host_of(self, disk_ns: int) -> int:
+        """The earliest host time at which the disk's time was `disk_ns` (beyond the
+        clock's last time: as if the host waited until then)."""
+        if disk_ns >= self.disk_ns:
+            return self.host_ns + (disk_ns - self.disk_ns)
+        i = bisect.bisect_left(self.disk, disk_ns)
+        if i == 0:
+            return self.host[0]
+        h0, h1, d0, d1 = self.host[i - 1], self.host[i], self.disk[i - 1], self.disk[i]
+        return h0 + -(-(h1 - h0) * (disk_ns - d0) // max(1, d1 - d0))
 
 
 @dataclass
@@ -167,45 +285,64 @@ class Read:
     seq: int
     handed_ns: int
     scratch: bool  # a host action's read into scratch (else a copy into a slot)
-    start_ns: int = -1  # when a reader took it
+    # on the disk's clock (DiskClock): when a reader took it, when it is done
+    start_ns: int = -1
     done_ns: int = -1
 
 
 @dataclass
 class DiskDevice:
-    """The disk device's reader pool and the disk, on the simulator's clock. Reads are
-    handed over at the caller's `now`; readers free by then take them in queue order
-    (take_next) as the clock moves on."""
+    """The disk device's reader pool and the disk, on a clock of their own (DiskClock:
+    the host's, where `overlap` is 1). Reads are handed over at the caller's `now` (host
+    time); readers free by then take them in queue order (take_next) as the clock moves
+    on. Every time a Read holds is on the disk's clock; what the device answers is in
+    host time."""
 
     gbps: float
     latency_us: float  # fixed, per read
     readers: int = READERS
+    overlap: float = 1.0  # DiskRules.overlap
+    host_read_us: float = 0.0  # DiskRules.host_read_us
     free_ns: list[int] = field(default_factory=list)
     disk_free_ns: int = 0
     queue: list[Read] = field(default_factory=list)
     log: list[Read] = field(default_factory=list)  # every read handed over, in order
+    clock: DiskClock = field(default_factory=DiskClock)
+    host_lost_ns: float = 0.0  # host compute lost to reads done while it computed, not yet paid
+    _pending: list[Read] = field(default_factory=list)  # started, not yet done on the host's clock
     _seq: int = 0
 
     def __post_init__(self) -> None:
         if not self.gbps > 0 or self.latency_us < 0 or self.readers < 1:
             raise ValueError("disk bandwidth must be positive, latency non-negative, readers at least 1")
+        if not 0.0 <= self.overlap <= 1.0 or self.host_read_us < 0:
+            raise ValueError("disk overlap must be in [0, 1] and host time per read non-negative")
         self.free_ns = [0] * self.readers
+        self.clock = DiskClock(self.overlap)
 
     def submit(self, nbytes: int, n_reads: int, priority: int, now: int, *, scratch: bool = False) -> Read:
         self.advance(now)
         self._seq += 1
-        r = Read(nbytes, n_reads, priority, self._seq, now, scratch)
+        r = Read(nbytes, n_reads, priority, self._seq, self.clock.disk_of(now), scratch)
         self.queue.append(r)
         self.log.append(r)
-        self.advance(now)  # a reader free now takes it at once
+        self._run(r.handed_ns)  # a reader free now takes it at once
         return r
 
     def advance(self, now: int) -> None:
-        """Readers free by `now` take the queued reads they would have taken."""
+        """The host computed until `now`: the disk moved on as far as that takes it (its
+        clock, `overlap` x as far), and the readers free by then took the queued reads
+        they would have taken."""
+        before = self.clock.disk_ns
+        self._run(self.clock.compute_to(now))
+        self._settle(before, self.clock.disk_ns, computing=True)
+
+    def _run(self, until: int) -> None:
+        """Readers free by disk time `until` take the queued reads they would have taken."""
         while self.queue:
             i = min(range(self.readers), key=self.free_ns.__getitem__)
             t = max(self.free_ns[i], min(r.handed_ns for r in self.queue))
-            if t > now:
+            if t > until:
                 return
             ready = [r for r in self.queue if r.handed_ns <= t]
             r = min(ready, key=lambda q: (-q.priority, q.seq))
@@ -216,20 +353,50 @@ class DiskDevice:
             r.start_ns = t
             r.done_ns = x + transfer + round(self.latency_us * 1e3)
             self.free_ns[i] = r.done_ns
+            self._pending.append(r)
 
-    def finish(self, r: Read) -> int:
-        """When `r` is done, the readers moved on as far as that takes (nothing else is
+    def _settle(self, lo: int, hi: int, *, computing: bool) -> None:
+        """The reads done within disk time (lo, hi]: while the host computed, each of their
+        preads cost it host_read_us."""
+        if not self._pending:
+            return
+        done = [r for r in self._pending if r.done_ns <= hi]
+        if not done:
+            return
+        self._pending = [r for r in self._pending if r.done_ns > hi]
+        if computing and self.host_read_us > 0:
+            self.host_lost_ns += sum(r.n_reads for r in done if r.done_ns > lo) * self.host_read_us * 1e3
+
+    def finish(self, r: Read, now: int | None = None) -> int:
+        """When `r` is done, in host time, for a host that waits for it from `now` (None:
+        the clock's last time); the readers move on as far as that takes (nothing else is
         handed over meanwhile: the caller waits)."""
+        if now is not None:
+            self.advance(now)
         while r.done_ns < 0:
-            self.advance(max(min(self.free_ns), min(q.handed_ns for q in self.queue)))
-        return r.done_ns
+            self._run(max(min(self.free_ns), min(q.handed_ns for q in self.queue)))
+        before = self.clock.disk_ns
+        done = self.clock.wait_for(r.done_ns)
+        self._settle(before, self.clock.disk_ns, computing=False)
+        return done
+
+    def host_ns(self, r: Read) -> tuple[int, int]:
+        """(start, done) of a started read in host time."""
+        return self.clock.host_of(r.start_ns), self.clock.host_of(r.done_ns)
+
+    def take_host_lost(self) -> int:
+        """The host compute lost to reads so far and not yet paid, in ns; now paid."""
+        lost = int(self.host_lost_ns)
+        self.host_lost_ns -= lost
+        return lost
 
     def totals(self, until_ns: int) -> tuple[int, int, int, int]:
         """(bytes, reads, experts read, experts read into scratch) of the reads done by
-        `until_ns` (libspice books a read once it is done)."""
+        host time `until_ns` (libspice books a read once it is done)."""
+        until = self.clock.disk_of(until_ns)
         nbytes = reads = experts = scratch = 0
         for r in self.log:
-            if 0 <= r.done_ns <= until_ns:
+            if 0 <= r.done_ns <= until:
                 nbytes += r.nbytes
                 reads += r.n_reads
                 experts += 1
@@ -246,12 +413,20 @@ class SimDiskTier(SimTier):
     device: DiskDevice | None = None
     _reads: dict[tuple[int, int], Read] = field(default_factory=dict)
     scratch_ns: int = 0  # time calls waited for their host actions' reads
+    contention_ns: int = 0  # host compute lost to reads done while it computed (paid so far)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.rules is None:
             raise ValueError("a disk tier needs its rules (DiskRules)")
-        self.device = DiskDevice(self.bandwidth_gbps, self.rules.read_latency_us, self.rules.readers)
+        scale = self.rules.read_scale
+        self.device = DiskDevice(
+            self.bandwidth_gbps / scale,
+            self.rules.read_latency_us * scale,
+            self.rules.readers,
+            overlap=self.rules.overlap,
+            host_read_us=self.rules.host_read_us,
+        )
 
     @property
     def disk(self) -> DiskDevice:
@@ -275,20 +450,28 @@ class SimDiskTier(SimTier):
     def _landed_by(self, c: Copy, now: int) -> bool:
         self.disk.advance(now)
         done = self._reads[(c.layer, c.expert)].done_ns
-        return 0 <= done <= now
+        return 0 <= done <= self.disk.clock.disk_of(now)
 
     def _done_ns(self, c: Copy) -> int:
-        return self.disk.finish(self._reads[(c.layer, c.expert)])
+        return self.disk.finish(self._reads[(c.layer, c.expert)], self.now_ns)
 
     def _copy_ns(self, c: Copy) -> int:
-        r = self._reads.pop((c.layer, c.expert))
-        return r.done_ns - r.start_ns
+        start, done = self.disk.host_ns(self._reads.pop((c.layer, c.expert)))
+        return done - start
 
     def read_for_host(self, layer: int, experts: Sequence[int]) -> int:
         """spice_runtime_read_host_experts: read `experts` of `layer` into scratch, ahead of
-        every queued read, and wait for them all; returns the wait (the clock moves on)."""
+        every queued read, and wait for them all; returns the time the call spent (the
+        clock moves on): first the host compute that reads done while it computed took
+        (DiskRules.host_read_us, booked in contention_ns), then the wait for the reads."""
         assert self.rules is not None
         now = self.now_ns
+        self.disk.advance(now)
+        lost = self.disk.take_host_lost()
+        if lost:
+            now += lost
+            self.disk.advance(now)  # computing what it lost: the disk moves as it does meanwhile
+            self.contention_ns += lost
         reads = []
         for e in experts:
             n_reads, nbytes = self.rules.reads.of(layer, e)
@@ -297,13 +480,15 @@ class SimDiskTier(SimTier):
         wait = max(0, done - now)
         self.now_ns = max(now, done)
         self.scratch_ns += wait
-        return wait
+        return lost + wait
 
     def reset_counters(self) -> None:
         """As spice_runtime_preload leaves them: the reads done so far are booked nowhere."""
         super().reset_counters()
-        self.disk.log = [r for r in self.disk.log if r.done_ns < 0 or r.done_ns > self.now_ns]
+        now = self.disk.clock.disk_of(self.now_ns)
+        self.disk.log = [r for r in self.disk.log if r.done_ns < 0 or r.done_ns > now]
         self.scratch_ns = 0
+        self.contention_ns = 0
 
     def read_totals(self, until_ns: int) -> tuple[int, int, int, int]:
         """(bytes, reads, experts, scratch experts) of the reads done by `until_ns`."""

@@ -35,7 +35,12 @@ the one `pyspice probe` measured for the model (the saved cost profile, or
 --probe) when that profile has the disk's figures, else the committed
 profiles/disk.json (this project's CPU machine, measured, with its note); its
 compute times are the probe's, or without one derived from the JSON's host
-figures over the model's own sizes.
+figures over the model's own sizes. Three of its values say how the disk and the
+decode share this machine's cores, which the probe, timing the disk alone, cannot
+show: `disk_overlap`, `disk_host_read_us` and `disk_read_scale` (pyspice.sim.disk,
+DiskRules; absent: 1, 0 and 1, reads at the probe's speed hidden behind compute),
+fitted to edge-mode records by `pyspice sim fit` (pyspice.sim.fit, fit_disk). A
+probe's disk figures replace the profile's bandwidth and latency and keep those three.
 """
 
 from __future__ import annotations
@@ -123,7 +128,16 @@ _MEASURED_ONLY = (
     "step_us",
     "stock_layer_us",
     "async_layer_us",
+    # the disk tier's reads and the decode on the same cores (pyspice.sim.disk, DiskRules),
+    # fitted to edge-mode records (`pyspice sim fit`, fit_disk): the share of a read's
+    # progress that goes on while the host computes, and host compute lost per pread then
+    "disk_overlap",
+    "disk_host_read_us",
+    "disk_read_scale",  # a read's time while a decode runs over the probe's, the host waiting
 )
+# what an absent measured-only value stands for where it is not 0: reads hidden behind
+# compute, as a device's copy engine hides its copies, at the disk's probed speed
+_ABSENT = {"disk_overlap": 1.0, "disk_read_scale": 1.0}
 
 
 @dataclass(frozen=True)
@@ -149,10 +163,11 @@ class HardwareProfile:
         return self.values[key].value
 
     def optional(self, key: str) -> float:
-        """A value only measured profiles give (_MEASURED_ONLY), 0 where a profile lacks it."""
+        """A value only measured profiles give (_MEASURED_ONLY), 0 where a profile lacks it
+        (`disk_overlap`: 1)."""
         if key not in _MEASURED_ONLY:
             raise KeyError(f"{key!r} is a value every profile gives: index the profile")
-        return self.values[key].value if key in self.values else 0.0
+        return self.values[key].value if key in self.values else _ABSENT.get(key, 0.0)
 
     @staticmethod
     def from_json(doc: dict[str, Any]) -> HardwareProfile:
@@ -191,11 +206,13 @@ def load_profile(name: str, probe_path: Path | None = None) -> HardwareProfile:
         return emulated_profile(probe_path)
     path = Path(name)
     if path.suffix == ".json" and path.exists():
-        return HardwareProfile.from_json(json.loads(path.read_text()))
-    res = resources.files("pyspice.sim").joinpath("profiles", f"{name}.json")
-    if not res.is_file():
-        raise ValueError(f"unknown hardware profile {name!r}; choose one of {', '.join(profile_names())}")
-    profile = HardwareProfile.from_json(json.loads(res.read_text()))
+        profile = HardwareProfile.from_json(json.loads(path.read_text()))
+    else:
+        res = resources.files("pyspice.sim").joinpath("profiles", f"{name}.json")
+        if not res.is_file():
+            raise ValueError(f"unknown hardware profile {name!r}; choose one of {', '.join(profile_names())}")
+        profile = HardwareProfile.from_json(json.loads(res.read_text()))
+    # a disk profile from a file (one `sim fit` wrote) takes a probe as the shipped one does
     if profile.disk and probe_path is not None and probe_path.is_file():
         return with_probe(profile, load_cost_profile(probe_path))
     return profile
@@ -216,11 +233,11 @@ def with_probe(profile: HardwareProfile, probe: CostProfile) -> HardwareProfile:
             "measured",
             f"`pyspice probe` of {Path(probe.model).name}: median random 64 KiB O_DIRECT read",
         )
-    return HardwareProfile(
-        profile.name,
-        f"{profile.description}; compute from `pyspice probe` of {Path(probe.model).name} "
+    return replace(
+        profile,
+        description=f"{profile.description}; compute from `pyspice probe` of {Path(probe.model).name} "
         f"({probe.threads} threads)",
-        values,
+        values=values,
         probe=probe,
         disk=True,
     )
@@ -321,7 +338,13 @@ def disk_costs(
     file takes, the disk as the profile has it, compute from the probe or the profile.
     `expert_bytes`: one routed expert's bytes per layer, as the store charges them."""
     gbps, latency = profile["bus_gbps"], profile["bus_latency_us"]
-    rules = DiskRules(ExpertReads.from_model(model), DiskRules.fixed_latency_us(latency, gbps))
+    rules = DiskRules(
+        ExpertReads.from_model(model),
+        DiskRules.fixed_latency_us(latency, gbps),
+        overlap=profile.optional("disk_overlap"),
+        host_read_us=profile.optional("disk_host_read_us"),
+        read_scale=profile.optional("disk_read_scale"),
+    )
     if profile.probe is not None:
         base = emulated_costs(profile, workload, expert_bytes)
     else:
