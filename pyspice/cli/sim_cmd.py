@@ -31,7 +31,7 @@ from pyspice.formats.profile import profile_path
 from pyspice.formats.routers import RouterReader
 from pyspice.formats.sidecar import Sidecar
 from pyspice.formats.trace import TraceReader
-from pyspice.policy.registry import SIM_ONLY_ROWS, UPSTREAM_MOECACHE
+from pyspice.policy.registry import SIM_ONLY_ROWS, UPSTREAM_MOECACHE, inputs_verdict
 from pyspice.policy.rows import PolicyRow, parse_row, rows_argument
 from pyspice.policy.spice.history_lookahead import HistoryLookahead
 from pyspice.policy.spice.routing_history import RoutingHistory
@@ -221,24 +221,18 @@ def _ids_only_model(args: argparse.Namespace, profiles: tuple[str, ...]) -> None
 
 
 def _check_ids_only_policies(rows: list[PolicyRow], history: bool) -> None:
-    """Refuse a policy that needs what a trace of routing alone lacks; say what falls back."""
+    """Refuse a policy that needs what a trace of routing alone lacks; say what falls back
+    (registry.inputs_verdict, the rule auto's ranking follows too)."""
     for row in rows:
-        name, spec = row.name, row.spec
-        if spec is None:  # a sim-only row (SIM_ONLY_ROWS): it reads the ids alone
+        if row.spec is None:  # a sim-only row (SIM_ONLY_ROWS): it reads the ids alone
             continue
-        if "hidden" not in spec.inputs:
-            continue
-        if spec.reads_sidecar:
-            if not history:
-                raise ValueError(
-                    f"policy {name!r} predicts from hidden rows, which this trace of routing alone "
-                    "lacks: fit a routing-history predictor with `pyspice trace fit TRACE -o P.npz` "
-                    "and pass --history-predictor P.npz"
-                )
-        elif spec.without_hidden:
-            note(f"{name}: the trace has no hidden rows for its gate, so it {spec.without_hidden}")
-        else:
-            raise ValueError(f"policy {name!r} reads hidden rows, which this trace of routing alone lacks")
+        verdict = inputs_verdict(row.spec, hidden_rows=False, routers=False, predictor=history)
+        if verdict.missing:
+            raise ValueError(
+                f"policy {row.name!r} cannot run on this trace of routing alone: {verdict.missing}"
+            )
+        if verdict.fallback:
+            note(f"{row.name}: the trace has no hidden rows for its gate, so it {verdict.fallback}")
 
 
 def _note_geometry(workload: Workload, target: TargetModel) -> None:

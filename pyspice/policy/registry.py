@@ -58,6 +58,40 @@ class PolicySpec:
         return self.factory() if self.factory is not None else None
 
 
+@dataclass(frozen=True)
+class InputsVerdict:
+    """Whether a policy runs on the inputs a run or a trace has (inputs_verdict)."""
+
+    missing: str = ""  # why it cannot run at all ("" = it can)
+    fallback: str = ""  # what it runs as instead of itself, where it still runs
+
+    @property
+    def runs_as_itself(self) -> bool:
+        return not self.missing and not self.fallback
+
+
+def inputs_verdict(spec: PolicySpec, *, hidden_rows: bool, routers: bool, predictor: bool) -> InputsVerdict:
+    """What `spec` does where the routing has (or lacks) hidden rows, the model's routers
+    are (or are not) at hand, and a predictor (a sidecar's draft or a routing-history
+    one) is (or is not) given: the one rule `pyspice sim` (which refuses or notes) and
+    `auto` (which leaves out anything that would not run as itself) both follow."""
+    if "hidden" not in spec.inputs:
+        return InputsVerdict()
+    if spec.reads_sidecar:  # SPICE: the predictor is what reads the hidden rows
+        if predictor:
+            return InputsVerdict()
+        return InputsVerdict(
+            missing="no predictor: it predicts from hidden rows with a calibration sidecar's draft, or "
+            "from expert ids with a routing-history predictor (`pyspice trace fit TRACE -o P.npz`, "
+            "then --history-predictor P.npz)"
+        )
+    if hidden_rows and routers:
+        return InputsVerdict()
+    if spec.without_hidden:
+        return InputsVerdict(fallback=spec.without_hidden)
+    return InputsVerdict(missing="it reads hidden rows and the model's routers, which this routing lacks")
+
+
 class ExactPassThrough(PolicyBase):
     """`exact-py`: every activation exact, decided in Python (measures the Python path's cost)."""
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from pyspice.policy import policy_spec
 from pyspice.policy.profile import CostProfile
+from pyspice.policy.registry import inputs_verdict
 from pyspice.policy.rows import parse_row
 from pyspice.sim.report import simulate_row, tier_context
 from pyspice.sim.simulator import Costs, Simulator
@@ -66,13 +67,14 @@ def rank_lossless(
     left_out: list[tuple[str, str]] = []
     runnable: list[str] = []
     for name in candidates:
-        spec = policy_spec(name)
-        if spec.reads_sidecar and not has_predictor:
-            left_out.append((name, "no predictor: no calibration sidecar or routing-history predictor"))
-        elif "hidden" in spec.inputs and not spec.reads_sidecar and (not hidden or router is None):
-            left_out.append((name, "its gate needs the routing sample's hidden rows and the model's routers"))
-        else:
+        # only what would run as itself: a fallback would rank another policy under its name
+        verdict = inputs_verdict(
+            policy_spec(name), hidden_rows=hidden, routers=router is not None, predictor=has_predictor
+        )
+        if verdict.runs_as_itself:
             runnable.append(name)
+        else:
+            left_out.append((name, verdict.missing or f"without hidden rows it {verdict.fallback}"))
     sim = Simulator(
         workload,
         costs,
