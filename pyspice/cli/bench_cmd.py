@@ -217,8 +217,6 @@ def describe_row(row: UpstreamRow) -> str:
 
 def run(args: argparse.Namespace) -> int:
     if args.memory_limit is not None:
-        if args.replay_routing is not None:
-            raise ValueError("--replay-routing is for timing runs; --memory-limit rows do not replay")
         return bench_limited.run(args)
     rows: tuple[PolicyRow, ...] = tuple(args.policies)
     check_in_process_rows(rows)

@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pyspice.cli.common import resolve_model, run_config
+from pyspice.cli.common import note, resolve_model, run_config
 from pyspice.cli.numbers import byte_size
 from pyspice.engine.config import RunConfig
 from pyspice.formats.model_info import inspect_model
@@ -82,8 +82,10 @@ def parse_memory_limit(text: str) -> int | str:
 
 def row_config(args: argparse.Namespace, row: PolicyRow, threads: int) -> RunConfig:
     """The row's RunConfig: the command's, with what the row sets for itself over it."""
-    if row.name == UPSTREAM:  # plain llama.cpp from its mmap: no tier of any kind
-        args = argparse.Namespace(**{**vars(args), "ram_budget": None, "device_budget": None})
+    if row.name == UPSTREAM:  # plain llama.cpp from its mmap: no tier, no hook to replay routing
+        args = argparse.Namespace(
+            **{**vars(args), "ram_budget": None, "device_budget": None, "replay_routing": None}
+        )
     policy = "stock" if row.name == UPSTREAM else row.name
     config = dataclasses.replace(run_config(args, policy), threads=threads)
     # as written: RunConfig resolves a budget's text itself, and records it as given
@@ -111,6 +113,12 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--memory-limit needs -n of at least 2 (TPOT and bytes are per decoded token)")
     if args.trace:
         raise ValueError("--trace records in one process: leave it out with --memory-limit")
+    if args.replay_routing is not None and any(row.name == UPSTREAM for row in rows):
+        note(
+            "--replay-routing: the pyspice rows replay the trace's routing; upstream is plain llama.cpp, "
+            "which has no hook to replay it, so it routes by the model's own router (on a random-weight "
+            "model, at random): compare it with the others as a different workload"
+        )
     layout = system_layout()  # no cgroup here: fail before the model is touched
     model = resolve_model(args, role="benchmark")
     text = Path(args.file).read_text(encoding="utf-8") if args.file else (args.prompt or DEFAULT_PROMPT)
@@ -182,6 +190,9 @@ def run(args: argparse.Namespace) -> int:
             "n_predict": args.n_predict,
             "runs": args.repeat,
             "threads": threads,
+            # the pyspice rows' routing (timing only); upstream routes by its own router
+            "replay_routing": str(args.replay_routing) if args.replay_routing is not None else None,
+            "history_predictor": str(args.history_predictor) if args.history_predictor is not None else None,
         }
         json.dump(limited_document(outcomes, baseline, header), sys.stdout)
         sys.stdout.write("\n")

@@ -248,6 +248,19 @@ def test_a_row_ram_budget_reaches_the_row_config_and_upstream_gets_none(tmp_path
     assert bench_limited.row_config(args, plain, 2).planning == command_config(args, "lru").planning
 
 
+def test_replayed_routing_reaches_the_pyspice_rows_not_upstream(tmp_path: Path) -> None:
+    """Under a memory limit the pyspice rows replay a trace (their hook swaps the ids);
+    plain llama.cpp has no hook, so its row keeps the model's own routing."""
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")
+    args = build_parser().parse_args(
+        ["bench", "-m", str(model), "--memory-limit", "1GiB", "--replay-routing", str(tmp_path / "t")]
+    )
+    row, up = parse_rows("lru@ram=25%,upstream", UPSTREAM_ROWS)
+    assert bench_limited.row_config(args, row, 2).replay_routing == tmp_path / "t"
+    assert bench_limited.row_config(args, up, 2).replay_routing is None
+
+
 def _bench_args(*extra: str) -> argparse.Namespace:
     return build_parser().parse_args(["bench", "-m", "x.gguf", "--memory-limit", "1GiB", *extra])
 
