@@ -288,6 +288,7 @@ class Read:
     # on the disk's clock (DiskClock): when a reader took it, when it is done
     start_ns: int = -1
     done_ns: int = -1
+    handed_host_ns: int = 0  # when it was handed over, on the host's clock
 
 
 @dataclass
@@ -323,7 +324,7 @@ class DiskDevice:
     def submit(self, nbytes: int, n_reads: int, priority: int, now: int, *, scratch: bool = False) -> Read:
         self.advance(now)
         self._seq += 1
-        r = Read(nbytes, n_reads, priority, self._seq, self.clock.disk_of(now), scratch)
+        r = Read(nbytes, n_reads, priority, self._seq, self.clock.disk_of(now), scratch, handed_host_ns=now)
         self.queue.append(r)
         self.log.append(r)
         self._run(r.handed_ns)  # a reader free now takes it at once
@@ -381,8 +382,10 @@ class DiskDevice:
         return done
 
     def host_ns(self, r: Read) -> tuple[int, int]:
-        """(start, done) of a started read in host time."""
-        return self.clock.host_of(r.start_ns), self.clock.host_of(r.done_ns)
+        """(start, done) of a started read in host time. A disk time the clock held while
+        the host computed maps to the earliest host time it had, which can be before the
+        read was handed over: the start is then the hand-over."""
+        return max(r.handed_host_ns, self.clock.host_of(r.start_ns)), self.clock.host_of(r.done_ns)
 
     def take_host_lost(self) -> int:
         """The host compute lost to reads so far and not yet paid, in ns; now paid."""
