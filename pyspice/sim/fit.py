@@ -822,7 +822,7 @@ def disk_fit_command(
     probe: Path | None,
     sidecar: Path | None,
     budget: str | None,
-    base_name: str = "disk",
+    base: str = "disk",
     name: str | None = None,
 ) -> int:
     """Fit the disk terms to the RAM-budget runs of `records` (those of `budget` only, where
@@ -832,17 +832,19 @@ def disk_fit_command(
     if not fit_runs:
         have = ", ".join(sorted({run.budget for run in runs})) or "none"
         raise ValueError(f"no RAM-budget run of {budget} in the records (budgets there: {have})")
-    base = load_profile(base_name)
-    if not base.disk:
-        raise ValueError(f"profile {base.name!r} is not a disk profile: the disk terms are edge mode's")
-    pricing, priced = disk_pricing(model, trace, probe, sidecar, base)
+    profile = load_profile(base)
+    if not profile.disk:
+        raise ValueError(f"profile {profile.name!r} is not a disk profile: the disk terms are edge mode's")
+    pricing, priced = disk_pricing(model, trace, probe, sidecar, profile)
     fit = fit_disk(pricing, fit_runs)
     disk = f"{priced['bus_gbps']:.3g} GB/s and {priced['bus_latency_us']:.3g} us per 64 KiB read"
     terms = disk_fit_terms(fit, fit_runs, f"the disk as probed ({disk}), routing {trace.name}")
-    doc = fitted_disk_profile(base, terms, fit_runs, name or output.stem)
+    doc = fitted_disk_profile(profile, terms, fit_runs, name or output.stem)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"fitted the disk terms to {len(fit_runs)} run(s) ({fit.evaluations} simulations), on {base.name}:")
+    print(
+        f"fitted the disk terms to {len(fit_runs)} run(s) ({fit.evaluations} simulations), on {profile.name}:"
+    )
     for term in terms:
         print(f"  {term.key:<20} {term.value:8.3f}{'' if term.fitted else '  (kept)'}  {term.note}")
     print(format_disk_predictions(predict_disk(pricing, runs, fit.terms), {r.source for r in fit_runs}))
@@ -863,18 +865,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--budget", help="fit to the runs of this RAM budget only (e.g. 25%%)")
     p.add_argument("--base", default="disk", help="the disk profile the terms join (default disk)")
     p.add_argument("--name", help="the new profile's name (default: the output file's stem)")
-    args = p.parse_args(argv)
-    return disk_fit_command(
-        args.records,
-        args.output,
-        model=args.model,
-        trace=args.trace,
-        probe=args.probe,
-        sidecar=args.sidecar,
-        budget=args.budget,
-        base_name=args.base,
-        name=args.name,
-    )
+    return disk_fit_command(**vars(p.parse_args(argv)))
 
 
 if __name__ == "__main__":
