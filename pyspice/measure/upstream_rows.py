@@ -25,18 +25,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pyspice.formats.model_info import TensorInfo
-from pyspice.units import format_bytes
 
-UPSTREAM = "upstream"
-UPSTREAM_NCMOE = "upstream-ncmoe"
-UPSTREAM_CPU_EXPS = "upstream-cpu-exps"
-UPSTREAM_ROWS = (UPSTREAM, UPSTREAM_NCMOE, UPSTREAM_CPU_EXPS)
+# the rows' names live in the registry; bench's modules take them from here too
+from pyspice.policy.registry import ALL_LAYERS_NGL as ALL_LAYERS_NGL
+from pyspice.policy.registry import UPSTREAM as UPSTREAM
+from pyspice.policy.registry import UPSTREAM_CPU_EXPS as UPSTREAM_CPU_EXPS
+from pyspice.policy.registry import UPSTREAM_NCMOE as UPSTREAM_NCMOE
+from pyspice.policy.registry import UPSTREAM_ROWS as UPSTREAM_ROWS
+from pyspice.units import format_bytes
 
 # llama.cpp's LLM_FFN_EXPS_REGEX: what --cpu-moe and --n-cpu-moe move to the CPU
 EXPS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
 # what `-ot exps=CPU` matches (std::regex_search: anywhere in the name)
 CPU_EXPS_PATTERN = "exps"
-ALL_LAYERS_NGL = 99  # -ngl 99
 # all weights on the GPU only when they leave this share of its free memory for
 # llama.cpp's KV cache and compute buffers (pyspice.engine.device's margin)
 FIT_MARGIN = 0.9

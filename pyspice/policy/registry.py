@@ -165,6 +165,14 @@ _SPECS: dict[str, PolicySpec] = {
     )
 }
 
+# llama.cpp's own rows (bench runs them as plain llama.cpp, the simulator prices them
+# from a record's placement, pyspice.sim.upstream): named here, below both
+UPSTREAM = "upstream"
+UPSTREAM_NCMOE = "upstream-ncmoe"
+UPSTREAM_CPU_EXPS = "upstream-cpu-exps"
+UPSTREAM_ROWS = (UPSTREAM, UPSTREAM_NCMOE, UPSTREAM_CPU_EXPS)
+ALL_LAYERS_NGL = 99  # -ngl 99: every layer's weights on the GPU
+
 # Rows `pyspice sim --policies` runs besides the policies: what no engine of ours runs,
 # modelled in the simulator alone (pyspice.sim.upstream), by name and what it stands for
 UPSTREAM_MOECACHE = "upstream-moecache"

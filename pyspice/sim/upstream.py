@@ -70,10 +70,15 @@ from typing import Any
 
 import numpy as np
 
-from pyspice.measure.upstream_rows import ALL_LAYERS_NGL, UPSTREAM, UPSTREAM_CPU_EXPS, UPSTREAM_NCMOE
 from pyspice.policy.base import ACTION_DEVICE, ACTION_HOST, RESIDENCY_ABSENT, HookCall, Plan, PolicyBase
 from pyspice.policy.context import PolicyContext
-from pyspice.policy.registry import UPSTREAM_MOECACHE
+from pyspice.policy.registry import (
+    ALL_LAYERS_NGL,
+    UPSTREAM,
+    UPSTREAM_CPU_EXPS,
+    UPSTREAM_MOECACHE,
+    UPSTREAM_NCMOE,
+)
 from pyspice.sim.hardware import HardwareProfile, Value, policy_profile, target_costs
 from pyspice.sim.simulator import Costs, SimResult, Simulator, interpolate
 from pyspice.sim.targets import TargetModel
