@@ -35,6 +35,7 @@ from pyspice.engine.plain_llama import PlainLlama, TensorBuftOverride, override_
 from pyspice.engine.surrogates import SurrogateSource
 from pyspice.formats.model_info import ModelFileError, read_header
 from pyspice.formats.sidecar import Sidecar
+from pyspice.formats.tensor_names import EXPERT_MATRIX_TAIL
 from pyspice.interrupts import SigintGuard
 from pyspice.policy import Policy, PolicyContext
 from pyspice.policy.registry import AUTO
@@ -51,7 +52,7 @@ from pyspice.stats import StatsSnapshot
 from pyspice.units import format_bytes
 
 # llama.cpp matches this against tensor names with std::regex_search
-EXPERT_TENSOR_PATTERN = rb"\.ffn_(gate|up|down)_exps\.weight$"
+EXPERT_TENSOR_PATTERN = EXPERT_MATRIX_TAIL.encode()
 
 
 def _expert_overrides(buft: ExpertBufferType) -> ctypes.Array[TensorBuftOverride]:

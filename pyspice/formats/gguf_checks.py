@@ -18,7 +18,6 @@ rule's docstring). tests/unit/test_gguf_checks.py pins each.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -26,6 +25,7 @@ from typing import Any, Protocol
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from pyspice.formats.gguf_header import ArraySummary, ModelFileError, RawHeader, tensor_nbytes
+from pyspice.formats.tensor_names import EXPERT_TENSOR
 
 # GGML_MAX_DIMS in ggml.h: a tensor of more dimensions cannot be represented
 MAX_DIMS = 4
@@ -65,8 +65,6 @@ ROPE_IS_HEAD_SIZE = frozenset(
         "dots1",
     )
 )
-
-_EXPERT_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 
 
 class _Tensor(Protocol):
@@ -301,7 +299,7 @@ def check_moe_metadata(path: Path, meta: Mapping[str, Any], tensors: Sequence[_T
     tensor holds expert_count experts (its last ggml dimension). A model with no experts
     routes to none: its expert_used_count is absent or 0 (llama.cpp asserts all of it)."""
     arch = _arch(meta)
-    experts = [t for t in tensors if _EXPERT_TENSOR.match(t.name)]
+    experts = [t for t in tensors if EXPERT_TENSOR.match(t.name)]
     n_expert = _int_field(meta, f"{arch}.expert_count")
     used = _int_values(meta, f"{arch}.expert_used_count")
     shown = meta.get(f"{arch}.expert_used_count", "missing")

@@ -9,7 +9,6 @@ Python: no native code is loaded.
 from __future__ import annotations
 
 import mmap
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,14 +20,15 @@ from pyspice.formats.gguf_header import ArraySummary, parse_header, tensor_nbyte
 
 # ModelFileError is re-exported: it is the error callers of read_header catch
 from pyspice.formats.gguf_header import ModelFileError as ModelFileError
+
+# EXPERT_TENSOR is re-exported: callers that read a header match its names with it
+from pyspice.formats.tensor_names import EXPERT_TENSOR as EXPERT_TENSOR
+from pyspice.formats.tensor_names import SHARED_EXPERT_TENSOR
 from pyspice.units import Budget, format_bytes, whole_tier_bytes
 from pyspice.units import slot_bytes as slot_bytes_of
 
 # arrays longer than this are summarized (tokenizer vocabularies), not decoded
 _MAX_ARRAY_ITEMS = 64
-
-EXPERT_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
-SHARED_EXPERT_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_shexp\.weight$")
 
 
 @dataclass(frozen=True)

@@ -71,6 +71,7 @@ from tqdm import tqdm
 
 from pyspice.build_info import load_build_info
 from pyspice.formats.gguf_header import GGUF_MAGIC, KeyValue, parse_header
+from pyspice.formats.tensor_names import is_routed_expert
 
 ARCHS: tuple[str, ...] = ("qwen2moe", "deepseek2")
 
@@ -228,7 +229,7 @@ class SynthTensor:
 
     @property
     def routed_experts(self) -> bool:
-        return "_exps." in self.name
+        return is_routed_expert(self.name)
 
 
 def shape_for(arch: str, shape: str, layers: int | None = None) -> SynthShape:

@@ -20,6 +20,7 @@ from pathlib import Path
 import gguf
 
 from pyspice.formats.model_info import read_header
+from pyspice.formats.tensor_names import is_routed_expert
 from pyspice.models.synth import shape_for, tensor_plan
 from pyspice.units import whole_tier_bytes
 
@@ -125,7 +126,7 @@ def load_target(spec: str, layers: int | None = None) -> TargetModel:
             if t.name == "output.weight":
                 head = nbytes
             continue  # token_embd: one row per token is read, not the matrix
-        if "_exps." in t.name:
+        if is_routed_expert(t.name):
             expert[il] += nbytes // t.shape[0]
             if il == min(i for i in range(n) if i >= dims.n_dense_lead):
                 expert_params += math.prod(t.shape[1:])
@@ -177,7 +178,7 @@ def source_target(path: Path) -> TargetModel:
                 embd = t.nbytes
             continue
         il = int(parts[1])
-        if "_exps." in t.name:
+        if is_routed_expert(t.name):
             expert[il] += t.nbytes // t.shape[-1]
         else:
             layer[il] += t.nbytes
@@ -186,7 +187,7 @@ def source_target(path: Path) -> TargetModel:
     if not moe:
         raise ValueError(f"{path}: no routed expert tensors (blk.N.ffn_*_exps), nothing to simulate")
     for t in header.tensors:
-        if t.name.startswith(f"blk.{moe[0]}.") and "_exps." in t.name:
+        if t.name.startswith(f"blk.{moe[0]}.") and is_routed_expert(t.name):
             expert_params += math.prod(t.shape[:-1])
     return TargetModel(
         name=f"source:{path.name}",
