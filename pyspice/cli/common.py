@@ -185,9 +185,9 @@ def add_context_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_planning_args(p: argparse.ArgumentParser) -> None:
+def add_planning_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """--planning and --plan-lag (planning_of reads them): add_context_args's, and
-    tools/tune-quality-levels.py's, which tunes the lossy levels as they plan."""
+    `pyspice calibrate --levels`'s, which tunes the lossy levels as they plan."""
     advanced(
         p.add_argument(
             "--planning",

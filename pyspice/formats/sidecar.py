@@ -18,7 +18,7 @@ MoE layers, geometry, gating, draft and LoRE ranks. Tensors, per MoE layer l:
 
 Optional keys, absent from older sidecars (which load as before): the lossy
 quality levels' surrogate thresholds tuned for this model on its calibration
-split (tools/tune-quality-levels.py --write), which `spice:balanced` and
+split (`pyspice calibrate --levels`), which `spice:balanced` and
 `spice:fast` use in place of the shared constants:
 
     spice.levels.{balanced,fast}.max_weight  f64   gate weight below which a miss may be substituted

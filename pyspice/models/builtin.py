@@ -28,7 +28,7 @@ BENCH_NAME = "smolmoe-b"
 @dataclass(frozen=True)
 class TunedLevels:
     """The lossy levels' surrogate thresholds tuned for a built-in model's own sidecar
-    (tools/tune-quality-levels.py on its calibration split), and which calibration
+    (`pyspice calibrate --levels` on its calibration split), and which calibration
     that sidecar was (corpus, tokens, LoRE rank): a sidecar of that calibration gets
     them written in (adopt_tuned_levels), one of another keeps the shared constants."""
 
@@ -51,7 +51,7 @@ class BuiltinModel:
     tuned: TunedLevels | None = None  # its quality levels' thresholds (None: the shared ones)
 
 
-# tools/tune-quality-levels.py on each model's calibration split (grids, times and the
+# `pyspice calibrate --levels` on each model's calibration split (grids, times and the
 # judging on text of no calibration source: docs/results/quality-levels.md)
 _TUNED_ON = "calibration split, 3/6 chunks of 512 token by token, budgets 25%,50%, margin 0.6, 2026-12-01"
 SMOLMOE_LEVELS = TunedLevels(
@@ -116,8 +116,8 @@ def adopt_tuned_levels(model: Path, sidecar: Path, note: Callable[[str], None]) 
     """Write the committed thresholds of the built-in model `model` is a build of into
     its `sidecar` when the sidecar has none, or has an earlier release's committed ones
     that differ, and is of the calibration they were tuned for (a sidecar made on first
-    use is); whether it wrote them. A sidecar tuned by its user (scripts/
-    tune-quality-levels.py --write), or calibrated otherwise (`pyspice calibrate` with
+    use is); whether it wrote them. A sidecar tuned by its user (`pyspice
+    calibrate --levels`), or calibrated otherwise (`pyspice calibrate` with
     other settings), is left as it is: thresholds belong with the surrogates they were
     tuned on."""
     name = builtin_of(model)

@@ -49,6 +49,7 @@ TABLE = {
     "pyspice.calibrate.capture": "measure",
     "pyspice.calibrate.pipeline": "measure",
     "pyspice.calibrate.run": "measure",
+    "pyspice.calibrate.levels_run": "measure",  # measures the levels' grid on the model
     "pyspice.models.default": "measure",  # the default model is calibrated on first use
     # parsing arguments and printing
     "pyspice.cli": "cli",

@@ -135,7 +135,7 @@ def test_a_builtin_models_sidecar_of_its_calibration_gets_the_committed_threshol
     monkeypatch.setitem(BUILTIN, "smolmoe-b", replace(BUILTIN["smolmoe-b"], tuned=retuned))
     assert adopt_tuned_levels(model, sidecar, notes.append)
     assert read_sidecar(sidecar).levels == retuned.levels() and "replaced" in notes[-1]
-    # ... but never a user's own tuning (tools/tune-quality-levels.py --write)
+    # ... but never a user's own tuning (`pyspice calibrate --levels`)
     with_levels(sidecar, tuned.levels(), "tuned by hand")
     assert not adopt_tuned_levels(model, sidecar, notes.append)
     assert read_sidecar(sidecar).levels == tuned.levels() and len(notes) == 2

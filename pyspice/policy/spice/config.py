@@ -117,7 +117,7 @@ class SpiceConfig:
 @dataclass(frozen=True)
 class SurrogateThresholds:
     """A lossy level's two surrogate thresholds, tuned for one model (its sidecar
-    carries them: pyspice.formats.sidecar, written by tools/tune-quality-levels.py)."""
+    carries them: pyspice.formats.sidecar, written by `pyspice calibrate --levels`)."""
 
     max_weight: float  # a miss whose gate weight is below this may be substituted ...
     max_error: float  # ... if its surrogate's held-out relative error is at most this
@@ -133,7 +133,7 @@ LEVEL_BOUNDS: dict[str, float] = {"spice:balanced": 0.01, "spice:fast": 0.05}
 
 # Quality levels. A lossy level's surrogate thresholds belong with the surrogates
 # they trust, so each model's come from its sidecar (`spice.levels.*`, see
-# level_config): tools/tune-quality-levels.py chooses them on the CALIBRATION
+# level_config): `pyspice calibrate --levels` chooses them on the CALIBRATION
 # split of that model's corpus at 25% and 50% budgets, within 0.6 of the
 # level's bound on calibration text, and writes them there; they are judged on
 # text of no calibration source (docs/results/quality-levels.md).
@@ -196,7 +196,7 @@ def level_config(
             note(
                 f"{name}: the sidecar has no surrogate thresholds tuned for this model; using the "
                 f"shared ones (gate weight < {config.surrogate_max_weight:g}, error <= "
-                f"{config.surrogate_max_error:g}; tools/tune-quality-levels.py --write tunes them)"
+                f"{config.surrogate_max_error:g}; `pyspice calibrate --levels` tunes them)"
             )
         return config
     tuned_config = replace(config, surrogate_max_weight=own.max_weight, surrogate_max_error=own.max_error)
