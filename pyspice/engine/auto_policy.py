@@ -11,8 +11,14 @@ What first use on a machine and model costs, both kept in the user cache:
   progress bar; on a real GPU a probe of the emulated device is not enough and is
   redone with the GPU. The disk tier is not probed here (its host times would be
   the disk's): without a saved probe it is priced by profiles/disk.json, and says so.
-- a routing sample: SAMPLE_TOKENS tokens decoded greedily after SAMPLE_PROMPT with
-  the exact plan, routing and hidden rows recorded (routing-samples/ in the cache).
+- a routing sample: the model reading SAMPLE_PROMPT, then SAMPLE_REPLY for
+  SAMPLE_TOKENS steps, one token at a time (teacher-forced; the prompt's rows warm the
+  sim's tier as a run's prompt warms it) with the exact plan, routing and hidden
+  rows recorded (routing-samples/ in the cache). A model routes a text it reads as it
+  routes its own decode of that text; the reply is fixed prose rather than the model's
+  greedy continuation because a small model's greedy decode falls into a loop of a
+  few tokens, whose routing any cache holds (docs/results/auto-policy.md measured
+  caches' hit rates 0.07 above the bench's on such a sample).
   A run that replays recorded routing (--replay-routing) ranks on that trace: the
   ids its hook will see.
 
@@ -33,7 +39,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from pyspice.engine.decode_trace import finish_decode_trace, greedy_next, start_decode_trace
+from pyspice.engine.decode_trace import finish_decode_trace, start_decode_trace
 from pyspice.engine.device import DeviceTier
 from pyspice.engine.probe import measure_profile
 from pyspice.engine.profile import saved_profile
@@ -64,6 +70,19 @@ SAMPLE_PROMPT = (
     "Write a short guide for a new gardener: which vegetables grow well in a small plot, "
     "when to sow them, how much water they need, and how to keep pests away without chemicals."
 )
+# the reply the sample reads (teacher-forced): plain prose, longer than SAMPLE_TOKENS in
+# any tokenizer, so the sample is never cut short by the text
+SAMPLE_REPLY = (
+    " A small plot rewards crops that give a lot for little room. Lettuce, radishes and "
+    "spinach can be sown from early spring, every two weeks, so the harvest keeps coming; "
+    "beans and courgettes go in once the soil is warm and the last frost has passed. "
+    "Tomatoes want the sunniest corner and a stake. Water deeply twice a week rather than "
+    "a little every day, early in the morning, at the roots and not on the leaves. Mulch "
+    "keeps the soil moist and the weeds down. Against slugs, pick them off at dusk and "
+    "set out shallow traps; marigolds and nasturtiums draw aphids away from the beans, "
+    "and a net keeps birds off young seedlings."
+)
+SAMPLE_KIND = "teacher-forced"  # meta.extra['sample']: a sample recorded otherwise is recorded again
 
 Note = Callable[[str], None]
 
@@ -104,39 +123,46 @@ def sample_dir(model: Path) -> Path:
 
 def _sample_ready(path: Path) -> bool:
     try:
-        return read_meta(path).complete
+        meta = read_meta(path)
     except (TraceError, OSError, ValueError):
         return False
+    return meta.complete and meta.extra.get("sample") == SAMPLE_KIND
 
 
 def record_sample(llm: Any, out: Path, progress: bool = True) -> Path:
-    """The model's routing over SAMPLE_TOKENS greedy decode steps, exact plan, into `out`
-    (written beside and renamed, so an interrupted recording leaves nothing half-made)."""
+    """The model's routing reading SAMPLE_REPLY after SAMPLE_PROMPT, SAMPLE_TOKENS one-token
+    steps under the exact plan, into `out` (written beside and renamed, so an interrupted
+    recording leaves nothing half-made)."""
     tmp = out.with_name(out.name + ".partial")
     if tmp.exists():
         shutil.rmtree(tmp)  # an interrupted recording's leftovers
     tmp.parent.mkdir(parents=True, exist_ok=True)
-    tokens = list(llm.tokenize(SAMPLE_PROMPT.encode("utf-8"), add_bos=True))
-    recorder = start_decode_trace(llm, tmp, "exact")
-    llm.reset()
-    llm.eval(tokens)
-    decoded: list[int] = []
-    n_decode = min(SAMPLE_TOKENS, int(llm.n_ctx()) - len(tokens) - 1)  # a short context holds fewer
+    prompt = list(llm.tokenize(SAMPLE_PROMPT.encode("utf-8"), add_bos=True))
+    reply = list(llm.tokenize(SAMPLE_REPLY.encode("utf-8"), add_bos=False))
+    n_decode = min(
+        SAMPLE_TOKENS, len(reply), int(llm.n_ctx()) - len(prompt) - 1
+    )  # a short context holds fewer
     if n_decode < 1:
         raise ValueError(f"a context of {llm.n_ctx()} tokens holds no routing sample: give -c 256 or more")
-    bar = tqdm(total=n_decode, desc="auto: routing sample", unit="tok", disable=not progress)
+    reply = reply[:n_decode]
+    recorder = start_decode_trace(llm, tmp, "exact")
+    llm.reset()
+    # the prompt one token at a time too: the recorder keeps one-token calls only (a
+    # batch's last layer sees only the rows whose logits are wanted), and the sim's
+    # prompt step warms the tier with these rows as a run's prompt warms it
+    bar = tqdm(total=len(prompt) + n_decode, desc="auto: routing sample", unit="tok", disable=not progress)
     try:
-        for _ in range(n_decode):
-            nxt = greedy_next(llm)
-            decoded.append(nxt)
-            llm.eval([nxt])
+        for token in prompt + reply:
+            llm.eval([token])
             bar.update()
     finally:
         bar.close()
-    finish_decode_trace(recorder, prompt_tokens=len(tokens), tokens=decoded, prompt=SAMPLE_PROMPT)
+    finish_decode_trace(
+        recorder, prompt_tokens=len(prompt), tokens=reply, prompt=SAMPLE_PROMPT, sample=SAMPLE_KIND
+    )
     llm.reset()
     if out.exists():
-        shutil.rmtree(out)  # a sample that was not complete (read_meta said so): replaced
+        shutil.rmtree(out)  # a sample that was not complete, or recorded otherwise: replaced
     tmp.rename(out)
     return out
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pyspice.engine.auto_policy import AUTO_CANDIDATES, sample_dir
+from pyspice.engine.auto_policy import AUTO_CANDIDATES, SAMPLE_KIND, SAMPLE_REPLY, SAMPLE_TOKENS, sample_dir
 from pyspice.formats.profile import profile_path
 from pyspice.formats.trace import read_meta
 
@@ -87,5 +87,34 @@ def test_an_unfinished_routing_sample_is_recorded_again(synth_model, own_cache) 
         llm.spice_say = lambda _line: None
         llm.set_policy("auto")
         assert read_meta(sample).complete
+    finally:
+        llm.close()
+
+
+def test_the_routing_sample_reads_the_fixed_reply_and_replaces_a_greedy_one(synth_model, own_cache) -> None:
+    """The sample is the model reading a fixed reply (teacher-forced), not its own greedy
+    decode, whose loops a cache holds too well; a sample recorded the old way is redone."""
+    from pyspice.formats.trace import TraceReader
+
+    path = synth_model("qwen2moe", "tiny", "Q8_0")
+    llm = load(path)
+    try:
+        llm.set_device("50%", 8.0, 5.0)
+        llm.spice_say = lambda _line: None
+        llm.set_policy("auto")
+        sample = sample_dir(path)
+        meta = read_meta(sample)
+        reply = list(llm.tokenize(SAMPLE_REPLY.encode("utf-8"), add_bos=False))[:SAMPLE_TOKENS]
+        assert meta.extra["sample"] == SAMPLE_KIND and meta.extra["tokens"] == reply
+        assert len(reply) == SAMPLE_TOKENS
+        # the prompt's rows are whole (one token a call), so they warm the simulated tier
+        assert meta.prompt_rows == meta.extra["prompt_tokens"] > 0
+        assert TraceReader(sample).n_tokens == meta.prompt_rows + SAMPLE_TOKENS
+        # a complete sample of another kind (the greedy samples of before) is recorded again
+        doc = (sample / "meta.json").read_text().replace(f'"sample": "{SAMPLE_KIND}"', '"sample": "greedy"')
+        (sample / "meta.json").write_text(doc)
+        assert read_meta(sample).extra["sample"] == "greedy"
+        llm.set_policy("auto")
+        assert read_meta(sample).extra["sample"] == SAMPLE_KIND
     finally:
         llm.close()
