@@ -31,7 +31,7 @@ from pyspice.cli import (
 )
 from pyspice.cli.errors import add_verbose_arg, run_command
 from pyspice.cli.help_levels import add_help_all, advanced
-from pyspice.cli.sim_predict_cmd import FIT_COMMAND
+from pyspice.cli.sim_fit_cmd import FIT_COMMAND
 from pyspice.cli.version import version_report
 
 

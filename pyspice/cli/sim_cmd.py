@@ -20,13 +20,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import gguf
 import numpy as np
 
 from pyspice.cli.common import add_model_args, note, resolve_model
 from pyspice.cli.help_levels import advanced
 from pyspice.cli.numbers import budget_list, real
-from pyspice.cli.sim_predict_cmd import add_target_layers_arg, register_fit, run_predict
+from pyspice.cli.sim_fit_cmd import register_fit
+from pyspice.cli.sim_predict_cmd import add_target_layers_arg, run_predict
 from pyspice.formats.profile import profile_path
 from pyspice.formats.routers import RouterReader
 from pyspice.formats.sidecar import Sidecar
@@ -247,14 +247,10 @@ def _note_geometry(workload: Workload, target: TargetModel) -> None:
 
 
 def source_expert_bytes(model: Path, n_layers: int) -> tuple[int, ...]:
-    """Bytes of one routed expert per layer, read from the GGUF's expert tensors."""
-    reader = gguf.GGUFReader(model)
-    per = [0] * n_layers
-    for t in reader.tensors:
-        parts = t.name.split(".")
-        if parts[0] == "blk" and "_exps" in t.name and int(parts[1]) < n_layers:
-            per[int(parts[1])] += int(t.n_bytes) // int(t.shape[-1])
-    return tuple(per)
+    """Bytes of one routed expert per layer of the trace's `n_layers`, from the GGUF's
+    expert tensors (the source model's own sizes, pyspice.sim.targets.source_target)."""
+    per = source_target(model).expert_bytes
+    return tuple(per[il] if il < len(per) else 0 for il in range(n_layers))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,12 +1,10 @@
-"""`pyspice sim fit` and `pyspice sim --predict`: the simulator against recorded bench runs.
+"""`pyspice sim --predict`: the simulator against recorded bench runs.
 
-    pyspice sim fit RECORD[:LINE]... -o PROFILE.json --target deepseek-v2-lite:Q4_K_M --target-layers 8
     pyspice sim --predict RECORD[:LINE] --profile PROFILE.json --target ... [--trace OWN] [--replay-trace T]
 
-`fit` reads the engine's counters of each run (pyspice.sim.fit) into a
-hardware profile; `--predict` replays each run on a profile and prints every
-row's predicted TPOT, over its run's stock, beside the measured one
-(pyspice.sim.predict). Fit on one run of a machine, predict its others.
+replays each run on a profile (one `pyspice sim fit` wrote, pyspice.cli.sim_fit_cmd)
+and prints every row's predicted TPOT, over its run's stock, beside the measured
+one (pyspice.sim.predict). Fit on one run of a machine, predict its others.
 """
 
 from __future__ import annotations
@@ -15,13 +13,11 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
 from pyspice.cli.common import note
 from pyspice.engine.replay import load_routing_replay, replay_workload
 from pyspice.formats.routers import RouterReader
 from pyspice.runtime import LayerInfo
-from pyspice.sim.fit import fit_terms, fitted_profile
 from pyspice.sim.hardware import load_profile
 from pyspice.sim.predict import format_predictions, own_workload, predict_run
 from pyspice.sim.records import RecordedRun, select_runs
@@ -39,35 +35,7 @@ def add_target_layers_arg(p: argparse.ArgumentParser) -> argparse.Action:
     )
 
 
-FIT_COMMAND = "sim fit"  # one command name of two words: main() joins `sim fit` into it
-
-
-def register_fit(sub: Any) -> None:
-    p = sub.add_parser(
-        FIT_COMMAND,
-        help="fit a hardware profile's costs to recorded `bench --json` runs",
-        description="Fit a hardware profile's costs to recorded `pyspice bench --json` runs (the engine's "
-        "counters per call and per layer), for `pyspice sim --profile` and `pyspice sim --predict`.",
-    )
-    p.add_argument(
-        "records", nargs="+", metavar="RECORD[:LINE[,LINE]]", help="bench --json files (or lines of them)"
-    )
-    p.add_argument("-o", "--output", type=Path, required=True, help="the profile JSON to write")
-    p.add_argument(
-        "--target",
-        help="the runs' model sizes, NAME:QUANT (default: the record's model file, where it is here)",
-    )
-    add_target_layers_arg(p)
-    p.add_argument(
-        "--base",
-        default="h200-vm16",
-        help="profile whose values the records cannot show are kept (default h200-vm16)",
-    )
-    p.add_argument("--name", help="the new profile's name (default: the output file's stem)")
-    p.set_defaults(func=run_fit)
-
-
-def _target(spec: str | None, layers: int | None, runs: list[RecordedRun]) -> TargetModel:
+def target_of(spec: str | None, layers: int | None, runs: list[RecordedRun]) -> TargetModel:
     if spec is not None:
         return load_target(spec, layers)
     models = {run.model for run in runs}
@@ -78,23 +46,6 @@ def _target(spec: str | None, layers: int | None, runs: list[RecordedRun]) -> Ta
         f"the runs' model ({', '.join(sorted(models)) or 'unnamed'}) is not here to size: give --target "
         "NAME:QUANT (and --target-layers N for a model synthesised with --layers N)"
     )
-
-
-def run_fit(args: argparse.Namespace) -> int:
-    runs = select_runs(args.records)
-    target = _target(args.target, args.target_layers, runs)
-    base = load_profile(args.base)
-    name = args.name or args.output.stem
-    terms = fit_terms(runs, target, base)
-    doc = fitted_profile(runs, target, base, name, terms)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"fitted {len(runs)} run(s) of {target.name} on top of {base.name}:")
-    for term in terms:
-        mark = "" if term.fitted else "  (kept)"
-        print(f"  {term.key:<24} {term.value:10.3f}{mark}  {term.note}")
-    print(f"profile written to {args.output}")
-    return 0
 
 
 def _layers(target: TargetModel) -> list[LayerInfo]:
@@ -150,7 +101,7 @@ def run_predict(args: argparse.Namespace) -> int:
         raise ValueError("--predict takes one --profile (e.g. one `pyspice sim fit` wrote)")
     profile = load_profile(names[0])
     runs = select_runs(args.predict)
-    target = _target(args.target, args.target_layers, runs)
+    target = target_of(args.target, args.target_layers, runs)
     model = Path(args.model or args.model_pos) if (args.model or args.model_pos) else None
     router = RouterReader(model) if model is not None else None
     preds = []

@@ -42,6 +42,10 @@ class CostProfile:
     # the model file's disk, for edge mode's tier (None: not measured)
     disk_gbps: float | None = None
     disk_latency_us: float | None = None
+    # how this machine's disk reads share its cores with a decode, fitted to its own
+    # edge-mode runs (`pyspice sim fit ... --save-to-probe`; pyspice.sim.fit_disk); None:
+    # not fitted here, the shipped disk profile's values price it
+    disk_terms: dict[str, float] | None = None
 
     @property
     def bus_emulated(self) -> bool:

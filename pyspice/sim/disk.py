@@ -76,7 +76,7 @@ some of its time. Three terms say how much:
   since the probe.
 
 None of them is measurable on the disk alone; they are fitted to edge-mode
-bench records (pyspice.sim.fit, fit_disk).
+bench records (pyspice.sim.fit_disk).
 """
 
 from __future__ import annotations

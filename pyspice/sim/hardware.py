@@ -39,8 +39,10 @@ figures over the model's own sizes. Three of its values say how the disk and the
 decode share this machine's cores, which the probe, timing the disk alone, cannot
 show: `disk_overlap`, `disk_host_read_us` and `disk_read_scale` (pyspice.sim.disk,
 DiskRules; absent: 1, 0 and 1, reads at the probe's speed hidden behind compute),
-fitted to edge-mode records by `pyspice sim fit` (pyspice.sim.fit, fit_disk). A
-probe's disk figures replace the profile's bandwidth and latency and keep those three.
+fitted to edge-mode records by `pyspice sim fit` (pyspice.sim.fit_disk). A
+probe's disk figures replace the profile's bandwidth and latency; the three are
+kept unless the probe carries its own (`disk_terms`, which `pyspice sim fit
+--save-to-probe` writes from this machine's runs).
 """
 
 from __future__ import annotations
@@ -129,12 +131,13 @@ _MEASURED_ONLY = (
     "stock_layer_us",
     "async_layer_us",
     # the disk tier's reads and the decode on the same cores (pyspice.sim.disk, DiskRules),
-    # fitted to edge-mode records (`pyspice sim fit`, fit_disk): the share of a read's
+    # fitted to edge-mode records (`pyspice sim fit`, pyspice.sim.fit_disk): the share of a read's
     # progress that goes on while the host computes, and host compute lost per pread then
     "disk_overlap",
     "disk_host_read_us",
     "disk_read_scale",  # a read's time while a decode runs over the probe's, the host waiting
 )
+_DISK_TERMS = ("disk_overlap", "disk_host_read_us", "disk_read_scale")  # a probe may carry these
 # what an absent measured-only value stands for where it is not 0: reads hidden behind
 # compute, as a device's copy engine hides its copies, at the disk's probed speed
 _ABSENT = {"disk_overlap": 1.0, "disk_read_scale": 1.0}
@@ -232,6 +235,14 @@ def with_probe(profile: HardwareProfile, probe: CostProfile) -> HardwareProfile:
             probe.disk_latency_us,
             "measured",
             f"`pyspice probe` of {Path(probe.model).name}: median random 64 KiB O_DIRECT read",
+        )
+    for key, value in (probe.disk_terms or {}).items():
+        if key not in _DISK_TERMS:
+            raise ValueError(f"the probe of {Path(probe.model).name} names an unknown disk term {key!r}")
+        values[key] = Value(
+            float(value),
+            "measured",
+            "fitted to this machine's edge-mode runs (`pyspice sim fit --save-to-probe`)",
         )
     return replace(
         profile,

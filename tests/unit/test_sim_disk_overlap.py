@@ -1,5 +1,5 @@
 """The disk tier's reads on the host's cores (pyspice.sim.disk: DiskRules.overlap,
-host_read_us, read_scale) and their fit to edge-mode records (pyspice.sim.fit.fit_disk).
+host_read_us, read_scale) and their fit to edge-mode records (pyspice.sim.fit_disk).
 
 Overlap 1 must price as the disk tier did before the term (the figures below were
 taken from that model, on the same workloads); overlap 0 must move a read only
@@ -8,6 +8,7 @@ simulator wrote with them."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import replace
@@ -20,7 +21,8 @@ import pytest
 from pyspice.policy import make_policy
 from pyspice.policy.base import ACTION_DEVICE, HookCall, Plan
 from pyspice.sim.disk import DiskClock, DiskDevice, DiskRules, ExpertReads, SimDiskTier
-from pyspice.sim.fit import DISK_TERMS, DiskRun, FitTerm, fit_disk, fitted_disk_profile, read_disk_runs
+from pyspice.sim.fit import FitTerm
+from pyspice.sim.fit_disk import DISK_TERMS, DiskRun, fit_disk, fitted_disk_profile, read_disk_runs
 from pyspice.sim.hardware import DISK, HardwareProfile, load_profile, with_probe
 from pyspice.sim.simulator import Costs, SimResult, Simulator
 from pyspice.sim.tier import PRIORITY_DEMAND, PRIORITY_PREFETCH
@@ -270,15 +272,36 @@ def test_the_fitted_terms_travel_in_the_profile_and_a_probe_keeps_them(tmp_path:
     terms = [FitTerm("disk_overlap", 0.25, "test"), FitTerm("disk_read_scale", 2.0, "test"),
              FitTerm("disk_host_read_us", 0.0, "untold", fitted=False)]  # fmt: skip
     runs = [DiskRun("r.json:1", "25%", {"exact": 1.0})]
+    # a base whose untold term is not its value without the term
+    base_doc = json.loads(resources.files("pyspice.sim").joinpath("profiles", "disk.json").read_text())
+    base_doc["values"]["disk_host_read_us"]["value"] = 40.0
+    base = HardwareProfile.from_json(base_doc)
     path = tmp_path / "fitted.json"
-    path.write_text(json.dumps(fitted_disk_profile(load_profile(DISK), terms, runs, "fitted")))
+    path.write_text(json.dumps(fitted_disk_profile(base, terms, runs, "fitted")))
     probe_file = tmp_path / "probe.json"
     probe_file.write_text(json.dumps(_probe(model, disk=True).to_json()))
     fitted = load_profile(str(path), probe_file)
     assert fitted.disk and fitted.probe is not None and fitted["bus_gbps"] == 0.5
     assert (fitted.optional("disk_overlap"), fitted.optional("disk_read_scale")) == (0.25, 2.0)
-    # an untold term is not written: the base's value stands
-    assert fitted.optional("disk_host_read_us") == shipped.optional("disk_host_read_us")
+    # an untold term prices as the fit priced it, at its value without the term, not the base's
+    assert fitted.optional("disk_host_read_us") == DISK_TERMS["disk_host_read_us"][2] != 40.0
+
+
+def test_a_probe_carrying_fitted_terms_prices_with_them(tmp_path: Path) -> None:
+    """`pyspice sim fit --save-to-probe` writes this machine's terms into its probe, where
+    auto's pricing of the disk tier (with_probe) takes them over the shipped profile's."""
+    from pyspice.policy.profile import CostProfile
+
+    shipped = load_profile(DISK)
+    model = _tiny_moe(tmp_path / "m.gguf", tied=False)
+    own = {"disk_overlap": 0.3, "disk_read_scale": 1.7, "disk_host_read_us": 12.0}
+    probe = dataclasses.replace(_probe(model, disk=True), disk_terms=own)
+    again = CostProfile.from_json(json.loads(json.dumps(probe.to_json())))  # as saved and read back
+    priced = with_probe(shipped, again)
+    assert {k: priced.optional(k) for k in DISK_TERMS} == own
+    assert "--save-to-probe" in priced.values["disk_overlap"].note
+    with pytest.raises(ValueError, match="unknown disk term 'disk_speed'"):
+        with_probe(shipped, dataclasses.replace(probe, disk_terms={"disk_speed": 1.0}))
 
 
 def test_a_profile_without_the_terms_prices_reads_hidden_behind_compute() -> None:
