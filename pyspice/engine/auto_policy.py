@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import os
 import shutil
 import sys
 from collections.abc import Callable
@@ -132,16 +133,17 @@ def _sample_ready(path: Path) -> bool:
 def record_sample(llm: Any, out: Path, progress: bool = True) -> Path:
     """The model's routing reading SAMPLE_REPLY after SAMPLE_PROMPT, SAMPLE_TOKENS one-token
     steps under the exact plan, into `out` (written beside and renamed, so an interrupted
-    recording leaves nothing half-made)."""
-    tmp = out.with_name(out.name + ".partial")
+    recording leaves nothing half-made). Each process records into a folder of its own, so
+    two first uses at once do not mix their rows; the first to finish is kept."""
+    _remove_abandoned(out)
+    tmp = out.with_name(f"{out.name}.partial-{os.getpid()}")
     if tmp.exists():
-        shutil.rmtree(tmp)  # an interrupted recording's leftovers
+        shutil.rmtree(tmp)
     tmp.parent.mkdir(parents=True, exist_ok=True)
     prompt = list(llm.tokenize(SAMPLE_PROMPT.encode("utf-8"), add_bos=True))
     reply = list(llm.tokenize(SAMPLE_REPLY.encode("utf-8"), add_bos=False))
-    n_decode = min(
-        SAMPLE_TOKENS, len(reply), int(llm.n_ctx()) - len(prompt) - 1
-    )  # a short context holds fewer
+    # a short context holds fewer
+    n_decode = min(SAMPLE_TOKENS, len(reply), int(llm.n_ctx()) - len(prompt) - 1)
     if n_decode < 1:
         raise ValueError(f"a context of {llm.n_ctx()} tokens holds no routing sample: give -c 256 or more")
     reply = reply[:n_decode]
@@ -161,10 +163,37 @@ def record_sample(llm: Any, out: Path, progress: bool = True) -> Path:
         recorder, prompt_tokens=len(prompt), tokens=reply, prompt=SAMPLE_PROMPT, sample=SAMPLE_KIND
     )
     llm.reset()
+    if _sample_ready(out):  # another process finished first: its sample stands
+        shutil.rmtree(tmp)
+        return out
     if out.exists():
-        shutil.rmtree(out)  # a sample that was not complete, or recorded otherwise: replaced
-    tmp.rename(out)
+        shutil.rmtree(out, ignore_errors=True)  # not complete, or recorded otherwise: replaced
+    try:
+        tmp.rename(out)
+    except OSError:
+        if not _sample_ready(out):  # another process is replacing it at this moment
+            raise
+        shutil.rmtree(tmp)
     return out
+
+
+def _remove_abandoned(out: Path) -> None:
+    """Partial samples whose recording process has gone (interrupted or killed)."""
+    for partial in out.parent.glob(f"{out.name}.partial*"):
+        _, _, pid = partial.name.rpartition("-")
+        if pid.isdigit() and _alive(int(pid)):
+            continue
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
 
 
 def probe_for(llm: Any, model: Path, real_gpu: bool, note: Note, progress: bool = True) -> CostProfile:

@@ -81,12 +81,16 @@ def test_an_unfinished_routing_sample_is_recorded_again(synth_model, own_cache) 
     sample = sample_dir(path)
     sample.mkdir(parents=True)
     (sample / "meta.json").write_text("{}")  # what an interrupted or foreign writer left
+    abandoned = sample.with_name(sample.name + ".partial-999999999")  # no such process
+    abandoned.mkdir()
     llm = load(path)
     try:
         llm.set_device("50%", 8.0, 5.0)
         llm.spice_say = lambda _line: None
         llm.set_policy("auto")
         assert read_meta(sample).complete
+        assert not abandoned.exists()
+        assert not list(sample.parent.glob("*.partial*"))  # its own folder renamed into place
     finally:
         llm.close()
 
