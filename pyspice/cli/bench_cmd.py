@@ -137,11 +137,10 @@ def _record_trace(llm: Any, out: str, policies: list[str], prompt: tuple[int, ..
     name = policies[0] if policies else "exact"
     recorder = start_decode_trace(llm, out, "exact" if name == "stock" else name)
     llm.reset()
-    replay = llm.spice_engine.replay  # replaying: the trace records the replayed ids, as the rows ran
-    llm.spice_engine.seek_routing_replay(0)
+    # replaying: the trace records the replayed ids, as the rows ran
+    llm.spice_engine.replay_prompt()
     llm.eval(list(prompt))
-    if replay is not None:
-        llm.spice_engine.seek_routing_replay(replay.decode_start)
+    llm.spice_engine.replay_decode()
     tokens = [greedy_next(llm)]
     for _ in range(n_predict - 1):
         llm.eval([tokens[-1]])

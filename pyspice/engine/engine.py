@@ -557,6 +557,17 @@ class Engine:
         if self.replay is not None:
             self.require_runtime().seek_routing_replay(token)
 
+    def replay_prompt(self) -> None:
+        """A prompt follows: it replays from the trace's start, so every row and repeat of
+        a benchmark replays the same routing (a no-op without a replay)."""
+        self.seek_routing_replay(0)
+
+    def replay_decode(self) -> None:
+        """The decode follows the prompt: it replays from the trace's first decode step
+        (a no-op without a replay)."""
+        if self.replay is not None:
+            self.seek_routing_replay(self.replay.decode_start)
+
     # ---- stats -----------------------------------------------------------------------
 
     def record_eval(self, n_tokens: int, seconds: float) -> None:

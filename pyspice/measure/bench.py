@@ -161,10 +161,9 @@ def run_one(
     llm.set_policy(row.name)
     llm.reset()
     llm.spice_reset_stats()
-    llm.spice_engine.seek_routing_replay(0)  # every row and repeat replays the same routing
+    llm.spice_engine.replay_prompt()  # every row and repeat replays the same routing
     llm.eval(list(cfg.prompt_tokens))
-    if cfg.replay_decode_start is not None:
-        llm.spice_engine.seek_routing_replay(cfg.replay_decode_start)
+    llm.spice_engine.replay_decode()
     prompt = llm.spice_stats()
     tokens = [greedy_next(llm)]
     for _ in range(cfg.n_predict - 1):

@@ -132,9 +132,13 @@ def run_once(llm: Any, spec: RowSpec) -> dict[str, Any]:
     if spice:
         llm.spice_reset_stats()
     prefill, decode = _Phase(), _Phase()
+    if spice:  # every row and repeat replays the same routing, as the in-process bench does
+        llm.spice_engine.replay_prompt()
     io0 = proc_io()
     _timed_eval(llm, list(spec.prompt_tokens), prefill)
     io1 = proc_io()
+    if spice:
+        llm.spice_engine.replay_decode()
     tier1 = _tier_bytes(llm)
     tokens = [greedy_next(llm)]
     for _ in range(spec.n_predict - 1):
@@ -189,7 +193,11 @@ def child(spec: RowSpec, out: IO[str]) -> int:
         emit("start", vm_hwm=peak_rss())
         io0, start = proc_io(), time.perf_counter()
         llm = load(spec)
-        emit("load", seconds=time.perf_counter() - start, io=_io_delta(io0, proc_io()), vm_hwm=peak_rss())
+        loaded: dict[str, Any] = {"seconds": time.perf_counter() - start, "io": _io_delta(io0, proc_io())}
+        choice = llm.spice_auto_choice if spec.policy != UPSTREAM else None
+        if choice is not None:  # what `auto` chose, and every candidate's simulated TPOT
+            loaded["auto"] = choice.record()
+        emit("load", **loaded, vm_hwm=peak_rss())
         for i in range(spec.runs):
             emit("run", index=i, cold=i == 0, **run_once(llm, spec))
         llm.close()

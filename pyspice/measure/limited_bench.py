@@ -57,6 +57,17 @@ class RowOutcome:
     def tokens_consistent(self) -> bool:
         return all(r["tokens"] == self.tokens for r in self.runs)
 
+    @property
+    def timing_only(self) -> bool:
+        """The row replayed recorded routing: its outputs are not the model's."""
+        return bool(self.spec.config.get("replay_routing"))
+
+    @property
+    def auto(self) -> dict[str, Any] | None:
+        """What an `auto` row chose (simulated), as its child reported it at load."""
+        choice = self.load.get("auto")
+        return choice if isinstance(choice, dict) else None
+
 
 def tokenize(model: Path, text: str) -> list[int]:
     """The prompt's tokens (with BOS, as pyspice.Llama.tokenize gives them) from the

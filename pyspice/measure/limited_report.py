@@ -22,7 +22,11 @@ def warm_median(outcome: RowOutcome) -> dict[str, float | None]:
 
 
 def same_tokens(outcome: RowOutcome, base: RowOutcome | None) -> str:
-    if not outcome.runs or base is None or not base.runs:
+    if not outcome.runs:
+        return "-"
+    if outcome.timing_only:  # replayed routing (every repeat from the trace's start)
+        return "timing only" if outcome.tokens_consistent else "NO (runs differ)"
+    if base is None or not base.runs or base.timing_only:
         return "-"
     if not outcome.tokens_consistent:
         return "NO (runs differ)"
@@ -101,6 +105,8 @@ def limited_document(outcomes: Sequence[RowOutcome], baseline: str, header: dict
             "tokens": o.tokens,
             "same_tokens": same_tokens(o, base),
         }
+        if o.auto is not None:
+            rows[o.spec.row]["auto"] = o.auto
     return {**header, "baseline": baseline, "rows": rows}
 
 

@@ -315,6 +315,26 @@ def test_table_reports_an_oom_killed_row_as_such() -> None:
     assert doc["rows"]["exact"]["warm_median"]["tpot_ms"] == 2.0
 
 
+def test_replayed_rows_are_timing_only_and_an_auto_row_keeps_its_choice() -> None:
+    """Rows that replay recorded routing have no model output to compare with upstream's;
+    they are checked for the same tokens in every repeat (each replays from the trace's
+    start), and an `auto` row's record says what it chose."""
+    base = _outcome("upstream", "ok", 10.0, [5, 6, 7, 8])
+    replayed = _outcome("lru", "ok", 4.0, [1, 2, 3, 4])
+    replayed.spec.config["replay_routing"] = "trace-dir"
+    drifting = _outcome("exact", "ok", 4.0, [1, 2, 3, 4])
+    drifting.spec.config["replay_routing"] = "trace-dir"
+    drifting.runs[1]["tokens"] = [1, 2, 3, 9]
+    auto = _outcome("auto", "ok", 4.0, [1, 2, 3, 4])
+    auto.spec.config["replay_routing"] = "trace-dir"
+    auto.load = {"seconds": 1.0, "auto": {"chose": "lru", "simulated_tpot_ms": {"lru": 3.0}}}
+    doc = limited_document([base, replayed, drifting, auto], "upstream", {"memory_limit": 1})
+    assert doc["rows"]["lru"]["same_tokens"] == "timing only"
+    assert doc["rows"]["exact"]["same_tokens"] == "NO (runs differ)"
+    assert doc["rows"]["auto"]["auto"]["chose"] == "lru" and "auto" not in doc["rows"]["lru"]
+    assert doc["rows"]["upstream"]["same_tokens"] == "yes"
+
+
 def test_disk_probe_times_reads_of_the_file(tmp_path: Path) -> None:
     from pyspice.engine.disk_probe import measure_disk
 
