@@ -115,6 +115,13 @@ _FIELDS = (
 )
 
 
+# The disk tier's reads and the decode on the same cores (pyspice.sim.disk, DiskRules),
+# fitted to edge-mode records (`pyspice sim fit`, pyspice.sim.fit_disk): the share of a
+# read's progress that goes on while the host computes, host compute lost per pread then,
+# and a read's time while a decode runs over the probe's. Measured only; a probe may
+# carry its own (CostProfile.disk_terms).
+_DISK_TERMS = ("disk_overlap", "disk_host_read_us", "disk_read_scale")
+
 # What only a run on the hardware itself shows (docs/results/gpu.md): the
 # hook's thread's time per copy it starts, the device's time per activation beyond reading
 # the expert's bytes, and how much slower the host runs its misses while the bus copies. A
@@ -130,14 +137,8 @@ _MEASURED_ONLY = (
     "step_us",
     "stock_layer_us",
     "async_layer_us",
-    # the disk tier's reads and the decode on the same cores (pyspice.sim.disk, DiskRules),
-    # fitted to edge-mode records (`pyspice sim fit`, pyspice.sim.fit_disk): the share of a read's
-    # progress that goes on while the host computes, and host compute lost per pread then
-    "disk_overlap",
-    "disk_host_read_us",
-    "disk_read_scale",  # a read's time while a decode runs over the probe's, the host waiting
+    *_DISK_TERMS,
 )
-_DISK_TERMS = ("disk_overlap", "disk_host_read_us", "disk_read_scale")  # a probe may carry these
 # what an absent measured-only value stands for where it is not 0: reads hidden behind
 # compute, as a device's copy engine hides its copies, at the disk's probed speed
 _ABSENT = {"disk_overlap": 1.0, "disk_read_scale": 1.0}
