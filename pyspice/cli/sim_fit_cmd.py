@@ -21,12 +21,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pyspice.cli.sim_predict_cmd import add_target_layers_arg, target_of
+from pyspice.cli.sim_predict_cmd import add_target_layers_arg, replayed_workload, target_of
 from pyspice.formats.profile import load_profile as load_cost_profile
 from pyspice.formats.profile import profile_path, save_profile
 from pyspice.sim.fit import FitTerm, fit_terms, fitted_profile
 from pyspice.sim.fit_disk import (
     DISK_TERMS,
+    DiskRun,
     disk_fit_terms,
     disk_pricing,
     fit_disk,
@@ -37,6 +38,8 @@ from pyspice.sim.fit_disk import (
 )
 from pyspice.sim.hardware import load_profile
 from pyspice.sim.records import select_runs
+from pyspice.sim.targets import source_target
+from pyspice.sim.workload import Workload, from_trace, repeated
 
 FIT_COMMAND = "sim fit"  # one command name of two words: main() joins `sim fit` into it
 GPU_BASE = "h200-vm16"  # the base a device fit keeps the values its records cannot show from
@@ -79,6 +82,12 @@ def register_fit(sub: Any) -> None:
     )
     edge.add_argument("--sidecar", type=Path, help="the model's sidecar, for SPICE's draft predictor")
     edge.add_argument(
+        "--history-predictor",
+        type=Path,
+        help="SPICE's routing-history predictor (`pyspice trace fit`; default: the one the records "
+        "name, where it is here)",
+    )
+    edge.add_argument(
         "--budget", help="fit to the runs of this RAM budget only (e.g. 25%%); the others are predicted"
     )
     edge.add_argument(
@@ -96,9 +105,10 @@ def run_fit(args: argparse.Namespace) -> int:
         return _fit_edge(args)
     if args.output is None:
         raise ValueError("give -o PROFILE.json: where the fitted profile goes")
-    if args.save_to_probe or args.budget or args.probe or args.sidecar:
+    if args.save_to_probe or args.budget or args.probe or args.sidecar or args.history_predictor:
         raise ValueError(
-            "--probe, --sidecar, --budget and --save-to-probe fit edge-mode runs: give -m and --trace"
+            "--probe, --sidecar, --history-predictor, --budget and --save-to-probe fit edge-mode runs: "
+            "give -m and --trace"
         )
     edge_files = [spec for spec in args.records if Path(spec).is_file() and read_disk_runs(Path(spec))]
     if edge_files:
@@ -144,7 +154,9 @@ def _fit_edge(args: argparse.Namespace) -> int:
     base = load_profile(args.base or DISK_BASE)
     if not base.disk:
         raise ValueError(f"profile {base.name!r} is not a disk profile: the disk terms are edge mode's")
-    pricing, priced = disk_pricing(args.model, args.trace, probe, args.sidecar, base)
+    history = _history_predictor(args.history_predictor, runs, args.sidecar is not None)
+    workload = _routed(args.trace, args.model, runs)
+    pricing, priced = disk_pricing(args.model, workload, probe, base, sidecar=args.sidecar, history=history)
     fit = fit_disk(pricing, fit_runs)
     disk = f"{priced['bus_gbps']:.3g} GB/s and {priced['bus_latency_us']:.3g} us per 64 KiB read"
     terms = disk_fit_terms(fit, fit_runs, f"the disk as probed ({disk}), routing {args.trace.name}")
@@ -163,6 +175,51 @@ def _fit_edge(args: argparse.Namespace) -> int:
         save_profile(dataclasses.replace(saved, disk_terms=terms_doc), probe)
         print(f"disk terms saved into the probe {probe}: `--policy auto` on the disk tier prices with them")
     return 0
+
+
+def _history_predictor(given: Path | None, runs: list[DiskRun], sidecar: bool) -> Path | None:
+    """SPICE's routing-history predictor: the one given, else the one the records say
+    SPICE's rows read, where it is here (its rows priced without it would be another
+    policy's)."""
+    if given is not None:
+        if not given.is_file():
+            raise ValueError(f"routing-history predictor {given} does not exist")
+        return given
+    named = sorted({run.history_predictor for run in runs if run.history_predictor})
+    if not named or sidecar:
+        return None
+    if len(named) > 1:
+        raise ValueError(
+            f"the runs' SPICE rows read different predictors ({', '.join(named)}): fit them apart"
+        )
+    path = Path(named[0])
+    if not path.is_file():
+        raise ValueError(f"the runs' SPICE rows read {path}, which is not here: give --history-predictor")
+    print(f"SPICE is priced with the routing-history predictor the records name: {path}")
+    return path
+
+
+def _routed(trace: Path, model: Path, runs: list[DiskRun]) -> Workload:
+    """The routing the runs' rows saw: the trace as a whole (auto's routing sample), or,
+    for runs that replayed it (`bench --replay-routing`), the window of it bench replayed;
+    as many times over as each row ran in its process, the cold run untimed (its slots
+    and the policy's state carry into the warm runs the TPOT is of)."""
+    windows = {(run.replayed, run.passes) for run in runs}
+    if len(windows) > 1:
+        raise ValueError(
+            "the runs routed different windows of their traces (prompt and decode lengths, runs per "
+            "row, or replayed and not): fit them apart"
+        )
+    ((window, passes),) = windows
+    if window is None:
+        whole = from_trace(trace)
+        return repeated(whole, passes) if passes > 1 else whole
+    for named in {run.routing for run in runs if run.routing}:
+        if Path(named).exists() and Path(named).resolve() != trace.resolve():
+            raise ValueError(f"the runs replayed {named}, not {trace}: give --trace {named}")
+    prompt_tokens, n_predict = window
+    once = replayed_workload(trace, source_target(model), prompt_tokens=prompt_tokens, n_predict=n_predict)
+    return repeated(once, passes) if passes > 1 else once
 
 
 def _print_terms(terms: list[FitTerm], width: int) -> None:

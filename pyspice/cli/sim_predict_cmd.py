@@ -56,16 +56,14 @@ def _layers(target: TargetModel) -> list[LayerInfo]:
     ]
 
 
-def replayed_workload(trace: Path, run: RecordedRun, target: TargetModel, prompt_hooked: bool) -> Workload:
+def replayed_workload(trace: Path, target: TargetModel, *, prompt_tokens: int, n_predict: int) -> Workload:
     """What a run that replayed `trace` routed: bench seeks the replay to its start for the
-    prompt and to the trace's decode start for the decode (measure.bench.run_one)."""
+    prompt (`prompt_tokens` hooked; 0 where the prompt's batches were not) and to the
+    trace's decode start for the decode, whose first token comes from the prompt's
+    logits (measure.bench.run_one, measure.isolated_row.run_once)."""
     rep = load_routing_replay(trace, _layers(target), target.n_expert_used)
     return replay_workload(
-        rep,
-        target.moe_layers,
-        target.n_expert,
-        decode_tokens=run.n_predict - 1,
-        prompt_tokens=run.prompt_tokens if prompt_hooked else 0,
+        rep, target.moe_layers, target.n_expert, decode_tokens=n_predict - 1, prompt_tokens=prompt_tokens
     )
 
 
@@ -86,7 +84,9 @@ def workload_for(
                 f"it replayed {run.replay_routing}, which is not here: "
                 "give --replay-trace (the trace it replayed)"
             )
-        return replayed_workload(path, run, target, prompt_hooked), f"replayed {path}"
+        return replayed_workload(
+            path, target, prompt_tokens=run.prompt_tokens if prompt_hooked else 0, n_predict=run.n_predict
+        ), f"replayed {path}"
     if own_trace is None:
         return None, (
             "the model's own routing decided and the record keeps no ids: give --trace, a trace of that "

@@ -89,6 +89,7 @@ def limited_document(outcomes: Sequence[RowOutcome], baseline: str, header: dict
     for o in outcomes:
         rows[o.spec.row] = {
             "policy": o.spec.policy,
+            "ram_budget": o.spec.config.get("ram_budget"),  # the row's own or the command's; None: no tier
             "status": o.status,
             "message": o.message,
             "returncode": o.returncode,

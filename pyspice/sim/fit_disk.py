@@ -40,6 +40,9 @@ from pyspice.formats.profile import load_profile as load_cost_profile
 from pyspice.formats.routers import RouterReader
 from pyspice.formats.sidecar import Sidecar
 from pyspice.policy.profile import CostProfile
+from pyspice.policy.rows import parse_row
+from pyspice.policy.spice.history_lookahead import HistoryLookahead
+from pyspice.policy.spice.routing_history import RoutingHistory
 from pyspice.sim.fit import FitTerm, fitted_values
 from pyspice.sim.hardware import (
     HardwareProfile,
@@ -52,7 +55,7 @@ from pyspice.sim.rank import AUTO_CANDIDATES, rank_lossless
 from pyspice.sim.records import read_records
 from pyspice.sim.simulator import Costs
 from pyspice.sim.targets import source_target
-from pyspice.sim.workload import Workload, from_trace
+from pyspice.sim.workload import Workload
 from pyspice.units import whole_tier_bytes
 
 # each disk term: its range, and its value where the records cannot tell (the pricing
@@ -75,6 +78,13 @@ class DiskRun:
     routing: str | None = None  # the routing sample auto ranked this run on, where recorded
     conditions: str = ""  # the page cache and memory limit, as the record says them
     measured_hit: Mapping[str, float] = field(default_factory=dict)  # decode hit rate, where recorded
+    # a run that replayed `routing` (bench --replay-routing): its prompt's tokens and the
+    # tokens it decoded, the window of the trace its rows routed
+    replayed: tuple[int, int] | None = None
+    # runs of each row in one process, the first cold and left out of the TPOT
+    # (`bench --memory-limit`: a warm median; 1: the TPOT is of the one run)
+    passes: int = 1
+    history_predictor: str | None = None  # the routing-history predictor SPICE's row read
 
 
 def _warm_ms(row: Mapping[str, Any]) -> float | None:
@@ -100,15 +110,60 @@ def _candidates(rows: Mapping[str, Any]) -> tuple[dict[str, float], dict[str, fl
     return ms, hit
 
 
+def _limited_runs(path: Path, doc: Mapping[str, Any]) -> list[DiskRun]:
+    """The runs of `bench --memory-limit --json`: one document, its rows named
+    NAME@ram=BUDGET (one process each), a run per budget. Its rows' hit rates are left
+    out: their counters cover the prompt's batch with the decode."""
+    by_budget: dict[str, dict[str, float]] = {}
+    for label, row in (doc.get("rows") or {}).items():
+        try:
+            parsed = parse_row(label)
+        except ValueError:
+            continue
+        if not isinstance(row, Mapping):
+            continue
+        got = (row.get("warm_median") or {}).get("tpot_ms")
+        # the row's budget: its own (NAME@ram=B), else the command's as the row records it
+        budget = parsed.ram_text or row.get("ram_budget")
+        if not budget or parsed.name not in AUTO_CANDIDATES or row.get("status") != "ok" or not got:
+            continue
+        by_budget.setdefault(str(budget), {})[parsed.name] = float(got)
+    replay = doc.get("replay_routing")
+    window = (int(doc.get("prompt_tokens") or 0), int(doc.get("n_predict") or 0)) if replay else None
+    limit = doc.get("memory_limit")
+    conditions = (
+        f"memory limit {int(limit)} bytes, the model's pages dropped from the page cache before each row"
+        if limit
+        else ""
+    )
+    return [
+        DiskRun(
+            f"{path}:{i}",
+            budget,
+            measured,
+            str(replay) if replay else None,
+            conditions,
+            replayed=window,
+            history_predictor=doc.get("history_predictor"),
+            passes=max(1, int(doc.get("runs") or 1)),
+        )
+        for i, (budget, measured) in enumerate(by_budget.items(), 1)
+    ]
+
+
 def read_disk_runs(path: Path) -> list[DiskRun]:
     """The RAM-budget runs of a record file: a results record (`{"runs": [...]}`, each
     with `tier` "ram-budget", its `budget` and `rows`, as docs/results/auto-policy-*.json
-    keep them), or `pyspice bench --json` runs whose tier is the disk."""
+    keep them), a `bench --memory-limit --json` document (`{"memory_limit": ...,
+    "rows": {"NAME@ram=BUDGET": ...}}`), or `pyspice bench --json` runs whose tier is
+    the disk."""
     text = path.read_text()
     try:
         doc = json.loads(text)
     except json.JSONDecodeError:
         doc = None
+    if isinstance(doc, dict) and "memory_limit" in doc and isinstance(doc.get("rows"), dict):
+        return _limited_runs(path, doc)
     if isinstance(doc, dict) and isinstance(doc.get("runs"), list):
         out = []
         for i, run in enumerate(doc["runs"], 1):
@@ -432,20 +487,26 @@ def fitted_disk_profile(
 
 def disk_pricing(
     model: Path,
-    trace: Path,
+    workload: Workload,
     probe: Path | None,
-    sidecar: Path | None,
     base: HardwareProfile,
+    *,
+    sidecar: Path | None = None,
+    history: Path | None = None,
 ) -> tuple[DiskPricing, HardwareProfile]:
     """The disk tier of `model` priced as `--policy auto` prices it (engine.auto_policy.
-    tier_pricing): `base` with the probe's compute and disk, the routing of `trace`, the
-    model's routers, and the sidecar's draft predictor where one is given."""
+    tier_pricing): `base` with the probe's compute and disk, the routing `workload`
+    replays, the model's routers, and SPICE's predictor where one is given: the
+    sidecar's draft predictor, or a routing-history predictor (`pyspice trace fit`)."""
+    if sidecar is not None and history is not None:
+        raise ValueError("give SPICE one predictor: --sidecar or --history-predictor, not both")
     prof = with_probe(base, load_cost_profile(probe)) if probe is not None else base
-    workload = from_trace(trace)
     router = RouterReader(model) if workload.n_embd > 0 else None
     extra: dict[str, Any] = {}
     if sidecar is not None:
         extra["predictor"] = Sidecar.load(sidecar, model).predictor(router)
+    if history is not None:
+        extra["predictor"] = HistoryLookahead(RoutingHistory.load(history), workload.moe_layers)
     costs = disk_costs(prof, workload, model, tuple(source_target(model).expert_bytes))
     return DiskPricing(costs, workload, policy_profile(prof, costs), router, extra), prof
 

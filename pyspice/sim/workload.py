@@ -149,3 +149,24 @@ def from_trace(path: Path, sequences: tuple[int, int] | None = None) -> Workload
         prompt_tokens=prompt_rows,
         source=str(path),
     )
+
+
+def repeated(workload: Workload, passes: int, *, cold_passes: int = 1) -> Workload:
+    """`workload` run `passes` times over on one model, as a bench row repeats its run in
+    one process: the tier's slots and the policy's state carry from one pass to the
+    next. The decode steps of the first `cold_passes` only warm (bench's cold run, which
+    a warm TPOT leaves out); the later passes' decode steps are timed, so the TPOT is
+    their mean."""
+    if passes < 1 or not 0 <= cold_passes < passes:
+        raise ValueError(f"passes {passes} with {cold_passes} cold: at least one pass must be timed")
+    steps: list[SimStep] = []
+    for n in range(passes):
+        steps += [step if n >= cold_passes else SimStep(step.calls, decode=False) for step in workload.steps]
+    return Workload(
+        workload.n_layers,
+        workload.n_expert,
+        workload.n_expert_used,
+        workload.n_embd,
+        steps,
+        workload.source,
+    )
