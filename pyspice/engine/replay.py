@@ -38,7 +38,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pyspice.formats.trace import TraceMeta, TraceReader
-from pyspice.runtime.hook import LayerInfo
+from pyspice.runtime.handle import LayerInfo
 from pyspice.sim.workload import Workload
 
 

@@ -17,7 +17,8 @@ from pyspice.runtime.constants import (
     SLOT_PRECISIONS,
 )
 from pyspice.runtime.errors import DecodeFailedError, IncompatibleModelError, SpiceError
-from pyspice.runtime.hook import LayerInfo, Runtime
+from pyspice.runtime.handle import LayerInfo
+from pyspice.runtime.hook import Runtime
 from pyspice.runtime.loader import cdef_from_header, native
 from pyspice.runtime.ops import add_outcomes, device_count, device_memory, rule_router_logits, surrogate_apply
 from pyspice.runtime.plans import plan_check

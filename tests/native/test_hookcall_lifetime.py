@@ -115,7 +115,7 @@ def test_only_decode_sized_calls_stay_cached(model_path: Path) -> None:
     """A prompt batch's HookCall (and the arrays its fields were copied into, the hidden
     rows of every token) is not kept once the call ends: kept per layer, they were 8.7
     MiB of an edge-mode SPICE row's peak RSS on smolmoe-b. Decode steps' calls are."""
-    from pyspice.runtime.hook import _MAX_CACHED_ROWS
+    from pyspice.runtime.hook_calls import _MAX_CACHED_ROWS
 
     llm = load(model_path)
     try:
