@@ -212,13 +212,15 @@ def _routed(trace: Path, model: Path, runs: list[DiskRun]) -> Workload:
         )
     ((window, passes),) = windows
     if window is None:
-        whole = from_trace(trace)
-        return repeated(whole, passes) if passes > 1 else whole
-    for named in {run.routing for run in runs if run.routing}:
-        if Path(named).exists() and Path(named).resolve() != trace.resolve():
-            raise ValueError(f"the runs replayed {named}, not {trace}: give --trace {named}")
-    prompt_tokens, n_predict = window
-    once = replayed_workload(trace, source_target(model), prompt_tokens=prompt_tokens, n_predict=n_predict)
+        once = from_trace(trace)
+    else:
+        for named in {run.routing for run in runs if run.routing}:
+            if Path(named).exists() and Path(named).resolve() != trace.resolve():
+                raise ValueError(f"the runs replayed {named}, not {trace}: give --trace {named}")
+        prompt_tokens, n_predict = window
+        once = replayed_workload(
+            trace, source_target(model), prompt_tokens=prompt_tokens, n_predict=n_predict
+        )
     return repeated(once, passes) if passes > 1 else once
 
 
