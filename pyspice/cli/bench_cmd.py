@@ -140,7 +140,7 @@ def _record_trace(llm: Any, out: str, policies: list[str], prompt: tuple[int, ..
     # replaying: the trace records the replayed ids, as the rows ran
     llm.spice_engine.replay_prompt()
     llm.eval(list(prompt))
-    llm.spice_engine.replay_decode()
+    llm.spice_engine.replay_decode(len(prompt))
     tokens = [greedy_next(llm)]
     for _ in range(n_predict - 1):
         llm.eval([tokens[-1]])
@@ -247,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
         args.n_predict,
         args.repeat,
         upstream=upstream,
-        replay_decode_start=replay.decode_start if replay is not None else None,
+        replaying=replay is not None,
         model_buffers=model_buffers,
     )
     stderr_progress(
@@ -266,6 +266,10 @@ def run(args: argparse.Namespace) -> int:
             "repeat": args.repeat,
             "threads": llm.n_threads,
             "replay_routing": str(replay.source) if replay is not None else None,
+            # where the replayed decode started, so the simulator replays the run's window
+            "replay_decode_start": replay.decode_start_after(len(prompt_tokens))
+            if replay is not None
+            else None,
             # what the simulator needs to replay the run: the tier as sized, the probe the policies read
             "tier": dataclasses.asdict(llm.spice_device) if llm.spice_device is not None else None,
             "cost_profile": str(probe) if (probe := profile_path(model)).is_file() else None,

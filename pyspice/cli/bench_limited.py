@@ -31,6 +31,7 @@ from typing import Any
 from pyspice.cli.common import note, resolve_model, run_config
 from pyspice.cli.numbers import byte_size
 from pyspice.engine.config import RunConfig
+from pyspice.engine.replay import trace_decode_start
 from pyspice.formats.model_info import inspect_model
 from pyspice.formats.sidecar import default_sidecar_path
 from pyspice.measure.bench import DEFAULT_PROMPT, baseline_label, fit_prompt, row_planning, stderr_progress
@@ -192,6 +193,12 @@ def run(args: argparse.Namespace) -> int:
             "threads": threads,
             # the pyspice rows' routing (timing only); upstream routes by its own router
             "replay_routing": str(args.replay_routing) if args.replay_routing is not None else None,
+            # where the replayed decode started, so the simulator replays the runs' window
+            "replay_decode_start": (
+                trace_decode_start(Path(args.replay_routing), len(prompt))
+                if args.replay_routing is not None
+                else None
+            ),
             "history_predictor": str(args.history_predictor) if args.history_predictor is not None else None,
         }
         json.dump(limited_document(outcomes, baseline, header), sys.stdout)

@@ -21,7 +21,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pyspice.cli.sim_predict_cmd import add_target_layers_arg, replayed_workload, target_of
+from pyspice.cli.sim_predict_cmd import add_target_layers_arg, target_of
+from pyspice.engine.replay import replayed_workload
 from pyspice.formats.profile import load_profile as load_cost_profile
 from pyspice.formats.profile import profile_path, save_profile
 from pyspice.sim.fit import FitTerm, fit_terms, fitted_profile
@@ -217,10 +218,7 @@ def _routed(trace: Path, model: Path, runs: list[DiskRun]) -> Workload:
         for named in {run.routing for run in runs if run.routing}:
             if Path(named).exists() and Path(named).resolve() != trace.resolve():
                 raise ValueError(f"the runs replayed {named}, not {trace}: give --trace {named}")
-        prompt_tokens, n_predict = window
-        once = replayed_workload(
-            trace, source_target(model), prompt_tokens=prompt_tokens, n_predict=n_predict
-        )
+        once = replayed_workload(trace, source_target(model), window)
     return repeated(once, passes) if passes > 1 else once
 
 

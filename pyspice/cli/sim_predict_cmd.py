@@ -15,14 +15,13 @@ import sys
 from pathlib import Path
 
 from pyspice.cli.common import note
-from pyspice.engine.replay import load_routing_replay, replay_workload
+from pyspice.engine.replay import replayed_workload
 from pyspice.formats.routers import RouterReader
-from pyspice.runtime import LayerInfo
 from pyspice.sim.hardware import load_profile
 from pyspice.sim.predict import format_predictions, own_workload, predict_run
 from pyspice.sim.records import RecordedRun, select_runs
 from pyspice.sim.targets import TargetModel, load_target, source_target
-from pyspice.sim.workload import Workload
+from pyspice.sim.workload import ReplayWindow, Workload
 
 
 def add_target_layers_arg(p: argparse.ArgumentParser) -> argparse.Action:
@@ -48,25 +47,6 @@ def target_of(spec: str | None, layers: int | None, runs: list[RecordedRun]) -> 
     )
 
 
-def _layers(target: TargetModel) -> list[LayerInfo]:
-    moe = set(target.moe_layers)
-    return [
-        LayerInfo(il, il in moe, target.n_expert if il in moe else 0, 0, 0, 0, 0, 0, target.expert_bytes[il])
-        for il in range(target.n_layers)
-    ]
-
-
-def replayed_workload(trace: Path, target: TargetModel, *, prompt_tokens: int, n_predict: int) -> Workload:
-    """What a run that replayed `trace` routed: bench seeks the replay to its start for the
-    prompt (`prompt_tokens` hooked; 0 where the prompt's batches were not) and to the
-    trace's decode start for the decode, whose first token comes from the prompt's
-    logits (measure.bench.run_one, measure.isolated_row.run_once)."""
-    rep = load_routing_replay(trace, _layers(target), target.n_expert_used)
-    return replay_workload(
-        rep, target.moe_layers, target.n_expert, decode_tokens=n_predict - 1, prompt_tokens=prompt_tokens
-    )
-
-
 def workload_for(
     run: RecordedRun,
     target: TargetModel,
@@ -84,9 +64,8 @@ def workload_for(
                 f"it replayed {run.replay_routing}, which is not here: "
                 "give --replay-trace (the trace it replayed)"
             )
-        return replayed_workload(
-            path, target, prompt_tokens=run.prompt_tokens if prompt_hooked else 0, n_predict=run.n_predict
-        ), f"replayed {path}"
+        window = ReplayWindow(run.prompt_tokens, run.n_predict, run.replay_decode_start)
+        return replayed_workload(path, target, window, prompt_hooked=prompt_hooked), f"replayed {path}"
     if own_trace is None:
         return None, (
             "the model's own routing decided and the record keeps no ids: give --trace, a trace of that "

@@ -305,7 +305,7 @@ def choose(llm: Any, note: Note, *, progress: bool | None = None) -> AutoChoice 
     layers = llm.spice_layers()
     moe = [info.il for info in layers if info.is_moe]
     if engine.replay is not None:
-        # the ids this run's hook will see, from where its decode starts
+        # the ids this run's hook will see: a recorded decode from its start, a text from its start
         replay = engine.replay
         sample = replay.source
         workload = replay_workload(

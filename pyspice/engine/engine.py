@@ -562,11 +562,12 @@ class Engine:
         a benchmark replays the same routing (a no-op without a replay)."""
         self.seek_routing_replay(0)
 
-    def replay_decode(self) -> None:
-        """The decode follows the prompt: it replays from the trace's first decode step
-        (a no-op without a replay)."""
+    def replay_decode(self, prompt_tokens: int) -> None:
+        """The decode follows a prompt of `prompt_tokens`: it replays from where the
+        trace's decode after that prompt starts (engine/replay.py; a no-op without a
+        replay)."""
         if self.replay is not None:
-            self.seek_routing_replay(self.replay.decode_start)
+            self.seek_routing_replay(self.replay.decode_start_after(prompt_tokens))
 
     # ---- stats -----------------------------------------------------------------------
 

@@ -22,10 +22,20 @@ one note:
   recorded (the first k of each row when the trace routes more per token).
 
 Positions: trace tokens in order, one per hooked row, wrapping at the end
-(libspice's rule); `decode_start` is the first decode step's token in the
-trace: the recorded prompt's length when the trace holds its rows one per
-call (`python -m pyspice.measure.record trace`), else 0 (`bench --trace`
-records decode steps only).
+(libspice's rule). A run's prompt replays from the trace's first token; where
+its decode replays from depends on what the trace holds
+(`RoutingReplay.decode_start_after`):
+
+- a recorded run's prompt and decode (`python -m pyspice.measure.record
+  trace`, whose meta names `prompt_tokens`): the recorded decode, from the
+  recorded prompt's length;
+- a run's decode steps alone (`bench --trace` skips the prompt's rows): from
+  token 0, the recorded decode's first step;
+- a text (an imported recording, a calibration text: no prompt named): the
+  decode continues after this run's prompt, as a real text's decode would.
+  Replaying such a decode from token 0 would re-walk the routing that the
+  prompt's batch has just routed, and a cache looks better on it than on the
+  text's continuation.
 """
 
 from __future__ import annotations
@@ -39,19 +49,43 @@ import numpy.typing as npt
 
 from pyspice.formats.trace import TraceMeta, TraceReader
 from pyspice.runtime.handle import LayerInfo
-from pyspice.sim.workload import Workload
+from pyspice.sim.targets import TargetModel
+from pyspice.sim.workload import ReplayWindow, Workload
 
 
 @dataclass(frozen=True)
 class RoutingReplay:
     ids: npt.NDArray[np.int32]  # [tokens, n_layers, k] over all the model's layers (dense rows 0)
-    decode_start: int  # the trace token the first decode step replays
+    # the trace token a recorded decode starts at; None: the trace is a text, whose
+    # decode continues after the run's prompt (the module's docstring)
+    decode_start: int | None
     source: Path
     note: str  # how the trace maps onto the model, for the user
 
     @property
     def n_tokens(self) -> int:
         return int(self.ids.shape[0])
+
+    def decode_start_after(self, prompt_tokens: int) -> int:
+        """The trace token a decode replays first after a prompt of `prompt_tokens`
+        replayed from the trace's start."""
+        return first_decode_token(self.decode_start, prompt_tokens, self.n_tokens)
+
+
+def first_decode_token(decode_start: int | None, prompt_tokens: int, n_tokens: int) -> int:
+    """The trace token a decode replays first: a recorded decode's start, or for a text
+    (None) the token after a prompt of `prompt_tokens`, wrapping as the positions do."""
+    if decode_start is not None:
+        return decode_start
+    return max(0, prompt_tokens) % n_tokens if n_tokens > 0 else 0
+
+
+def trace_decode_start(path: Path, prompt_tokens: int) -> int:
+    """The trace token that a run replaying the trace at `path` after a prompt of
+    `prompt_tokens` decodes from first (bench records it, so the simulator replays the
+    window the run did)."""
+    reader = TraceReader(path)
+    return first_decode_token(decode_start_of(reader.meta, reader.n_tokens), prompt_tokens, reader.n_tokens)
 
 
 def map_expert_rows(trace_ids: npt.NDArray[np.integer], n_trace: int, n_model: int, k: int) -> np.ndarray:
@@ -101,8 +135,11 @@ def geometry_note(meta: TraceMeta, n_tokens: int, moe: list[LayerInfo], k: int) 
     return head + "; " + " ".join(parts).rstrip(";")
 
 
-def decode_start_of(meta: TraceMeta, n_tokens: int) -> int:
-    """The trace token of the first decode step (see the module's docstring)."""
+def decode_start_of(meta: TraceMeta, n_tokens: int) -> int | None:
+    """The trace token a recorded decode starts at, or None for a text, whose decode
+    continues after the run's prompt (see the module's docstring)."""
+    if not meta.extra.get("prompt_tokens"):
+        return None
     return meta.prompt_rows % n_tokens if n_tokens > 0 else 0
 
 
@@ -148,15 +185,46 @@ def replay_workload(
     *,
     decode_tokens: int,
     prompt_tokens: int = 0,
+    prompt_hooked: bool = True,
+    decode_start: int | None = None,
 ) -> Workload:
     """What a run replaying `replay` routes, for the simulator: a prompt of `prompt_tokens`
-    from the trace's start, then `decode_tokens` decode steps from its decode start, both
+    from the trace's start (left out where the run's hook did not see the prompt's
+    batches), then `decode_tokens` decode steps from where the decode after that prompt
+    starts (`decode_start`, where a record says where the run's decode started), both
     wrapping at the end (bench seeks the replay so: measure.bench.run_one)."""
     n = replay.n_tokens
-    decode = [(replay.decode_start + i) % n for i in range(max(0, decode_tokens))]
-    prompt = [i % n for i in range(prompt_tokens)]
+    start = decode_start if decode_start is not None else replay.decode_start_after(prompt_tokens)
+    decode = [(start + i) % n for i in range(max(0, decode_tokens))]
+    prompt = [i % n for i in range(prompt_tokens if prompt_hooked else 0)]
     ids = replay.ids[np.array(prompt + decode, dtype=np.int64)][:, list(moe_layers), :]
     n_layers = int(replay.ids.shape[1])
     return Workload.from_arrays(
         n_layers, list(moe_layers), n_expert, ids, prompt_tokens=len(prompt), source=str(replay.source)
+    )
+
+
+def _target_layers(target: TargetModel) -> list[LayerInfo]:
+    moe = set(target.moe_layers)
+    return [
+        LayerInfo(il, il in moe, target.n_expert if il in moe else 0, 0, 0, 0, 0, 0, target.expert_bytes[il])
+        for il in range(target.n_layers)
+    ]
+
+
+def replayed_workload(
+    trace: Path, target: TargetModel, window: ReplayWindow, *, prompt_hooked: bool = True
+) -> Workload:
+    """What a bench run that replayed `trace` on a model of `target`'s shape routed in
+    `window` (measure.bench.run_one, measure.isolated_row.run_once seek it so); the
+    prompt's batches are left out where the run's hook did not see them."""
+    rep = load_routing_replay(trace, _target_layers(target), target.n_expert_used)
+    return replay_workload(
+        rep,
+        target.moe_layers,
+        target.n_expert,
+        decode_tokens=window.n_predict - 1,
+        prompt_tokens=window.prompt_tokens,
+        prompt_hooked=prompt_hooked,
+        decode_start=window.decode_start,
     )

@@ -40,8 +40,7 @@ class BenchConfig:
     # how the llama.cpp rows of `policies` load, or why they cannot run (upstream_rows.plan_row);
     # a llama.cpp row without a plan runs as `upstream` always has: upstream's defaults
     upstream: dict[str, UpstreamRow] = field(default_factory=dict)
-    # routing replay: the trace token decode steps replay from (None: the router's routing)
-    replay_decode_start: int | None = None
+    replaying: bool = False  # hooked rows replay a routing trace (their outputs are timing only)
     model_buffers: BufferReport | None = None  # llama.cpp's buffers of the pyspice model
 
 
@@ -163,7 +162,7 @@ def run_one(
     llm.spice_reset_stats()
     llm.spice_engine.replay_prompt()  # every row and repeat replays the same routing
     llm.eval(list(cfg.prompt_tokens))
-    llm.spice_engine.replay_decode()
+    llm.spice_engine.replay_decode(len(cfg.prompt_tokens))
     prompt = llm.spice_stats()
     tokens = [greedy_next(llm)]
     for _ in range(cfg.n_predict - 1):
@@ -313,7 +312,7 @@ def _result(row: PolicyRow, cfg: BenchConfig) -> PolicyResult:
     if planned is not None:
         return PolicyResult(row.label, label=planned.label, skipped=planned.skip)
     hooked = row.name not in UPSTREAM_ROWS and row.name != "stock"
-    return PolicyResult(row.label, timing_only=hooked and cfg.replay_decode_start is not None)
+    return PolicyResult(row.label, timing_only=hooked and cfg.replaying)
 
 
 def _device_bytes(llm: Any, row: PolicyRow, cfg: BenchConfig, twins: UpstreamTwins) -> dict[str, int]:

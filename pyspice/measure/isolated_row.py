@@ -138,7 +138,7 @@ def run_once(llm: Any, spec: RowSpec) -> dict[str, Any]:
     _timed_eval(llm, list(spec.prompt_tokens), prefill)
     io1 = proc_io()
     if spice:
-        llm.spice_engine.replay_decode()
+        llm.spice_engine.replay_decode(len(spec.prompt_tokens))
     tier1 = _tier_bytes(llm)
     tokens = [greedy_next(llm)]
     for _ in range(spec.n_predict - 1):

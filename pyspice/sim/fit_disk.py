@@ -55,7 +55,7 @@ from pyspice.sim.rank import AUTO_CANDIDATES, rank_lossless
 from pyspice.sim.records import read_records
 from pyspice.sim.simulator import Costs
 from pyspice.sim.targets import source_target
-from pyspice.sim.workload import Workload
+from pyspice.sim.workload import ReplayWindow, Workload
 from pyspice.units import whole_tier_bytes
 
 # each disk term: its range, and its value where the records cannot tell (the pricing
@@ -78,9 +78,9 @@ class DiskRun:
     routing: str | None = None  # the routing sample auto ranked this run on, where recorded
     conditions: str = ""  # the page cache and memory limit, as the record says them
     measured_hit: Mapping[str, float] = field(default_factory=dict)  # decode hit rate, where recorded
-    # a run that replayed `routing` (bench --replay-routing): its prompt's tokens and the
-    # tokens it decoded, the window of the trace its rows routed
-    replayed: tuple[int, int] | None = None
+    # a run that replayed `routing` (bench --replay-routing): the window of the trace its
+    # rows routed
+    replayed: ReplayWindow | None = None
     # runs of each row in one process, the first cold and left out of the TPOT
     # (`bench --memory-limit`: a warm median; 1: the TPOT is of the one run)
     passes: int = 1
@@ -129,7 +129,16 @@ def _limited_runs(path: Path, doc: Mapping[str, Any]) -> list[DiskRun]:
             continue
         by_budget.setdefault(str(budget), {})[parsed.name] = float(got)
     replay = doc.get("replay_routing")
-    window = (int(doc.get("prompt_tokens") or 0), int(doc.get("n_predict") or 0)) if replay else None
+    start = doc.get("replay_decode_start")
+    window = (
+        ReplayWindow(
+            int(doc.get("prompt_tokens") or 0),
+            int(doc.get("n_predict") or 0),
+            int(start) if start is not None else None,
+        )
+        if replay
+        else None
+    )
     limit = doc.get("memory_limit")
     conditions = (
         f"memory limit {int(limit)} bytes, the model's pages dropped from the page cache before each row"

@@ -74,6 +74,10 @@ class RecordedRow:
             return None
 
 
+def _optional_int(value: Any) -> int | None:
+    return int(value) if value is not None else None
+
+
 def recorded_row(name: str) -> PolicyRow:
     """A recorded row's name parsed by the row grammar; a ValueError saying why not."""
     return parse_row(name)
@@ -88,6 +92,9 @@ class RecordedRun:
     threads: int
     replay_routing: str | None  # the trace the run replayed (None: the model's own routing)
     rows: Mapping[str, RecordedRow]
+    # the trace token its decode replayed first (None: not replayed, or a record from before
+    # bench kept it: engine/replay.py's rule gives it)
+    replay_decode_start: int | None = None
     # the tier as bench sized it (engine.device.DeviceTier's fields; None: none, or a record
     # from before bench kept it) and the cost profile its policies read
     tier: Mapping[str, Any] | None = None
@@ -176,6 +183,7 @@ def read_records(path: Path) -> list[RecordedRun]:
                 n_predict=n_predict,
                 threads=int(doc.get("threads") or 0),
                 replay_routing=doc.get("replay_routing"),
+                replay_decode_start=_optional_int(doc.get("replay_decode_start")),
                 rows={name: _row(name, row, n_predict) for name, row in doc["policies"].items()},
                 tier=doc.get("tier") if isinstance(doc.get("tier"), dict) else None,
                 cost_profile=doc.get("cost_profile"),

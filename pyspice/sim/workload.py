@@ -109,6 +109,18 @@ class Workload:
         return wl
 
 
+@dataclass(frozen=True)
+class ReplayWindow:
+    """The part of a trace a bench run replayed, as its record says: a prompt of
+    `prompt_tokens` from the trace's start, then the decode of `n_predict` tokens (the
+    first comes from the prompt's logits) from `decode_start` (None: a record from before
+    bench kept it; engine/replay.py's rule gives it)."""
+
+    prompt_tokens: int
+    n_predict: int
+    decode_start: int | None = None
+
+
 def from_trace(path: Path, sequences: tuple[int, int] | None = None) -> Workload:
     """A trace directory written by pyspice.formats.trace (`generate/bench --trace`). Every
     token is a decode step, unless meta.extra names `prompt_tokens`: those first

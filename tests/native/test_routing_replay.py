@@ -192,7 +192,16 @@ def test_the_store_counts_hits_of_the_replayed_ids(llm) -> None:  # type: ignore
     assert hot_hits - cold_hits == N_DECODE * k  # layer 1's activations: all hits, then none
 
 
-def test_a_trace_replays_through_the_engine(llm, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    ("extra", "decode_start", "first_decoded"),
+    [
+        ({"prompt_tokens": 4}, 4, 4),  # rows of a 4-token prompt, one per call, then decode steps
+        ({}, None, 2),  # a text: the decode continues after this run's 2-token prompt
+    ],
+)
+def test_a_trace_replays_through_the_engine(  # type: ignore[no-untyped-def]
+    llm, tmp_path: Path, extra: dict[str, int], decode_start: int | None, first_decoded: int
+) -> None:
     layers = llm.spice_layers()
     moe = [info for info in layers if info.is_moe]
     k = llm.policy_context().n_expert_used
@@ -206,7 +215,7 @@ def test_a_trace_replays_through_the_engine(llm, tmp_path: Path) -> None:  # typ
         n_expert_used=k,
         n_embd=moe[0].n_embd,
         source="decode",
-        extra={"prompt_tokens": 4},  # rows of a 4-token prompt, one per call, then decode steps
+        extra=extra,
     )
     with TraceWriter(tmp_path / "trace", meta) as writer:
         for info in moe:
@@ -220,14 +229,18 @@ def test_a_trace_replays_through_the_engine(llm, tmp_path: Path) -> None:  # typ
             )
     replay = llm.spice_engine.set_routing_replay(tmp_path / "trace")
     try:
-        assert replay is not None and replay.decode_start == 4 and "same geometry" in replay.note
+        assert replay is not None and replay.decode_start == decode_start and "same geometry" in replay.note
         np.testing.assert_array_equal(replay.ids[:, [i.il for i in moe]], ids[:, [i.il for i in moe]])
         policy = Recording()
         llm.set_policy(policy)
         llm.reset()
-        llm.spice_engine.seek_routing_replay(replay.decode_start)
-        llm.eval([1])
-        assert all(np.array_equal(got, ids[4, il][None, :]) for il, got in policy.calls)
+        llm.spice_engine.replay_prompt()
+        llm.eval([1, 2])
+        policy.calls.clear()
+        llm.spice_engine.replay_decode(2)
+        llm.eval([3])
+        assert policy.calls
+        assert all(np.array_equal(got, ids[first_decoded, il][None, :]) for il, got in policy.calls)
     finally:
         llm.spice_engine.set_routing_replay(None)
         llm.set_policy("stock")

@@ -9,7 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pyspice.engine.replay import decode_start_of, load_routing_replay, map_expert_rows
+from pyspice.engine.replay import (
+    decode_start_of,
+    load_routing_replay,
+    map_expert_rows,
+    replay_workload,
+    trace_decode_start,
+)
 from pyspice.formats.trace import TraceMeta
 from pyspice.runtime import LayerInfo
 from tests.unit.test_regime import write_trace
@@ -77,7 +83,7 @@ def _meta(**extra: object) -> TraceMeta:
 def test_decode_steps_start_after_a_recorded_prompt() -> None:
     assert decode_start_of(_meta(prompt_tokens=128), 160) == 128  # measure.record: prompt rows kept
     assert decode_start_of(_meta(prompt_tokens=128, prompt_rows_skipped=128), 31) == 0  # bench --trace
-    assert decode_start_of(_meta(), 50) == 0  # calibration text
+    assert decode_start_of(_meta(), 50) is None  # a text: the decode continues after the prompt
     assert decode_start_of(_meta(prompt_tokens=40), 32) == 8  # wraps as the positions do
 
 
@@ -102,3 +108,26 @@ def test_a_real_recording_replays_only_onto_its_own_shape(tmp_path: Path) -> Non
     for layers, k in ((_layers(4, 8), 2), (_layers(3, 16), 2), (_layers(3, 8), 4)):
         with pytest.raises(ValueError, match="replay it on a model of its shape"):
             load_routing_replay(path, layers, k)
+
+
+def test_an_imported_recordings_decode_continues_after_the_prompt(tmp_path: Path) -> None:
+    """A recording is one text: after a prompt of P tokens replayed from its start, the
+    decode replays token P on, not the prompt's own first tokens again; the simulator's
+    workload and the token bench records read the same rule."""
+    ids = np.stack([_rows(8, 2, n=12, seed=s) for s in range(3)], axis=1).astype(np.int32)
+    path = write_trace(tmp_path / "imported", ids, 8)
+    replay = load_routing_replay(path, _layers(3, 8), 2)
+    assert replay.decode_start is None
+    assert replay.decode_start_after(5) == 5 == trace_decode_start(path, 5)
+    assert replay.decode_start_after(14) == 2  # wraps as the positions do
+    wl = replay_workload(replay, [1, 2, 3], 8, decode_tokens=4, prompt_tokens=5)
+    routed = np.stack([np.stack([c.ids for c in step.calls]) for step in wl.steps if step.decode])
+    np.testing.assert_array_equal(routed[:, :, 0, :], ids[5:9])
+    # a record that says where its decode started is replayed from there
+    old = replay_workload(replay, [1, 2, 3], 8, decode_tokens=4, prompt_tokens=5, decode_start=0)
+    first = next(step for step in old.steps if step.decode)
+    np.testing.assert_array_equal(np.stack([c.ids for c in first.calls])[:, 0, :], ids[0])
+    # a prompt the hook did not see is left out, but the decode still starts after it
+    unhooked = replay_workload(replay, [1, 2, 3], 8, decode_tokens=4, prompt_tokens=5, prompt_hooked=False)
+    assert all(step.decode for step in unhooked.steps)
+    np.testing.assert_array_equal(np.stack([c.ids for c in unhooked.steps[0].calls])[:, 0, :], ids[5])

@@ -13,7 +13,7 @@ import pytest
 
 from pyspice.cli.main import main
 from pyspice.sim.fit_disk import read_disk_runs
-from pyspice.sim.workload import Workload, repeated
+from pyspice.sim.workload import ReplayWindow, Workload, repeated
 
 from .test_sim_fit_cli import _inputs
 
@@ -62,10 +62,18 @@ def test_a_limited_document_is_read_as_one_run_per_ram_budget(tmp_path: Path) ->
         ("50%", {"lru": 20.0, "exact": 25.0}),
     ]
     for run in runs:
-        assert run.replayed == (6, 5) and run.passes == 3
+        # a record from before bench kept the decode's start leaves it to the rule
+        assert run.replayed == ReplayWindow(6, 5, None) and run.passes == 3
         assert run.routing == "trace" and run.history_predictor == "h.npz"
         assert run.measured_hit == {}  # the rows' counters cover the prompt's batch too
         assert "memory limit" in run.conditions
+
+
+def test_a_limited_document_says_where_its_replayed_decode_started(tmp_path: Path) -> None:
+    rows = {"lru@ram=25%": _row("lru", 3.0, ram="25%")}
+    path = _limited(tmp_path / "l.json", rows, replay_routing="trace", replay_decode_start=6)
+    (run,) = read_disk_runs(path)
+    assert run.replayed == ReplayWindow(6, 5, 6)
 
 
 def test_a_limited_run_of_its_own_routing_keeps_no_window(tmp_path: Path) -> None:
