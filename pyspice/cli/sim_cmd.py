@@ -276,8 +276,6 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"sidecar {args.sidecar} does not exist")
     history: RoutingHistory | None = None
     if args.history_predictor is not None:
-        if not args.history_predictor.is_file():
-            raise ValueError(f"routing-history predictor {args.history_predictor} does not exist")
         history = RoutingHistory.load(args.history_predictor)  # a bad file fails before the trace loads
     if ids_only:
         _check_ids_only_policies(args.policies, history is not None)

@@ -25,6 +25,7 @@ from pyspice.cli.sim_predict_cmd import add_target_layers_arg, target_of
 from pyspice.engine.replay import replayed_workload
 from pyspice.formats.profile import load_profile as load_cost_profile
 from pyspice.formats.profile import profile_path, save_profile
+from pyspice.policy.spice.routing_history import RoutingHistory
 from pyspice.sim.fit import FitTerm, fit_terms, fitted_profile
 from pyspice.sim.fit_disk import (
     DISK_TERMS,
@@ -183,8 +184,7 @@ def _history_predictor(given: Path | None, runs: list[DiskRun], sidecar: bool) -
     SPICE's rows read, where it is here (its rows priced without it would be another
     policy's)."""
     if given is not None:
-        if not given.is_file():
-            raise ValueError(f"routing-history predictor {given} does not exist")
+        RoutingHistory.load(given)  # a missing or bad file fails before any simulation
         return given
     named = sorted({run.history_predictor for run in runs if run.history_predictor})
     if not named or sidecar:

@@ -92,6 +92,10 @@ class RoutingHistory:
 
     @classmethod
     def load(cls, path: Path) -> RoutingHistory:
+        if not Path(path).is_file():
+            raise ValueError(
+                f"routing-history predictor {path} does not exist (fit one with `pyspice trace fit`)"
+            )
         try:
             z = np.load(Path(path), allow_pickle=False)
         except (OSError, ValueError):
