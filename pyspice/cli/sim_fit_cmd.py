@@ -90,7 +90,10 @@ def register_fit(sub: Any) -> None:
         "name, where it is here)",
     )
     edge.add_argument(
-        "--budget", help="fit to the runs of this RAM budget only (e.g. 25%%); the others are predicted"
+        "--budget",
+        type=_budget_list,
+        help="fit to the runs of these RAM budgets only (e.g. 25%% or 12.5%%,25%%, as the records name "
+        "them); the others are predicted. Two budgets tell a read's cost from what overlaps it",
     )
     edge.add_argument(
         "--save-to-probe",
@@ -148,10 +151,10 @@ def _fit_edge(args: argparse.Namespace) -> int:
             f"run `pyspice probe -m {args.model}` first, or give --probe"
         )
     runs = [run for spec in args.records for run in read_disk_runs(Path(spec))]
-    fit_runs = [run for run in runs if args.budget is None or run.budget == args.budget]
+    fit_runs = [run for run in runs if args.budget is None or run.budget in args.budget]
     if not fit_runs:
         have = ", ".join(sorted({run.budget for run in runs})) or "none"
-        wanted = f" of {args.budget}" if args.budget else ""
+        wanted = f" of {','.join(args.budget)}" if args.budget else ""
         raise ValueError(f"no RAM-budget run{wanted} in the records (budgets there: {have})")
     base = load_profile(args.base or DISK_BASE)
     if not base.disk:
@@ -177,6 +180,13 @@ def _fit_edge(args: argparse.Namespace) -> int:
         save_profile(dataclasses.replace(saved, disk_terms=terms_doc), probe)
         print(f"disk terms saved into the probe {probe}: `--policy auto` on the disk tier prices with them")
     return 0
+
+
+def _budget_list(text: str) -> tuple[str, ...]:
+    budgets = tuple(part.strip() for part in text.split(","))
+    if not all(budgets):
+        raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of RAM budgets, e.g. 12.5%,25%")
+    return budgets
 
 
 def _history_predictor(given: Path | None, runs: list[DiskRun], sidecar: bool) -> Path | None:

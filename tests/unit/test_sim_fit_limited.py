@@ -113,6 +113,30 @@ def test_a_replayed_limited_run_is_fitted_on_the_window_bench_replayed(
     assert "fitted the disk terms to 1 run(s)" in said and out.is_file()
 
 
+def test_two_budgets_are_fitted_together_and_a_third_predicted(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model, trace, probe, _record = _inputs(tmp_path)
+    rows = {
+        f"{name}@ram={budget}": _row(name, ms, ram=budget)
+        for budget, scale in (("12.5%", 1.2), ("25%", 1.0), ("50%", 0.8))
+        for name, ms in (("exact", 0.6 * scale), ("lru", 0.55 * scale))
+    }
+    limited = _limited(tmp_path / "limited.json", rows, replay_routing=str(trace))
+    argv = ["sim", "fit", str(limited), "-m", str(model), "--trace", str(trace), "--probe", str(probe)]
+    assert main([*argv, "--budget", "12.5%,25%", "-o", str(tmp_path / "f.json")]) == 0
+    said = capsys.readouterr().out
+    assert (
+        "fitted the disk terms to 2 run(s)" in said and "(limited.json:1 12.5%, limited.json:2 25%)" in said
+    )
+    fitted = {line.split()[1] for line in said.splitlines() if line.startswith("*limited.json")}
+    predicted = {line.split()[1] for line in said.splitlines() if line.startswith(" limited.json")}
+    assert (fitted, predicted) == ({"12.5%", "25%"}, {"50%"})
+    with pytest.raises(SystemExit):  # refused as the flag is parsed, before any simulation
+        main([*argv, "--budget", "12.5%,", "-o", str(tmp_path / "g.json")])
+    assert "a comma-separated list of RAM budgets" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("second", "extra", "message"),
     [
