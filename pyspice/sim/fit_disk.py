@@ -110,10 +110,11 @@ def _candidates(rows: Mapping[str, Any]) -> tuple[dict[str, float], dict[str, fl
     return ms, hit
 
 
-def _limited_runs(path: Path, doc: Mapping[str, Any]) -> list[DiskRun]:
+def _limited_runs(path: Path, doc: Mapping[str, Any], line: int | None = None) -> list[DiskRun]:
     """The runs of `bench --memory-limit --json`: one document, its rows named
-    NAME@ram=BUDGET (one process each), a run per budget. Its rows' hit rates are left
-    out: their counters cover the prompt's batch with the decode."""
+    NAME@ram=BUDGET (one process each), a run per budget, named FILE:N (FILE:LINE, or
+    FILE:LINE.N, for the document on a line of a file of several). Its rows' hit rates
+    are left out: their counters cover the prompt's batch with the decode."""
     by_budget: dict[str, dict[str, float]] = {}
     for label, row in (doc.get("rows") or {}).items():
         try:
@@ -145,9 +146,15 @@ def _limited_runs(path: Path, doc: Mapping[str, Any]) -> list[DiskRun]:
         if limit
         else ""
     )
+
+    def name(i: int) -> str:
+        if line is None:
+            return f"{path}:{i}"
+        return f"{path}:{line}" if len(by_budget) == 1 else f"{path}:{line}.{i}"
+
     return [
         DiskRun(
-            f"{path}:{i}",
+            name(i),
             budget,
             measured,
             str(replay) if replay else None,
@@ -160,19 +167,34 @@ def _limited_runs(path: Path, doc: Mapping[str, Any]) -> list[DiskRun]:
     ]
 
 
+def _is_limited(doc: Any) -> bool:
+    return isinstance(doc, dict) and "memory_limit" in doc and isinstance(doc.get("rows"), dict)
+
+
+def _json_or_none(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
+
+
 def read_disk_runs(path: Path) -> list[DiskRun]:
     """The RAM-budget runs of a record file: a results record (`{"runs": [...]}`, each
     with `tier` "ram-budget", its `budget` and `rows`, as docs/results/auto-policy-*.json
     keep them), a `bench --memory-limit --json` document (`{"memory_limit": ...,
-    "rows": {"NAME@ram=BUDGET": ...}}`), or `pyspice bench --json` runs whose tier is
-    the disk."""
+    "rows": {"NAME@ram=BUDGET": ...}}`) or a file of such documents one per line, or
+    `pyspice bench --json` runs whose tier is the disk."""
     text = path.read_text()
     try:
         doc = json.loads(text)
     except json.JSONDecodeError:
         doc = None
-    if isinstance(doc, dict) and "memory_limit" in doc and isinstance(doc.get("rows"), dict):
+    if _is_limited(doc):
         return _limited_runs(path, doc)
+    if doc is None:
+        lines = [(n, _json_or_none(t)) for n, t in enumerate(text.splitlines(), 1) if t.strip()]
+        if lines and all(_is_limited(d) for _, d in lines):
+            return [run for n, d in lines for run in _limited_runs(path, d, n)]
     if isinstance(doc, dict) and isinstance(doc.get("runs"), list):
         out = []
         for i, run in enumerate(doc["runs"], 1):

@@ -76,6 +76,19 @@ def test_a_limited_document_says_where_its_replayed_decode_started(tmp_path: Pat
     assert run.replayed == ReplayWindow(6, 5, 6)
 
 
+def test_a_file_of_limited_documents_is_read_a_line_at_a_time(tmp_path: Path) -> None:
+    """Runs at several budgets kept in one file, one `bench --memory-limit --json`
+    document per line, are named by line."""
+    docs = []
+    for budget in ("25%", "12.5%"):
+        one = _limited(tmp_path / f"{budget}.json", {f"lru@ram={budget}": _row("lru", 3.0, ram=budget)})
+        docs.append(one.read_text().strip())
+    path = tmp_path / "runs.json"
+    path.write_text("\n".join(docs) + "\n")
+    runs = read_disk_runs(path)
+    assert [(Path(r.source).name, r.budget) for r in runs] == [("runs.json:1", "25%"), ("runs.json:2", "12.5%")]
+
+
 def test_a_limited_run_of_its_own_routing_keeps_no_window(tmp_path: Path) -> None:
     path = _limited(tmp_path / "own.json", {"lru@ram=25%": _row("lru", 3.0, ram="25%")})
     (run,) = read_disk_runs(path)
