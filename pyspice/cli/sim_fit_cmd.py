@@ -86,14 +86,15 @@ def register_fit(sub: Any) -> None:
     edge.add_argument(
         "--history-predictor",
         type=Path,
+        metavar="NPZ",
         help="SPICE's routing-history predictor (`pyspice trace fit`; default: the one the records "
         "name, where it is here)",
     )
     edge.add_argument(
         "--budget",
         type=_budget_list,
-        help="fit to the runs of these RAM budgets only (e.g. 25%% or 12.5%%,25%%, as the records name "
-        "them); the others are predicted. Two budgets tell a read's cost from what overlaps it",
+        metavar="B[,B]",
+        help="fit to the runs of these RAM budgets only (e.g. 12.5%%,25%%); the others are predicted",
     )
     edge.add_argument(
         "--save-to-probe",
