@@ -86,7 +86,10 @@ def test_a_file_of_limited_documents_is_read_a_line_at_a_time(tmp_path: Path) ->
     path = tmp_path / "runs.json"
     path.write_text("\n".join(docs) + "\n")
     runs = read_disk_runs(path)
-    assert [(Path(r.source).name, r.budget) for r in runs] == [("runs.json:1", "25%"), ("runs.json:2", "12.5%")]
+    assert [(Path(r.source).name, r.budget) for r in runs] == [
+        ("runs.json:1", "25%"),
+        ("runs.json:2", "12.5%"),
+    ]
 
 
 def test_a_limited_run_of_its_own_routing_keeps_no_window(tmp_path: Path) -> None:
