@@ -37,9 +37,10 @@ from pyspice.sim.fit_disk import (
     format_disk_predictions,
     predict_disk,
     read_disk_runs,
+    select_disk_runs,
 )
 from pyspice.sim.hardware import load_profile
-from pyspice.sim.records import select_runs
+from pyspice.sim.records import select_runs, split_record_spec
 from pyspice.sim.targets import source_target
 from pyspice.sim.workload import Workload, from_trace, repeated
 
@@ -116,7 +117,7 @@ def run_fit(args: argparse.Namespace) -> int:
             "--probe, --sidecar, --history-predictor, --budget and --save-to-probe fit edge-mode runs: "
             "give -m and --trace"
         )
-    edge_files = [spec for spec in args.records if Path(spec).is_file() and read_disk_runs(Path(spec))]
+    edge_files = [spec for spec in args.records if read_disk_runs(split_record_spec(spec)[0])]
     if edge_files:
         raise ValueError(
             f"{edge_files[0]} holds edge-mode runs (a RAM budget): their disk terms are fitted to the "
@@ -151,7 +152,7 @@ def _fit_edge(args: argparse.Namespace) -> int:
             f"no saved probe of {args.model.name} on this machine to save the terms into: "
             f"run `pyspice probe -m {args.model}` first, or give --probe"
         )
-    runs = [run for spec in args.records for run in read_disk_runs(Path(spec))]
+    runs = select_disk_runs(args.records)
     fit_runs = [run for run in runs if args.budget is None or run.budget in args.budget]
     if not fit_runs:
         have = ", ".join(sorted({run.budget for run in runs})) or "none"

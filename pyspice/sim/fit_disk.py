@@ -55,7 +55,7 @@ from pyspice.sim.hardware import (
     with_probe,
 )
 from pyspice.sim.rank import AUTO_CANDIDATES, rank_lossless
-from pyspice.sim.records import read_records
+from pyspice.sim.records import read_records, split_record_spec
 from pyspice.sim.simulator import Costs
 from pyspice.sim.targets import source_target
 from pyspice.sim.workload import ReplayWindow, Workload
@@ -180,6 +180,23 @@ def _json_or_none(text: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError:
         return None
+
+
+def select_disk_runs(specs: Sequence[str]) -> list[DiskRun]:
+    """`FILE` (every RAM-budget run in it) or `FILE:N[,N...]` (its runs named so: a line
+    of a file of documents, or the N-th run of one document) -> the runs."""
+    out: list[DiskRun] = []
+    for spec in specs:
+        path, wanted = split_record_spec(spec)
+        runs = read_disk_runs(path)
+        if wanted is not None:
+            named = {run.source.rpartition(":")[2]: run for run in runs}
+            missing = sorted(n for n in wanted if str(n) not in named)
+            if missing:
+                raise ValueError(f"{path} has no RAM-budget run {', '.join(map(str, missing))}")
+            runs = [named[str(n)] for n in sorted(wanted)]
+        out.extend(runs)
+    return out
 
 
 def read_disk_runs(path: Path) -> list[DiskRun]:

@@ -197,23 +197,28 @@ def read_records(path: Path) -> list[RecordedRun]:
     return runs
 
 
+def split_record_spec(spec: str) -> tuple[Path, set[int] | None]:
+    """`FILE` -> (FILE, None: every run); `FILE:N[,N...]` -> (FILE, those runs' numbers,
+    the N of each run's FILE:N source)."""
+    name, sep, lines = spec.rpartition(":")
+    if sep and lines.replace(",", "").isdigit() and Path(name).is_file():
+        return Path(name), {int(x) for x in lines.split(",") if x}
+    path = Path(spec)
+    if not path.is_file():
+        raise ValueError(f"{spec}: no such record file (give FILE or FILE:LINE of `pyspice bench --json`)")
+    return path, None
+
+
 def select_runs(paths: list[str]) -> list[RecordedRun]:
     """`FILE` (every run in it) or `FILE:LINE[,LINE...]` (those lines) -> the runs."""
     out: list[RecordedRun] = []
     for spec in paths:
-        name, sep, lines = spec.rpartition(":")
-        if sep and lines.replace(",", "").isdigit() and Path(name).is_file():
-            wanted = {int(x) for x in lines.split(",") if x}
-            runs = [r for r in read_records(Path(name)) if int(r.source.rpartition(":")[2]) in wanted]
+        path, wanted = split_record_spec(spec)
+        runs = read_records(path)
+        if wanted is not None:
+            runs = [r for r in runs if int(r.source.rpartition(":")[2]) in wanted]
             missing = wanted - {int(r.source.rpartition(":")[2]) for r in runs}
             if missing:
-                raise ValueError(f"{name} has no bench run on line(s) {', '.join(map(str, sorted(missing)))}")
-            out.extend(runs)
-            continue
-        path = Path(spec)
-        if not path.is_file():
-            raise ValueError(
-                f"{spec}: no such record file (give FILE or FILE:LINE of `pyspice bench --json`)"
-            )
-        out.extend(read_records(path))
+                raise ValueError(f"{path} has no bench run on line(s) {', '.join(map(str, sorted(missing)))}")
+        out.extend(runs)
     return out

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pyspice.cli.main import main
-from pyspice.sim.fit_disk import read_disk_runs
+from pyspice.sim.fit_disk import read_disk_runs, select_disk_runs
 from pyspice.sim.workload import ReplayWindow, Workload, repeated
 
 from .test_sim_fit_cli import _inputs
@@ -90,6 +90,19 @@ def test_a_file_of_limited_documents_is_read_a_line_at_a_time(tmp_path: Path) ->
         ("runs.json:1", "25%"),
         ("runs.json:2", "12.5%"),
     ]
+
+
+def test_runs_of_a_record_file_are_chosen_by_number(tmp_path: Path) -> None:
+    docs = []
+    for budget in ("25%", "12.5%", "50%"):
+        one = _limited(tmp_path / f"{budget}.json", {f"lru@ram={budget}": _row("lru", 3.0, ram=budget)})
+        docs.append(one.read_text().strip())
+    path = tmp_path / "runs.json"
+    path.write_text("\n".join(docs) + "\n")
+    assert [r.budget for r in select_disk_runs([f"{path}:3,1"])] == ["25%", "50%"]
+    assert len(select_disk_runs([str(path)])) == 3
+    with pytest.raises(ValueError, match="has no RAM-budget run 4"):
+        select_disk_runs([f"{path}:4"])
 
 
 def test_a_limited_run_of_its_own_routing_keeps_no_window(tmp_path: Path) -> None:
