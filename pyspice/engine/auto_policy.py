@@ -51,6 +51,7 @@ from pyspice.formats.trace import TraceError, read_meta
 from pyspice.paths import cache_dir
 from pyspice.policy.profile import EMULATED, BatchCost, CostProfile
 from pyspice.runtime import StoreParams
+from pyspice.sim.costs import Costs
 from pyspice.sim.hardware import (
     DISK,
     HardwareProfile,
@@ -62,7 +63,6 @@ from pyspice.sim.hardware import (
     with_probe,
 )
 from pyspice.sim.rank import AUTO_CANDIDATES, Ranking, rank_lossless
-from pyspice.sim.simulator import Costs
 from pyspice.sim.workload import Workload, from_trace
 
 SAMPLE_TOKENS = 32

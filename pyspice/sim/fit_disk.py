@@ -46,6 +46,7 @@ from pyspice.policy.profile import CostProfile
 from pyspice.policy.rows import parse_row
 from pyspice.policy.spice.history_lookahead import HistoryLookahead
 from pyspice.policy.spice.routing_history import RoutingHistory
+from pyspice.sim.costs import Costs
 from pyspice.sim.fit import FitTerm, fitted_values
 from pyspice.sim.hardware import (
     HardwareProfile,
@@ -56,7 +57,6 @@ from pyspice.sim.hardware import (
 )
 from pyspice.sim.rank import AUTO_CANDIDATES, rank_lossless
 from pyspice.sim.records import read_records, split_record_spec
-from pyspice.sim.simulator import Costs
 from pyspice.sim.targets import source_target
 from pyspice.sim.workload import ReplayWindow, Workload
 from pyspice.units import whole_tier_bytes

@@ -59,8 +59,8 @@ import numpy as np
 from pyspice.formats.profile import load_profile as load_cost_profile
 from pyspice.policy.profile import EMULATED as EMULATED_SOURCE
 from pyspice.policy.profile import PROFILE_VERSION, BatchCost, CostProfile
+from pyspice.sim.costs import BatchTable, Costs
 from pyspice.sim.disk import READERS, DiskRules, ExpertReads
-from pyspice.sim.simulator import BatchTable, Costs
 from pyspice.sim.targets import TargetModel, source_target
 from pyspice.sim.workload import Workload
 from pyspice.units import parse_budget

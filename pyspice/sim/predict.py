@@ -26,10 +26,11 @@ from typing import Any
 
 from pyspice.policy.context import RouterLoader
 from pyspice.policy.rows import PolicyRow
+from pyspice.sim.costs import Costs
 from pyspice.sim.hardware import HardwareProfile, policy_profile, target_costs
 from pyspice.sim.records import UPSTREAM_PREFIX, RecordedRow, RecordedRun, recorded_row
 from pyspice.sim.report import simulate_row
-from pyspice.sim.simulator import Costs, Simulator
+from pyspice.sim.simulator import Simulator
 from pyspice.sim.targets import TargetModel
 from pyspice.sim.upstream import price_row, split_free_costs
 from pyspice.sim.workload import Workload, from_trace

@@ -18,8 +18,9 @@ from pyspice.policy import policy_spec
 from pyspice.policy.profile import CostProfile
 from pyspice.policy.registry import inputs_verdict
 from pyspice.policy.rows import parse_row
+from pyspice.sim.costs import Costs
 from pyspice.sim.report import simulate_row, tier_context
-from pyspice.sim.simulator import Costs, Simulator
+from pyspice.sim.simulator import Simulator
 from pyspice.sim.workload import Workload
 
 # what `--policy auto` ranks; lossless only: a lossy level is asked for by name

@@ -14,6 +14,7 @@ from pyspice.policy.base import slot_precision
 from pyspice.policy.registry import SIM_ONLY_ROWS, UPSTREAM_MOECACHE, PolicySpec
 from pyspice.policy.rows import PolicyRow
 from pyspice.sim.belady import BeladyOracle, belady, read_bound
+from pyspice.sim.costs import Costs
 from pyspice.sim.hardware import (
     HardwareProfile,
     budget_bytes,
@@ -23,7 +24,7 @@ from pyspice.sim.hardware import (
     target_costs,
 )
 from pyspice.sim.planner import AsyncModel
-from pyspice.sim.simulator import Costs, SimResult, Simulator
+from pyspice.sim.simulator import SimResult, Simulator
 from pyspice.sim.targets import TargetModel
 from pyspice.sim.upstream import NOT_CHECKED, check_moecache_profile, moecache_result
 from pyspice.sim.workload import Workload

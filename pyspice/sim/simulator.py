@@ -34,8 +34,6 @@ prefetches issued at one layer land while later layers compute.
 
 from __future__ import annotations
 
-import bisect
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -56,7 +54,8 @@ from pyspice.policy.base import (
 from pyspice.policy.context import PolicyContext, RouterLoader
 from pyspice.policy.rule import Rule, declared_rule
 from pyspice.policy.spice.cost import per_expert_points
-from pyspice.sim.disk import DiskRules, SimDiskTier
+from pyspice.sim.costs import BatchTable, Costs, interpolate
+from pyspice.sim.disk import SimDiskTier
 from pyspice.sim.plan import (
     InvalidPlan,
     Outcomes,
@@ -72,57 +71,6 @@ from pyspice.sim.planner import AsyncModel, PlannerModel
 from pyspice.sim.rule import RuleState, rule_plan
 from pyspice.sim.tier import OK, PRIORITY_DEMAND, SimTier
 from pyspice.sim.workload import SimCall, Workload
-
-BatchTable = tuple[tuple[int, float], ...]  # (tokens in the step, microseconds) points
-
-
-def interpolate(table: BatchTable, tokens: int) -> float:
-    """Piecewise linear in log(tokens) between measured batch sizes, flat outside them."""
-    points = sorted(table)
-    if not points:
-        return 0.0
-    xs = [math.log(t) for t, _ in points]
-    x = math.log(max(1, tokens))
-    if x <= xs[0]:
-        return points[0][1]
-    if x >= xs[-1]:
-        return points[-1][1]
-    i = bisect.bisect_right(xs, x)
-    f = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
-    return points[i - 1][1] * (1 - f) + points[i][1] * f
-
-
-@dataclass(frozen=True)
-class Costs:
-    """Times for one (hardware, model) pair. Per-activation times are per token
-    through one expert at the step's batch size; `rest` is per token per layer."""
-
-    expert_bytes: tuple[int, ...]  # per layer (0 for dense layers)
-    bus_gbps: float
-    bus_latency_us: float
-    rest_us: BatchTable  # device: non-routed work, per token per layer
-    device_expert_us: BatchTable  # device: one activation
-    host_expert_us: BatchTable  # host executor: one activation
-    step_us: float = 0.0  # per step outside the layers (output head, sampling) not in rest_us
-    host_call_us: float = 0.0  # host executor: per call with host work (dispatch, barrier)
-    hook_us: float = 0.0  # reaching the policy and applying its plan, per hook call
-    python_call_us: float = 0.0  # extra per call for a Python policy (views, plan conversion)
-    surrogate_us: float = 0.0  # device: one surrogate activation
-    # measured on a real GPU (docs/results/gpu.md); 0 where not measured:
-    copy_issue_us: float = 0.0  # the hook's thread, per copy it starts (CUDA calls, polling)
-    device_act_overhead_us: float = 0.0  # device: per activation beyond reading its bytes
-    bus_host_slowdown: float = 0.0  # host expert work is this much slower while the bus copies
-    device_call_us: float = 0.0  # device: per call with device work (the executor's floor)
-    stock_layer_us: float = 0.0  # llama.cpp's own path per MoE layer beyond the host's expert work
-    async_layer_us: float = 0.0  # the hook's thread, per MoE layer while a planner thread plans
-    device_shares_host: bool = False  # emulated device: its compute is the host's
-    fill_gbps: float = 0.0  # emulated device: host copy into a slot on first use (0: none)
-    wake_us: float = 0.0  # emulated device: a wait that sleeps wakes this much late
-    prefetch_queue_max: int = 64
-    layer_scale: float = 1.0  # per-token times x this (target depth / trace depth)
-    # edge mode's disk tier (pyspice.sim.disk): copies are reads of the model file and a
-    # host action on an expert without a slot reads it into scratch; None: a device tier
-    disk: DiskRules | None = None
 
 
 @dataclass
@@ -262,6 +210,9 @@ def scratch_experts(ids: npt.NDArray[np.int32], actions: npt.NDArray[np.int32], 
     return out
 
 
+_NO_TOTALS: tuple[int, ...] = (0,) * 11
+
+
 class Simulator:
     """Replays `workload` through `policy` (a Policy object, or None for the
     engine's native default plan: resident experts on the device, the rest on
@@ -371,26 +322,25 @@ class Simulator:
         tally = _Tally()
         prompt: _Tally | None = None  # the prompt's steps' tally, once decoding starts
         prompt_ns, t_start = 0, t
-        bytes0 = copy0 = stall0 = 0
-        pre0 = (0, 0, 0)
-        disk0, scratch0 = (0, 0, 0, 0), 0
+        base = _NO_TOTALS  # the tier's totals the decode's are counted from
         decode_started = False
         for si, step in enumerate(wl.steps):
             if step.decode and not decode_started:
                 decode_started = True
                 prompt_ns = t - t_start
-                if tier is not None:
-                    tier.now_ns = t
-                    tier.refresh()
-                    bytes0, copy0, stall0 = self._bus_totals(tier)
-                    pre0 = self._prefetch_totals(tier)
-                    if isinstance(tier, SimDiskTier):
-                        disk0, scratch0 = tier.read_totals(t), tier.scratch_ns
+                base = self._totals(tier, t)
                 prompt, tally = tally, _Tally()
             start = t
-            t = self._step(step.calls, step.n_tokens, t, tier, policy, policy_us, tally, rule_state, planner)
+            # a step after the decode began that is not timed (a later pass's prompt or
+            # cold decode: workload.repeated) is left out of the decode's counts and bytes
+            untimed = decode_started and not step.decode
+            into = _Tally() if untimed else tally
+            before = self._totals(tier, t) if untimed else _NO_TOTALS
+            t = self._step(step.calls, step.n_tokens, t, tier, policy, policy_us, into, rule_state, planner)
             t += _us(costs.step_us)
-            tally.part("outside layers", _us(costs.step_us))
+            into.part("outside layers", _us(costs.step_us))
+            if untimed:
+                base = tuple(b + y - x for b, x, y in zip(base, before, self._totals(tier, t), strict=True))
             if step.decode:
                 tally.time_ns += t - start
             if on_step is not None:
@@ -399,24 +349,22 @@ class Simulator:
         scale = costs.layer_scale
         if prompt is None:  # a prompt and nothing decoded
             prompt, prompt_ns = tally, t - t_start
-        if tier is not None:
-            tier.now_ns = t
-            tier.refresh()
-            b1, c1, s1 = self._bus_totals(tier)
-            p1 = self._prefetch_totals(tier)
-        else:
-            b1 = c1 = s1 = bytes0
-            p1 = pre0
+        # bus bytes, copy and stall ns; prefetches issued, used, cancelled; disk bytes,
+        # reads, expert reads, scratch reads; scratch wait ns
+        d = (
+            [y - x for x, y in zip(base, self._totals(tier, t), strict=True)]
+            if tier is not None
+            else [0] * 11
+        )
         decode_ns = max(1, tally.time_ns)
         disk: dict[str, Any] = {}
         if isinstance(tier, SimDiskTier):
-            d1 = tier.read_totals(t)
             disk = {
-                "disk_read_bytes_per_token": (d1[0] - disk0[0]) / n_tok * scale,
-                "disk_reads_per_token": (d1[1] - disk0[1]) / n_tok * scale,
-                "disk_expert_reads_per_token": (d1[2] - disk0[2]) / n_tok * scale,
-                "scratch_reads": d1[3] - disk0[3],
-                "scratch_ms_per_token": (tier.scratch_ns - scratch0) / 1e6 / n_tok * scale,
+                "disk_read_bytes_per_token": d[6] / n_tok * scale,
+                "disk_reads_per_token": d[7] / n_tok * scale,
+                "disk_expert_reads_per_token": d[8] / n_tok * scale,
+                "scratch_reads": d[9],
+                "scratch_ms_per_token": d[10] / 1e6 / n_tok * scale,
             }
         return SimResult(
             policy=name,
@@ -428,12 +376,12 @@ class Simulator:
             misses_host=tally.outcomes.host,
             misses_surrogate=tally.outcomes.surrogate,
             dropped=tally.outcomes.dropped,
-            bytes_per_token=(b1 - bytes0) / n_tok * scale,
-            stall_ms_per_token=(s1 - stall0) / 1e6 / n_tok * scale,
-            bus_utilization=min(1.0, (c1 - copy0) / decode_ns),
-            prefetch_issued=p1[0] - pre0[0],
-            prefetch_used=p1[1] - pre0[1],
-            prefetch_cancelled=p1[2] - pre0[2],
+            bytes_per_token=d[0] / n_tok * scale,
+            stall_ms_per_token=d[2] / 1e6 / n_tok * scale,
+            bus_utilization=min(1.0, d[1] / decode_ns),
+            prefetch_issued=d[3],
+            prefetch_used=d[4],
+            prefetch_cancelled=d[5],
             prefill_ms=prompt_ns / 1e6 * scale,
             prompt_host=prompt.outcomes.host,
             prompt_fetched=prompt.outcomes.fetched,
@@ -448,6 +396,16 @@ class Simulator:
         )
 
     # -- pieces -------------------------------------------------------------------
+
+    def _totals(self, tier: SimTier | None, t: int) -> tuple[int, ...]:
+        """The tier's running totals at `t`, flat: bus (3), prefetch (3), disk reads (4),
+        scratch wait (1); zeros without a tier."""
+        if tier is None:
+            return _NO_TOTALS
+        tier.now_ns = t
+        tier.refresh()
+        disk = (*tier.read_totals(t), tier.scratch_ns) if isinstance(tier, SimDiskTier) else (0,) * 5
+        return (*self._bus_totals(tier), *self._prefetch_totals(tier), *disk)
 
     @staticmethod
     def _bus_totals(tier: SimTier) -> tuple[int, int, int]:

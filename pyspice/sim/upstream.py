@@ -79,8 +79,9 @@ from pyspice.policy.registry import (
     UPSTREAM_MOECACHE,
     UPSTREAM_NCMOE,
 )
+from pyspice.sim.costs import Costs, interpolate
 from pyspice.sim.hardware import HardwareProfile, Value, policy_profile, target_costs
-from pyspice.sim.simulator import Costs, SimResult, Simulator, interpolate
+from pyspice.sim.simulator import SimResult, Simulator
 from pyspice.sim.targets import TargetModel
 from pyspice.sim.workload import Workload
 

@@ -25,8 +25,9 @@ from pyspice.policy.base import RESIDENCY_ABSENT
 from pyspice.policy.rule import DEFAULT_RULE, MISS_FETCH, Rule
 from pyspice.policy.spice import SpicePolicy, spice_config
 from pyspice.runtime import AsyncParams
+from pyspice.sim.costs import Costs
 from pyspice.sim.planner import AsyncModel
-from pyspice.sim.simulator import Costs, Simulator
+from pyspice.sim.simulator import Simulator
 from pyspice.sim.workload import SimCall, SimStep, Workload
 
 from .golden import PROMPT, greedy_run, load, prompt_length

@@ -20,8 +20,9 @@ import pytest
 from pyspice.api import Llama
 from pyspice.policy import HookCall, Plan, make_policy
 from pyspice.policy.base import PolicyBase
+from pyspice.sim.costs import Costs
 from pyspice.sim.disk import DiskRules, ExpertReads, SimDiskTier
-from pyspice.sim.simulator import Costs, Simulator
+from pyspice.sim.simulator import Simulator
 from pyspice.sim.workload import SimCall, SimStep, Workload
 
 from .golden import PROMPT, AllDevice, AllHost

@@ -6,7 +6,8 @@ import numpy as np
 
 from pyspice.policy import make_policy
 from pyspice.sim.belady import belady
-from pyspice.sim.simulator import Costs, Simulator
+from pyspice.sim.costs import Costs
+from pyspice.sim.simulator import Simulator
 from pyspice.sim.workload import Workload
 from pyspice.units import whole_tier_bytes
 

@@ -19,6 +19,7 @@ from pyspice.policy.profile import BatchCost, CostProfile
 from pyspice.policy.rows import parse_rows
 from pyspice.policy.spice import SpicePolicy, spice_config
 from pyspice.sim.belady import _requests, belady, read_bound
+from pyspice.sim.costs import Costs
 from pyspice.sim.disk import (
     DISK_ALIGN,
     PRIORITY_HOST_READ,
@@ -30,7 +31,7 @@ from pyspice.sim.disk import (
 )
 from pyspice.sim.hardware import DISK, load_profile, policy_profile
 from pyspice.sim.report import SimConfig, format_tables, simulate_all
-from pyspice.sim.simulator import Costs, Simulator, scratch_experts
+from pyspice.sim.simulator import Simulator, scratch_experts
 from pyspice.sim.tier import OK, PRIORITY_DEMAND, PRIORITY_PREFETCH
 from pyspice.sim.workload import Workload
 

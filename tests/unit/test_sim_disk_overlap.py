@@ -20,6 +20,7 @@ import pytest
 
 from pyspice.policy import make_policy
 from pyspice.policy.base import ACTION_DEVICE, HookCall, Plan
+from pyspice.sim.costs import Costs
 from pyspice.sim.disk import DiskClock, DiskDevice, DiskRules, ExpertReads, SimDiskTier
 from pyspice.sim.fit import FitTerm
 from pyspice.sim.fit_disk import (
@@ -31,7 +32,7 @@ from pyspice.sim.fit_disk import (
     read_disk_runs,
 )
 from pyspice.sim.hardware import DISK, HardwareProfile, load_profile, with_probe
-from pyspice.sim.simulator import Costs, SimResult, Simulator
+from pyspice.sim.simulator import SimResult, Simulator
 from pyspice.sim.tier import PRIORITY_DEMAND, PRIORITY_PREFETCH
 from pyspice.sim.workload import Workload
 

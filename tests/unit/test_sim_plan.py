@@ -17,6 +17,7 @@ from pyspice.policy import (
     HookCall,
     Plan,
 )
+from pyspice.sim.costs import Costs
 from pyspice.sim.plan import (
     InvalidPlan,
     Outcomes,
@@ -26,7 +27,7 @@ from pyspice.sim.plan import (
     instant_tier,
     validate_plan,
 )
-from pyspice.sim.simulator import Costs, Simulator
+from pyspice.sim.simulator import Simulator
 from pyspice.sim.tier import OK, PRIORITY_DEMAND, PRIORITY_PREFETCH, SimTier
 from pyspice.sim.workload import Workload
 

@@ -12,8 +12,9 @@ import numpy as np
 from pyspice.policy import HookCall, Plan
 from pyspice.policy.base import RESIDENCY_ABSENT
 from pyspice.policy.rule import DEFAULT_RULE, MISS_FETCH, Rule
+from pyspice.sim.costs import Costs
 from pyspice.sim.planner import AsyncModel
-from pyspice.sim.simulator import Costs, Simulator
+from pyspice.sim.simulator import Simulator
 from pyspice.sim.workload import Workload
 
 N_LAYERS, N_EXPERT, K = 4, 8, 2

@@ -16,7 +16,8 @@ from pyspice.policy import (
     policy_names,
     policy_spec,
 )
-from pyspice.sim.simulator import Costs, Simulator, interpolate
+from pyspice.sim.costs import Costs, interpolate
+from pyspice.sim.simulator import Simulator
 from pyspice.sim.workload import Workload
 
 N_LAYERS, N_EXPERT, K = 4, 8, 2
@@ -276,3 +277,21 @@ def test_measured_copy_costs_charge_what_a_real_gpu_showed() -> None:
     contended = Simulator(wl, slowed, budget).run("p", HostWhileCopying(), policy_us=0.0).tpot_ms
     assert contended > base
     assert tpot("host", bus_host_slowdown=0.5) == tpot("host")  # no copies, no contention
+
+
+def test_a_repeated_run_counts_only_its_timed_decode_steps() -> None:
+    """A bench row's runs in one process (workload.repeated): the later runs' prompts and
+    the cold run's decode warm the tier but are no part of the decode's hits or bytes."""
+    from pyspice.sim.workload import repeated
+
+    once = workload(tokens=24, prompt=8)
+    budget = N_LAYERS * 3 * 10_000  # 3 slots a layer: the prompt's batch evicts the decode's experts
+    single = Simulator(once, costs(), budget_bytes=budget).run("lru", make_policy("lru"))
+    thrice = Simulator(repeated(once, 3), costs(), budget_bytes=budget).run("lru", make_policy("lru"))
+    decode_activations = once.decoded_tokens * N_LAYERS * K
+    assert single.activations == decode_activations
+    assert thrice.activations == 2 * decode_activations  # the two warm runs' decode steps only
+    assert thrice.decoded_tokens == 2 * once.decoded_tokens
+    # bytes per decoded token: the later prompts' copies are not charged to the decode
+    per_miss = 10_000 * (thrice.misses_fetched / thrice.decoded_tokens)
+    assert thrice.bytes_per_token == pytest.approx(per_miss, rel=0.01)
