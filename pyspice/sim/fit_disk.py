@@ -3,11 +3,8 @@
 Edge mode's disk tier has none of the counters pyspice.sim.fit reads to read in the records
 it is fitted to, which keep each lossless row's TPOT (a results record
 such as docs/results/auto-policy-smolmoe-b.json, or `bench --json` runs of a
-RAM budget), and their hit rates. Its four terms -- `disk_read_scale`,
-`disk_overlap` and `disk_host_read_us` (pyspice.sim.disk, DiskRules), and
-`disk_planner_us`, what SPICE's planner thread costs the decode per MoE layer
-on the same cores (Costs.async_layer_us: on two cores a SPICE row that read 14%
-fewer bytes than lru's was no faster, docs/results/edge-mode.md) -- are
+RAM budget), and their hit rates. Its three terms -- `disk_read_scale`,
+`disk_overlap` and `disk_host_read_us` (pyspice.sim.disk, DiskRules) -- are
 fitted by replaying
 each run's routing through the rows as `--policy auto` prices them
 (pyspice.sim.rank.rank_lossless, on the disk as probed) and searching the
@@ -15,8 +12,8 @@ terms for the least root mean square of the rows' relative TPOT errors and of
 their hit rates' differences where the record has them (a prefetch that lands
 after the call that needs it is a miss, so the hit rate tells overlap lost from
 host time lost, which a TPOT alone prices alike):
-a grid of the reads' scale and the overlap first, host time per read and the
-planner's cost then (golden sections), then the four together (Nelder and Mead's simplex,
+a grid of the reads' scale and the overlap first, host time per read then
+(golden sections), then the three together (Nelder and Mead's simplex,
 restarted once). The error is a step function of
 the terms (a read lands before the call that needs it or after), with a basin
 where a prefetch's reads land in time and one where they do not; the search
@@ -67,7 +64,6 @@ DISK_TERMS: dict[str, tuple[float, float, float]] = {
     "disk_read_scale": (0.25, 6.0, 1.0),
     "disk_overlap": (0.0, 1.0, 1.0),
     "disk_host_read_us": (0.0, 100.0, 0.0),
-    "disk_planner_us": (0.0, 10000.0, 0.0),
 }
 _TIE = 1e-4  # of the objective, per range of a term away from its value without it
 
@@ -282,8 +278,7 @@ class DiskPricing:
             overlap=terms.get("disk_overlap", DISK_TERMS["disk_overlap"][2]),
             host_read_us=terms.get("disk_host_read_us", DISK_TERMS["disk_host_read_us"][2]),
         )
-        planner = terms.get("disk_planner_us", DISK_TERMS["disk_planner_us"][2])
-        return replace(self.costs, disk=disk, async_layer_us=planner)
+        return replace(self.costs, disk=disk)
 
     def predict(self, run: DiskRun, terms: Mapping[str, float]) -> dict[str, tuple[float, float]]:
         """Simulated (TPOT, hit rate) of each of the run's rows with `terms`."""
@@ -469,9 +464,8 @@ def fit_disk(pricing: Pricing, runs: Sequence[DiskRun], *, steps: int = 8, evals
         for overlap in np.linspace(0.0, 1.0, 5)
     ]
     terms = {k: float(v) for k, v in min(grid, key=objective).items()}
-    for key in ("disk_host_read_us", "disk_planner_us"):
-        lo, hi, _ = DISK_TERMS[key]
-        terms[key] = _golden(along(key), lo, hi, steps)
+    lo, hi, _ = DISK_TERMS["disk_host_read_us"]
+    terms["disk_host_read_us"] = _golden(along("disk_host_read_us"), lo, hi, steps)
 
     def scaled(x: Sequence[float]) -> dict[str, float]:
         return {k: lo + v * (hi - lo) for k, v, (lo, hi, _) in zip(keys, x, DISK_TERMS.values(), strict=True)}
@@ -504,7 +498,6 @@ def disk_fit_terms(fit: DiskFit, runs: Sequence[DiskRun], probe_note: str) -> li
         "disk_read_scale": "a read's time while a decode runs, over the probe's",
         "disk_overlap": "share of a read's progress that goes on while the host computes",
         "disk_host_read_us": "host compute lost per pread done while the host computes, us",
-        "disk_planner_us": "what a planner thread costs the decode per MoE layer on the same cores, us",
     }
     untold = "the records price its whole range alike: kept at its value without the term"
     return [

@@ -118,10 +118,9 @@ _FIELDS = (
 # The disk tier's reads and the decode on the same cores (pyspice.sim.disk, DiskRules),
 # fitted to edge-mode records (`pyspice sim fit`, pyspice.sim.fit_disk): the share of a
 # read's progress that goes on while the host computes, host compute lost per pread then,
-# a read's time while a decode runs over the probe's, and what a planner thread costs the
-# decode per MoE layer on the same cores (the disk tier's Costs.async_layer_us). Measured
-# only; a probe may carry its own (CostProfile.disk_terms).
-_DISK_TERMS = ("disk_overlap", "disk_host_read_us", "disk_read_scale", "disk_planner_us")
+# and a read's time while a decode runs over the probe's. Measured only; a probe may
+# carry its own (CostProfile.disk_terms).
+_DISK_TERMS = ("disk_overlap", "disk_host_read_us", "disk_read_scale")
 
 # What only a run on the hardware itself shows (docs/results/gpu.md): the
 # hook's thread's time per copy it starts, the device's time per activation beyond reading
@@ -368,7 +367,6 @@ def disk_costs(
         bus_gbps=gbps,
         bus_latency_us=latency,
         device_shares_host=True,  # the host executor runs every expert, from slots or scratch
-        async_layer_us=profile.optional("disk_planner_us"),
         device_expert_us=base.host_expert_us,  # a GPU probe's device time is no slot's here
         fill_gbps=0.0,  # the read itself fills the slot
         wake_us=0.0,  # a wait blocks on a reader's condition variable, no timer sleep

@@ -23,14 +23,7 @@ from pyspice.policy.base import ACTION_DEVICE, HookCall, Plan
 from pyspice.sim.costs import Costs
 from pyspice.sim.disk import DiskClock, DiskDevice, DiskRules, ExpertReads, SimDiskTier
 from pyspice.sim.fit import FitTerm
-from pyspice.sim.fit_disk import (
-    DISK_TERMS,
-    DiskPricing,
-    DiskRun,
-    fit_disk,
-    fitted_disk_profile,
-    read_disk_runs,
-)
+from pyspice.sim.fit_disk import DISK_TERMS, DiskRun, fit_disk, fitted_disk_profile, read_disk_runs
 from pyspice.sim.hardware import DISK, HardwareProfile, load_profile, with_probe
 from pyspice.sim.simulator import SimResult, Simulator
 from pyspice.sim.tier import PRIORITY_DEMAND, PRIORITY_PREFETCH
@@ -245,11 +238,7 @@ def test_the_fit_recovers_known_terms_from_synthetic_records() -> None:
     pricing = SyntheticPricing({"a": 1, "b": 2})
     truth = {"disk_read_scale": 2.0, "disk_overlap": 0.6, "disk_host_read_us": 4.0}
     fit = fit_disk(pricing, _records(pricing, truth, hits=True))
-    assert fit.error < 0.005
-    # this pricing has no planner thread: its term is untold and stays at 0
-    assert fit.told == {"disk_read_scale": True, "disk_overlap": True, "disk_host_read_us": True,
-                        "disk_planner_us": False}  # fmt: skip
-    assert fit.terms["disk_planner_us"] == 0.0
+    assert fit.error < 0.005 and all(fit.told.values())
     assert fit.terms["disk_read_scale"] == pytest.approx(2.0, abs=0.05)
     assert fit.terms["disk_overlap"] == pytest.approx(0.6, abs=0.05)
     assert fit.terms["disk_host_read_us"] == pytest.approx(4.0, abs=1.0)
@@ -306,7 +295,7 @@ def test_a_probe_carrying_fitted_terms_prices_with_them(tmp_path: Path) -> None:
 
     shipped = load_profile(DISK)
     model = _tiny_moe(tmp_path / "m.gguf", tied=False)
-    own = {"disk_overlap": 0.3, "disk_read_scale": 1.7, "disk_host_read_us": 12.0, "disk_planner_us": 800.0}
+    own = {"disk_overlap": 0.3, "disk_read_scale": 1.7, "disk_host_read_us": 12.0}
     probe = dataclasses.replace(_probe(model, disk=True), disk_terms=own)
     again = CostProfile.from_json(json.loads(json.dumps(probe.to_json())))  # as saved and read back
     priced = with_probe(shipped, again)
@@ -323,22 +312,3 @@ def test_a_profile_without_the_terms_prices_reads_hidden_behind_compute() -> Non
     bare = HardwareProfile.from_json(doc)
     assert (bare.optional("disk_overlap"), bare.optional("disk_read_scale")) == (1.0, 1.0)
     assert bare.optional("disk_host_read_us") == 0.0
-
-
-def test_the_planner_term_slows_only_a_planning_row() -> None:
-    """`disk_planner_us` prices SPICE's planner thread on the decode's cores: a SPICE row
-    (planned asynchronously on the disk tier) slows by it, lru (no planner) does not."""
-    from pyspice.policy.spice.history_lookahead import HistoryLookahead
-    from pyspice.policy.spice.routing_history import fit
-
-    wl = _workload(3)
-    ids = np.stack([np.stack([c.ids[0] for c in step.calls]) for step in wl.steps if step.n_tokens == 1])
-    history = fit(ids, np.zeros(len(ids), bool), 8, max_depth=2)
-    predictor = {"predictor": HistoryLookahead(history, wl.moe_layers)}
-    pricing = DiskPricing(_disk_costs(), wl, context_extra=predictor)
-    run = DiskRun("r.json:1", "50%", {"lru": 1.0, "spice": 1.0})
-    without = pricing.predict(run, {"disk_planner_us": 0.0})
-    with_it = pricing.predict(run, {"disk_planner_us": 500.0})
-    assert pricing.with_terms({"disk_planner_us": 500.0}).async_layer_us == 500.0
-    assert with_it["lru"] == without["lru"]
-    assert with_it["spice"][0] > without["spice"][0] + 0.4  # 500 us on each of 3 layers a token
