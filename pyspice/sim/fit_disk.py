@@ -53,7 +53,7 @@ from pyspice.sim.hardware import (
     with_probe,
 )
 from pyspice.sim.rank import AUTO_CANDIDATES, rank_lossless
-from pyspice.sim.records import read_records, split_record_spec
+from pyspice.sim.records import optional_int, read_records, split_record_spec
 from pyspice.sim.targets import source_target
 from pyspice.sim.workload import ReplayWindow, Workload
 from pyspice.units import whole_tier_bytes
@@ -130,12 +130,11 @@ def _limited_runs(path: Path, doc: Mapping[str, Any], line: int | None = None) -
             continue
         by_budget.setdefault(str(budget), {})[parsed.name] = float(got)
     replay = doc.get("replay_routing")
-    start = doc.get("replay_decode_start")
     window = (
         ReplayWindow(
             int(doc.get("prompt_tokens") or 0),
             int(doc.get("n_predict") or 0),
-            int(start) if start is not None else None,
+            optional_int(doc.get("replay_decode_start")),
         )
         if replay
         else None
@@ -179,18 +178,19 @@ def _json_or_none(text: str) -> Any:
 
 
 def select_disk_runs(specs: Sequence[str]) -> list[DiskRun]:
-    """`FILE` (every RAM-budget run in it) or `FILE:N[,N...]` (its runs named so: a line
-    of a file of documents, or the N-th run of one document) -> the runs."""
+    """`FILE` (every RAM-budget run in it) or `FILE:N[,N...]` (its runs named so: every
+    run of line N of a file of documents, or the N-th run of one document) -> the runs."""
     out: list[DiskRun] = []
     for spec in specs:
         path, wanted = split_record_spec(spec)
         runs = read_disk_runs(path)
         if wanted is not None:
-            named = {run.source.rpartition(":")[2]: run for run in runs}
-            missing = sorted(n for n in wanted if str(n) not in named)
+            # FILE:LINE.I, a line's I-th budget, belongs to line LINE
+            number = {id(run): int(run.source.rpartition(":")[2].partition(".")[0]) for run in runs}
+            missing = sorted(wanted - set(number.values()))
             if missing:
                 raise ValueError(f"{path} has no RAM-budget run {', '.join(map(str, missing))}")
-            runs = [named[str(n)] for n in sorted(wanted)]
+            runs = sorted((run for run in runs if number[id(run)] in wanted), key=lambda run: number[id(run)])
         out.extend(runs)
     return out
 

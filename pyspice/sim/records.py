@@ -74,7 +74,7 @@ class RecordedRow:
             return None
 
 
-def _optional_int(value: Any) -> int | None:
+def optional_int(value: Any) -> int | None:
     return int(value) if value is not None else None
 
 
@@ -183,7 +183,7 @@ def read_records(path: Path) -> list[RecordedRun]:
                 n_predict=n_predict,
                 threads=int(doc.get("threads") or 0),
                 replay_routing=doc.get("replay_routing"),
-                replay_decode_start=_optional_int(doc.get("replay_decode_start")),
+                replay_decode_start=optional_int(doc.get("replay_decode_start")),
                 rows={name: _row(name, row, n_predict) for name, row in doc["policies"].items()},
                 tier=doc.get("tier") if isinstance(doc.get("tier"), dict) else None,
                 cost_profile=doc.get("cost_profile"),

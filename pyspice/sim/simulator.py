@@ -351,11 +351,7 @@ class Simulator:
             prompt, prompt_ns = tally, t - t_start
         # bus bytes, copy and stall ns; prefetches issued, used, cancelled; disk bytes,
         # reads, expert reads, scratch reads; scratch wait ns
-        d = (
-            [y - x for x, y in zip(base, self._totals(tier, t), strict=True)]
-            if tier is not None
-            else [0] * 11
-        )
+        d = [y - x for x, y in zip(base, self._totals(tier, t), strict=True)]
         decode_ns = max(1, tally.time_ns)
         disk: dict[str, Any] = {}
         if isinstance(tier, SimDiskTier):

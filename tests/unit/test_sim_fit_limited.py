@@ -105,6 +105,21 @@ def test_runs_of_a_record_file_are_chosen_by_number(tmp_path: Path) -> None:
         select_disk_runs([f"{path}:4"])
 
 
+def test_a_line_of_several_budgets_is_chosen_whole(tmp_path: Path) -> None:
+    rows = {f"lru@ram={b}": _row("lru", 3.0, ram=b) for b in ("25%", "50%")}
+    two = _limited(tmp_path / "two.json", rows).read_text().strip()
+    one = (
+        _limited(tmp_path / "one.json", {"lru@ram=12.5%": _row("lru", 3.0, ram="12.5%")}).read_text().strip()
+    )
+    path = tmp_path / "runs.json"
+    path.write_text(f"{one}\n{two}\n")
+    chosen = select_disk_runs([f"{path}:2"])
+    assert [(Path(r.source).name, r.budget) for r in chosen] == [
+        ("runs.json:2.1", "25%"),
+        ("runs.json:2.2", "50%"),
+    ]
+
+
 def test_a_limited_run_of_its_own_routing_keeps_no_window(tmp_path: Path) -> None:
     path = _limited(tmp_path / "own.json", {"lru@ram=25%": _row("lru", 3.0, ram="25%")})
     (run,) = read_disk_runs(path)
